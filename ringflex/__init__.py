@@ -1,0 +1,1 @@
+"""ringflex: context-parallel ring attention with FlexAttention-style mods at global positions."""

@@ -1,0 +1,59 @@
+"""The one interface every per-hop attention kernel implements.
+
+A *hop* is attention of one contiguous Q segment against one contiguous KV segment.
+Both segments carry their GLOBAL token positions (``Segment``), so the kernel evaluates
+the user's ``score_mod`` / ``mask_mod`` at exactly the indices one GPU would see.
+
+Conventions (the flex_attention ones):
+  q: [B, Hq, Lq, D]   k: [B, Hkv, Lk, D]   v: [B, Hkv, Lk, Dv]   with Hkv dividing Hq;
+  query head h reads key/value head h // (Hq // Hkv).
+  lse: natural-log log-sum-exp of the scaled, modified, masked scores, [B, Hq, Lq].
+  A row that sees no key in this hop has out 0 and lse -inf (never NaN).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Tuple
+
+from torch import Tensor
+
+from ..plan import Segment
+
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class Mods:
+    """The user's score modification and mask, kept together because every hop needs both."""
+
+    score_mod: Optional[ScoreMod] = None
+    mask_mod: Optional[MaskMod] = None
+
+
+class HopKernel(Protocol):
+    """Forward and backward of one hop. Kernels hold no per-call state."""
+
+    name: str
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, q_seg: Segment, kv_seg: Segment,
+        mods: Mods, scale: float, masked: bool,
+    ) -> Tuple[Tensor, Tensor]:
+        """Returns (out [B, Hq, Lq, Dv] in any float dtype, lse [B, Hq, Lq] float32/64).
+
+        ``masked=False`` means the planner proved the block FULL: mask_mod may be skipped.
+        """
+        ...
+
+    def backward(
+        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+        q_seg: Segment, kv_seg: Segment, mods: Mods, scale: float, masked: bool,
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """Returns this hop's (dq, dk, dv); dk/dv have Hkv heads.
+
+        ``out`` and ``lse`` are the GLOBAL (merged over all hops) output and log-sum-exp,
+        which makes the per-hop gradients add up to the exact gradient. Rows whose global
+        lse is -inf contribute nothing.
+        """
+        ...

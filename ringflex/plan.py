@@ -1,0 +1,97 @@
+"""Which (Q segment, KV segment) blocks need work, decided from the mask alone.
+
+Pure functions, no communication. A block is EMPTY (no query sees any key: skip the
+compute, never the transfer), FULL (every query sees every key: run without a mask) or
+PARTIAL (run masked; kernels may split it further with ``block_kinds``).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+# Mask evaluations per chunk: bounds the planner's memory whatever the segment lengths.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Global positions ``start + stride * i`` for ``i < length`` of one run of local tokens."""
+
+    start: int
+    stride: int
+    length: int
+
+    def positions(self, device=None) -> Tensor:
+        return self.start + self.stride * torch.arange(self.length, device=device, dtype=torch.int32)
+
+    def slice(self, begin: int, end: int) -> "Segment":
+        """The sub-segment of local tokens ``begin:end``."""
+        return Segment(self.start + self.stride * begin, self.stride, end - begin)
+
+
+class BlockKind(enum.IntEnum):
+    EMPTY = 0
+    PARTIAL = 1
+    FULL = 2
+
+
+def index_grid(batch: int, heads: int, q_pos: Tensor, kv_pos: Tensor):
+    """(b, h, q_idx, kv_idx) as broadcastable int32 tensors, the way flex_attention passes them."""
+    device = q_pos.device
+    b = torch.arange(batch, device=device, dtype=torch.int32).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=device, dtype=torch.int32).view(1, -1, 1, 1)
+    return b, h, q_pos.view(1, 1, -1, 1), kv_pos.view(1, 1, 1, -1)
+
+
+def evaluate_mask(mask_mod: Callable, batch: int, heads: int, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+    """The boolean mask, broadcastable to [batch, heads, len(q_pos), len(kv_pos)].
+
+    Dimensions the mask does not depend on stay of size 1, which keeps planning cheap.
+    """
+    b, h, qi, ki = index_grid(batch, heads, q_pos, kv_pos)
+    allowed = torch.as_tensor(mask_mod(b, h, qi, ki), device=q_pos.device)
+    if allowed.dtype != torch.bool:
+        allowed = allowed != 0
+    while allowed.dim() < 4:
+        allowed = allowed.unsqueeze(0)
+    return allowed.expand(-1, -1, len(q_pos), len(kv_pos)) if allowed.shape[-2:] != (len(q_pos), len(kv_pos)) else allowed
+
+
+def block_kinds(
+    mask_mod: Optional[Callable], batch: int, heads: int, q_seg: Segment, kv_seg: Segment,
+    block_q: int, block_kv: int, device=None,
+) -> Tensor:
+    """BlockKind of every (block_q x block_kv) tile of the (q_seg, kv_seg) block, as int8
+    [ceil(Lq / block_q), ceil(Lk / block_kv)], over all batches and heads."""
+    nq = -(-q_seg.length // block_q)
+    nk = -(-kv_seg.length // block_kv)
+    if mask_mod is None:
+        return torch.full((nq, nk), int(BlockKind.FULL), dtype=torch.int8, device=device)
+    kv_pos = kv_seg.positions(device)
+    rows = max(1, _CHUNK_ELEMENTS // max(1, kv_seg.length * batch * heads))
+    pad_k = nk * block_kv - kv_seg.length
+    row_any, row_all = [], []  # per query row and KV tile, over all batches and heads
+    for begin in range(0, q_seg.length, rows):
+        sub = q_seg.slice(begin, min(q_seg.length, begin + rows))
+        m = evaluate_mask(mask_mod, batch, heads, sub.positions(device), kv_pos).flatten(0, 1)
+        # Padding takes the value that changes neither "any" nor "all" of a tile.
+        row_any.append(torch.nn.functional.pad(m, (0, pad_k), value=False).view(m.shape[0], sub.length, nk, block_kv).any(3).any(0))
+        row_all.append(torch.nn.functional.pad(m, (0, pad_k), value=True).view(m.shape[0], sub.length, nk, block_kv).all(3).all(0))
+    pad_q = nq * block_q - q_seg.length
+    any_ = torch.nn.functional.pad(torch.cat(row_any), (0, 0, 0, pad_q), value=False).view(nq, block_q, nk).any(1)
+    all_ = torch.nn.functional.pad(torch.cat(row_all), (0, 0, 0, pad_q), value=True).view(nq, block_q, nk).all(1)
+    kinds = torch.full_like(any_, int(BlockKind.PARTIAL), dtype=torch.int8)
+    kinds[~any_] = int(BlockKind.EMPTY)
+    kinds[all_] = int(BlockKind.FULL)
+    return kinds
+
+
+def classify(mask_mod: Optional[Callable], batch: int, heads: int, q_seg: Segment, kv_seg: Segment, device=None) -> Tensor:
+    """BlockKind of the whole block, as a 0-dim int8 tensor (on ``device``; read it once per ring)."""
+    if q_seg.length == 0 or kv_seg.length == 0:
+        return torch.tensor(int(BlockKind.EMPTY), dtype=torch.int8, device=device)
+    return block_kinds(mask_mod, batch, heads, q_seg, kv_seg, q_seg.length, kv_seg.length, device)[0, 0]
