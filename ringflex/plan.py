@@ -95,3 +95,67 @@ def classify(mask_mod: Optional[Callable], batch: int, heads: int, q_seg: Segmen
     if q_seg.length == 0 or kv_seg.length == 0:
         return torch.tensor(int(BlockKind.EMPTY), dtype=torch.int8, device=device)
     return block_kinds(mask_mod, batch, heads, q_seg, kv_seg, q_seg.length, kv_seg.length, device)[0, 0]
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One kernel call of a ring step: local Q rows ``q_rows`` against local KV rows ``kv_rows``.
+
+    A segment is None where positions do not matter (a FULL block without score_mod), which
+    lets neighbouring FULL blocks run as one larger call.
+    """
+
+    q_rows: tuple
+    kv_rows: tuple
+    q_seg: Optional[Segment]
+    kv_seg: Optional[Segment]
+    kind: BlockKind
+
+
+def _local_ranges(segs):
+    begin = 0
+    for seg in segs:
+        yield begin, begin + seg.length
+        begin += seg.length
+
+
+def _merge_full(hops):
+    """Joins FULL hops that share one side and touch on the other into a single call."""
+    hops = list(hops)
+    merged = True
+    while merged:
+        merged = False
+        for i, a in enumerate(hops):
+            for j, b in enumerate(hops):
+                if i == j or a.kind != BlockKind.FULL or b.kind != BlockKind.FULL:
+                    continue
+                if a.q_rows == b.q_rows and a.kv_rows[1] == b.kv_rows[0]:
+                    joined = Hop(a.q_rows, (a.kv_rows[0], b.kv_rows[1]), None, None, BlockKind.FULL)
+                elif a.kv_rows == b.kv_rows and a.q_rows[1] == b.q_rows[0]:
+                    joined = Hop((a.q_rows[0], b.q_rows[1]), a.kv_rows, None, None, BlockKind.FULL)
+                else:
+                    continue
+                hops = [h for k, h in enumerate(hops) if k not in (i, j)] + [joined]
+                merged = True
+                break
+            if merged:
+                break
+    return sorted(hops, key=lambda h: (h.q_rows, h.kv_rows))
+
+
+def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_segs_per_step, device=None):
+    """The hops of every ring step: the non-EMPTY (Q segment, KV segment) pairs.
+
+    ``kv_segs_per_step[i]`` are the segments of the KV block held at step i. All blocks are
+    classified on ``device`` and read back to the host at once (one synchronisation).
+    """
+    pairs = [(step, qr, q, kr, kv)
+             for step, kv_segs in enumerate(kv_segs_per_step)
+             for qr, q in zip(_local_ranges(q_segs), q_segs)
+             for kr, kv in zip(_local_ranges(kv_segs), kv_segs)]
+    kinds = torch.stack([classify(mask_mod, batch, heads, q, kv, device) for _, _, q, _, kv in pairs]).tolist()
+    steps = [[] for _ in kv_segs_per_step]
+    for (step, qr, q, kr, kv), kind in zip(pairs, kinds):
+        if kind != BlockKind.EMPTY:
+            steps[step].append(Hop(qr, kr, q, kv, BlockKind(kind)))
+    return [hops if has_score_mod else _merge_full(hops) for hops in steps]

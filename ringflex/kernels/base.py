@@ -9,6 +9,8 @@ Conventions (the flex_attention ones):
   query head h reads key/value head h // (Hq // Hkv).
   lse: natural-log log-sum-exp of the scaled, modified, masked scores, [B, Hq, Lq].
   A row that sees no key in this hop has out 0 and lse -inf (never NaN).
+  A segment is None when positions cannot matter (a FULL block and no score_mod): the
+  planner then joins neighbouring blocks into one larger call.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ class HopKernel(Protocol):
     name: str
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, q_seg: Segment, kv_seg: Segment,
+        self, q: Tensor, k: Tensor, v: Tensor, q_seg: Optional[Segment], kv_seg: Optional[Segment],
         mods: Mods, scale: float, masked: bool,
     ) -> Tuple[Tensor, Tensor]:
         """Returns (out [B, Hq, Lq, Dv] in any float dtype, lse [B, Hq, Lq] float32/64).
@@ -48,7 +50,7 @@ class HopKernel(Protocol):
 
     def backward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-        q_seg: Segment, kv_seg: Segment, mods: Mods, scale: float, masked: bool,
+        q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods, scale: float, masked: bool,
     ) -> Tuple[Tensor, Tensor, Tensor]:
         """Returns this hop's (dq, dk, dv); dk/dv have Hkv heads.
 

@@ -1,0 +1,65 @@
+"""The public entry point: ``ring_flex_attention``."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch.distributed as dist
+from torch import Tensor
+
+from . import validate
+from .kernels import select_kernel
+from .kernels.base import Mods
+from .parallel import layout as layouts
+from .parallel.comm import RingComm
+from .parallel.ring import RingAttention, RingCall
+from .plan import plan_hops
+
+
+def _ring_group(group):
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("group was given but torch.distributed is not initialized")
+        return None
+    return group if group is not None else dist.group.WORLD
+
+
+def ring_flex_attention(
+    q: Tensor, k: Tensor, v: Tensor, *,
+    score_mod: Optional[Callable] = None,
+    mask_mod: Optional[Callable] = None,
+    group=None,
+    layout: str = "zigzag",
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """Attention over a sequence sharded across the ranks of ``group``.
+
+    q: [B, Hq, S_local, D]; k, v: [B, Hkv, S_local_kv, D(v)], each rank's shard of the
+    sequence in ``layout`` (see ``ringflex.shard``). ``score_mod(score, b, h, q_idx, kv_idx)``
+    and ``mask_mod(b, h, q_idx, kv_idx)`` are flex_attention's, and see GLOBAL positions.
+    Returns this rank's output [B, Hq, S_local, Dv] (and the fp32 log-sum-exp [B, Hq,
+    S_local] if ``return_lse``). Every rank must make the same call.
+    """
+    group = _ring_group(group)
+    validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group, layout=layout,
+                   scale=scale, enable_gqa=enable_gqa, backend=backend)
+    mods = Mods(score_mod, mask_mod)
+    world_size = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    q_len, kv_len = q.shape[2] * world_size, k.shape[2] * world_size
+    q_segs = layouts.segments(layout, q_len, world_size, rank)
+    kv_segs_per_step = [layouts.segments(layout, kv_len, world_size, (rank - step) % world_size)
+                        for step in range(world_size)]
+    schedule = plan_hops(mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device)
+    call = RingCall(
+        comm=RingComm(group) if world_size > 1 else None,
+        schedule=schedule,
+        kernel=select_kernel(backend, q, k, v, mods),
+        mods=mods,
+        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+    )
+    out, lse = RingAttention.apply(q, k.contiguous(), v.contiguous(), call)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,36 @@
+"""The ring's point-to-point exchange: send to the next rank while receiving from the previous."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch.distributed as dist
+from torch import Tensor
+
+
+class RingComm:
+    """Sends to rank+1 and receives from rank-1 of ``group`` with batched P2P ops."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world_size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world_size)
+
+    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor]):
+        """Starts the transfer; call ``.wait()`` on the result before reading ``recv``.
+
+        NCCL runs it on its own stream, so the compute launched meanwhile overlaps it.
+        """
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        return _Pending(dist.batch_isend_irecv(ops))
+
+
+class _Pending:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()

@@ -1,0 +1,52 @@
+"""Moving whole sequences in and out of a layout: ``shard`` splits, ``unshard`` gathers."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import layout as layouts
+
+
+def _rank_and_size(group):
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
+    """This rank's tokens of the full sequence ``x`` along ``dim`` (every rank passes the same x).
+
+    Differentiable: the gradient flows back into the slice this rank took.
+    """
+    rank, world_size = _rank_and_size(group)
+    index = layouts.positions(layout, x.shape[dim], world_size, rank, x.device)
+    return x.index_select(dim, index)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, layout):
+        rank, world_size = _rank_and_size(group)
+        parts = [torch.empty_like(x) for _ in range(world_size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        full_len = x.shape[dim] * world_size
+        inverse = layouts.inverse_permutation(layout, full_len, world_size, x.device)
+        ctx.dim, ctx.index = dim, layouts.positions(layout, full_len, world_size, rank, x.device)
+        return torch.cat(parts, dim).index_select(dim, inverse)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(ctx.dim, ctx.index), None, None, None
+
+
+def unshard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
+    """The full sequence, in global order, gathered from every rank's shard ``x``.
+
+    The result is a value every rank holds alike; its gradient on each rank flows back into
+    that rank's own shard (so a loss computed identically on every rank is counted once).
+    """
+    _, world_size = _rank_and_size(group)
+    if world_size == 1:
+        return x
+    return _Gather.apply(x, dim, group, layout)

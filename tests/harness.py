@@ -1,0 +1,58 @@
+"""Runs a function on a real ring: W spawned processes joined by a gloo process group."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_lib
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def _worker(rank, world_size, store_path, fn, args, results):
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # report everything, the parent decides
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(world_size: int, fn, *args, timeout: float = 240.0, allow_errors: bool = False):
+    """``fn(rank, world_size, *args)`` on every rank; returns the per-rank results.
+
+    A rank that raises fails the call (unless ``allow_errors``: then the traceback text is
+    that rank's result); ranks still running after ``timeout`` seconds are killed and the
+    call raises TimeoutError, so a hang fails a test instead of blocking it.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, store, fn, args, results), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        out, deadline = {}, time.monotonic() + timeout
+        try:
+            while len(out) < world_size:
+                try:
+                    rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue_lib.Empty:
+                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish "
+                                       f"within {timeout} s") from None
+                if status == "error" and not allow_errors:
+                    raise RuntimeError(f"rank {rank} failed:\n{value}")
+                out[rank] = value
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+    return [out[r] for r in range(world_size)]
