@@ -1,0 +1,93 @@
+"""Layouts are permutations with the promised shape; the planner classifies blocks exactly."""
+import pytest
+import torch
+
+import ringflex
+from harness import run_world
+from ringflex import mods
+from ringflex.parallel import layout as layouts
+from ringflex.plan import BlockKind, Segment, block_kinds, classify, plan_hops
+
+
+@pytest.mark.parametrize("layout", ringflex.LAYOUTS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_layout_is_a_permutation(layout, world_size):
+    seq_len = 8 * world_size
+    perm = layouts.permutation(layout, seq_len, world_size)
+    assert sorted(perm.tolist()) == list(range(seq_len))
+    assert torch.equal(perm[layouts.inverse_permutation(layout, seq_len, world_size)], torch.arange(seq_len))
+    for rank in range(world_size):
+        segs = layouts.segments(layout, seq_len, world_size, rank)
+        assert sum(s.length for s in segs) == seq_len // world_size
+        assert torch.equal(torch.cat([s.positions() for s in segs]).long(),
+                           layouts.positions(layout, seq_len, world_size, rank))
+
+
+def test_layout_shapes():
+    assert layouts.positions("zigzag", 8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert layouts.positions("striped", 8, 2, 1).tolist() == [1, 3, 5, 7]
+    assert layouts.positions("contiguous", 8, 2, 1).tolist() == [4, 5, 6, 7]
+
+
+def test_layout_rejects_lengths_that_do_not_fit():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        layouts.segments("zigzag", 10, 2, 0)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        layouts.segments("diagonal", 8, 2, 0)
+
+
+def _brute_kind(mask_mod, q_seg, kv_seg, batch=2, heads=3):
+    b = torch.arange(batch).view(-1, 1, 1, 1)
+    h = torch.arange(heads).view(1, -1, 1, 1)
+    m = torch.broadcast_to(mask_mod(b, h, q_seg.positions().view(1, 1, -1, 1), kv_seg.positions().view(1, 1, 1, -1)),
+                           (batch, heads, q_seg.length, kv_seg.length))
+    return BlockKind.FULL if m.all() else BlockKind.EMPTY if not m.any() else BlockKind.PARTIAL
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "window", "documents", "head_dependent"])
+def test_classify_matches_brute_force(mask_name):
+    mask_mod = {
+        "causal": mods.causal,
+        "window": mods.sliding_window(7),
+        "documents": mods.document(mods.document_ids([5, 11, 3, 13])),
+        "head_dependent": lambda b, h, q, kv: (q >= kv) | (h == 1),
+    }[mask_name]
+    segs = [Segment(0, 1, 8), Segment(8, 1, 8), Segment(24, 1, 8), Segment(1, 4, 8), Segment(16, 2, 8)]
+    for qs in segs:
+        for ks in segs:
+            assert BlockKind(int(classify(mask_mod, 2, 3, qs, ks))) == _brute_kind(mask_mod, qs, ks), (qs, ks)
+
+
+def test_block_kinds_tiles_and_padding():
+    kinds = block_kinds(mods.causal, 1, 1, Segment(0, 1, 10), Segment(0, 1, 10), 4, 4)
+    assert kinds.tolist() == [[1, 0, 0], [2, 1, 0], [2, 2, 1]]
+
+
+def test_plan_skips_empty_and_joins_full_blocks():
+    # zigzag on 2 ranks, rank 0 holds chunks 0 and 3 of 4; causal mask.
+    q = layouts.segments("zigzag", 16, 2, 0)
+    steps = [layouts.segments("zigzag", 16, 2, src) for src in (0, 1)]
+    plan = plan_hops(mods.causal, False, 1, 1, q, steps)
+    assert [(h.q_rows, h.kv_rows, h.kind) for h in plan[0]] == [
+        ((0, 4), (0, 4), BlockKind.PARTIAL), ((4, 8), (0, 4), BlockKind.FULL), ((4, 8), (4, 8), BlockKind.PARTIAL)]
+    # step 1 holds chunks 1 and 2: only chunk 3 of the queries sees them, fully, as one call
+    assert [(h.q_rows, h.kv_rows, h.kind, h.q_seg) for h in plan[1]] == [((4, 8), (0, 8), BlockKind.FULL, None)]
+    # with a score_mod positions matter, so FULL blocks stay separate
+    assert len(plan_hops(mods.causal, True, 1, 1, q, steps)[1]) == 2
+
+
+def _shard_roundtrip(rank, world_size, layout):
+    x = torch.arange(2 * 3 * 12 * world_size, dtype=torch.float64).view(2, 3, 12 * world_size)
+    x.requires_grad_()
+    local = ringflex.shard(x, 2, layout=layout)
+    full = ringflex.unshard(local, 2, layout=layout)
+    (full * torch.arange(full.numel(), dtype=torch.float64).view_as(full)).sum().backward()
+    expected_grad = torch.zeros_like(x)
+    idx = layouts.positions(layout, x.shape[2], world_size, rank)
+    expected_grad[:, :, idx] = torch.arange(x.numel(), dtype=torch.float64).view_as(x)[:, :, idx]
+    return torch.equal(full, x) and torch.equal(x.grad, expected_grad)
+
+
+@pytest.mark.parametrize("layout", ringflex.LAYOUTS)
+def test_shard_unshard_roundtrip_and_gradients(layout):
+    assert all(run_world(3, _shard_roundtrip, layout))
