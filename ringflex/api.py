@@ -13,7 +13,9 @@ from .kernels.base import Mods
 from .parallel import layout as layouts
 from .parallel.comm import RingComm
 from .parallel.ring import RingAttention, RingCall
-from .plan import plan_hops
+from .plan import PlanCache
+
+_PLANS = PlanCache()
 
 
 def _ring_group(group):
@@ -53,7 +55,7 @@ def ring_flex_attention(
     q_segs = layouts.segments(layout, q_len, world_size, rank)
     kv_segs_per_step = [layouts.segments(layout, kv_len, world_size, (rank - step) % world_size)
                         for step in range(world_size)]
-    schedule = plan_hops(mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device)
+    schedule = _PLANS.get(mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device)
     call = RingCall(
         comm=RingComm(group) if world_size > 1 else None,
         schedule=schedule,

@@ -7,6 +7,7 @@ PARTIAL (run masked; kernels may split it further with ``block_kinds``).
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -159,3 +160,55 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
         if kind != BlockKind.EMPTY:
             steps[step].append(Hop(qr, kr, q, kv, BlockKind(kind)))
     return [hops if has_score_mod else _merge_full(hops) for hops in steps]
+
+
+def _captured_tensors(fn, depth=0):
+    """Tensors a mod reads from its closure (and from the closures of mods it calls)."""
+    if depth > 8:
+        return
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif callable(value):
+            yield from _captured_tensors(value, depth + 1)
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
+                elif callable(item):
+                    yield from _captured_tensors(item, depth + 1)
+
+
+class PlanCache:
+    """Plans by mask and segments, so a training loop classifies its blocks once.
+
+    An entry is only reused while the mod object and every tensor it captured are the very
+    same objects, unmodified (same version counter), so new document ids always replan.
+    """
+
+    def __init__(self, size: int = 64):
+        from .validate import fingerprint  # content hash of code and captured values
+        self._fingerprint = fingerprint
+        self.size = size
+        self.entries = {}
+
+    def get(self, mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device=None):
+        tensors = list(_captured_tensors(mask_mod)) if mask_mod is not None else []
+        try:
+            ref = weakref.ref(mask_mod) if mask_mod is not None else (lambda: None)
+        except TypeError:  # cannot tell whether the object lives on: do not cache
+            return plan_hops(mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device)
+        key = (id(mask_mod), self._fingerprint(mask_mod), tuple((id(t), t._version) for t in tensors), has_score_mod, batch, heads,
+               tuple(q_segs), tuple(map(tuple, kv_segs_per_step)), str(device))
+        entry = self.entries.get(key)
+        if entry is not None and entry[0]() is mask_mod and all(r() is t for r, t in zip(entry[1], tensors)):
+            return entry[2]
+        plan = plan_hops(mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device)
+        if len(self.entries) >= self.size:
+            self.entries.pop(next(iter(self.entries)))
+        self.entries[key] = (ref, [weakref.ref(t) for t in tensors], plan)
+        return plan

@@ -91,3 +91,18 @@ def _shard_roundtrip(rank, world_size, layout):
 @pytest.mark.parametrize("layout", ringflex.LAYOUTS)
 def test_shard_unshard_roundtrip_and_gradients(layout):
     assert all(run_world(3, _shard_roundtrip, layout))
+
+
+def test_plan_cache_reuses_only_identical_masks():
+    from ringflex.plan import PlanCache
+    cache = PlanCache()
+    q = layouts.segments("zigzag", 16, 2, 0)
+    steps = [layouts.segments("zigzag", 16, 2, src) for src in (0, 1)]
+    doc_ids = mods.document_ids([3, 13])
+    mask = mods.document(doc_ids)
+    first = cache.get(mask, False, 1, 1, q, steps)
+    assert cache.get(mask, False, 1, 1, q, steps) is first
+    doc_ids[:] = 0  # edited in place: one document now, the plan must change
+    second = cache.get(mask, False, 1, 1, q, steps)
+    assert second is not first and second == plan_hops(mask, False, 1, 1, q, steps)
+    assert cache.get(mods.document(mods.document_ids([8, 8])), False, 1, 1, q, steps) is not second
