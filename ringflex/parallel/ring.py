@@ -67,6 +67,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     out = q.new_zeros(*q.shape[:3], v.shape[-1], dtype=acc)
     lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)
     blocks = _KVStream(call, k, v)
+    merged = []  # local query row ranges that hold a partial result already
     for step, hops in enumerate(call.schedule):
         pending = blocks.start(step)
         bk, bv = blocks.current
@@ -74,7 +75,9 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
             part_out, part_lse = call.kernel.forward(
                 _rows(q, hop.q_rows), _rows(bk, hop.kv_rows), _rows(bv, hop.kv_rows),
                 hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop))
-            merge_(_rows(out, hop.q_rows), _rows(lse, hop.q_rows), part_out, part_lse)
+            first = not any(b < hop.q_rows[1] and hop.q_rows[0] < e for b, e in merged)
+            merge_(_rows(out, hop.q_rows), _rows(lse, hop.q_rows), part_out, part_lse, first)
+            merged.append(hop.q_rows)
         blocks.advance(pending)
     return out, lse
 
