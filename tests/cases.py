@@ -29,9 +29,10 @@ def _document_lengths(total: int):
     return lengths
 
 
-def cases(seq_len: int, image_width: int = 4):
-    """Name -> Case for a global query length ``seq_len``."""
-    doc_ids = mods.document_ids(_document_lengths(seq_len))
+def cases(seq_len: int, image_width: int = 4, device=None):
+    """Name -> Case for a global query length ``seq_len`` (captured tensors on ``device``)."""
+    doc_ids = mods.document_ids(_document_lengths(seq_len), device=device)
+    slopes = mods.alibi_slopes(4).to(device)
     text_per_image, image_len = seq_len // 4, seq_len // 8  # cross-attention: S_kv = S_q / 2
 
     def late_queries(b, h, q_idx, kv_idx):  # the first half of the queries sees nothing
@@ -52,13 +53,13 @@ def cases(seq_len: int, image_width: int = 4):
         "sliding_window": Case(mask_mod=mods.sliding_window(5)),
         "prefix_lm": Case(mask_mod=mods.prefix_lm(seq_len // 3)),
         "documents": Case(mask_mod=mods.document(doc_ids)),
-        "alibi": Case(score_mod=mods.alibi(mods.alibi_slopes(4)), mask_mod=mods.causal),
+        "alibi": Case(score_mod=mods.alibi(slopes), mask_mod=mods.causal),
         "softcap": Case(score_mod=mods.softcap(2.0)),
         "causal_softcap": Case(score_mod=mods.softcap(2.0), mask_mod=mods.causal),
         "image_2d": Case(mask_mod=mods.image_neighbourhood(seq_len // image_width, image_width, 1)),
         "head_dependent": Case(mask_mod=head_dependent),
         "gqa_causal": Case(mask_mod=mods.causal, q_heads=4, kv_heads=2),
-        "gqa_softcap_alibi": Case(score_mod=mods.alibi(mods.alibi_slopes(4)), q_heads=4, kv_heads=1),
+        "gqa_softcap_alibi": Case(score_mod=mods.alibi(slopes), q_heads=4, kv_heads=1),
         "cross_no_mask": Case(kv_len_ratio=0.5),
         "cross_flamingo": Case(mask_mod=flamingo, kv_len_ratio=0.5),
         "late_queries": Case(mask_mod=late_queries),

@@ -1,0 +1,89 @@
+"""Checks the ring against one device computing the whole sequence, for the whole test matrix.
+
+    torchrun --nproc_per_node=2 scripts/check_ring.py --device cuda --backend cudnn   # GPUs, NCCL
+    torchrun --nproc_per_node=3 scripts/check_ring.py --device cpu --local-len 16     # CPU, gloo
+
+Each rank compares its shard of the output and of dq/dk/dv with the reference kernel run
+in fp32 on the unsharded sequence; rank 0 prints one line per case and layout, and the
+script exits non-zero if any error exceeds the tolerance.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import ringflex
+from ringflex.kernels.base import Mods
+from ringflex.kernels.reference import ReferenceKernel
+from ringflex.plan import Segment
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from cases import cases, make_inputs  # noqa: E402
+
+
+def reference(q, k, v, dout, case):
+    """Output and input gradients of the whole sequence, fp32, one device."""
+    whole_q, whole_kv = Segment(0, 1, q.shape[2]), Segment(0, 1, k.shape[2])
+    mods, scale, kernel = Mods(case.score_mod, case.mask_mod), q.shape[-1] ** -0.5, ReferenceKernel()
+    q, k, v, dout = (t.float() for t in (q, k, v, dout))
+    out, lse = kernel.forward(q, k, v, whole_q, whole_kv, mods, scale, masked=True)
+    grads = kernel.backward(q, k, v, out, lse, dout, whole_q, whole_kv, mods, scale, masked=True)
+    return [out, *grads]
+
+
+def relative_error(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)).item()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--local-len", type=int, default=1024, help="query tokens per rank")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--layouts", nargs="+", default=list(ringflex.LAYOUTS))
+    p.add_argument("--tolerance", type=float, default=None, help="max relative error (default: 3e-2 bf16, 1e-4 fp32)")
+    args = p.parse_args()
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    tolerance = args.tolerance or (3e-2 if dtype == torch.bfloat16 else 1e-4)
+    seq_len = args.local_len * world_size
+    failed = 0
+    for name, case in cases(seq_len, image_width=32, device=args.device).items():
+        q, k, v, dout = (t.to(args.device) for t in make_inputs(case, seq_len, batch=1, head_dim=args.head_dim, dtype=dtype))
+        want = reference(q, k, v, dout, case)
+        for layout in args.layouts:
+            local = [ringflex.shard(t, 2, layout=layout).requires_grad_() for t in (q, k, v)]
+            try:
+                out = ringflex.ring_flex_attention(*local, score_mod=case.score_mod, mask_mod=case.mask_mod,
+                                                   layout=layout, enable_gqa=True, backend=args.backend)
+                out.backward(ringflex.shard(dout, 2, layout=layout))
+            except Exception as e:  # report and go on: one unsupported case must not hide the rest
+                failed += 1
+                if rank == 0:
+                    print(f"{name:>18} {layout:>10}: ERROR {type(e).__name__}: {e}", flush=True)
+                continue
+            got = [out] + [t.grad for t in local]
+            errs = torch.tensor([relative_error(g, ringflex.shard(w, 2, layout=layout)) for g, w in zip(got, want)],
+                                dtype=torch.float64, device=args.device)
+            dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+            ok = bool(errs.max() <= tolerance) and not any(torch.isnan(g).any() for g in got)
+            failed += not ok
+            if rank == 0:
+                print(f"{name:>18} {layout:>10}: out {errs[0]:.2e} dq {errs[1]:.2e} dk {errs[2]:.2e} dv {errs[3]:.2e}"
+                      f" {'ok' if ok else 'FAIL'}", flush=True)
+    if rank == 0:
+        print(f"world size {world_size}, {seq_len} tokens, backend {args.backend}: "
+              f"{'all cases within' if not failed else f'{failed} case(s) beyond'} tolerance {tolerance}")
+    dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
