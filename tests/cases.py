@@ -44,6 +44,11 @@ def cases(seq_len: int, image_width: int = 4, device=None):
     def flamingo(b, h, q_idx, kv_idx):  # text tokens see the tokens of their own image
         return kv_idx // image_len == q_idx // text_per_image
 
+    capped, biased = mods.softcap(2.0), mods.alibi(slopes)
+
+    def softcap_alibi(score, b, h, q_idx, kv_idx):
+        return biased(capped(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
+
     def head_dependent(b, h, q_idx, kv_idx):  # even heads causal, odd heads a window of 3
         return (kv_idx <= q_idx) & ((h % 2 == 0) | (q_idx - kv_idx < 3))
 
@@ -59,7 +64,7 @@ def cases(seq_len: int, image_width: int = 4, device=None):
         "image_2d": Case(mask_mod=mods.image_neighbourhood(seq_len // image_width, image_width, 1)),
         "head_dependent": Case(mask_mod=head_dependent),
         "gqa_causal": Case(mask_mod=mods.causal, q_heads=4, kv_heads=2),
-        "gqa_softcap_alibi": Case(score_mod=mods.alibi(slopes), q_heads=4, kv_heads=1),
+        "gqa_softcap_alibi": Case(score_mod=softcap_alibi, q_heads=4, kv_heads=1),
         "cross_no_mask": Case(kv_len_ratio=0.5),
         "cross_flamingo": Case(mask_mod=flamingo, kv_len_ratio=0.5),
         "late_queries": Case(mask_mod=late_queries),
