@@ -1,0 +1,164 @@
+"""The tracer reproduces every mod exactly, differentiates score_mods like autograd,
+fingerprints structurally and refuses what it cannot lower with a clear error."""
+import pytest
+import torch
+
+from cases import cases
+from ringflex import mods
+from ringflex.plan import Segment, index_grid
+from ringflex.trace import (UnsupportedModError, diagonal_band, score_grad, trace_mask_mod,
+                            trace_score_mod)
+
+SEQ = 48
+CASES = cases(SEQ)
+
+
+def _grid(q_seg: Segment, kv_seg: Segment, batch=2, heads=4):
+    return index_grid(batch, heads, q_seg.positions(), kv_seg.positions())
+
+
+SEGMENTS = [
+    (Segment(0, 1, SEQ), Segment(0, 1, SEQ)),
+    (Segment(SEQ // 2, 1, SEQ // 4), Segment(5, 1, SEQ // 3)),  # global offsets
+    (Segment(1, 3, SEQ // 3), Segment(2, 3, SEQ // 3)),  # striped
+]
+
+EXTRA_SCORE_MODS = {
+    "arith": lambda s, b, h, q, kv: (s * 2 - 1) / 3 + (q - kv) * 0.01 - s.neg() + 1 - s,
+    "unary": lambda s, b, h, q, kv: torch.exp(s / 4) + torch.log(s.abs() + 1) + torch.sqrt(s * s + 1)
+    + torch.tanh(s) + torch.sigmoid(s) + s.abs(),
+    "minmax": lambda s, b, h, q, kv: torch.clamp(s, -1.0, 1.5) + torch.minimum(s, s * 0.5)
+    + torch.maximum(s, (q - kv).float()) + torch.clamp(s, min=0.0) + s.clamp(max=0.3),
+    "where": lambda s, b, h, q, kv: torch.where(q >= kv, s * 1.5, s - (q - kv) * 0.25),
+    "masked_fill": lambda s, b, h, q, kv: s.masked_fill((q % 3 == 0) & (kv % 2 == 1), -2.0),
+    "casts": lambda s, b, h, q, kv: s + (q < kv).float() - (kv // 7).to(torch.float32) + (b + h).float(),
+    "logic": lambda s, b, h, q, kv: s * ((q >= kv) | ~(h == 1)) + s * torch.logical_xor(q > 5, kv > 5),
+    "pow": lambda s, b, h, q, kv: s ** 2 + s.pow(3) * 0.1 + torch.square(s),
+    "mod": lambda s, b, h, q, kv: s % 0.75 + (q % 5) + torch.div(kv, 4, rounding_mode="floor"),
+    "constants": lambda s, b, h, q, kv: s * torch.tensor(0.5) + torch.full_like(s, 2.0) + torch.ones_like(s),
+    "reciprocal": lambda s, b, h, q, kv: (s * s + 1).reciprocal() + (s * s + 2).rsqrt(),
+}
+
+
+def _score_mods():
+    found = {name: c.score_mod for name, c in CASES.items() if c.score_mod is not None}
+    found.update(EXTRA_SCORE_MODS)
+    return found
+
+
+def _mask_mods():
+    return {name: c.mask_mod for name, c in CASES.items() if c.mask_mod is not None}
+
+
+@pytest.mark.parametrize("segs", SEGMENTS, ids=["aligned", "offsets", "striped"])
+@pytest.mark.parametrize("name", sorted(_mask_mods()))
+def test_mask_mod_graph_matches_mod(name, segs):
+    fn = _mask_mods()[name]
+    b, h, q, kv = _grid(*segs)
+    graph = trace_mask_mod(fn)
+    expected = torch.broadcast_to(fn(b, h, q, kv), (2, 4, q.shape[2], kv.shape[3]))
+    got = torch.broadcast_to(graph(b, h, q, kv), expected.shape)
+    assert got.dtype == torch.bool
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("segs", SEGMENTS, ids=["aligned", "offsets", "striped"])
+@pytest.mark.parametrize("name", sorted(_score_mods()))
+def test_score_mod_graph_and_derivative(name, segs):
+    fn = _score_mods()[name]
+    b, h, q, kv = _grid(*segs)
+    g = torch.Generator().manual_seed(0)
+    score = torch.randn(2, 4, q.shape[2], kv.shape[3], generator=g, dtype=torch.float64).float() * 3
+    graph = trace_score_mod(fn)
+    expected = torch.broadcast_to(fn(score, b, h, q, kv), score.shape)
+    torch.testing.assert_close(torch.broadcast_to(graph(score, b, h, q, kv), score.shape), expected)
+
+    x = score.clone().requires_grad_()
+    upstream = torch.randn(score.shape, generator=g)
+    (want,) = torch.autograd.grad(torch.broadcast_to(fn(x, b, h, q, kv), score.shape), x, upstream)
+    got = score_grad(graph)(upstream, score, b, h, q, kv)
+    torch.testing.assert_close(torch.broadcast_to(got, score.shape), want, rtol=1e-5, atol=1e-5)
+
+
+def test_softcap_derivative_keeps_the_pre_tanh_value():
+    graph = trace_score_mod(mods.softcap(30.0))
+    grad = score_grad(graph)
+    ops = [n.op for n in grad.nodes]
+    assert "tanh_backward" in ops and "tanh" not in ops  # built from tanh's input, not its output
+    assert score_grad(trace_score_mod(mods.alibi(torch.ones(4)))).output.op == "grad"  # identity
+
+
+def test_dependencies():
+    slopes = mods.alibi_slopes(4)
+    assert trace_score_mod(mods.alibi(slopes)).deps == {"score", "h", "q_idx", "kv_idx"}
+    assert trace_score_mod(mods.softcap(2.0)).deps == {"score"}
+    assert trace_mask_mod(mods.causal).deps == {"q_idx", "kv_idx"}
+    assert trace_mask_mod(lambda b, h, q, kv: b == 0).deps == {"b"}
+    assert trace_score_mod(lambda s, b, h, q, kv: torch.zeros_like(s)).deps == frozenset()
+
+
+def test_fingerprint():
+    doc_a, doc_b = mods.document_ids([3, 5]), mods.document_ids([4, 4])
+    fp = lambda fn: trace_mask_mod(fn).fingerprint  # noqa: E731
+    assert fp(mods.causal) == fp(mods.causal)
+    assert fp(mods.sliding_window(4)) == fp(mods.sliding_window(4))
+    assert fp(mods.sliding_window(4)) != fp(mods.sliding_window(5))
+    assert fp(lambda b, h, q, kv: q >= kv) != fp(lambda b, h, q, kv: q > kv)
+    assert fp(lambda b, h, q, kv: q >= kv) != fp(lambda b, h, q, kv: kv <= q)
+    assert fp(mods.document(doc_a)) == fp(mods.document(doc_a))
+    assert fp(mods.document(doc_a)) != fp(mods.document(doc_b))  # other captured tensor
+    assert trace_mask_mod(mods.document(doc_a)).structure == trace_mask_mod(mods.document(doc_b)).structure
+    assert (trace_mask_mod(mods.document(doc_a)).structure
+            != trace_mask_mod(mods.document(doc_a.to(torch.int32))).structure)
+    sfp = lambda fn: trace_score_mod(fn).fingerprint  # noqa: E731
+    assert sfp(mods.softcap(2.0)) != sfp(mods.softcap(2.5))
+    assert sfp(lambda s, b, h, q, kv: s * 2) != sfp(lambda s, b, h, q, kv: s * 2.0000001)
+    assert sfp(lambda s, b, h, q, kv: s * 2) != trace_mask_mod(lambda b, h, q, kv: q * 2 > 0).fingerprint
+
+
+def test_trace_is_cached_and_follows_the_closure():
+    def make(window):
+        return lambda b, h, q, kv: q - kv < window
+
+    mask = make(3)
+    assert trace_mask_mod(mask) is trace_mask_mod(mask)
+    assert trace_mask_mod(mask).fingerprint != trace_mask_mod(make(4)).fingerprint
+
+
+def test_diagonal_band():
+    band = lambda fn: diagonal_band(trace_mask_mod(fn))  # noqa: E731
+    assert band(mods.causal) == (0, None)
+    assert band(lambda b, h, q, kv: kv <= q) == (0, None)
+    assert band(lambda b, h, q, kv: q > kv) == (1, None)
+    assert band(mods.sliding_window(5)) == (0, 4)
+    assert band(lambda b, h, q, kv: (kv - q <= 2) & (q - kv <= 3)) == (-2, 3)
+    assert band(lambda b, h, q, kv: 2 * q - 2 * kv < 7) == (None, 3)
+    assert band(lambda b, h, q, kv: q == kv) == (0, 0)
+    assert band(mods.prefix_lm(4)) is None
+    assert band(lambda b, h, q, kv: (q >= kv) & (h == 0)) is None
+    assert band(lambda b, h, q, kv: 2 * q >= kv) is None
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda s, b, h, q, kv: torch.sin(s), "sin"),
+    (lambda s, b, h, q, kv: torch.erf(s), "erf"),
+    (lambda s, b, h, q, kv: s if s > 0 else -s, "could not be traced"),
+    (lambda s, b, h, q, kv: s + torch.div(q, 3, rounding_mode="trunc"), "trunc"),
+    (lambda s, b, h, q, kv: s + (q & 3), "booleans only"),
+    (lambda s, b, h, q, kv: q > kv, "floating-point"),
+])
+def test_unsupported_score_mods(fn, match):
+    with pytest.raises(UnsupportedModError, match=match):
+        trace_score_mod(fn)
+
+
+def test_unsupported_lookups():
+    table = torch.arange(64).view(8, 8)
+    with pytest.raises(UnsupportedModError, match="one subscript per dimension"):
+        trace_mask_mod(lambda b, h, q, kv: table[q][kv] > 0)
+    vec = torch.arange(8)
+    with pytest.raises(UnsupportedModError, match="without indexing"):
+        trace_mask_mod(lambda b, h, q, kv: (q + vec) > 0)
+    graph = trace_mask_mod(lambda b, h, q, kv: table[q % 8, kv % 8] > 20)
+    b, h, q, kv = index_grid(1, 1, torch.arange(10, dtype=torch.int32), torch.arange(9, dtype=torch.int32))
+    assert torch.equal(graph(b, h, q, kv), table[q % 8, kv % 8] > 20)
