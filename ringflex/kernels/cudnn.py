@@ -1,0 +1,659 @@
+"""The cuDNN hop kernel: cuDNN's fused SDPA with the user's mods compiled into the graph.
+
+``score_mod`` / ``mask_mod`` are traced (``ringflex.trace``) and lowered into cuDNN's
+score_mod callback. ``q_idx`` / ``kv_idx`` are generated indices plus the hop's global
+offsets (and times the stride of striped layouts); offsets are pass-by-value scalars, so one
+built graph serves every hop. Sub-expressions that need no per-element work (``doc[q_idx]``,
+``slopes[h]``, ...) are computed in torch for the hop's positions and enter as broadcast
+tensors, which is how lookups of captured tensors run at all: cuDNN has no gather. A mask
+becomes a select of -inf after the score modification. The backward's ``score_mod_bprop``
+is the traced derivative (``trace.score_grad``).
+
+Fast paths: a block without mask and score_mod runs plain SDPA; a mask that is a diagonal
+band of ``q_idx - kv_idx`` (causal, sliding window) runs cuDNN's native band mask, which
+skips tiles, after trimming rows and columns that see nothing; any other masked block is
+split into sub-blocks (``plan.block_kinds``) so that empty ones are skipped and full ones run
+without the mask.
+"""
+from __future__ import annotations
+
+import atexit
+import math
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..plan import BlockKind, Segment, block_kinds
+from ..trace import ModGraph, Node, UnsupportedModError, diagonal_band, evaluate, score_grad, trace_mask_mod, trace_score_mod
+from .base import Mods
+
+# Sub-blocks per side are 2**SPLIT_DEPTH for a masked block that has no native mask.
+SPLIT_DEPTH = 2
+_TILE = 64  # sub-block sizes are multiples of cuDNN's tile
+_MIN_CUDNN = 90600  # score_mod arrived in cuDNN 9.6
+_MAX_GRAPHS = 256
+_MAX_PLANS = 256
+
+
+def _cudnn():
+    import cudnn  # optional dependency: imported on first use only
+
+    return cudnn
+
+
+# --------------------------------------------------------------------------- handles and caches
+
+_HANDLES: Dict[int, object] = {}
+_GRAPHS: "OrderedDict[tuple, _Graph]" = OrderedDict()
+_PLANS: "OrderedDict[tuple, List[_Run]]" = OrderedDict()
+_LOWERINGS: "OrderedDict[tuple, _Lowering]" = OrderedDict()
+
+
+def clear_cache() -> None:
+    """Frees every built graph and handle (done at exit: live graphs make nanobind report leaks)."""
+    _GRAPHS.clear()
+    _PLANS.clear()
+    _LOWERINGS.clear()
+    cudnn = sys.modules.get("cudnn")
+    for handle in _HANDLES.values():
+        cudnn.destroy_handle(handle)
+    _HANDLES.clear()
+
+
+atexit.register(clear_cache)
+
+
+def _handle(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cudnn = _cudnn()
+    if index not in _HANDLES:
+        with torch.cuda.device(index):
+            _HANDLES[index] = cudnn.create_handle()
+    handle = _HANDLES[index]
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(index).cuda_stream)
+    return handle
+
+
+def _remember(cache: OrderedDict, key, value, limit: int):
+    cache[key] = value
+    while len(cache) > limit:
+        cache.popitem(last=False)
+    return value
+
+
+# --------------------------------------------------------------------------- what a call computes
+
+@dataclass(frozen=True)
+class _Program:
+    """The traced mods of a call; ``mask`` is None when the block needs no mask."""
+
+    score: Optional[ModGraph]
+    mask: Optional[ModGraph]
+
+
+def _program(mods: Mods, masked: bool, device) -> _Program:
+    score = trace_score_mod(mods.score_mod, device) if mods.score_mod is not None else None
+    mask = trace_mask_mod(mods.mask_mod, device) if masked and mods.mask_mod is not None else None
+    return _Program(score, mask)
+
+
+def _in_graph(n: Node) -> bool:
+    """Whether ``n`` needs per-element work: it reads the score (or its gradient) or both indices."""
+    return bool(n.deps & {"score", "grad"}) or {"q_idx", "kv_idx"} <= n.deps
+
+
+class _Lowering:
+    """Splits the mods into cuDNN's per-element graph and the inputs it needs: constants,
+    the generated indices and sub-expressions computed in torch (``hoisted``)."""
+
+    def __init__(self, score: Optional[ModGraph], mask: Optional[ModGraph], backward: bool):
+        self.score, self.mask = score, mask
+        self.grad = score_grad(score) if backward and score is not None else None
+        self.consts = {0.0, 1.0, -math.inf}
+        self.indices = set()
+        self.hoisted: List[Node] = []
+        seen = set()
+        for graph in (score, mask, self.grad):
+            if graph is not None:
+                self._visit(graph.output, seen)
+        self.key = (score and score.structure, mask and mask.structure, backward)
+
+    def _visit(self, n: Node, seen: set) -> None:
+        if id(n) in seen:
+            return
+        seen.add(id(n))
+        if not _in_graph(n):
+            if n.op == "const":
+                self.consts.add(float(n.value))
+            elif n.op in ("q_idx", "kv_idx"):
+                self.indices.add(n.op)
+            else:
+                self.hoisted.append(n)
+            return
+        if n.op == "index":
+            raise UnsupportedModError(
+                "a captured tensor indexed by both q_idx and kv_idx (or by the score) cannot run in cuDNN, "
+                "which has no gather; index it by q_idx or kv_idx alone")
+        if n.op == "cast" and n.dtype.is_floating_point and n.dtype != torch.float32:
+            raise UnsupportedModError(f"casting to {n.dtype} inside the mod is not supported by the cuDNN kernel")
+        if n.op == "cast" and n.args[0].dtype.is_floating_point and not n.dtype.is_floating_point and n.dtype != torch.bool:
+            raise UnsupportedModError("casting a float to an integer inside the mod is not supported by the cuDNN kernel")
+        for a in n.args:
+            self._visit(a, seen)
+
+
+def lowering_error(mods: Mods, device=None) -> Optional[str]:
+    """Why the cuDNN kernel cannot compile these mods, or None."""
+    try:
+        program = _program(mods, True, device)
+        _Lowering(program.score, program.mask, backward=True)
+    except UnsupportedModError as e:
+        return str(e)
+    return None
+
+
+class _Emitter:
+    """Emits the lowered mods into a cuDNN graph inside its score_mod callbacks."""
+
+    def __init__(self, lowering: _Lowering, inputs: "_Inputs"):
+        self.lowering, self.inputs = lowering, inputs
+        self.memo: Dict[int, object] = {}
+        self.g = None
+        self.score = None
+
+    def forward(self, g, score):
+        self.g, self.score = g, score
+        self.memo = {}
+        out = score
+        if self.lowering.score is not None:
+            self.memo[id(self._leaf(self.lowering.score, "score"))] = score
+            out = self._number(self.lowering.score.output)
+        if self.lowering.mask is not None:
+            keep = self._bool(self.lowering.mask.output)
+            out = self._typed(g.binary_select(input0=out, input1=self._const(-math.inf), mask=keep), "FLOAT")
+        return out
+
+    def backward(self, g, grad):
+        self.g = g
+        if self.lowering.grad is None:
+            return grad
+        self.memo[id(self._leaf(self.lowering.grad, "grad"))] = grad
+        return self._number(self.lowering.grad.output)
+
+    @staticmethod
+    def _leaf(graph: ModGraph, name: str) -> Node:
+        return next((n for n in graph.nodes if n.op == name), Node(name))
+
+    # Values come out as FLOAT (numbers), INT32 (indices) or BOOLEAN (conditions).
+    def _typed(self, t, dtype: str):
+        t.set_data_type(getattr(_cudnn().data_type, dtype))
+        return t
+
+    def _const(self, value: float):
+        return self.inputs.use(self.inputs.consts[float(value)])
+
+    def _number(self, n: Node):
+        t = self._emit(n)
+        if n.dtype == torch.bool:  # True / False as 1 / 0
+            t = self._typed(self.g.binary_select(input0=self._const(1.0), input1=self._const(0.0), mask=t), "FLOAT")
+        return t
+
+    def _bool(self, n: Node):
+        t = self._emit(n)
+        if n.dtype != torch.bool or not _in_graph(n):  # hoisted and constant conditions arrive as 1.0 / 0.0
+            t = self._cmp("cmp_neq", t, self._const(0.0))
+        return t
+
+    def _cmp(self, name: str, a, b):
+        F = _cudnn().data_type.FLOAT
+        return self._typed(getattr(self.g, name)(input=a, comparison=b, compute_data_type=F), "BOOLEAN")
+
+    def _arith(self, name: str, *args, **kwargs):
+        F = _cudnn().data_type.FLOAT
+        return self._typed(getattr(self.g, name)(*args, compute_data_type=F, **kwargs), "FLOAT")
+
+    def _emit(self, n: Node):
+        if id(n) not in self.memo:
+            self.memo[id(n)] = self._lower(n)
+        return self.memo[id(n)]
+
+    def _lower(self, n: Node):
+        g, cudnn = self.g, _cudnn()
+        if not _in_graph(n):
+            if n.op == "const":
+                return self._const(float(n.value))
+            if n.op in ("q_idx", "kv_idx"):
+                I = cudnn.data_type.INT32
+                index = self._typed(g.gen_index(input=self.score, axis=2 if n.op == "q_idx" else 3), "INT32")
+                stride = self.inputs.strides.get(n.op)
+                if stride is not None:
+                    index = self._typed(g.mul(a=index, b=self.inputs.use(stride), compute_data_type=I), "INT32")
+                return self._typed(g.add(a=index, b=self.inputs.use(self.inputs.starts[n.op]), compute_data_type=I), "INT32")
+            return self.inputs.use(self.inputs.hoisted[self.inputs.hoisted_index[id(n)]][0])
+        op, a = n.op, n.args
+        if op in _UNARY_CUDNN:
+            return self._arith(op, input=self._number(a[0]))
+        if op in ("add", "sub", "mul", "div"):
+            return self._arith(op, a=self._number(a[0]), b=self._number(a[1]))
+        if op in ("minimum", "maximum", "pow"):
+            name = {"minimum": "min", "maximum": "max", "pow": "pow"}[op]
+            return self._arith(name, input0=self._number(a[0]), input1=self._number(a[1]))
+        if op in ("floordiv", "mod"):
+            x, y = self._number(a[0]), self._number(a[1])
+            floor = self._arith("floor", input=self._arith("div", a=x, b=y))
+            if op == "floordiv":
+                return floor
+            return self._arith("sub", a=x, b=self._arith("mul", a=y, b=floor))  # Python's sign convention
+        if op in ("eq", "ne", "lt", "le", "gt", "ge"):
+            return self._cmp(_CMP_CUDNN[op], self._number(a[0]), self._number(a[1]))
+        if op in ("and", "or"):
+            B = cudnn.data_type.BOOLEAN
+            fn = g.logical_and if op == "and" else g.logical_or
+            return self._typed(fn(a=self._bool(a[0]), b=self._bool(a[1]), compute_data_type=B), "BOOLEAN")
+        if op == "not":
+            B = cudnn.data_type.BOOLEAN
+            return self._typed(g.logical_not(input=self._bool(a[0]), compute_data_type=B), "BOOLEAN")
+        if op == "where":
+            t = self._typed(g.binary_select(input0=self._number(a[1]), input1=self._number(a[2]),
+                                            mask=self._bool(a[0])), "FLOAT")
+            return self._cmp("cmp_neq", t, self._const(0.0)) if n.dtype == torch.bool else t
+        if op == "cast":
+            if n.dtype == torch.bool:
+                return self._cmp("cmp_neq", self._number(a[0]), self._const(0.0))
+            return self._number(a[0])  # numbers are fp32 inside the graph
+        if op in ("tanh_backward", "sigmoid_backward"):
+            return self._arith(op, loss=self._number(a[0]), input=self._number(a[1]))
+        raise UnsupportedModError(f"operation {op} cannot be lowered to cuDNN")
+
+
+_UNARY_CUDNN = {"neg", "abs", "exp", "log", "sqrt", "tanh", "sigmoid", "floor"}
+_CMP_CUDNN = {"eq": "cmp_eq", "ne": "cmp_neq", "lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge"}
+
+
+class _Inputs:
+    """The graph inputs a lowering needs, created before the graph is frozen; ``used`` records
+    which the callbacks read, so that only those are bound at execute."""
+
+    def __init__(self, g, lowering: _Lowering, shapes: Dict[str, int], strided: Dict[str, bool]):
+        cudnn = _cudnn()
+        F, I = cudnn.data_type.FLOAT, cudnn.data_type.INT32
+        scalar = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True)
+        self.consts = {v: g.tensor(name=f"const{i}", data_type=F, **scalar) for i, v in enumerate(sorted(lowering.consts))}
+        self.const_values = {id(t): torch.full((1, 1, 1, 1), v, dtype=torch.float32) for v, t in self.consts.items()}
+        self.starts = {k: g.tensor(name=f"{k}_start", data_type=I, **scalar) for k in lowering.indices}
+        self.strides = {k: g.tensor(name=f"{k}_stride", data_type=I, **scalar) for k in lowering.indices if strided[k]}
+        # By position in ``lowering.hoisted``: a cached graph serves every mod of the same
+        # structure, and each call binds the values of its own mod's nodes.
+        self.hoisted: List[Tuple[object, List[int]]] = []
+        self.hoisted_index: Dict[int, int] = {}
+        for i, n in enumerate(lowering.hoisted):
+            dims = [shapes[d] if d in n.deps else 1 for d in ("b", "h", "q_idx", "kv_idx")]
+            self.hoisted.append((g.tensor(name=f"hoisted{i}", dim=dims, stride=_contiguous_strides(dims), data_type=F), dims))
+            self.hoisted_index[id(n)] = i
+        self.used: Dict[int, object] = {}
+
+    def use(self, t):
+        self.used[id(t)] = t
+        return t
+
+
+def _contiguous_strides(dims: List[int]) -> List[int]:
+    strides, acc = [], 1
+    for d in reversed(dims):
+        strides.append(acc)
+        acc *= d
+    return strides[::-1]
+
+
+# --------------------------------------------------------------------------- graphs
+
+@dataclass
+class _Graph:
+    """A built cuDNN graph and how to bind its inputs."""
+
+    graph: object
+    io: Dict[str, object]
+    inputs: Optional[_Inputs]
+    workspace: int
+
+    def execute(self, tensors: Dict[str, Tensor], q_seg: Optional[Segment], kv_seg: Optional[Segment],
+                lowering: Optional[_Lowering]) -> None:
+        device = tensors["q"].device
+        pack = {self.io[name]: t for name, t in tensors.items()}
+        if self.inputs is not None:
+            pack.update(self._mod_inputs(tensors["q"], q_seg, kv_seg, lowering))
+        workspace = torch.empty(max(1, self.workspace), dtype=torch.uint8, device=device)
+        self.graph.execute(pack, workspace, handle=_handle(device))
+
+    def _mod_inputs(self, q: Tensor, q_seg: Segment, kv_seg: Segment, lowering: _Lowering) -> dict:
+        inputs = self.inputs
+        pack = {t: inputs.const_values[id(t)] for t in inputs.used.values() if id(t) in inputs.const_values}
+        segs = {"q_idx": q_seg, "kv_idx": kv_seg}
+        for name, t in inputs.starts.items():
+            pack[t] = torch.full((1, 1, 1, 1), segs[name].start, dtype=torch.int32)
+        for name, t in inputs.strides.items():
+            pack[t] = torch.full((1, 1, 1, 1), segs[name].stride, dtype=torch.int32)
+        env = None
+        for (t, dims), node in zip(inputs.hoisted, lowering.hoisted):
+            if id(t) in inputs.used:
+                env = env or _index_env(q.shape[0], q.shape[1], q_seg, kv_seg, q.device)
+                pack[t] = torch.broadcast_to(evaluate(node, env), dims).to(torch.float32).contiguous()
+        return pack
+
+
+def _index_env(batch: int, heads: int, q_seg: Segment, kv_seg: Segment, device) -> Dict[str, Tensor]:
+    """(b, h, q_idx, kv_idx) of a hop as broadcastable int32 tensors, as flex_attention passes them."""
+    return {
+        "b": torch.arange(batch, device=device, dtype=torch.int32).view(-1, 1, 1, 1),
+        "h": torch.arange(heads, device=device, dtype=torch.int32).view(1, -1, 1, 1),
+        "q_idx": q_seg.positions(device).view(1, 1, -1, 1),
+        "kv_idx": kv_seg.positions(device).view(1, 1, 1, -1),
+    }
+
+
+_FORWARD_INPUTS = ("q", "k", "v")
+_BACKWARD_INPUTS = ("q", "k", "v", "out", "dout", "lse")
+_DTYPES = {torch.float16: "HALF", torch.bfloat16: "BFLOAT16", torch.float32: "FLOAT"}
+
+
+def _layout(t: Tensor) -> tuple:
+    return tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def _band_kwargs(band: Tuple[Optional[int], Optional[int]]) -> dict:
+    left, right = band
+    if left is None and right == 0:
+        return dict(use_causal_mask=True)
+    kwargs = dict(diagonal_alignment=_cudnn().diagonal_alignment.TOP_LEFT)
+    if right is not None:
+        kwargs["diagonal_band_right_bound"] = right
+    if left is not None:
+        kwargs["diagonal_band_left_bound"] = left
+    return kwargs
+
+
+def _graph(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lowering: Optional[_Lowering],
+           strided: Dict[str, bool]) -> _Graph:
+    """The built graph for this call's layouts and mods, from the cache when it was built before."""
+    q = tensors["q"]
+    key = (backward, q.device, scale, band, lowering and lowering.key,
+           tuple(sorted(strided.items())) if lowering and lowering.indices else None,
+           tuple((name, _layout(t)) for name, t in sorted(tensors.items())))
+    if key in _GRAPHS:
+        _GRAPHS.move_to_end(key)
+        return _GRAPHS[key]
+    return _remember(_GRAPHS, key, _build(backward, tensors, scale, band, lowering, strided), _MAX_GRAPHS)
+
+
+def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lowering: Optional[_Lowering],
+           strided: Dict[str, bool]) -> _Graph:
+    cudnn = _cudnn()
+    F = cudnn.data_type.FLOAT
+    q = tensors["q"]
+    g = cudnn.pygraph(io_data_type=getattr(cudnn.data_type, _DTYPES[q.dtype]), intermediate_data_type=F,
+                      compute_data_type=F, handle=_handle(q.device))
+    io = {name: g.tensor(name=name, dim=list(t.shape), stride=list(t.stride()),
+                         data_type=getattr(cudnn.data_type, _DTYPES[t.dtype]))
+          for name, t in tensors.items() if name in (_BACKWARD_INPUTS if backward else _FORWARD_INPUTS)}
+    kwargs = dict(attn_scale=scale)
+    if band is not None:
+        kwargs.update(_band_kwargs(band))
+    inputs = None
+    if lowering is not None:
+        shapes = {"b": q.shape[0], "h": q.shape[1], "q_idx": q.shape[2], "kv_idx": tensors["k"].shape[2]}
+        inputs = _Inputs(g, lowering, shapes, strided)
+        emitter = _Emitter(lowering, inputs)
+        kwargs["score_mod"] = emitter.forward
+        if backward:
+            kwargs["score_mod_bprop"] = emitter.backward
+    if backward:
+        outs = g.sdpa_backward(q=io["q"], k=io["k"], v=io["v"], o=io["out"], dO=io["dout"], stats=io["lse"],
+                               name="sdpa_backward", **kwargs)
+        names = ("dq", "dk", "dv")
+    else:
+        outs = g.sdpa(q=io["q"], k=io["k"], v=io["v"], generate_stats=True, name="sdpa", **kwargs)
+        names = ("out", "lse")
+    for name, t in zip(names, outs):
+        ref = tensors[name]
+        t.set_output(True).set_dim(list(ref.shape)).set_stride(list(ref.stride()))
+        t.set_data_type(getattr(cudnn.data_type, _DTYPES[ref.dtype]))
+        io[name] = t
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    return _Graph(g, io, inputs, g.get_workspace_size())
+
+
+# --------------------------------------------------------------------------- planning a block
+
+@dataclass(frozen=True)
+class _Run:
+    """One cuDNN call inside a block: local rows x columns, with the mask as a select
+    (``masked``), as cuDNN's native band ``(left_bound, right_bound)``, or without mask."""
+
+    rows: Tuple[int, int]
+    cols: Tuple[int, int]
+    masked: bool = False
+    band: Optional[Tuple[Optional[int], Optional[int]]] = None
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def band_runs(band: Tuple[Optional[int], Optional[int]], q_seg: Segment, kv_seg: Segment) -> Optional[List[_Run]]:
+    """The block as at most one call with cuDNN's native band mask, or None where it cannot be.
+
+    The mask keeps ``lo <= q_pos - kv_pos <= hi`` with ``pos = start + stride * i``, that is
+    local columns ``j`` in ``[i + a, i + b]``. cuDNN's band must contain the diagonal
+    (``a <= 0 <= b``), so rows before the band starts or columns after it ends, which see
+    nothing, are cut off first.
+    """
+    if q_seg.stride != kv_seg.stride:
+        return None
+    lo, hi = band
+    t, d = q_seg.stride, q_seg.start - kv_seg.start
+    a = None if hi is None else -((hi - d) // t)  # i - j <= floor((hi - d) / t)
+    b = None if lo is None else -_ceil_div(lo - d, t)  # i - j >= ceil((lo - d) / t)
+    n_q, n_k = q_seg.length, kv_seg.length
+    if a is not None and b is not None and a > b:
+        return []
+    r0 = max(0, -b) if b is not None else 0
+    c0 = max(0, a) if a is not None else 0
+    r1 = min(n_q, n_k - a) if a is not None else n_q
+    c1 = min(n_k, n_q + b) if b is not None else n_k
+    if r0 >= r1 or c0 >= c1:
+        return []
+    a = None if a is None or a + r0 - c0 <= -(r1 - r0 - 1) else a + r0 - c0
+    b = None if b is None or b + r0 - c0 >= c1 - c0 - 1 else b + r0 - c0
+    if a is None and b is None:
+        return [_Run((r0, r1), (c0, c1))]
+    if a is not None and r1 - r0 > c1 - c0:  # cuDNN's sliding window needs s_q <= s_kv
+        return None
+    return [_Run((r0, r1), (c0, c1), band=(None if a is None else 1 - a, b))]
+
+
+def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segment, kv_seg: Segment,
+               depth: int, device) -> List[_Run]:
+    """The block cut into 2**depth x 2**depth sub-blocks: empty ones skipped, neighbouring
+    sub-blocks of one kind joined into one call, full ones unmasked."""
+    n = 1 << depth
+    block_q = _TILE * _ceil_div(_ceil_div(q_seg.length, n), _TILE)
+    block_kv = _TILE * _ceil_div(_ceil_div(kv_seg.length, n), _TILE)
+    key = (mask.fingerprint, tuple((id(t), t._version) for t in mask.tensors()), batch if "b" in mask.deps else 1,
+           heads if "h" in mask.deps else 1, q_seg, kv_seg, block_q, block_kv, str(device))
+    if key in _PLANS:
+        return _PLANS[key]
+    kinds = block_kinds(mods.mask_mod, key[2], key[3], q_seg, kv_seg, block_q, block_kv, device).tolist()
+    runs = []
+    for i, row in enumerate(kinds):
+        rows = (i * block_q, min(q_seg.length, (i + 1) * block_q))
+        j = 0
+        while j < len(row):
+            end = j
+            while end < len(row) and row[end] == row[j]:
+                end += 1
+            if row[j] != BlockKind.EMPTY:
+                runs.append(_Run(rows, (j * block_kv, min(kv_seg.length, end * block_kv)), masked=row[j] == BlockKind.PARTIAL))
+            j = end
+    return _remember(_PLANS, key, runs, _MAX_PLANS)
+
+
+def _rows(x: Tensor, r: Tuple[int, int]) -> Tensor:
+    return x[:, :, r[0]:r[1]]
+
+
+def _sub(seg: Optional[Segment], r: Tuple[int, int]) -> Optional[Segment]:
+    return None if seg is None else seg.slice(*r)
+
+
+# --------------------------------------------------------------------------- the kernel
+
+class CudnnKernel:
+    """HopKernel on cuDNN's fused SDPA (see the module docstring)."""
+
+    name = "cudnn"
+
+    def __init__(self, split_depth: int = SPLIT_DEPTH):
+        self.split_depth = split_depth
+
+    def _runs(self, program: _Program, mods: Mods, q: Tensor, k: Tensor, q_seg, kv_seg) -> List[_Run]:
+        full = _Run((0, q.shape[2]), (0, k.shape[2]))
+        if program.mask is None:
+            return [full]
+        if q_seg is None or kv_seg is None:
+            raise ValueError("a masked block needs its q_seg and kv_seg")
+        band = diagonal_band(program.mask)
+        if band is not None and program.score is None:
+            runs = band_runs(band, q_seg, kv_seg)
+            if runs is not None:
+                return runs
+        if self.split_depth > 0:
+            return split_runs(mods, program.mask, q.shape[0], q.shape[1], q_seg, kv_seg, self.split_depth, q.device)
+        return [_Run(full.rows, full.cols, masked=True)]
+
+    def _call(self, backward: bool, run: _Run, program: _Program, tensors: Dict[str, Tensor], scale: float,
+              q_seg, kv_seg) -> None:
+        mask = program.mask if run.masked else None
+        lowering = None
+        q_seg, kv_seg = _sub(q_seg, run.rows), _sub(kv_seg, run.cols)
+        if program.score is not None or mask is not None:
+            if q_seg is None or kv_seg is None:
+                raise ValueError("a score_mod needs the block's q_seg and kv_seg")
+            lowering = _lowering(program.score, mask, backward)
+        strided = {"q_idx": q_seg is not None and q_seg.stride != 1, "kv_idx": kv_seg is not None and kv_seg.stride != 1}
+        _graph(backward, tensors, scale, run.band, lowering, strided).execute(tensors, q_seg, kv_seg, lowering)
+
+    def forward(self, q, k, v, q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods, scale: float,
+                masked: bool) -> Tuple[Tensor, Tensor]:
+        q, k, v = (_inner_contiguous(t) for t in (q, k, v))
+        program = _program(mods, masked, q.device)
+        runs = self._runs(program, mods, q, k, q_seg, kv_seg)
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+        done = set()
+        for run in runs:
+            first = run.rows not in done
+            o = _rows(out, run.rows) if first else torch.empty_like(_rows(out, run.rows))
+            s = _rows(lse, run.rows) if first else torch.empty_like(_rows(lse, run.rows))
+            tensors = dict(q=_rows(q, run.rows), k=_rows(k, run.cols), v=_rows(v, run.cols), out=o, lse=s.unsqueeze(-1))
+            self._call(False, run, program, tensors, scale, q_seg, kv_seg)
+            if not first:
+                _merge(_rows(out, run.rows), _rows(lse, run.rows), o, s)
+            done.add(run.rows)
+        for rows in _uncovered(q.shape[2], done):
+            _rows(out, rows).zero_()
+            _rows(lse, rows).fill_(-math.inf)
+        return out, lse
+
+    def backward(self, q, k, v, out, lse, dout, q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods,
+                 scale: float, masked: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        q, k, v, out, dout = (_inner_contiguous(t) for t in (q, k, v, out, dout))
+        program = _program(mods, masked, q.device)
+        runs = self._runs(program, mods, q, k, q_seg, kv_seg)
+        # A row that sees no key anywhere has lse -inf; +inf makes its probabilities exp(s - inf) = 0.
+        stats = torch.where(lse.isneginf(), math.inf, lse.float()).unsqueeze(-1)
+        disjoint = _disjoint([r.rows for r in runs]) and _disjoint([r.cols for r in runs])
+        if disjoint:  # every gradient element comes from at most one call: write in place
+            covers = len(runs) == 1 and runs[0].rows == (0, q.shape[2]) and runs[0].cols == (0, k.shape[2])
+            new = torch.empty_like if covers else torch.zeros_like
+            dq, dk, dv = new(q), new(k), new(v)
+        else:
+            dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+        for run in runs:
+            grads = (_rows(dq, run.rows), _rows(dk, run.cols), _rows(dv, run.cols))
+            if not disjoint:
+                grads = tuple(torch.empty(g.shape, dtype=q.dtype, device=q.device) for g in grads)
+            tensors = dict(q=_rows(q, run.rows), k=_rows(k, run.cols), v=_rows(v, run.cols), out=_rows(out, run.rows),
+                           dout=_rows(dout, run.rows), lse=_rows(stats, run.rows), dq=grads[0], dk=grads[1], dv=grads[2])
+            self._call(True, run, program, tensors, scale, q_seg, kv_seg)
+            if not disjoint:
+                _rows(dq, run.rows).add_(grads[0])
+                _rows(dk, run.cols).add_(grads[1])
+                _rows(dv, run.cols).add_(grads[2])
+        return dq, dk, dv
+
+
+def _lowering(score: Optional[ModGraph], mask: Optional[ModGraph], backward: bool) -> _Lowering:
+    key = (id(score), id(mask), backward)
+    cached = _LOWERINGS.get(key)
+    if cached is None or cached.score is not score or cached.mask is not mask:
+        cached = _remember(_LOWERINGS, key, _Lowering(score, mask, backward), _MAX_PLANS)
+    return cached
+
+
+def _inner_contiguous(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _merge(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
+    """Folds a second partial result of the same rows into (out, lse), in fp32."""
+    new = torch.logaddexp(lse, part_lse)
+    finite = torch.where(new.isneginf(), 0.0, new)
+    merged = out.float() * torch.exp(lse - finite).unsqueeze(-1) + part_out.float() * torch.exp(part_lse - finite).unsqueeze(-1)
+    out.copy_(merged)
+    lse.copy_(new)
+
+
+def _uncovered(length: int, covered) -> List[Tuple[int, int]]:
+    gaps, pos = [], 0
+    for begin, end in sorted(covered):
+        if begin > pos:
+            gaps.append((pos, begin))
+        pos = max(pos, end)
+    if pos < length:
+        gaps.append((pos, length))
+    return gaps
+
+
+def _disjoint(ranges) -> bool:
+    ranges = sorted(ranges)
+    return all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def cudnn_unavailable_reason(q: Tensor, k: Tensor, v: Tensor, mods: Mods) -> Optional[str]:
+    """Why ``CudnnKernel`` cannot run this call, or None if it can."""
+    if not q.is_cuda:
+        return "inputs are not on a CUDA device"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"the cuDNN kernel needs float16 or bfloat16 inputs, got {q.dtype}"
+    try:
+        cudnn = _cudnn()
+    except ImportError as e:
+        return f"nvidia-cudnn-frontend is not installed ({e}); pip install 'ringflex[cudnn]'"
+    if cudnn.backend_version() < _MIN_CUDNN:
+        return f"cuDNN {cudnn.backend_version_string()} is too old: score_mod needs cuDNN 9.6 or newer"
+    if torch.cuda.get_device_capability(q.device) < (9, 0):
+        return "the cuDNN kernel needs a Hopper (sm_90) or newer GPU"
+    for name, dim in (("q/k", q.shape[-1]), ("v", v.shape[-1])):
+        if dim % 8 or dim > 128:
+            return f"the {name} head dim must be a multiple of 8 and at most 128 for cuDNN, got {dim}"
+    if q.shape[1] % k.shape[1]:
+        return f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+    return lowering_error(mods, q.device)

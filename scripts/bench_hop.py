@@ -1,0 +1,161 @@
+"""Per-hop kernel timings on one GPU, forward and backward, for the mods of the test matrix.
+
+Compares ringflex's cuDNN hop (the whole sequence as one hop, offsets 0), torch
+flex_attention (compiled, with a block mask) and torch's cuDNN SDPA (no mask, causal).
+
+    python scripts/bench_hop.py                      # B=1 H=32 D=128 bf16 S=8192, every mod
+    python scripts/bench_hop.py --depths 0 1 2 3     # also the split-depth sweep
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ringflex import mods
+from ringflex.kernels import cudnn as cudnn_kernel
+from ringflex.kernels.base import Mods
+from ringflex.plan import Segment
+
+
+def matrix(seq: int, heads: int, device):
+    """Name -> (score_mod, mask_mod, kv_heads divisor)."""
+    doc = mods.document_ids(_doc_lengths(seq), device=device)
+    slopes = mods.alibi_slopes(heads).to(device)
+    cap = mods.softcap(30.0)
+    return {
+        "no_mask": (None, None, 1),
+        "causal": (None, mods.causal, 1),
+        "sliding_window_1024": (None, mods.sliding_window(1024), 1),
+        "prefix_lm_2048": (None, mods.prefix_lm(seq // 4), 1),
+        "documents": (None, mods.document(doc), 1),
+        "alibi_causal": (mods.alibi(slopes), mods.causal, 1),
+        "softcap": (cap, None, 1),
+        "causal_softcap": (cap, mods.causal, 1),
+        "image_2d_r8": (None, mods.image_neighbourhood(seq // 128, 128, 8), 1),
+        "gqa_causal_4x": (None, mods.causal, 4),
+    }
+
+
+def _doc_lengths(seq: int):
+    pattern = [512, 1536, 768, 2048, 1024, 256, 2048]
+    lengths, left, i = [], seq, 0
+    while left > 0:
+        lengths.append(min(left, pattern[i % len(pattern)]))
+        left -= lengths[-1]
+        i += 1
+    return lengths
+
+
+def timed(fn, setup=None, warmup=3, iters=10) -> float:
+    """Median milliseconds of ``fn`` (``setup`` runs untimed before each call)."""
+    times = []
+    for i in range(warmup + iters):
+        arg = setup() if setup else None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(arg)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_ringflex(q, k, v, dout, score_mod, mask_mod, depth):
+    kernel = cudnn_kernel.CudnnKernel(split_depth=depth)
+    seg = Segment(0, 1, q.shape[2])
+    m = Mods(score_mod, mask_mod)
+    masked = mask_mod is not None
+    segs = (seg, seg) if (masked or score_mod is not None) else (None, None)
+    scale = q.shape[-1] ** -0.5
+    t0 = time.perf_counter()
+    out, lse = kernel.forward(q, k, v, *segs, m, scale, masked)
+    kernel.backward(q, k, v, out, lse, dout, *segs, m, scale, masked)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    fwd = timed(lambda _: kernel.forward(q, k, v, *segs, m, scale, masked))
+    bwd = timed(lambda _: kernel.backward(q, k, v, out, lse, dout, *segs, m, scale, masked))
+    return fwd, bwd, first
+
+
+def bench_flex(q, k, v, dout, score_mod, mask_mod):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], device=q.device)
+    gqa = q.shape[1] != k.shape[1]
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def run(_=None):
+        return flex(qg, kg, vg, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+
+    fwd = timed(lambda _: run())
+    bwd = timed(lambda out: out.backward(dout), setup=run)
+    return fwd, bwd
+
+
+def bench_sdpa(q, k, v, dout, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gqa = q.shape[1] != k.shape[1]
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def run(_=None):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, enable_gqa=gqa)
+
+    fwd = timed(lambda _: run())
+    bwd = timed(lambda out: out.backward(dout), setup=run)
+    return fwd, bwd
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--mods", nargs="*", help="subset of the matrix (default: all)")
+    p.add_argument("--depths", type=int, nargs="*", default=[], help="split depths to sweep for ringflex")
+    p.add_argument("--no-flex", action="store_true", help="skip torch flex_attention")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    table = matrix(args.seq, args.heads, device)
+    names = args.mods or list(table)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, B={args.batch} H={args.heads} "
+          f"D={args.dim} S={args.seq} bf16, default split depth {cudnn_kernel.SPLIT_DEPTH}; times in ms (median)")
+    print("| mod | ringflex fwd | ringflex bwd | flex fwd | flex bwd | torch cuDNN fwd | torch cuDNN bwd | first call s |")
+    print("|---|---|---|---|---|---|---|---|")
+    sweep = []
+    for name in names:
+        score_mod, mask_mod, group = table[name]
+        shape = (args.batch, args.heads, args.seq, args.dim)
+        kv_shape = (args.batch, args.heads // group, args.seq, args.dim)
+        q = torch.randn(shape, device=device, dtype=torch.bfloat16)
+        k, v = (torch.randn(kv_shape, device=device, dtype=torch.bfloat16) for _ in range(2))
+        dout = torch.randn(shape, device=device, dtype=torch.bfloat16)
+        rf = bench_ringflex(q, k, v, dout, score_mod, mask_mod, cudnn_kernel.SPLIT_DEPTH)
+        fx = ("-", "-") if args.no_flex else tuple(f"{t:.2f}" for t in bench_flex(q, k, v, dout, score_mod, mask_mod))
+        sd = ("-", "-")
+        if score_mod is None and mask_mod in (None, mods.causal):
+            sd = tuple(f"{t:.2f}" for t in bench_sdpa(q, k, v, dout, mask_mod is not None))
+        print(f"| {name} | {rf[0]:.2f} | {rf[1]:.2f} | {fx[0]} | {fx[1]} | {sd[0]} | {sd[1]} | {rf[2]:.1f} |", flush=True)
+        for depth in args.depths:
+            if mask_mod is not None:
+                sweep.append((name, depth) + bench_ringflex(q, k, v, dout, score_mod, mask_mod, depth))
+    if sweep:
+        print("\n| mod | split depth | fwd | bwd | first call s |")
+        print("|---|---|---|---|---|")
+        for name, depth, fwd, bwd, first in sweep:
+            print(f"| {name} | {depth} | {fwd:.2f} | {bwd:.2f} | {first:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
