@@ -31,7 +31,11 @@ def run_world(world_size: int, fn, *args, timeout: float = 240.0, allow_errors: 
     that rank's result); ranks still running after ``timeout`` seconds are killed and the
     call raises TimeoutError, so a hang fails a test instead of blocking it.
     """
-    ctx = mp.get_context("spawn")
+    # Children fork from a server that has imported torch once: starting a rank costs
+    # milliseconds instead of a fresh interpreter's seconds. They inherit the server's
+    # environment, not the caller's: set environment variables inside ``fn``.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "ringflex"])
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
