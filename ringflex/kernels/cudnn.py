@@ -18,6 +18,7 @@ without the mask.
 from __future__ import annotations
 
 import atexit
+import gc
 import math
 import sys
 from collections import OrderedDict
@@ -58,6 +59,8 @@ def clear_cache() -> None:
     _GRAPHS.clear()
     _PLANS.clear()
     _LOWERINGS.clear()
+    _BANDS.clear()
+    gc.collect()
     cudnn = sys.modules.get("cudnn")
     for handle in _HANDLES.values():
         cudnn.destroy_handle(handle)
@@ -157,38 +160,45 @@ def lowering_error(mods: Mods, device=None) -> Optional[str]:
 
 
 class _Emitter:
-    """Emits the lowered mods into a cuDNN graph inside its score_mod callbacks."""
+    """Emits the lowered mods into a cuDNN graph inside its score_mod callbacks.
+
+    cuDNN's fused kernel rejects a graph input (constant, offset, hoisted tensor) in the
+    first port of comparisons and selects, so operands are swapped where the operation
+    allows it, and otherwise an input is first added to a computed zero.
+    """
 
     def __init__(self, lowering: _Lowering, inputs: "_Inputs"):
         self.lowering, self.inputs = lowering, inputs
         self.memo: Dict[int, object] = {}
-        self.g = None
-        self.score = None
+        self.g = self.base = self.zero = None
 
     def forward(self, g, score):
-        self.g, self.score = g, score
-        self.memo = {}
+        self.g, self.base, self.zero, self.memo = g, score, None, {}
         out = score
         if self.lowering.score is not None:
             self.memo[id(self._leaf(self.lowering.score, "score"))] = score
             out = self._number(self.lowering.score.output)
         if self.lowering.mask is not None:
-            keep = self._bool(self.lowering.mask.output)
-            out = self._typed(g.binary_select(input0=out, input1=self._const(-math.inf), mask=keep), "FLOAT")
+            out = self._select(out, self._const(-math.inf), self._bool(self.lowering.mask.output))
         return out
 
     def backward(self, g, grad):
-        self.g = g
         if self.lowering.grad is None:
             return grad
+        self.g, self.base = g, grad
         self.memo[id(self._leaf(self.lowering.grad, "grad"))] = grad
         return self._number(self.lowering.grad.output)
+
+    def release(self) -> None:
+        """Drops the references to cuDNN objects once the graph is built."""
+        self.g = self.base = self.zero = None
+        self.memo = {}
 
     @staticmethod
     def _leaf(graph: ModGraph, name: str) -> Node:
         return next((n for n in graph.nodes if n.op == name), Node(name))
 
-    # Values come out as FLOAT (numbers), INT32 (indices) or BOOLEAN (conditions).
+    # Values are FLOAT (numbers), INT32 (indices) or BOOLEAN (conditions) cuDNN tensors.
     def _typed(self, t, dtype: str):
         t.set_data_type(getattr(_cudnn().data_type, dtype))
         return t
@@ -196,25 +206,50 @@ class _Emitter:
     def _const(self, value: float):
         return self.inputs.use(self.inputs.consts[float(value)])
 
+    def _computed(self, t):
+        """``t`` as a tensor computed inside the graph (see the class docstring)."""
+        if not self.inputs.is_input(t):
+            return t
+        if self.zero is None:
+            index = self._typed(self.g.gen_index(input=self.base, axis=3), "INT32")
+            self.zero = self._op("sub", index, index)
+        return self._op("add", self.zero, t)
+
+    def _op(self, name: str, x, y=None, **extra):
+        """One pointwise operation, with a computed tensor in its first port."""
+        cudnn = _cudnn()
+        if y is not None and self.inputs.is_input(x):
+            if name in _SWAPPED and not self.inputs.is_input(y):
+                name, x, y = _SWAPPED[name], y, x
+            else:
+                x = self._computed(x)
+        ports = _PORTS.get(name, ("input",))
+        args = dict(zip(ports, (x, y) if y is not None else (x,)))
+        boolean = name.startswith("logical")
+        compute = cudnn.data_type.BOOLEAN if boolean else cudnn.data_type.FLOAT
+        t = getattr(self.g, name)(**args, **extra, compute_data_type=compute)
+        return self._typed(t, "BOOLEAN" if boolean or name.startswith("cmp") else "FLOAT")
+
+    def _select(self, x, y, keep):
+        """``keep ? x : y``."""
+        if self.inputs.is_input(x):
+            if self.inputs.is_input(y):
+                x = self._computed(x)
+            else:
+                x, y, keep = y, x, self._op("logical_not", keep)
+        return self._typed(self.g.binary_select(input0=x, input1=y, mask=keep), "FLOAT")
+
     def _number(self, n: Node):
         t = self._emit(n)
         if n.dtype == torch.bool:  # True / False as 1 / 0
-            t = self._typed(self.g.binary_select(input0=self._const(1.0), input1=self._const(0.0), mask=t), "FLOAT")
+            t = self._select(self._const(1.0), self._const(0.0), t)
         return t
 
     def _bool(self, n: Node):
         t = self._emit(n)
         if n.dtype != torch.bool or not _in_graph(n):  # hoisted and constant conditions arrive as 1.0 / 0.0
-            t = self._cmp("cmp_neq", t, self._const(0.0))
+            t = self._op("cmp_neq", t, self._const(0.0))
         return t
-
-    def _cmp(self, name: str, a, b):
-        F = _cudnn().data_type.FLOAT
-        return self._typed(getattr(self.g, name)(input=a, comparison=b, compute_data_type=F), "BOOLEAN")
-
-    def _arith(self, name: str, *args, **kwargs):
-        F = _cudnn().data_type.FLOAT
-        return self._typed(getattr(self.g, name)(*args, compute_data_type=F, **kwargs), "FLOAT")
 
     def _emit(self, n: Node):
         if id(n) not in self.memo:
@@ -222,56 +257,57 @@ class _Emitter:
         return self.memo[id(n)]
 
     def _lower(self, n: Node):
-        g, cudnn = self.g, _cudnn()
         if not _in_graph(n):
             if n.op == "const":
                 return self._const(float(n.value))
             if n.op in ("q_idx", "kv_idx"):
-                I = cudnn.data_type.INT32
-                index = self._typed(g.gen_index(input=self.score, axis=2 if n.op == "q_idx" else 3), "INT32")
+                I = _cudnn().data_type.INT32
+                index = self._typed(self.g.gen_index(input=self.base, axis=2 if n.op == "q_idx" else 3), "INT32")
                 stride = self.inputs.strides.get(n.op)
                 if stride is not None:
-                    index = self._typed(g.mul(a=index, b=self.inputs.use(stride), compute_data_type=I), "INT32")
-                return self._typed(g.add(a=index, b=self.inputs.use(self.inputs.starts[n.op]), compute_data_type=I), "INT32")
+                    index = self._typed(self.g.mul(a=index, b=self.inputs.use(stride), compute_data_type=I), "INT32")
+                start = self.inputs.use(self.inputs.starts[n.op])
+                return self._typed(self.g.add(a=index, b=start, compute_data_type=I), "INT32")
             return self.inputs.use(self.inputs.hoisted[self.inputs.hoisted_index[id(n)]][0])
         op, a = n.op, n.args
         if op in _UNARY_CUDNN:
-            return self._arith(op, input=self._number(a[0]))
-        if op in ("add", "sub", "mul", "div"):
-            return self._arith(op, a=self._number(a[0]), b=self._number(a[1]))
-        if op in ("minimum", "maximum", "pow"):
-            name = {"minimum": "min", "maximum": "max", "pow": "pow"}[op]
-            return self._arith(name, input0=self._number(a[0]), input1=self._number(a[1]))
+            return self._op(op, self._number(a[0]))
+        if op in _BINARY_CUDNN:
+            return self._op(_BINARY_CUDNN[op], self._number(a[0]), self._number(a[1]))
         if op in ("floordiv", "mod"):
             x, y = self._number(a[0]), self._number(a[1])
-            floor = self._arith("floor", input=self._arith("div", a=x, b=y))
-            if op == "floordiv":
-                return floor
-            return self._arith("sub", a=x, b=self._arith("mul", a=y, b=floor))  # Python's sign convention
-        if op in ("eq", "ne", "lt", "le", "gt", "ge"):
-            return self._cmp(_CMP_CUDNN[op], self._number(a[0]), self._number(a[1]))
+            floor = self._op("floor", self._op("div", x, y))
+            return floor if op == "floordiv" else self._op("sub", x, self._op("mul", y, floor))  # Python's sign
+        if op in _CMP_CUDNN:
+            return self._op(_CMP_CUDNN[op], self._number(a[0]), self._number(a[1]))
         if op in ("and", "or"):
-            B = cudnn.data_type.BOOLEAN
-            fn = g.logical_and if op == "and" else g.logical_or
-            return self._typed(fn(a=self._bool(a[0]), b=self._bool(a[1]), compute_data_type=B), "BOOLEAN")
+            return self._op("logical_" + op, self._bool(a[0]), self._bool(a[1]))
         if op == "not":
-            B = cudnn.data_type.BOOLEAN
-            return self._typed(g.logical_not(input=self._bool(a[0]), compute_data_type=B), "BOOLEAN")
+            return self._op("logical_not", self._bool(a[0]))
         if op == "where":
-            t = self._typed(g.binary_select(input0=self._number(a[1]), input1=self._number(a[2]),
-                                            mask=self._bool(a[0])), "FLOAT")
-            return self._cmp("cmp_neq", t, self._const(0.0)) if n.dtype == torch.bool else t
+            t = self._select(self._number(a[1]), self._number(a[2]), self._bool(a[0]))
+            return self._op("cmp_neq", t, self._const(0.0)) if n.dtype == torch.bool else t
         if op == "cast":
             if n.dtype == torch.bool:
-                return self._cmp("cmp_neq", self._number(a[0]), self._const(0.0))
+                return self._op("cmp_neq", self._number(a[0]), self._const(0.0))
             return self._number(a[0])  # numbers are fp32 inside the graph
-        if op in ("tanh_backward", "sigmoid_backward"):
-            return self._arith(op, loss=self._number(a[0]), input=self._number(a[1]))
         raise UnsupportedModError(f"operation {op} cannot be lowered to cuDNN")
 
 
 _UNARY_CUDNN = {"neg", "abs", "exp", "log", "sqrt", "tanh", "sigmoid", "floor"}
+_BINARY_CUDNN = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "minimum": "min", "maximum": "max",
+                 "pow": "pow", "tanh_backward": "tanh_backward", "sigmoid_backward": "sigmoid_backward"}
 _CMP_CUDNN = {"eq": "cmp_eq", "ne": "cmp_neq", "lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge"}
+_PORTS = {
+    **{name: ("a", "b") for name in ("add", "sub", "mul", "div", "logical_and", "logical_or")},
+    **{name: ("input0", "input1") for name in ("min", "max", "pow")},
+    **{name: ("input", "comparison") for name in _CMP_CUDNN.values()},
+    "tanh_backward": ("loss", "input"), "sigmoid_backward": ("loss", "input"),
+}
+# x op y == y op' x
+_SWAPPED = {"add": "add", "mul": "mul", "min": "min", "max": "max", "logical_and": "logical_and",
+            "logical_or": "logical_or", "cmp_eq": "cmp_eq", "cmp_neq": "cmp_neq", "cmp_lt": "cmp_gt",
+            "cmp_gt": "cmp_lt", "cmp_le": "cmp_ge", "cmp_ge": "cmp_le"}
 
 
 class _Inputs:
@@ -295,6 +331,11 @@ class _Inputs:
             self.hoisted.append((g.tensor(name=f"hoisted{i}", dim=dims, stride=_contiguous_strides(dims), data_type=F), dims))
             self.hoisted_index[id(n)] = i
         self.used: Dict[int, object] = {}
+        self.ids = {id(t) for t in list(self.consts.values()) + list(self.starts.values())
+                    + list(self.strides.values()) + [t for t, _ in self.hoisted]}
+
+    def is_input(self, t) -> bool:
+        return id(t) in self.ids
 
     def use(self, t):
         self.used[id(t)] = t
@@ -402,7 +443,7 @@ def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
     kwargs = dict(attn_scale=scale)
     if band is not None:
         kwargs.update(_band_kwargs(band))
-    inputs = None
+    inputs = emitter = None
     if lowering is not None:
         shapes = {"b": q.shape[0], "h": q.shape[1], "q_idx": q.shape[2], "kv_idx": tensors["k"].shape[2]}
         inputs = _Inputs(g, lowering, shapes, strided)
@@ -427,6 +468,8 @@ def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     g.check_support()
     g.build_plans()
+    if emitter is not None:
+        emitter.release()
     return _Graph(g, io, inputs, g.get_workspace_size())
 
 
@@ -505,6 +548,16 @@ def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segmen
     return _remember(_PLANS, key, runs, _MAX_PLANS)
 
 
+_BANDS: "OrderedDict[int, tuple]" = OrderedDict()
+
+
+def _band(mask: ModGraph):
+    cached = _BANDS.get(id(mask))
+    if cached is None or cached[0] is not mask:
+        cached = _remember(_BANDS, id(mask), (mask, diagonal_band(mask)), _MAX_PLANS)
+    return cached[1]
+
+
 def _rows(x: Tensor, r: Tuple[int, int]) -> Tensor:
     return x[:, :, r[0]:r[1]]
 
@@ -529,7 +582,7 @@ class CudnnKernel:
             return [full]
         if q_seg is None or kv_seg is None:
             raise ValueError("a masked block needs its q_seg and kv_seg")
-        band = diagonal_band(program.mask)
+        band = _band(program.mask)
         if band is not None and program.score is None:
             runs = band_runs(band, q_seg, kv_seg)
             if runs is not None:
@@ -591,7 +644,8 @@ class CudnnKernel:
             if not disjoint:
                 grads = tuple(torch.empty(g.shape, dtype=q.dtype, device=q.device) for g in grads)
             tensors = dict(q=_rows(q, run.rows), k=_rows(k, run.cols), v=_rows(v, run.cols), out=_rows(out, run.rows),
-                           dout=_rows(dout, run.rows), lse=_rows(stats, run.rows), dq=grads[0], dk=grads[1], dv=grads[2])
+                           dout=_rows(dout, run.rows), lse=_rows(stats, run.rows).contiguous(),  # cuDNN wants it packed
+                           dq=grads[0], dk=grads[1], dv=grads[2])
             self._call(True, run, program, tensors, scale, q_seg, kv_seg)
             if not disjoint:
                 _rows(dq, run.rows).add_(grads[0])

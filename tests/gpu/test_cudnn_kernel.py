@@ -44,12 +44,13 @@ def _case_inputs(case, dtype, head_dim=64, batch=2, seed=0):
 
 
 def _err(got, want):
-    """Largest error relative to the largest reference value (bf16 keeps about 3 digits)."""
+    """Largest error relative to the largest reference value, or absolute below 1 (bf16 keeps
+    about 3 digits; a gradient that should be 0 is 1e-3-ish noise, not a relative error)."""
     got, want = got.float(), want.float()
     assert not got.isnan().any(), "NaN in the cuDNN result"
     finite = want.isfinite()
     assert torch.equal(got.isfinite(), finite), "non-finite values differ"
-    return ((got - want).abs()[finite].max() / want.abs()[finite].max().clamp_min(1e-6)).item() if finite.any() else 0.0
+    return ((got - want).abs()[finite].max() / want.abs()[finite].max().clamp_min(1.0)).item() if finite.any() else 0.0
 
 
 def _check(name, case, q_seg, kv_seg, kernel, dtype=torch.bfloat16, head_dim=64, masked=True, tol=2e-2):
