@@ -1,8 +1,11 @@
 """ringflex: context-parallel (ring) attention with flex_attention-style mods at global positions."""
-from . import mods
+from . import mods, training
 from .api import ring_flex_attention
+from .module import RingFlexAttention, RingFlexMode
 from .parallel.layout import LAYOUTS
 from .parallel.shard import shard, unshard
+from .varlen import PackedSequences, varlen_attention
 
-__all__ = ["ring_flex_attention", "shard", "unshard", "mods", "LAYOUTS"]
+__all__ = ["ring_flex_attention", "shard", "unshard", "mods", "LAYOUTS", "RingFlexAttention", "RingFlexMode",
+           "PackedSequences", "varlen_attention", "training"]
 __version__ = "0.1.0"

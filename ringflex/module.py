@@ -1,0 +1,268 @@
+"""Make an existing model context-parallel without touching its code.
+
+``RingFlexMode`` is a ``TorchFunctionMode``: while it is active, the attention calls made by
+the model -- ``torch.nn.functional.scaled_dot_product_attention`` and
+``torch.nn.attention.flex_attention.flex_attention`` -- run as ``ring_flex_attention`` on the
+given process group and layout. ``RingFlexAttention`` is the ``nn.Module`` form: it wraps an
+attention module or a whole model and activates the mode around its forward.
+
+How the calls are found:
+
+- SDPA is a torch function, so the mode sees it directly.
+- ``flex_attention`` is a plain Python function. While a mode is active, every module global
+  that holds torch's ``flex_attention`` (``torch.nn.attention.flex_attention.flex_attention``
+  and the names bound by ``from torch.nn.attention.flex_attention import flex_attention``
+  anywhere) points at ``flex_attention`` of this module, which hands the call to the mode.
+  The patch is process-wide but harmless: outside a mode (in any thread) the replacement calls
+  torch's function unchanged, and the last mode to exit restores the originals.
+
+Limits: a reference the patch cannot see (``torch.compile(flex_attention)``, an attribute or
+default argument holding the function) still reaches torch's flex_attention, which the mode
+then refuses with an error naming the cause. The wrapper runs in eager mode; a model compiled
+as a whole is not routed. Activation checkpointing recomputes outside the wrapper's forward,
+so wrap the attention modules themselves (the recompute then runs the wrapper again).
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import flex_attention as _flex
+from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
+
+from . import mods
+from .api import ring_flex_attention
+from .parallel.layout import check_layout
+from .validate import BACKENDS
+
+_TORCH_FLEX = _flex.flex_attention
+_FLEX_SIGNATURE = inspect.signature(_TORCH_FLEX)
+_FLEX_HOP = getattr(torch.ops.higher_order, "flex_attention", None)
+
+
+def flex_attention(query, key, value, *args, **kwargs):
+    """torch's ``flex_attention``, routed to the innermost active ``RingFlexMode`` if any."""
+    if has_torch_function((query, key, value)):
+        return handle_torch_function(flex_attention, (query, key, value), query, key, value, *args, **kwargs)
+    return _TORCH_FLEX(query, key, value, *args, **kwargs)
+
+
+def attention(query, key, value, *, score_mod=None, mask_mod=None, scale=None, enable_gqa=False):
+    """Attention over the sharded sequence of the active ``RingFlexMode`` (its group, layout,
+    backend and extra mask). For integrations that call attention directly (Hugging Face)."""
+    if has_torch_function((query, key, value)):
+        return handle_torch_function(attention, (query, key, value), query, key, value, score_mod=score_mod,
+                                     mask_mod=mask_mod, scale=scale, enable_gqa=enable_gqa)
+    raise RuntimeError("ringflex attention was called outside RingFlexAttention / RingFlexMode: wrap the model "
+                       "(RingFlexAttention(model, group=...)) or run it inside `with RingFlexMode(group=...)`")
+
+
+def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+class _FlexPatch:
+    """Points module globals that hold torch's flex_attention at ours while any mode is active."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+        self._holders = []  # (module dict, name) found by the last scan
+        self._scanned_modules = -1  # len(sys.modules) at that scan: rescan after new imports
+
+    def _scan(self):
+        if len(sys.modules) != self._scanned_modules:
+            self._scanned_modules = len(sys.modules)
+            found = {}
+            for module in list(sys.modules.values()):
+                namespace = getattr(module, "__dict__", None)
+                if isinstance(namespace, dict) and namespace is not globals():  # ours keeps the original
+                    for name, value in list(namespace.items()):
+                        if value is _TORCH_FLEX:
+                            found[id(namespace), name] = (namespace, name)
+            self._holders = list(found.values())
+        return self._holders
+
+    def acquire(self):
+        with self._lock:
+            if self._users == 0:
+                for namespace, name in self._scan():
+                    if namespace.get(name) is _TORCH_FLEX:
+                        namespace[name] = flex_attention
+            self._users += 1
+
+    def release(self):
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                for namespace, name in self._holders:
+                    if namespace.get(name) is flex_attention:
+                        namespace[name] = _TORCH_FLEX
+
+
+_PATCH = _FlexPatch()
+
+
+class _MaskCombiner:
+    """``and_masks(call_mask, extra)``, remembered so the planner sees the same object each step."""
+
+    def __init__(self, size: int = 16):
+        self.size = size
+        self.entries = {}
+
+    def __call__(self, call_mask: Optional[Callable], extra: Optional[Callable]) -> Optional[Callable]:
+        if call_mask is None or extra is None:
+            return call_mask if extra is None else extra
+        key = (id(call_mask), id(extra))
+        entry = self.entries.get(key)
+        if entry is None or entry[0] is not call_mask or entry[1] is not extra:
+            if len(self.entries) >= self.size:
+                self.entries.pop(next(iter(self.entries)))
+            entry = self.entries[key] = (call_mask, extra, mods.and_masks(call_mask, extra))
+        return entry[2]
+
+
+def _mask_from_block_mask(block_mask, q_len: int, kv_len: int, world_size: int) -> Optional[Callable]:
+    """The mask_mod behind a BlockMask, which ringflex evaluates at global positions."""
+    if not isinstance(block_mask, _flex.BlockMask):
+        raise TypeError(f"flex_attention: block_mask must be a BlockMask or None, got {type(block_mask).__name__}")
+    lengths = tuple(block_mask.seq_lengths)
+    if lengths not in ((q_len, kv_len), (q_len * world_size, kv_len * world_size)):
+        raise ValueError(
+            f"flex_attention: block_mask was built for lengths {lengths}, but this rank holds {q_len} query and "
+            f"{kv_len} key tokens of {q_len * world_size} and {kv_len * world_size}: build it for either")
+    mask_mod = block_mask.mask_mod
+    if mask_mod is getattr(_flex, "_sliced_mask_mod_error", object()):
+        raise ValueError("flex_attention: a sliced BlockMask has no mask_mod; pass the unsliced one")
+    if mask_mod is _flex.noop_mask:
+        if bool(block_mask.to_dense().all()):
+            return None
+        raise ValueError(
+            "flex_attention: this BlockMask has no mask_mod (it was built from block indices), so its sparsity "
+            "cannot be evaluated at global positions; build it with create_block_mask(mask_mod, ...)")
+    return mask_mod
+
+
+class RingFlexMode(TorchFunctionMode):
+    """While active, SDPA and flex_attention calls run as ring attention over ``group``.
+
+    Every q/k/v that reaches attention must be this rank's shard of the sequence in ``layout``
+    (see ``ringflex.shard``); every rank must make the same calls. ``mask_mod`` (optional) is
+    ANDed onto every call's mask -- the document mask of a packed batch, for a model that only
+    knows ``is_causal``. Calls that cannot be routed exactly raise instead of computing
+    something else: a dense ``attn_mask``, ``dropout_p > 0``, a BlockMask without mask_mod.
+    """
+
+    def __init__(self, group=None, layout: str = "zigzag", backend: str = "auto", mask_mod: Optional[Callable] = None):
+        super().__init__()
+        check_layout(layout)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if mask_mod is not None and not callable(mask_mod):
+            raise TypeError(f"mask_mod must be callable or None, got {type(mask_mod).__name__}")
+        self.group, self.layout, self.backend, self.mask_mod = group, layout, backend, mask_mod
+        self._combine = _MaskCombiner()
+
+    def __enter__(self):
+        _PATCH.acquire()
+        try:
+            return super().__enter__()
+        except BaseException:
+            _PATCH.release()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _PATCH.release()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._sdpa(*args, **kwargs)
+        if func is flex_attention:
+            return self._flex(*args, **kwargs)
+        if func is attention:
+            return self._ring(*args, **kwargs)
+        if _FLEX_HOP is not None and func is _FLEX_HOP:
+            raise RuntimeError(
+                "RingFlexMode: torch's flex_attention was reached through a reference ringflex could not replace "
+                "(torch.compile(flex_attention), or the function kept in an attribute): call "
+                "torch.nn.attention.flex_attention.flex_attention, or a name imported from it, in eager mode")
+        return func(*args, **kwargs)
+
+    def _world_size(self) -> int:
+        dist = torch.distributed
+        return dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+
+    def _ring(self, query, key, value, *, score_mod=None, mask_mod=None, scale=None, enable_gqa=False,
+              return_lse=False):
+        return ring_flex_attention(query, key, value, score_mod=score_mod, mask_mod=self._combine(mask_mod, self.mask_mod),
+                                   group=self.group, layout=self.layout, scale=scale, enable_gqa=enable_gqa,
+                                   return_lse=return_lse, backend=self.backend)
+
+    def _sdpa(self, query, key, value, *args, **kwargs):
+        attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_arguments(query, key, value, *args, **kwargs)
+        if attn_mask is not None:
+            raise ValueError(
+                "scaled_dot_product_attention: RingFlexMode cannot route a dense attn_mask (it describes local, not "
+                "global, positions); express the mask as a mask_mod: flex_attention with "
+                "create_block_mask(mask_mod, ...), or RingFlexMode(mask_mod=...) with is_causal")
+        if dropout_p:
+            raise ValueError(f"scaled_dot_product_attention: RingFlexMode does not support dropout, got "
+                             f"dropout_p={dropout_p}; pass dropout_p=0.0 (e.g. put the model in eval mode)")
+        return self._ring(query, key, value, mask_mod=mods.causal if is_causal else None, scale=scale,
+                          enable_gqa=enable_gqa)
+
+    def _flex(self, query, key, value, *args, **kwargs):
+        bound = _FLEX_SIGNATURE.bind(query, key, value, *args, **kwargs).arguments
+        block_mask = bound.get("block_mask")
+        mask_mod = None if block_mask is None else _mask_from_block_mask(
+            block_mask, query.shape[-2], key.shape[-2], self._world_size())
+        return_aux = bound.get("return_aux")
+        if return_aux is not None and getattr(return_aux, "max_scores", False):
+            raise ValueError("flex_attention: RingFlexMode cannot return max_scores; request AuxRequest(lse=True) only")
+        want_lse = bool(bound.get("return_lse")) or (return_aux is not None and return_aux.lse)
+        result = self._ring(query, key, value, score_mod=bound.get("score_mod"), mask_mod=mask_mod,
+                            scale=bound.get("scale"), enable_gqa=bool(bound.get("enable_gqa")), return_lse=want_lse)
+        if return_aux is not None:
+            out, lse = result if want_lse else (result, None)
+            return out, _flex.AuxOutput(lse=lse, max_scores=None)
+        return result
+
+
+class RingFlexAttention(nn.Module):
+    """Wraps an attention module or a whole model: its forward runs inside a ``RingFlexMode``.
+
+    ``RingFlexAttention(model, group=g, layout="zigzag")(*inputs)`` computes what ``model``
+    computes on one device, given this rank's shards of the inputs (and the global position
+    ids, for RoPE). ``mask_mod`` may be changed between steps (new packed documents).
+    """
+
+    def __init__(self, module: nn.Module, *, group=None, layout: str = "zigzag", backend: str = "auto",
+                 mask_mod: Optional[Callable] = None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.mode = RingFlexMode(group=group, layout=layout, backend=backend, mask_mod=mask_mod)
+
+    @property
+    def mask_mod(self) -> Optional[Callable]:
+        return self.mode.mask_mod
+
+    @mask_mod.setter
+    def mask_mod(self, mask_mod: Optional[Callable]) -> None:
+        if mask_mod is not None and not callable(mask_mod):
+            raise TypeError(f"mask_mod must be callable or None, got {type(mask_mod).__name__}")
+        self.mode.mask_mod = mask_mod
+
+    def forward(self, *args, **kwargs):
+        with self.mode:
+            return self.module(*args, **kwargs)

@@ -1,0 +1,119 @@
+"""The rest of a context-parallel training step: sharded inputs, labels, positions, loss, gradients.
+
+Convention (the same as ``ringflex.unshard``): a value every rank holds alike -- the loss --
+is counted once. Each rank back-propagates the loss into its own tokens; the ring carries
+the gradients that cross ranks; each rank's parameter gradients then hold its tokens' share
+and ``reduce_gradients`` sums them over the group.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from .parallel import layout as layouts
+from .parallel.shard import shard
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def shard_batch(batch, *, dim: int = 1, group=None, layout: str = "zigzag"):
+    """This rank's shard, along ``dim``, of every tensor of ``batch`` (a tensor, a mapping, a
+    list or a tuple); other values pass unchanged. Shard inputs, labels and position ids together
+    so that every token keeps its label and its global position."""
+    if isinstance(batch, Tensor):
+        return shard(batch, dim, group, layout)
+    if isinstance(batch, Mapping):
+        return type(batch)({key: shard_batch(value, dim=dim, group=group, layout=layout) for key, value in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(shard_batch(value, dim=dim, group=group, layout=layout) for value in batch)
+    return batch
+
+
+def position_ids(seq_len: int, *, group=None, layout: str = "zigzag", device=None) -> Tensor:
+    """Global positions [seq_len // world_size] of this rank's tokens: pass them to RoPE."""
+    return layouts.positions(layout, seq_len, _group_size(group), _rank(group), device)
+
+
+def next_token_labels(tokens: Tensor, *, doc_ids: Optional[Tensor] = None, ignore_index: int = -100) -> Tensor:
+    """Labels of next-token prediction for the FULL sequence ``tokens`` [..., S]: ``tokens``
+    shifted left by one, ``ignore_index`` at the end and, given the per-token ``doc_ids`` [S]
+    of a packed batch, at the last token of every document. Shift before sharding: a token's
+    successor may live on another rank."""
+    labels = torch.full_like(tokens, ignore_index)
+    labels[..., :-1] = tokens[..., 1:]
+    if doc_ids is not None:
+        if doc_ids.shape[-1] != tokens.shape[-1]:
+            raise ValueError(f"doc_ids must have one id per token ({tokens.shape[-1]}), got shape {tuple(doc_ids.shape)}")
+        ends = torch.ones_like(doc_ids, dtype=torch.bool)
+        ends[..., :-1] = doc_ids[..., 1:] != doc_ids[..., :-1]
+        labels = labels.masked_fill(ends.to(labels.device), ignore_index)
+    return labels
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Sum of ``x`` over the ranks; the result is a value every rank holds alike, so each rank's
+    gradient passes straight to its own ``x`` (the loss is counted once, not once per rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        total = x.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_over_ranks(x: Tensor, group=None) -> Tensor:
+    """All-reduced sum of ``x`` over ``group``, differentiable (see ``_SumOverRanks``)."""
+    return _SumOverRanks.apply(x, group) if _group_size(group) > 1 else x
+
+
+def sharded_cross_entropy(logits: Tensor, labels: Tensor, *, group=None, ignore_index: int = -100) -> Tensor:
+    """Mean cross-entropy over the tokens of ALL ranks, the same value on every rank.
+
+    logits [..., V] and labels [...] are this rank's tokens. Sum of the local token losses,
+    summed over the ranks, divided by the global count of labelled tokens: exactly the loss
+    of the unsharded batch, however unevenly the labelled tokens fall on the ranks.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits [..., vocab] and labels [...] must match, got shapes {tuple(logits.shape)} "
+                         f"and {tuple(labels.shape)}")
+    flat = logits.reshape(-1, logits.shape[-1])
+    if flat.dtype in (torch.float16, torch.bfloat16):  # a sum over many tokens needs fp32
+        flat = flat.float()
+    local = F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction="sum")
+    count = (labels != ignore_index).sum().to(local.dtype)
+    if _group_size(group) > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    return sum_over_ranks(local, group) / count
+
+
+def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group=None) -> None:
+    """Sums the parameters' gradients over ``group`` (one all-reduce per dtype and device).
+
+    Call after ``loss.backward()`` when the loss came from ``sharded_cross_entropy``. A DDP or
+    FSDP over the same ranks AVERAGES instead: scale the loss by the group size for it.
+    """
+    if _group_size(group) == 1:
+        return
+    buckets = {}
+    for p in parameters:
+        if p.grad is not None:
+            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))

@@ -1,0 +1,195 @@
+"""RingFlexAttention / RingFlexMode: an unchanged attention module, wrapped, on a real ring gives
+the single-process output, input gradients and (summed) parameter gradients, in fp64; calls
+that cannot be routed raise."""
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
+
+import ringflex
+from cases import _document_lengths
+from harness import run_world
+from oracle import attention as oracle
+from ringflex import mods
+from ringflex.module import RingFlexAttention, RingFlexMode, attention as ring_attention
+from ringflex.training import reduce_gradients
+
+DIM, HEADS, HEAD_DIM = 16, 4, 8
+LOCAL = 8  # tokens per rank
+
+
+def _doc_mask(seq_len):
+    return mods.document(mods.document_ids(_document_lengths(seq_len)))
+
+
+def _softcap(score, b, h, q_idx, kv_idx):
+    return 2.0 * torch.tanh(score / 2.0)
+
+
+class Attention(nn.Module):
+    """A plain multi-head attention layer, as a user would write it for one device.
+
+    ``attend(q, k, v, seq_len)`` is the attention call under test; ``memory`` (if given) is
+    attended instead of ``x`` (cross-attention, key length != query length)."""
+
+    def __init__(self, attend, kv_heads=HEADS):
+        super().__init__()
+        self.attend, self.kv_heads = attend, kv_heads
+        self.q = nn.Linear(DIM, HEADS * HEAD_DIM, dtype=torch.float64)
+        self.kv = nn.Linear(DIM, 2 * kv_heads * HEAD_DIM, dtype=torch.float64)
+        self.out = nn.Linear(HEADS * HEAD_DIM, DIM, dtype=torch.float64)
+
+    def forward(self, x, memory=None):
+        memory = x if memory is None else memory
+        q = self.q(x).unflatten(-1, (HEADS, HEAD_DIM)).transpose(1, 2)
+        k, v = self.kv(memory).unflatten(-1, (2 * self.kv_heads, HEAD_DIM)).transpose(1, 2).chunk(2, dim=1)
+        return self.out(self.attend(q, k, v).transpose(1, 2).flatten(2))
+
+
+def _flex_with_block_mask(mask_mod, score_mod=None, **kwargs):
+    def attend(q, k, v):  # the block mask is built for the lengths the layer sees, as on one device
+        block_mask = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], device="cpu")
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, **kwargs)
+    return attend
+
+
+def _flex_lse(q, k, v):  # asks for the LSE through return_aux and folds it into the output
+    out, aux = flex_attention(q, k, v, score_mod=_softcap, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    return out + 0.1 * aux.lse.unsqueeze(-1).detach()  # ring_flex_attention's LSE has no gradient
+
+
+def _oracle_lse(q, k, v):
+    groups = q.shape[1] // k.shape[1]
+    s = _softcap(q @ k.repeat_interleave(groups, 1).transpose(-1, -2) * HEAD_DIM ** -0.5, None, None, None, None)
+    return oracle(q, k, v, _softcap) + 0.1 * torch.logsumexp(s, -1).unsqueeze(-1).detach()
+
+
+def cases(seq_len):
+    """name -> (attention as the module calls it, the same attention for one process, kv heads,
+    cross-attention, extra mask given to the wrapper)."""
+    doc = _doc_mask(seq_len)
+    return {
+        "sdpa_causal": (functools.partial(F.scaled_dot_product_attention, is_causal=True), None, HEADS, False, None),
+        "sdpa_gqa_scale": (functools.partial(F.scaled_dot_product_attention, enable_gqa=True, scale=0.3), None, 2,
+                           False, None),
+        # SDPA's is_causal with fewer keys than queries is top-left aligned: mods.causal
+        "sdpa_cross_causal": (functools.partial(F.scaled_dot_product_attention, is_causal=True), None, HEADS, True,
+                              None),
+        "sdpa_causal_documents": (functools.partial(F.scaled_dot_product_attention, is_causal=True),
+                                  functools.partial(oracle, mask_mod=mods.and_masks(mods.causal, doc)), HEADS, False,
+                                  doc),
+        "flex_documents_softcap": (_flex_with_block_mask(doc, _softcap),
+                                   functools.partial(oracle, score_mod=_softcap, mask_mod=doc), HEADS, False, None),
+        "flex_gqa_window": (_flex_with_block_mask(mods.sliding_window(3), enable_gqa=True),
+                            functools.partial(oracle, mask_mod=mods.sliding_window(3)), 2, False, None),
+        "flex_gqa_lse": (_flex_lse, _oracle_lse, 1, False, None),
+    }
+
+
+def _run_case(name, world_size, layout, group=None):
+    """(errors of output, input grads, summed parameter grads) of the wrapped module vs one process."""
+    seq_len = LOCAL * world_size
+    attend, reference, kv_heads, cross, extra_mask = cases(seq_len)[name]
+    torch.manual_seed(0)
+    module = Attention(attend, kv_heads)
+    single = Attention(reference or attend, kv_heads)
+    single.load_state_dict(module.state_dict())
+    x = torch.randn(2, seq_len, DIM, dtype=torch.float64, requires_grad=True)
+    memory = torch.randn(2, seq_len // 2, DIM, dtype=torch.float64, requires_grad=True) if cross else None
+    weight = torch.randn(2, seq_len, DIM, dtype=torch.float64)
+
+    want = single(x, memory)
+    (want * weight).sum().backward()
+
+    shard = functools.partial(ringflex.shard, dim=1, group=group, layout=layout)
+    x_local = shard(x.detach()).requires_grad_()
+    mem_local = shard(memory.detach()).requires_grad_() if cross else None
+    wrapped = RingFlexAttention(module, group=group, layout=layout, backend="reference", mask_mod=extra_mask)
+    got = wrapped(x_local, mem_local)
+    (got * shard(weight)).sum().backward()
+    reduce_gradients(module.parameters(), group)
+
+    errors = {"out": (got - shard(want)).abs().max().item(), "dx": (x_local.grad - shard(x.grad)).abs().max().item()}
+    if cross:
+        errors["dmemory"] = (mem_local.grad - shard(memory.grad)).abs().max().item()
+    for (pname, p), q in zip(module.named_parameters(), single.parameters()):
+        errors[pname] = (p.grad - q.grad).abs().max().item()
+    return errors
+
+
+def _all_cases(rank, world_size, layout, names):
+    return {name: _run_case(name, world_size, layout) for name in names or cases(LOCAL * world_size)}
+
+
+@pytest.mark.parametrize("world_size,layout,names", [
+    (2, "zigzag", None),
+    (3, "striped", ["sdpa_causal", "sdpa_cross_causal", "flex_documents_softcap"]),
+])
+def test_wrapped_module_matches_single_process(world_size, layout, names):
+    failures = [f"rank {rank} {name}: {errors}"
+                for rank, result in enumerate(run_world(world_size, _all_cases, layout, names))
+                for name, errors in result.items() if max(errors.values()) > 1e-10]
+    assert not failures, "\n".join(failures)
+
+
+def test_one_process_routes_too():
+    """Without torch.distributed the mode runs the ring on one rank (the reference kernel)."""
+    for name in cases(LOCAL):
+        errors = _run_case(name, 1, "zigzag")
+        assert max(errors.values()) < 1e-10, (name, errors)
+
+
+def _qkv(seq_len=8):
+    torch.manual_seed(0)
+    return [torch.randn(1, 2, seq_len, 4, dtype=torch.float64) for _ in range(3)]
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool)),
+     "dense attn_mask"),
+    (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1), "dropout"),
+    (lambda q, k, v: flex_attention(q, k, v, block_mask=BlockMask.from_kv_blocks(
+        torch.ones(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 2, dtype=torch.int32), BLOCK_SIZE=4,
+        seq_lengths=(8, 8))), "no mask_mod"),
+    (lambda q, k, v: flex_attention(q, k, v, block_mask=create_block_mask(mods.causal, None, None, 4, 4,
+                                                                           device="cpu")), "built for lengths"),
+    (lambda q, k, v: flex_attention(q, k, v, return_aux=AuxRequest(lse=True, max_scores=True)), "max_scores"),
+])
+def test_calls_that_cannot_be_routed_raise(call, match):
+    with RingFlexMode(), pytest.raises(ValueError, match=match):
+        call(*_qkv())
+
+
+def test_unreplaceable_flex_reference_is_refused():
+    from ringflex.module import _TORCH_FLEX
+    hidden = functools.partial(_TORCH_FLEX)  # a reference the patch cannot see
+    with RingFlexMode(), pytest.raises(Exception, match="could not replace"):
+        hidden(*_qkv())
+
+
+def test_patch_is_scoped():
+    import torch.nn.attention.flex_attention as torch_flex_module
+    from ringflex.module import _TORCH_FLEX
+    q, k, v = _qkv()
+    with RingFlexMode():
+        assert torch_flex_module.flex_attention is not _TORCH_FLEX
+        with RingFlexMode(layout="striped"):
+            assert torch_flex_module.flex_attention is not _TORCH_FLEX
+        assert torch_flex_module.flex_attention is not _TORCH_FLEX
+    assert torch_flex_module.flex_attention is _TORCH_FLEX
+    assert flex_attention is _TORCH_FLEX  # this module's own import, restored too
+    torch.testing.assert_close(flex_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))  # untouched outside
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="layout must be one of"):
+        RingFlexMode(layout="diagonal")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        RingFlexMode(backend="fast")
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        RingFlexAttention(lambda x: x)
+    with pytest.raises(RuntimeError, match="outside RingFlexAttention"):
+        ring_attention(*_qkv())
