@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Optional
 
 import torch.distributed as dist
@@ -55,7 +56,8 @@ def ring_flex_attention(
     q_segs = layouts.segments(layout, q_len, world_size, rank)
     kv_segs_per_step = [layouts.segments(layout, kv_len, world_size, (rank - step) % world_size)
                         for step in range(world_size)]
-    schedule = _PLANS.get(mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device)
+    schedule = _PLANS.get(mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device,
+                          min_tile=int(os.environ.get("RINGFLEX_MIN_TILE", 1024)))
     call = RingCall(
         comm=RingComm(group) if world_size > 1 else None,
         schedule=schedule,

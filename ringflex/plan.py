@@ -14,6 +14,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .bounds import block_decider
+
 # Mask evaluations per chunk: bounds the planner's memory whatever the segment lengths.
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -91,10 +93,30 @@ def block_kinds(
     return kinds
 
 
-def classify(mask_mod: Optional[Callable], batch: int, heads: int, q_seg: Segment, kv_seg: Segment, device=None) -> Tensor:
-    """BlockKind of the whole block, as a 0-dim int8 tensor (on ``device``; read it once per ring)."""
-    if q_seg.length == 0 or kv_seg.length == 0:
+def _sample_is_mixed(mask_mod, batch, heads, q_seg: Segment, kv_seg: Segment, device, points: int = 64) -> bool:
+    """True if a coarse grid of the block (corners included) already shows both a visible
+    and a hidden pair: then the block is PARTIAL, and a large one needs no dense pass."""
+    if q_seg.length * kv_seg.length <= points * points:
+        return False
+    pick = lambda seg: seg.positions(device)[torch.linspace(0, seg.length - 1, min(points, seg.length), device=device).long()]
+    m = evaluate_mask(mask_mod, batch, heads, pick(q_seg), pick(kv_seg))
+    return bool(m.any()) and not bool(m.all())
+
+
+def classify(mask_mod: Optional[Callable], batch: int, heads: int, q_seg: Segment, kv_seg: Segment, device=None,
+             decide: Optional[Callable] = None) -> Tensor:
+    """BlockKind of the whole block, as a 0-dim int8 tensor (on ``device``; read it once per ring).
+
+    ``decide`` (from ``bounds.block_decider``) settles most blocks from the mask's formula;
+    the rest are evaluated densely.
+    """
+    known = None if decide is None else decide(q_seg, kv_seg)
+    if q_seg.length == 0 or kv_seg.length == 0 or known is False:
         return torch.tensor(int(BlockKind.EMPTY), dtype=torch.int8, device=device)
+    if known is True:
+        return torch.tensor(int(BlockKind.FULL), dtype=torch.int8, device=device)
+    if mask_mod is not None and _sample_is_mixed(mask_mod, batch, heads, q_seg, kv_seg, device):
+        return torch.tensor(int(BlockKind.PARTIAL), dtype=torch.int8, device=device)
     return block_kinds(mask_mod, batch, heads, q_seg, kv_seg, q_seg.length, kv_seg.length, device)[0, 0]
 
 
@@ -120,46 +142,83 @@ def _local_ranges(segs):
         begin += seg.length
 
 
-def _merge_full(hops):
-    """Joins FULL hops that share one side and touch on the other into a single call."""
-    hops = list(hops)
-    merged = True
-    while merged:
-        merged = False
-        for i, a in enumerate(hops):
-            for j, b in enumerate(hops):
-                if i == j or a.kind != BlockKind.FULL or b.kind != BlockKind.FULL:
-                    continue
-                if a.q_rows == b.q_rows and a.kv_rows[1] == b.kv_rows[0]:
-                    joined = Hop(a.q_rows, (a.kv_rows[0], b.kv_rows[1]), None, None, BlockKind.FULL)
-                elif a.kv_rows == b.kv_rows and a.q_rows[1] == b.q_rows[0]:
-                    joined = Hop((a.q_rows[0], b.q_rows[1]), a.kv_rows, None, None, BlockKind.FULL)
-                else:
-                    continue
-                hops = [h for k, h in enumerate(hops) if k not in (i, j)] + [joined]
-                merged = True
-                break
-            if merged:
-                break
-    return sorted(hops, key=lambda h: (h.q_rows, h.kv_rows))
+def _joined(a: Optional[Segment], b: Optional[Segment]) -> Optional[Segment]:
+    """The one segment that ``a`` followed by ``b`` form, or None if they do not form one."""
+    if a is None or b is None or a.stride != b.stride or a.start + a.stride * a.length != b.start:
+        return None
+    return Segment(a.start, a.stride, a.length + b.length)
 
 
-def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_segs_per_step, device=None):
-    """The hops of every ring step: the non-EMPTY (Q segment, KV segment) pairs.
+def _merge(hops, positions_matter: bool):
+    """Joins hops of one kind that touch into single calls, first along the keys of each
+    query range, then along the queries of each key range. Where positions cannot matter
+    (FULL, no score_mod) any neighbours join; otherwise only runs that stay affine."""
+    def join(hops, side):
+        other = "kv" if side == "q" else "q"
+        out = []
+        for hop in sorted(hops, key=lambda h: (getattr(h, f"{other}_rows"), getattr(h, f"{side}_rows"))):
+            prev = out[-1] if out else None
+            if (prev is None or prev.kind != hop.kind or getattr(prev, f"{other}_rows") != getattr(hop, f"{other}_rows")
+                    or getattr(prev, f"{side}_rows")[1] != getattr(hop, f"{side}_rows")[0]):
+                out.append(hop)
+                continue
+            free = hop.kind == BlockKind.FULL and not positions_matter
+            seg = None if free else _joined(getattr(prev, f"{side}_seg"), getattr(hop, f"{side}_seg"))
+            if seg is None and not free:
+                out.append(hop)
+                continue
+            rows = (getattr(prev, f"{side}_rows")[0], getattr(hop, f"{side}_rows")[1])
+            fields = {f"{side}_rows": rows, f"{side}_seg": seg, f"{other}_rows": getattr(hop, f"{other}_rows"),
+                      f"{other}_seg": None if free else getattr(hop, f"{other}_seg"), "kind": hop.kind}
+            out[-1] = Hop(**fields)
+        return out
+    return sorted(join(join(hops, "kv"), "q"), key=lambda h: (h.q_rows, h.kv_rows))
 
-    ``kv_segs_per_step[i]`` are the segments of the KV block held at step i. All blocks are
-    classified on ``device`` and read back to the host at once (one synchronisation).
+
+def _split(hop: Hop, kind_of, min_tile: int):
+    """Splits a PARTIAL hop into quadrants, recursively, where that sheds EMPTY parts:
+    sparse blocks (windows, documents) lose their empty tiles, while a block shaped like a
+    causal diagonal (one EMPTY and one FULL quadrant), which kernels run well whole, stays whole."""
+    (q0, q1), (k0, k1) = hop.q_rows, hop.kv_rows
+    if hop.kind != BlockKind.PARTIAL or q1 - q0 < 2 * min_tile or k1 - k0 < 2 * min_tile:
+        return [hop]
+    qm, km = (q0 + q1) // 2, (k0 + k1) // 2
+    quads = []
+    for qa, qb in ((q0, qm), (qm, q1)):
+        for ka, kb in ((k0, km), (km, k1)):
+            q_seg, kv_seg = hop.q_seg.slice(qa - q0, qb - q0), hop.kv_seg.slice(ka - k0, kb - k0)
+            quads.append(Hop((qa, qb), (ka, kb), q_seg, kv_seg, kind_of(q_seg, kv_seg)))
+    empty = sum(h.kind == BlockKind.EMPTY for h in quads)
+    full = sum(h.kind == BlockKind.FULL for h in quads)
+    if empty == 0 or (empty == 1 and full > 0):  # dense, or shaped like a causal diagonal
+        return [hop]
+    return [piece for h in quads if h.kind != BlockKind.EMPTY for piece in _split(h, kind_of, min_tile)]
+
+
+def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_segs_per_step, device=None,
+              min_tile: int = 1024):
+    """The hops of every ring step: the non-EMPTY (Q segment, KV segment) pairs, sparse
+    PARTIAL blocks split down to ``min_tile`` tokens.
+
+    ``kv_segs_per_step[i]`` are the segments of the KV block held at step i. The blocks are
+    classified on ``device`` and read back to the host at once (one synchronisation); only
+    splitting a sparse block reads more.
     """
     pairs = [(step, qr, q, kr, kv)
              for step, kv_segs in enumerate(kv_segs_per_step)
              for qr, q in zip(_local_ranges(q_segs), q_segs)
              for kr, kv in zip(_local_ranges(kv_segs), kv_segs)]
-    kinds = torch.stack([classify(mask_mod, batch, heads, q, kv, device) for _, _, q, _, kv in pairs]).tolist()
+    decide = block_decider(mask_mod, batch, heads, device) if mask_mod is not None else None
+    kinds = torch.stack([classify(mask_mod, batch, heads, q, kv, device, decide) for _, _, q, _, kv in pairs]).tolist()
+
+    def kind_of(q_seg, kv_seg):
+        return BlockKind(int(classify(mask_mod, batch, heads, q_seg, kv_seg, device, decide)))
+
     steps = [[] for _ in kv_segs_per_step]
     for (step, qr, q, kr, kv), kind in zip(pairs, kinds):
         if kind != BlockKind.EMPTY:
-            steps[step].append(Hop(qr, kr, q, kv, BlockKind(kind)))
-    return [hops if has_score_mod else _merge_full(hops) for hops in steps]
+            steps[step] += _split(Hop(qr, kr, q, kv, BlockKind(kind)), kind_of, min_tile)
+    return [_merge(hops, positions_matter=has_score_mod) for hops in steps]
 
 
 def _captured_tensors(fn, depth=0):
@@ -196,18 +255,18 @@ class PlanCache:
         self.size = size
         self.entries = {}
 
-    def get(self, mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device=None):
+    def get(self, mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device=None, min_tile=1024):
         tensors = list(_captured_tensors(mask_mod)) if mask_mod is not None else []
         try:
             ref = weakref.ref(mask_mod) if mask_mod is not None else (lambda: None)
         except TypeError:  # cannot tell whether the object lives on: do not cache
-            return plan_hops(mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device)
-        key = (id(mask_mod), self._fingerprint(mask_mod), tuple((id(t), t._version) for t in tensors), has_score_mod, batch, heads,
+            return plan_hops(mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device, min_tile)
+        key = (id(mask_mod), self._fingerprint(mask_mod), min_tile, tuple((id(t), t._version) for t in tensors), has_score_mod, batch, heads,
                tuple(q_segs), tuple(map(tuple, kv_segs_per_step)), str(device))
         entry = self.entries.get(key)
         if entry is not None and entry[0]() is mask_mod and all(r() is t for r, t in zip(entry[1], tensors)):
             return entry[2]
-        plan = plan_hops(mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device)
+        plan = plan_hops(mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device, min_tile)
         if len(self.entries) >= self.size:
             self.entries.pop(next(iter(self.entries)))
         self.entries[key] = (ref, [weakref.ref(t) for t in tensors], plan)

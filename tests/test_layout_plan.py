@@ -72,8 +72,21 @@ def test_plan_skips_empty_and_joins_full_blocks():
         ((0, 4), (0, 4), BlockKind.PARTIAL), ((4, 8), (0, 4), BlockKind.FULL), ((4, 8), (4, 8), BlockKind.PARTIAL)]
     # step 1 holds chunks 1 and 2: only chunk 3 of the queries sees them, fully, as one call
     assert [(h.q_rows, h.kv_rows, h.kind, h.q_seg) for h in plan[1]] == [((4, 8), (0, 8), BlockKind.FULL, None)]
-    # with a score_mod positions matter, so FULL blocks stay separate
-    assert len(plan_hops(mods.causal, True, 1, 1, q, steps)[1]) == 2
+    # with a score_mod positions matter: blocks join only where their positions stay one run
+    # (chunks 1 and 2 are neighbours), and the run is kept
+    assert [(h.q_rows, h.kv_rows, h.kv_seg) for h in plan_hops(mods.causal, True, 1, 1, q, steps)[1]] == [
+        ((4, 8), (0, 8), Segment(4, 1, 8))]
+    three = [layouts.segments("zigzag", 24, 3, src) for src in (0, 1)]  # rank 1: chunks 1 and 4, apart
+    assert len(plan_hops(None, True, 1, 1, layouts.segments("zigzag", 24, 3, 0), three)[1]) == 4
+
+
+def test_plan_splits_sparse_blocks_and_keeps_dense_ones_whole():
+    seg = [Segment(0, 1, 4096)]
+    window = plan_hops(mods.sliding_window(256), False, 1, 1, seg, [seg], min_tile=256)[0]
+    assert sum((h.q_rows[1] - h.q_rows[0]) * (h.kv_rows[1] - h.kv_rows[0]) for h in window) < 4096 * 4096 / 4
+    assert all(_brute_kind(mods.sliding_window(256), h.q_seg or Segment(h.q_rows[0], 1, h.q_rows[1] - h.q_rows[0]),
+                           h.kv_seg or Segment(h.kv_rows[0], 1, h.kv_rows[1] - h.kv_rows[0])) == h.kind for h in window)
+    assert len(plan_hops(mods.causal, False, 1, 1, seg, [seg], min_tile=256)[0]) == 1
 
 
 def _shard_roundtrip(rank, world_size, layout):
@@ -106,3 +119,41 @@ def test_plan_cache_reuses_only_identical_masks():
     second = cache.get(mask, False, 1, 1, q, steps)
     assert second is not first and second == plan_hops(mask, False, 1, 1, q, steps)
     assert cache.get(mods.document(mods.document_ids([8, 8])), False, 1, 1, q, steps) is not second
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "window", "prefix", "documents", "image", "head_dependent", "and_or"])
+def test_range_decisions_are_exact(mask_name):
+    """Whatever the formula decides from ranges agrees with dense evaluation; the common
+    masks are decided for every block of a long sequence without dense evaluation."""
+    from ringflex.bounds import block_decider
+    mask_mod = {
+        "causal": mods.causal,
+        "window": mods.sliding_window(7),
+        "prefix": mods.prefix_lm(9),
+        "documents": mods.document(mods.document_ids([5, 11, 3, 13])),
+        "image": mods.image_neighbourhood(4, 8, 1),
+        "head_dependent": lambda b, h, q, kv: (q >= kv) | (h == 1),
+        "and_or": mods.and_masks(mods.causal, mods.or_masks(mods.sliding_window(5), mods.prefix_lm(4))),
+    }[mask_name]
+    decide = block_decider(mask_mod, 2, 3)
+    assert decide is not None
+    segs = [Segment(s, 1, n) for s in range(0, 32, 4) for n in (1, 4)] + [Segment(1, 4, 7), Segment(16, 2, 8)]
+    for qs in segs:
+        for ks in segs:
+            verdict = decide(qs, ks)
+            if verdict is not None:
+                assert (BlockKind.FULL if verdict else BlockKind.EMPTY) == _brute_kind(mask_mod, qs, ks), (qs, ks)
+    if mask_name in ("causal", "window", "prefix"):
+        big = [Segment(0, 1, 1 << 20), Segment(1 << 20, 1, 1 << 20), Segment(1 << 22, 1, 1 << 20)]
+        verdicts = [decide(a, b) for a in big for b in big]
+        # undecided: only the blocks that truly straddle the mask (diagonals; the window's neighbour)
+        assert sum(v is None for v in verdicts) == (4 if mask_name == "window" else 3)
+
+
+def test_untraceable_mask_falls_back_to_dense():
+    from ringflex.bounds import block_decider
+
+    def data_dependent(b, h, q, kv):
+        return q >= kv if bool((q > 100).all()) else q >= 0
+    assert block_decider(data_dependent, 1, 1) is None
+    assert int(classify(data_dependent, 1, 1, Segment(0, 1, 8), Segment(8, 1, 8))) == BlockKind.FULL

@@ -46,3 +46,11 @@ def test_ring_matches_single_process(world_size, layout):
             if max(errs) > tol:
                 failures.append(f"rank {rank} {name} {dtype}: out/dq/dk/dv errors {errs} > {tol}")
     assert not failures, "\n".join(failures)
+
+
+def test_ring_with_blocks_split_into_small_tiles(monkeypatch):
+    """The planner's splitting of sparse blocks (normally >= 1024 tokens) at toy sizes."""
+    monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
+    for rank, errors in enumerate(run_world(2, _max_errors, "zigzag")):
+        for (name, dtype), errs in errors.items():
+            assert max(errs) <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (rank, name, dtype, errs)
