@@ -10,23 +10,24 @@ How the calls are found:
 
 - SDPA is a torch function, so the mode sees it directly.
 - ``flex_attention`` is a plain Python function. While a mode is active, every module global
-  that holds torch's ``flex_attention`` (``torch.nn.attention.flex_attention.flex_attention``
-  and the names bound by ``from torch.nn.attention.flex_attention import flex_attention``
-  anywhere) points at ``flex_attention`` of this module, which hands the call to the mode.
-  The patch is process-wide but harmless: outside a mode (in any thread) the replacement calls
-  torch's function unchanged, and the last mode to exit restores the originals.
+  that holds torch's ``flex_attention`` or ``torch.compile(flex_attention)`` (the attribute of
+  ``torch.nn.attention.flex_attention`` and names bound by ``from ... import flex_attention``
+  or ``flex_attention = torch.compile(flex_attention)`` in any module) is replaced by a stand-in
+  that hands the call to the mode. The patch is process-wide but harmless: outside a mode (in
+  any thread) a stand-in calls the function it replaced, and the last mode to exit restores them.
 
-Limits: a reference the patch cannot see (``torch.compile(flex_attention)``, an attribute or
-default argument holding the function) still reaches torch's flex_attention, which the mode
-then refuses with an error naming the cause. The wrapper runs in eager mode; a model compiled
-as a whole is not routed. Activation checkpointing recomputes outside the wrapper's forward,
-so wrap the attention modules themselves (the recompute then runs the wrapper again).
+Limits: a reference the patch cannot see (an attribute, closure or default argument holding
+the function) still reaches torch's flex_attention, which the mode then refuses with an error
+naming the cause. The wrapper runs in eager mode; a model compiled as a whole is not routed.
+Activation checkpointing recomputes outside the wrapper's forward, so wrap the attention
+modules themselves (the recompute then runs the wrapper again).
 """
 from __future__ import annotations
 
 import inspect
 import sys
 import threading
+import types
 from typing import Callable, Optional
 
 import torch
@@ -45,11 +46,24 @@ _FLEX_SIGNATURE = inspect.signature(_TORCH_FLEX)
 _FLEX_HOP = getattr(torch.ops.higher_order, "flex_attention", None)
 
 
-def flex_attention(query, key, value, *args, **kwargs):
-    """torch's ``flex_attention``, routed to the innermost active ``RingFlexMode`` if any."""
-    if has_torch_function((query, key, value)):
-        return handle_torch_function(flex_attention, (query, key, value), query, key, value, *args, **kwargs)
-    return _TORCH_FLEX(query, key, value, *args, **kwargs)
+def _stand_in(original):
+    """Calls ``original`` (torch's flex_attention, or a compiled one) unless a mode is active."""
+    def routed_flex_attention(query, key, value, *args, **kwargs):
+        if has_torch_function((query, key, value)):  # every stand-in reaches the mode as ``flex_attention``
+            return handle_torch_function(flex_attention, (query, key, value), query, key, value, *args, **kwargs)
+        return original(query, key, value, *args, **kwargs)
+    routed_flex_attention.__doc__ = "torch's ``flex_attention``, routed to the innermost active ``RingFlexMode`` if any."
+    return routed_flex_attention
+
+
+flex_attention = _stand_in(_TORCH_FLEX)
+
+
+def _is_torch_flex(value) -> bool:
+    """torch's flex_attention itself, or ``torch.compile`` of it."""
+    if value is _TORCH_FLEX:
+        return True
+    return type(value) is types.FunctionType and value.__dict__.get("_torchdynamo_orig_callable") is _TORCH_FLEX
 
 
 def attention(query, key, value, *, score_mod=None, mask_mod=None, scale=None, enable_gqa=False):
@@ -67,13 +81,14 @@ def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 
 class _FlexPatch:
-    """Points module globals that hold torch's flex_attention at ours while any mode is active."""
+    """Replaces module globals that hold torch's flex_attention while any mode is active."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._users = 0
-        self._holders = []  # (module dict, name) found by the last scan
+        self._holders = []  # (module dict, name, original) found by the last scan
         self._scanned_modules = -1  # len(sys.modules) at that scan: rescan after new imports
+        self._stand_ins = {}  # id(original) -> (original, its stand-in)
 
     def _scan(self):
         if len(sys.modules) != self._scanned_modules:
@@ -83,26 +98,34 @@ class _FlexPatch:
                 namespace = getattr(module, "__dict__", None)
                 if isinstance(namespace, dict) and namespace is not globals():  # ours keeps the original
                     for name, value in list(namespace.items()):
-                        if value is _TORCH_FLEX:
-                            found[id(namespace), name] = (namespace, name)
+                        if _is_torch_flex(value):
+                            found[id(namespace), name] = (namespace, name, value)
             self._holders = list(found.values())
         return self._holders
+
+    def _stand_in_for(self, original):
+        if original is _TORCH_FLEX:
+            return flex_attention
+        entry = self._stand_ins.get(id(original))
+        if entry is None or entry[0] is not original:
+            entry = self._stand_ins[id(original)] = (original, _stand_in(original))
+        return entry[1]
 
     def acquire(self):
         with self._lock:
             if self._users == 0:
-                for namespace, name in self._scan():
-                    if namespace.get(name) is _TORCH_FLEX:
-                        namespace[name] = flex_attention
+                for namespace, name, original in self._scan():
+                    if namespace.get(name) is original:
+                        namespace[name] = self._stand_in_for(original)
             self._users += 1
 
     def release(self):
         with self._lock:
             self._users -= 1
             if self._users == 0:
-                for namespace, name in self._holders:
-                    if namespace.get(name) is flex_attention:
-                        namespace[name] = _TORCH_FLEX
+                for namespace, name, original in self._holders:
+                    if namespace.get(name) is self._stand_in_for(original):
+                        namespace[name] = original
 
 
 _PATCH = _FlexPatch()
@@ -193,8 +216,8 @@ class RingFlexMode(TorchFunctionMode):
         if _FLEX_HOP is not None and func is _FLEX_HOP:
             raise RuntimeError(
                 "RingFlexMode: torch's flex_attention was reached through a reference ringflex could not replace "
-                "(torch.compile(flex_attention), or the function kept in an attribute): call "
-                "torch.nn.attention.flex_attention.flex_attention, or a name imported from it, in eager mode")
+                "(the function kept in an attribute, closure or default argument): call it through a module-level "
+                "name (torch.nn.attention.flex_attention.flex_attention, or a name imported or compiled from it)")
         return func(*args, **kwargs)
 
     def _world_size(self) -> int:

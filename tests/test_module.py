@@ -170,6 +170,17 @@ def test_unreplaceable_flex_reference_is_refused():
         hidden(*_qkv())
 
 
+_COMPILED_FLEX = torch.compile(flex_attention)  # as models often write it; the mode routes it too
+
+
+def test_compiled_flex_is_routed():
+    q, k, v = _qkv()
+    with RingFlexMode(backend="reference"):
+        out = _COMPILED_FLEX(q, k, v, block_mask=create_block_mask(mods.causal, None, None, 8, 8, device="cpu"))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert _COMPILED_FLEX.__dict__["_torchdynamo_orig_callable"] is torch.nn.attention.flex_attention.flex_attention
+
+
 def test_patch_is_scoped():
     import torch.nn.attention.flex_attention as torch_flex_module
     from ringflex.module import _TORCH_FLEX

@@ -1,0 +1,80 @@
+"""attn_implementation="ringflex" in Hugging Face transformers (skipped without transformers): a tiny
+Llama (GQA, RoPE at global position ids) on a real ring gives the logits and summed parameter
+gradients of the same model with SDPA attention in one process (fp64); sliding windows and
+softcap map to mods; padding masks raise."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import ringflex  # noqa: E402
+from harness import run_world  # noqa: E402
+from oracle import attention as oracle  # noqa: E402
+from ringflex import mods  # noqa: E402
+from ringflex.integrations import hf  # noqa: E402
+from ringflex.training import position_ids, reduce_gradients, shard_batch  # noqa: E402
+
+VOCAB, SEQ_PER_RANK = 32, 8
+
+
+def _llama():
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).double()
+
+
+def _compare(rank, world_size, layout):
+    hf.register()
+    seq_len = SEQ_PER_RANK * world_size
+    tokens = torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    weight = torch.randn(2, seq_len, VOCAB, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    single = _llama()
+    single.set_attn_implementation("sdpa")  # eager attention softmaxes in fp32
+    want = single(input_ids=tokens, use_cache=False).logits
+    (want * weight).sum().backward()
+
+    model = _llama()
+    model.set_attn_implementation("ringflex")
+    wrapped = ringflex.RingFlexAttention(model, layout=layout, backend="reference")
+    local = shard_batch({"tokens": tokens, "weight": weight}, layout=layout)
+    got = wrapped(input_ids=local["tokens"], position_ids=position_ids(seq_len, layout=layout).expand(2, -1),
+                  use_cache=False).logits
+    (got * local["weight"]).sum().backward()
+    reduce_gradients(model.parameters())
+    out_error = (ringflex.unshard(got.detach(), 1, layout=layout) - want).abs().max().item()
+    grad_error = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), single.parameters()))
+    return out_error, grad_error
+
+
+@pytest.mark.parametrize("world_size,layout", [(2, "zigzag")])
+def test_llama_ring_matches_single_process(world_size, layout):
+    for out_error, grad_error in run_world(world_size, _compare, layout):
+        assert out_error < 1e-10 and grad_error < 1e-10, (out_error, grad_error)
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+
+
+def test_sliding_window_and_softcap_map_to_mods():
+    q, k, v = (torch.randn(1, 4, 12, 8, dtype=torch.float64) for _ in range(3))
+    with ringflex.RingFlexMode(backend="reference"):
+        out, weights = hf.ringflex_attention_forward(_Layer(), q, k[:, :2], v[:, :2], None, scaling=0.2,
+                                                     sliding_window=3, softcap=5.0)
+    want = oracle(q, k[:, :2], v[:, :2], mods.softcap(5.0), mods.sliding_window(3), scale=0.2)
+    assert weights is None
+    torch.testing.assert_close(out, want.transpose(1, 2))
+
+
+def test_unroutable_calls_raise():
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    with ringflex.RingFlexMode():
+        with pytest.raises(ValueError, match="attention_mask tensor"):
+            hf.ringflex_attention_forward(_Layer(), q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+        with pytest.raises(ValueError, match="dropout"):
+            hf.ringflex_attention_forward(_Layer(), q, q, q, None, dropout=0.1)
+    with pytest.raises(ValueError, match="padding attention_mask"):
+        hf.ringflex_mask(attention_mask=torch.tensor([[True, False]]))
+    assert hf.ringflex_mask(attention_mask=torch.ones(1, 2, dtype=torch.bool)) is None
