@@ -162,14 +162,17 @@ def lowering_error(mods: Mods, device=None) -> Optional[str]:
 class _Emitter:
     """Emits the lowered mods into a cuDNN graph inside its score_mod callbacks.
 
-    cuDNN's fused kernel rejects a graph input (constant, offset, hoisted tensor) in the
-    first port of comparisons and selects, so operands are swapped where the operation
-    allows it, and otherwise an input is first added to a computed zero.
+    Two limits of cuDNN's fused kernel shape this. Its logical operations do not compile,
+    so conditions are never combined into booleans: ``a & b ? t : f`` becomes
+    ``a ? (b ? t : f) : f`` and so on, one select per comparison. And it rejects a graph
+    input (constant, offset, hoisted tensor) in the first port of comparisons and selects,
+    so operands are swapped or the comparison negated where that helps, and otherwise the
+    input is first added to a computed zero.
     """
 
     def __init__(self, lowering: _Lowering, inputs: "_Inputs"):
         self.lowering, self.inputs = lowering, inputs
-        self.memo: Dict[int, object] = {}
+        self.memo: Dict[object, object] = {}
         self.g = self.base = self.zero = None
 
     def forward(self, g, score):
@@ -179,7 +182,7 @@ class _Emitter:
             self.memo[id(self._leaf(self.lowering.score, "score"))] = score
             out = self._number(self.lowering.score.output)
         if self.lowering.mask is not None:
-            out = self._select(out, self._const(-math.inf), self._bool(self.lowering.mask.output))
+            out = self._choose(self.lowering.mask.output, out, self._const(-math.inf))
         return out
 
     def backward(self, g, grad):
@@ -198,7 +201,7 @@ class _Emitter:
     def _leaf(graph: ModGraph, name: str) -> Node:
         return next((n for n in graph.nodes if n.op == name), Node(name))
 
-    # Values are FLOAT (numbers), INT32 (indices) or BOOLEAN (conditions) cuDNN tensors.
+    # Values are FLOAT (numbers), INT32 (indices) or BOOLEAN (comparisons) cuDNN tensors.
     def _typed(self, t, dtype: str):
         t.set_data_type(getattr(_cudnn().data_type, dtype))
         return t
@@ -215,9 +218,8 @@ class _Emitter:
             self.zero = self._op("sub", index, index)
         return self._op("add", self.zero, t)
 
-    def _op(self, name: str, x, y=None, **extra):
+    def _op(self, name: str, x, y=None):
         """One pointwise operation, with a computed tensor in its first port."""
-        cudnn = _cudnn()
         if y is not None and self.inputs.is_input(x):
             if name in _SWAPPED and not self.inputs.is_input(y):
                 name, x, y = _SWAPPED[name], y, x
@@ -225,30 +227,49 @@ class _Emitter:
                 x = self._computed(x)
         ports = _PORTS.get(name, ("input",))
         args = dict(zip(ports, (x, y) if y is not None else (x,)))
-        boolean = name.startswith("logical")
-        compute = cudnn.data_type.BOOLEAN if boolean else cudnn.data_type.FLOAT
-        t = getattr(self.g, name)(**args, **extra, compute_data_type=compute)
-        return self._typed(t, "BOOLEAN" if boolean or name.startswith("cmp") else "FLOAT")
-
-    def _select(self, x, y, keep):
-        """``keep ? x : y``."""
-        if self.inputs.is_input(x):
-            if self.inputs.is_input(y):
-                x = self._computed(x)
-            else:
-                x, y, keep = y, x, self._op("logical_not", keep)
-        return self._typed(self.g.binary_select(input0=x, input1=y, mask=keep), "FLOAT")
+        t = getattr(self.g, name)(**args, compute_data_type=_cudnn().data_type.FLOAT)
+        return self._typed(t, "BOOLEAN" if name.startswith("cmp") else "FLOAT")
 
     def _number(self, n: Node):
-        t = self._emit(n)
-        if n.dtype == torch.bool:  # True / False as 1 / 0
-            t = self._select(self._const(1.0), self._const(0.0), t)
-        return t
+        """``n`` as a FLOAT tensor (booleans as 1.0 / 0.0)."""
+        if n.dtype != torch.bool:
+            return self._emit(n)
+        key = ("number", id(n))
+        if key not in self.memo:
+            self.memo[key] = self._choose(n, self._const(1.0), self._const(0.0))
+        return self.memo[key]
 
-    def _bool(self, n: Node):
-        t = self._emit(n)
-        if n.dtype != torch.bool or not _in_graph(n):  # hoisted and constant conditions arrive as 1.0 / 0.0
-            t = self._op("cmp_neq", t, self._const(0.0))
+    def _choose(self, n: Node, t, f):
+        """``n ? t : f`` for a boolean node ``n``."""
+        if _in_graph(n) and n.op == "and":
+            return self._choose(n.args[0], self._choose(n.args[1], t, f), f)
+        if _in_graph(n) and n.op == "or":
+            return self._choose(n.args[0], t, self._choose(n.args[1], t, f))
+        if _in_graph(n) and n.op == "not":
+            return self._choose(n.args[0], f, t)
+        negate = self.inputs.is_input(t) and not self.inputs.is_input(f)
+        if negate:
+            t, f = f, t
+        select = self.g.binary_select(input0=self._computed(t), input1=f, mask=self._condition(n, negate))
+        return self._typed(select, "FLOAT")
+
+    def _condition(self, n: Node, negate: bool):
+        """A BOOLEAN tensor of ``n`` (of ``not n`` if ``negate``), ``n`` not an and / or / not."""
+        key = ("condition", id(n), negate)
+        if key in self.memo:
+            return self.memo[key]
+        if _in_graph(n) and n.op in _CMP_CUDNN:
+            name = _NEGATED[n.op] if negate else n.op
+            t = self._op(_CMP_CUDNN[name], self._number(n.args[0]), self._number(n.args[1]))
+        else:
+            if not _in_graph(n):
+                value = self._emit(n)  # hoisted and constant conditions arrive as 1.0 / 0.0
+            elif n.op == "where":
+                value = self._choose(n.args[0], self._number(n.args[1]), self._number(n.args[2]))
+            else:  # a cast to bool
+                value = self._number(n.args[0])
+            t = self._op("cmp_eq" if negate else "cmp_neq", value, self._const(0.0))
+        self.memo[key] = t
         return t
 
     def _emit(self, n: Node):
@@ -278,18 +299,9 @@ class _Emitter:
             x, y = self._number(a[0]), self._number(a[1])
             floor = self._op("floor", self._op("div", x, y))
             return floor if op == "floordiv" else self._op("sub", x, self._op("mul", y, floor))  # Python's sign
-        if op in _CMP_CUDNN:
-            return self._op(_CMP_CUDNN[op], self._number(a[0]), self._number(a[1]))
-        if op in ("and", "or"):
-            return self._op("logical_" + op, self._bool(a[0]), self._bool(a[1]))
-        if op == "not":
-            return self._op("logical_not", self._bool(a[0]))
         if op == "where":
-            t = self._select(self._number(a[1]), self._number(a[2]), self._bool(a[0]))
-            return self._op("cmp_neq", t, self._const(0.0)) if n.dtype == torch.bool else t
+            return self._choose(a[0], self._number(a[1]), self._number(a[2]))
         if op == "cast":
-            if n.dtype == torch.bool:
-                return self._op("cmp_neq", self._number(a[0]), self._const(0.0))
             return self._number(a[0])  # numbers are fp32 inside the graph
         raise UnsupportedModError(f"operation {op} cannot be lowered to cuDNN")
 
@@ -298,48 +310,90 @@ _UNARY_CUDNN = {"neg", "abs", "exp", "log", "sqrt", "tanh", "sigmoid", "floor"}
 _BINARY_CUDNN = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "minimum": "min", "maximum": "max",
                  "pow": "pow", "tanh_backward": "tanh_backward", "sigmoid_backward": "sigmoid_backward"}
 _CMP_CUDNN = {"eq": "cmp_eq", "ne": "cmp_neq", "lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge"}
+_NEGATED = {"eq": "ne", "ne": "eq", "lt": "ge", "ge": "lt", "le": "gt", "gt": "le"}
 _PORTS = {
-    **{name: ("a", "b") for name in ("add", "sub", "mul", "div", "logical_and", "logical_or")},
+    **{name: ("a", "b") for name in ("add", "sub", "mul", "div")},
     **{name: ("input0", "input1") for name in ("min", "max", "pow")},
     **{name: ("input", "comparison") for name in _CMP_CUDNN.values()},
     "tanh_backward": ("loss", "input"), "sigmoid_backward": ("loss", "input"),
 }
 # x op y == y op' x
-_SWAPPED = {"add": "add", "mul": "mul", "min": "min", "max": "max", "logical_and": "logical_and",
-            "logical_or": "logical_or", "cmp_eq": "cmp_eq", "cmp_neq": "cmp_neq", "cmp_lt": "cmp_gt",
+_SWAPPED = {"add": "add", "mul": "mul", "min": "min", "max": "max", "cmp_eq": "cmp_eq", "cmp_neq": "cmp_neq", "cmp_lt": "cmp_gt",
             "cmp_gt": "cmp_lt", "cmp_le": "cmp_ge", "cmp_ge": "cmp_le"}
 
 
 class _Inputs:
-    """The graph inputs a lowering needs, created before the graph is frozen; ``used`` records
-    which the callbacks read, so that only those are bound at execute."""
+    """The graph inputs a lowering may need, created before the graph is frozen. The
+    callbacks record which they ``use``; ``order`` lists those once the graph is built."""
 
     def __init__(self, g, lowering: _Lowering, shapes: Dict[str, int], strided: Dict[str, bool]):
         cudnn = _cudnn()
         F, I = cudnn.data_type.FLOAT, cudnn.data_type.INT32
         scalar = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True)
         self.consts = {v: g.tensor(name=f"const{i}", data_type=F, **scalar) for i, v in enumerate(sorted(lowering.consts))}
-        self.const_values = {id(t): torch.full((1, 1, 1, 1), v, dtype=torch.float32) for v, t in self.consts.items()}
-        self.starts = {k: g.tensor(name=f"{k}_start", data_type=I, **scalar) for k in lowering.indices}
-        self.strides = {k: g.tensor(name=f"{k}_stride", data_type=I, **scalar) for k in lowering.indices if strided[k]}
+        self.starts = {k: g.tensor(name=f"{k}_start", data_type=I, **scalar) for k in sorted(lowering.indices)}
+        self.strides = {k: g.tensor(name=f"{k}_stride", data_type=I, **scalar) for k in sorted(lowering.indices) if strided[k]}
         # By position in ``lowering.hoisted``: a cached graph serves every mod of the same
         # structure, and each call binds the values of its own mod's nodes.
-        self.hoisted: List[Tuple[object, List[int]]] = []
+        self.hoisted: List[object] = []
+        self.hoisted_dims: List[List[int]] = []
         self.hoisted_index: Dict[int, int] = {}
+        full = [shapes[d] for d in ("b", "h", "q_idx", "kv_idx")]
         for i, n in enumerate(lowering.hoisted):
-            dims = [shapes[d] if d in n.deps else 1 for d in ("b", "h", "q_idx", "kv_idx")]
-            self.hoisted.append((g.tensor(name=f"hoisted{i}", dim=dims, stride=_contiguous_strides(dims), data_type=F), dims))
+            dims = [size if d in n.deps else 1 for size, d in zip(full, ("b", "h", "q_idx", "kv_idx"))]
+            dim, stride = _hoisted_layout(dims, full)
+            self.hoisted.append(g.tensor(name=f"hoisted{i}", dim=dim, stride=stride, data_type=F))
+            self.hoisted_dims.append(dims)
             self.hoisted_index[id(n)] = i
-        self.used: Dict[int, object] = {}
-        self.ids = {id(t) for t in list(self.consts.values()) + list(self.starts.values())
-                    + list(self.strides.values()) + [t for t, _ in self.hoisted]}
+        self.ids = {id(t) for t in [*self.consts.values(), *self.starts.values(), *self.strides.values(), *self.hoisted]}
+        self.used = set()
+        self.order: List[object] = []
 
     def is_input(self, t) -> bool:
         return id(t) in self.ids
 
     def use(self, t):
-        self.used[id(t)] = t
+        self.used.add(id(t))
         return t
+
+    def freeze(self) -> None:
+        self.consts = {v: t for v, t in self.consts.items() if id(t) in self.used}
+        self.starts = {k: t for k, t in self.starts.items() if id(t) in self.used}
+        self.strides = {k: t for k, t in self.strides.items() if id(t) in self.used}
+        self.hoisted_used = [i for i, t in enumerate(self.hoisted) if id(t) in self.used]
+        self.order = [*self.consts.values(), *self.starts.values(), *self.strides.values(),
+                      *(self.hoisted[i] for i in self.hoisted_used)]
+
+    def buffers(self, q: Tensor, q_seg: Segment, kv_seg: Segment, lowering: _Lowering) -> List:
+        """This call's values, in ``order``."""
+        segs = {"q_idx": q_seg, "kv_idx": kv_seg}
+        values = [_scalar(v, torch.float32) for v in self.consts]
+        values += [_scalar(segs[k].start, torch.int32) for k in self.starts]
+        values += [_scalar(segs[k].stride, torch.int32) for k in self.strides]
+        if self.hoisted_used:
+            env = _index_env(q.shape[0], q.shape[1], q_seg, kv_seg, q.device)
+            for i in self.hoisted_used:
+                value = evaluate(lowering.hoisted[i], env)
+                values.append(torch.broadcast_to(value, self.hoisted_dims[i]).to(torch.float32).contiguous())
+        return values
+
+
+def _hoisted_layout(dims: List[int], full: List[int]) -> Tuple[List[int], List[int]]:
+    """The descriptor of a hoisted tensor of broadcast shape ``dims`` in a score of shape ``full``."""
+    return dims, _contiguous_strides(dims)
+
+
+_SCALARS: Dict[tuple, Tensor] = {}
+
+
+def _scalar(value, dtype: torch.dtype) -> Tensor:
+    """A pass-by-value scalar; cached, since cuDNN reads its value when a call is enqueued."""
+    key = (value, dtype)
+    if key not in _SCALARS:
+        if len(_SCALARS) > 4096:
+            _SCALARS.clear()
+        _SCALARS[key] = torch.full((1, 1, 1, 1), value, dtype=dtype)
+    return _SCALARS[key]
 
 
 def _contiguous_strides(dims: List[int]) -> List[int]:
@@ -354,36 +408,22 @@ def _contiguous_strides(dims: List[int]) -> List[int]:
 
 @dataclass
 class _Graph:
-    """A built cuDNN graph and how to bind its inputs."""
+    """A built cuDNN graph and how to bind its tensors (by uid, in a fixed order)."""
 
     graph: object
-    io: Dict[str, object]
+    names: Tuple[str, ...]  # the attention tensors, first in the order
     inputs: Optional[_Inputs]
     workspace: int
+    uids: List[int]
 
     def execute(self, tensors: Dict[str, Tensor], q_seg: Optional[Segment], kv_seg: Optional[Segment],
                 lowering: Optional[_Lowering]) -> None:
-        device = tensors["q"].device
-        pack = {self.io[name]: t for name, t in tensors.items()}
+        q = tensors["q"]
+        buffers = [tensors[name] for name in self.names]
         if self.inputs is not None:
-            pack.update(self._mod_inputs(tensors["q"], q_seg, kv_seg, lowering))
-        workspace = torch.empty(max(1, self.workspace), dtype=torch.uint8, device=device)
-        self.graph.execute(pack, workspace, handle=_handle(device))
-
-    def _mod_inputs(self, q: Tensor, q_seg: Segment, kv_seg: Segment, lowering: _Lowering) -> dict:
-        inputs = self.inputs
-        pack = {t: inputs.const_values[id(t)] for t in inputs.used.values() if id(t) in inputs.const_values}
-        segs = {"q_idx": q_seg, "kv_idx": kv_seg}
-        for name, t in inputs.starts.items():
-            pack[t] = torch.full((1, 1, 1, 1), segs[name].start, dtype=torch.int32)
-        for name, t in inputs.strides.items():
-            pack[t] = torch.full((1, 1, 1, 1), segs[name].stride, dtype=torch.int32)
-        env = None
-        for (t, dims), node in zip(inputs.hoisted, lowering.hoisted):
-            if id(t) in inputs.used:
-                env = env or _index_env(q.shape[0], q.shape[1], q_seg, kv_seg, q.device)
-                pack[t] = torch.broadcast_to(evaluate(node, env), dims).to(torch.float32).contiguous()
-        return pack
+            buffers += self.inputs.buffers(q, q_seg, kv_seg, lowering)
+        workspace = torch.empty(max(1, self.workspace), dtype=torch.uint8, device=q.device)
+        self.graph.execute(buffers, workspace, handle=_handle(q.device), tensor_uids=self.uids)
 
 
 def _index_env(batch: int, heads: int, q_seg: Segment, kv_seg: Segment, device) -> Dict[str, Tensor]:
@@ -468,9 +508,12 @@ def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     g.check_support()
     g.build_plans()
+    order = [io[name] for name in io]
     if emitter is not None:
         emitter.release()
-    return _Graph(g, io, inputs, g.get_workspace_size())
+        inputs.freeze()
+        order += inputs.order
+    return _Graph(g, tuple(io), inputs, g.get_workspace_size(), [t.get_uid() for t in order])
 
 
 # --------------------------------------------------------------------------- planning a block
