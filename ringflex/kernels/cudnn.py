@@ -289,7 +289,7 @@ class _Emitter:
                     index = self._typed(self.g.mul(a=index, b=self.inputs.use(stride), compute_data_type=I), "INT32")
                 start = self.inputs.use(self.inputs.starts[n.op])
                 return self._typed(self.g.add(a=index, b=start, compute_data_type=I), "INT32")
-            return self.inputs.use(self.inputs.hoisted[self.inputs.hoisted_index[id(n)]][0])
+            return self.inputs.use(self.inputs.hoisted[self.inputs.hoisted_index[id(n)]])
         op, a = n.op, n.args
         if op in _UNARY_CUDNN:
             return self._op(op, self._number(a[0]))
@@ -588,7 +588,24 @@ def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segmen
             if row[j] != BlockKind.EMPTY:
                 runs.append(_Run(rows, (j * block_kv, min(kv_seg.length, end * block_kv)), masked=row[j] == BlockKind.PARTIAL))
             j = end
+    if _JOIN_ROWS:
+        runs = _join_rows(runs)
     return _remember(_PLANS, key, runs, _MAX_PLANS)
+
+
+_JOIN_ROWS = False
+
+
+def _join_rows(runs: List[_Run]) -> List[_Run]:
+    joined = []
+    for run in runs:
+        last = joined[-1] if joined else None
+        if last is not None and last.rows == run.rows:
+            masked = last.masked or run.masked or last.cols[1] != run.cols[0]
+            joined[-1] = _Run(run.rows, (last.cols[0], run.cols[1]), masked=masked)
+        else:
+            joined.append(run)
+    return joined
 
 
 _BANDS: "OrderedDict[int, tuple]" = OrderedDict()
