@@ -370,14 +370,15 @@ def trace_mask_mod(mask_mod: Callable, device=None) -> ModGraph:
 
 def evaluate(out: Node, env: Dict[str, Tensor]) -> Tensor:
     """``out`` evaluated with torch; ``env`` maps input names to (broadcastable) tensors."""
-    device = next((t.device for t in env.values() if isinstance(t, Tensor)), None)
     memo: Dict[int, Tensor] = {}
     for n in _topological(out):
         args = [memo[id(a)] for a in n.args]
         if n.op in env:
-            v = torch.as_tensor(env[n.op], device=device)
+            v = torch.as_tensor(env[n.op])
         elif n.op == "const":
-            v = torch.tensor(n.value, dtype=n.dtype, device=device)  # 0-dim: promotes like a Python number
+            # A 0-dim CPU tensor promotes like a Python number, and mixes with tensors on any
+            # device without a host-device copy (which would wait for the device).
+            v = torch.tensor(n.value, dtype=n.dtype)
         elif n.op == "tensor":
             v = n.value
         elif n.op == "index":

@@ -379,8 +379,11 @@ class _Inputs:
 
 
 def _hoisted_layout(dims: List[int], full: List[int]) -> Tuple[List[int], List[int]]:
-    """The descriptor of a hoisted tensor of broadcast shape ``dims`` in a score of shape ``full``."""
-    return dims, _contiguous_strides(dims)
+    """The descriptor of a compact hoisted tensor of broadcast shape ``dims``: the score's full
+    shape with stride 0 along broadcast axes. (Described as ``dims`` itself, e.g. [1, 1, S_q, 1],
+    cuDNN's backward reads per-token values wrong; the forward reads them right either way.)"""
+    compact = _contiguous_strides(dims)
+    return list(full), [0 if d == 1 else stride for d, stride in zip(dims, compact)]
 
 
 _SCALARS: Dict[tuple, Tensor] = {}
@@ -692,25 +695,25 @@ class CudnnKernel:
         runs = self._runs(program, mods, q, k, q_seg, kv_seg)
         # A row that sees no key anywhere has lse -inf; +inf makes its probabilities exp(s - inf) = 0.
         stats = torch.where(lse.isneginf(), math.inf, lse.float()).unsqueeze(-1)
-        disjoint = _disjoint([r.rows for r in runs]) and _disjoint([r.cols for r in runs])
-        if disjoint:  # every gradient element comes from at most one call: write in place
-            covers = len(runs) == 1 and runs[0].rows == (0, q.shape[2]) and runs[0].cols == (0, k.shape[2])
-            new = torch.empty_like if covers else torch.zeros_like
-            dq, dk, dv = new(q), new(k), new(v)
-        else:
-            dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+        # Where every gradient element comes from at most one call, calls write in place;
+        # elsewhere they are summed in fp32.
+        direct = (_disjoint([r.rows for r in runs]), _disjoint([r.cols for r in runs]))
+        covers = len(runs) == 1 and runs[0].rows == (0, q.shape[2]) and runs[0].cols == (0, k.shape[2])
+        grads = [(torch.empty_like if covers else torch.zeros_like)(t) if in_place
+                 else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                 for t, in_place in ((q, direct[0]), (k, direct[1]), (v, direct[1]))]
         for run in runs:
-            grads = (_rows(dq, run.rows), _rows(dk, run.cols), _rows(dv, run.cols))
-            if not disjoint:
-                grads = tuple(torch.empty(g.shape, dtype=q.dtype, device=q.device) for g in grads)
+            views = (_rows(grads[0], run.rows), _rows(grads[1], run.cols), _rows(grads[2], run.cols))
+            outs = [view if in_place else torch.empty(view.shape, dtype=q.dtype, device=q.device)
+                    for view, in_place in zip(views, (direct[0], direct[1], direct[1]))]
             tensors = dict(q=_rows(q, run.rows), k=_rows(k, run.cols), v=_rows(v, run.cols), out=_rows(out, run.rows),
                            dout=_rows(dout, run.rows), lse=_rows(stats, run.rows).contiguous(),  # cuDNN wants it packed
-                           dq=grads[0], dk=grads[1], dv=grads[2])
+                           dq=outs[0], dk=outs[1], dv=outs[2])
             self._call(True, run, program, tensors, scale, q_seg, kv_seg)
-            if not disjoint:
-                _rows(dq, run.rows).add_(grads[0])
-                _rows(dk, run.cols).add_(grads[1])
-                _rows(dv, run.cols).add_(grads[2])
+            for view, part in zip(views, outs):
+                if part is not view:
+                    view.add_(part)
+        dq, dk, dv = grads
         return dq, dk, dv
 
 
