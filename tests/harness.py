@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 
-def _worker(rank, world_size, store_path, fn, args, results):
+def _worker(rank, world_size, store_path, environ, fn, args, results):
+    os.environ.clear()
+    os.environ.update(environ)  # the caller's, as a spawned child would see it
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
@@ -32,14 +34,13 @@ def run_world(world_size: int, fn, *args, timeout: float = 240.0, allow_errors: 
     call raises TimeoutError, so a hang fails a test instead of blocking it.
     """
     # Children fork from a server that has imported torch once: starting a rank costs
-    # milliseconds instead of a fresh interpreter's seconds. They inherit the server's
-    # environment, not the caller's: set environment variables inside ``fn``.
+    # milliseconds instead of a fresh interpreter's seconds.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "ringflex"])
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, store, fn, args, results), daemon=True)
+        procs = [ctx.Process(target=_worker, args=(r, world_size, store, dict(os.environ), fn, args, results), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
