@@ -16,6 +16,7 @@ from ..kernels.base import HopKernel, Mods
 from ..kernels.reference import compute_dtype
 from ..plan import Hop
 from .comm import RingComm
+from .fault import guard
 from .merge import merge_
 
 
@@ -123,7 +124,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, call: RingCall):
-        out, lse = ring_forward(call, q, k, v)
+        with guard(call.comm, "forward"):  # a failure here releases the other ranks
+            out, lse = ring_forward(call, q, k, v)
         out = out.to(q.dtype)
         ctx.call = call
         ctx.save_for_backward(q, k, v, out, lse)
@@ -133,5 +135,6 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(ctx.call, q, k, v, out, lse, dout.contiguous())
+        with guard(ctx.call.comm, "backward"):
+            dq, dk, dv = ring_backward(ctx.call, q, k, v, out, lse, dout.contiguous())
         return dq, dk, dv, None

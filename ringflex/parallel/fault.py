@@ -1,0 +1,144 @@
+"""Failing together: a rank that raises inside the ring tells the others, so none waits forever.
+
+A point-to-point transfer knows nothing of its peer's failure: a rank whose score_mod raises
+at step 2 simply stops sending, and while its process lives on (a training loop that logs
+and carries on, a notebook) its neighbours wait in a receive until the process group's
+timeout (30 minutes for gloo). gloo has no working abort in torch 2.13 (``abort()`` and
+``shutdown()`` leave the connections open), so ringflex tears the ring down itself:
+
+- an exception inside the ring marks the group as failed, with the exception's text, under
+  one key of the group's rendezvous store, and the rank remembers it;
+- waits on CPU (gloo) transfers poll that key while they wait, so every other rank raises
+  ``RingFailure`` within milliseconds;
+- a failed group stays failed (transfers in flight can no longer be matched): every later
+  call on it raises at once.
+
+Waits on CUDA (NCCL) transfers block the GPU stream, not the CPU, so they cannot poll: there
+ringflex marks the failure but cannot release a rank already blocked in NCCL; the process
+group's own timeout does.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+from torch import Tensor
+
+from .comm import RingComm
+
+_KEY = "ringflex/failed"
+_POLL_STORE_S = 0.01  # how often a waiting rank looks for a failure in the store
+_FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> what failed
+
+
+class RingFailure(RuntimeError):
+    """Another rank of the ring failed (or this group failed earlier); the group is unusable."""
+
+
+def _store(group):
+    try:
+        return dist.distributed_c10d._get_process_group_store(group)
+    except (AttributeError, KeyError, RuntimeError):
+        return None
+
+
+def failure(group) -> Optional[str]:
+    """What made ``group`` fail, as this rank knows it, or None."""
+    return _FAILED.get(group) if group is not None else None
+
+
+def fail(group, message: str) -> None:
+    """Marks ``group`` failed here and, best effort, for every rank (its store may be gone)."""
+    if group in _FAILED:
+        return
+    _FAILED[group] = message
+    store = _store(group)
+    if store is not None:
+        try:
+            store.set(_KEY, message)
+        except (RuntimeError, ValueError):  # the store lived on a rank that is gone
+            pass
+
+
+def _remote_failure(group) -> Optional[str]:
+    store = _store(group)
+    if store is None:
+        return None
+    try:
+        if store.check([_KEY]):
+            return store.get(_KEY).decode(errors="replace")
+    except (RuntimeError, ValueError) as e:
+        return f"the rendezvous store cannot be reached ({e})"
+    return None
+
+
+def wait(works: Sequence, group, what: str, ring_group=None) -> None:
+    """Waits for CPU transfers or collectives ``works`` on ``group``; raises RingFailure as
+    soon as a rank of ``ring_group`` (default: ``group``) has marked it failed.
+
+    gloo completes a transfer only inside ``wait()`` and closes the connection when a wait
+    times out, so a helper thread does the (blocking) wait while this one polls the store.
+    After a failure the helper stays blocked until the group's own timeout; it is a daemon.
+    """
+    ring_group = group if ring_group is None else ring_group
+    done, errors = threading.Event(), []
+
+    def wait_all():
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as e:  # noqa: BLE001 (handed to the waiting thread)
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait_all, name="ringflex-wait", daemon=True).start()
+    while not done.wait(_POLL_STORE_S):
+        remote = _remote_failure(ring_group)
+        if remote is not None:
+            fail(ring_group, remote)
+            raise RingFailure(f"ringflex: {what} stopped because {remote}; the process group can no "
+                              "longer be used: create a new one")
+    if errors:
+        raise errors[0]
+
+
+class _PolledPending:
+    def __init__(self, works, group, what: str):
+        self.works, self.group, self.what = works, group, what
+
+    def wait(self) -> None:
+        wait(self.works, self.group, self.what)
+
+
+class GuardedComm(RingComm):
+    """RingComm whose CPU transfers give up when a rank of the ring has failed."""
+
+    phase = "ring"  # set by ``guard``: which pass of the ring the transfers belong to
+
+    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor]):
+        pending = super().exchange(send, recv)
+        if send[0].is_cuda:
+            return pending
+        return _PolledPending(pending.works, self.group,
+                              f"the {self.phase} transfer from rank {(self.rank - 1) % self.world_size}")
+
+
+@contextmanager
+def guard(comm: Optional[RingComm], phase: str):
+    """Runs one pass of the ring; an exception inside it marks the ring failed for all ranks."""
+    if comm is None:
+        yield
+        return
+    if isinstance(comm, GuardedComm):
+        comm.phase = phase
+    try:
+        yield
+    except RingFailure:
+        raise
+    except BaseException as e:
+        fail(comm.group, f"rank {comm.rank} raised in the ring's {phase}: {type(e).__name__}: {e}")
+        raise
