@@ -93,6 +93,7 @@ def _fwd_bwd(run, inputs, dout):
 def bench_flex(q, k, v, dout, score_mod, mask_mod):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    torch._dynamo.reset()  # a fresh compile per mod, not a recompile-limited one
     flex = torch.compile(flex_attention, dynamic=False)
     block_mask = None
     if mask_mod is not None:

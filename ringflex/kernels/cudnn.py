@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..plan import BlockKind, Segment, block_kinds
+from ..plan import BlockKind, Segment, block_kinds, evaluate_mask
 from ..trace import ModGraph, Node, UnsupportedModError, diagonal_band, evaluate, score_grad, trace_mask_mod, trace_score_mod
 from .base import Mods
 
@@ -109,9 +109,18 @@ def _in_graph(n: Node) -> bool:
     return bool(n.deps & {"score", "grad"}) or {"q_idx", "kv_idx"} <= n.deps
 
 
+def _needs_torch(n: Node, memo: Dict[int, bool]) -> bool:
+    """Whether ``n`` reads a captured tensor or b / h: cuDNN cannot gather, and per-batch or
+    per-head values are cheapest as a small input."""
+    if id(n) not in memo:
+        memo[id(n)] = n.op in ("index", "tensor") or bool(n.deps & {"b", "h"}) or any(_needs_torch(a, memo) for a in n.args)
+    return memo[id(n)]
+
+
 class _Lowering:
-    """Splits the mods into cuDNN's per-element graph and the inputs it needs: constants,
-    the generated indices and sub-expressions computed in torch (``hoisted``)."""
+    """Splits the mods into cuDNN's per-element graph and its inputs: constants, the hop's
+    offsets for the generated indices, and sub-expressions computed in torch (``hoisted``).
+    Arithmetic on one index (``q_idx // width``) stays in the graph: cheaper than a load."""
 
     def __init__(self, score: Optional[ModGraph], mask: Optional[ModGraph], backward: bool):
         self.score, self.mask = score, mask
@@ -119,23 +128,29 @@ class _Lowering:
         self.consts = {0.0, 1.0, -math.inf}
         self.indices = set()
         self.hoisted: List[Node] = []
-        seen = set()
+        seen, memo = set(), {}
         for graph in (score, mask, self.grad):
             if graph is not None:
-                self._visit(graph.output, seen)
+                self._visit(graph.output, seen, memo)
+        self.hoisted_ids = {id(n) for n in self.hoisted}
         self.key = (score and score.structure, mask and mask.structure, backward)
 
-    def _visit(self, n: Node, seen: set) -> None:
+    def is_input(self, n: Node) -> bool:
+        """Whether ``n`` enters the graph as an input value (constant or hoisted)."""
+        return n.op == "const" or id(n) in self.hoisted_ids
+
+    def _visit(self, n: Node, seen: set, memo: Dict[int, bool]) -> None:
         if id(n) in seen:
             return
         seen.add(id(n))
-        if not _in_graph(n):
-            if n.op == "const":
-                self.consts.add(float(n.value))
-            elif n.op in ("q_idx", "kv_idx"):
-                self.indices.add(n.op)
-            else:
-                self.hoisted.append(n)
+        if n.op == "const":
+            self.consts.add(float(n.value))
+            return
+        if n.op in ("q_idx", "kv_idx"):
+            self.indices.add(n.op)
+            return
+        if not _in_graph(n) and _needs_torch(n, memo):
+            self.hoisted.append(n)
             return
         if n.op == "index":
             raise UnsupportedModError(
@@ -146,7 +161,7 @@ class _Lowering:
         if n.op == "cast" and n.args[0].dtype.is_floating_point and not n.dtype.is_floating_point and n.dtype != torch.bool:
             raise UnsupportedModError("casting a float to an integer inside the mod is not supported by the cuDNN kernel")
         for a in n.args:
-            self._visit(a, seen)
+            self._visit(a, seen, memo)
 
 
 def lowering_error(mods: Mods, device=None) -> Optional[str]:
@@ -241,11 +256,12 @@ class _Emitter:
 
     def _choose(self, n: Node, t, f):
         """``n ? t : f`` for a boolean node ``n``."""
-        if _in_graph(n) and n.op == "and":
+        computed = not self.lowering.is_input(n)
+        if computed and n.op == "and":
             return self._choose(n.args[0], self._choose(n.args[1], t, f), f)
-        if _in_graph(n) and n.op == "or":
+        if computed and n.op == "or":
             return self._choose(n.args[0], t, self._choose(n.args[1], t, f))
-        if _in_graph(n) and n.op == "not":
+        if computed and n.op == "not":
             return self._choose(n.args[0], f, t)
         negate = self.inputs.is_input(t) and not self.inputs.is_input(f)
         if negate:
@@ -258,11 +274,11 @@ class _Emitter:
         key = ("condition", id(n), negate)
         if key in self.memo:
             return self.memo[key]
-        if _in_graph(n) and n.op in _CMP_CUDNN:
+        if not self.lowering.is_input(n) and n.op in _CMP_CUDNN:
             name = _NEGATED[n.op] if negate else n.op
             t = self._op(_CMP_CUDNN[name], self._number(n.args[0]), self._number(n.args[1]))
         else:
-            if not _in_graph(n):
+            if self.lowering.is_input(n):
                 value = self._emit(n)  # hoisted and constant conditions arrive as 1.0 / 0.0
             elif n.op == "where":
                 value = self._choose(n.args[0], self._number(n.args[1]), self._number(n.args[2]))
@@ -278,18 +294,18 @@ class _Emitter:
         return self.memo[id(n)]
 
     def _lower(self, n: Node):
-        if not _in_graph(n):
-            if n.op == "const":
-                return self._const(float(n.value))
-            if n.op in ("q_idx", "kv_idx"):
-                I = _cudnn().data_type.INT32
-                index = self._typed(self.g.gen_index(input=self.base, axis=2 if n.op == "q_idx" else 3), "INT32")
-                stride = self.inputs.strides.get(n.op)
-                if stride is not None:
-                    index = self._typed(self.g.mul(a=index, b=self.inputs.use(stride), compute_data_type=I), "INT32")
-                start = self.inputs.use(self.inputs.starts[n.op])
-                return self._typed(self.g.add(a=index, b=start, compute_data_type=I), "INT32")
+        if n.op == "const":
+            return self._const(float(n.value))
+        if id(n) in self.inputs.hoisted_index:
             return self.inputs.use(self.inputs.hoisted[self.inputs.hoisted_index[id(n)]])
+        if n.op in ("q_idx", "kv_idx"):  # global position = start + stride * local index
+            I = _cudnn().data_type.INT32
+            index = self._typed(self.g.gen_index(input=self.base, axis=2 if n.op == "q_idx" else 3), "INT32")
+            stride = self.inputs.strides.get(n.op)
+            if stride is not None:
+                index = self._typed(self.g.mul(a=index, b=self.inputs.use(stride), compute_data_type=I), "INT32")
+            start = self.inputs.use(self.inputs.starts[n.op])
+            return self._typed(self.g.add(a=index, b=start, compute_data_type=I), "INT32")
         op, a = n.op, n.args
         if op in _UNARY_CUDNN:
             return self._op(op, self._number(a[0]))
@@ -326,7 +342,7 @@ class _Inputs:
     """The graph inputs a lowering may need, created before the graph is frozen. The
     callbacks record which they ``use``; ``order`` lists those once the graph is built."""
 
-    def __init__(self, g, lowering: _Lowering, shapes: Dict[str, int], strided: Dict[str, bool]):
+    def __init__(self, g, lowering: _Lowering, shapes: Dict[str, int], strided: Dict[str, bool], backward: bool):
         cudnn = _cudnn()
         F, I = cudnn.data_type.FLOAT, cudnn.data_type.INT32
         scalar = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True)
@@ -341,7 +357,7 @@ class _Inputs:
         full = [shapes[d] for d in ("b", "h", "q_idx", "kv_idx")]
         for i, n in enumerate(lowering.hoisted):
             dims = [size if d in n.deps else 1 for size, d in zip(full, ("b", "h", "q_idx", "kv_idx"))]
-            dim, stride = _hoisted_layout(dims, full)
+            dim, stride = _hoisted_layout(dims, full, backward)
             self.hoisted.append(g.tensor(name=f"hoisted{i}", dim=dim, stride=stride, data_type=F))
             self.hoisted_dims.append(dims)
             self.hoisted_index[id(n)] = i
@@ -378,12 +394,17 @@ class _Inputs:
         return values
 
 
-def _hoisted_layout(dims: List[int], full: List[int]) -> Tuple[List[int], List[int]]:
-    """The descriptor of a compact hoisted tensor of broadcast shape ``dims``: the score's full
-    shape with stride 0 along broadcast axes. (Described as ``dims`` itself, e.g. [1, 1, S_q, 1],
-    cuDNN's backward reads per-token values wrong; the forward reads them right either way.)"""
+def _hoisted_layout(dims: List[int], full: List[int], backward: bool) -> Tuple[List[int], List[int]]:
+    """The descriptor of a compact hoisted tensor of broadcast shape ``dims``.
+
+    Described as ``dims`` itself (e.g. [1, 1, S_q, 1]), cuDNN's backward reads per-token
+    values wrong, so there it gets the score's full shape with stride 0 along the broadcast
+    axes; the forward reads both right, and the compact form faster (measured: docs/cudnn.md).
+    """
     compact = _contiguous_strides(dims)
-    return list(full), [0 if d == 1 else stride for d, stride in zip(dims, compact)]
+    if backward and (dims[2] > 1 or dims[3] > 1):
+        return list(full), [0 if d == 1 else stride for d, stride in zip(dims, compact)]
+    return dims, compact
 
 
 _SCALARS: Dict[tuple, Tensor] = {}
@@ -489,7 +510,7 @@ def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
     inputs = emitter = None
     if lowering is not None:
         shapes = {"b": q.shape[0], "h": q.shape[1], "q_idx": q.shape[2], "kv_idx": tensors["k"].shape[2]}
-        inputs = _Inputs(g, lowering, shapes, strided)
+        inputs = _Inputs(g, lowering, shapes, strided, backward)
         emitter = _Emitter(lowering, inputs)
         kwargs["score_mod"] = emitter.forward
         if backward:
@@ -568,47 +589,89 @@ def band_runs(band: Tuple[Optional[int], Optional[int]], q_seg: Segment, kv_seg:
     return [_Run((r0, r1), (c0, c1), band=(None if a is None else 1 - a, b))]
 
 
+def _plan_key(mask: ModGraph, *rest) -> tuple:
+    """A plan depends on the mask's values: its captured tensors by identity and version."""
+    return (mask.fingerprint, tuple((id(t), t._version) for t in mask.tensors())) + rest
+
+
 def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segment, kv_seg: Segment,
                depth: int, device) -> List[_Run]:
-    """The block cut into 2**depth x 2**depth sub-blocks: empty ones skipped, neighbouring
-    sub-blocks of one kind joined into one call, full ones unmasked."""
+    """The block cut into 2**depth row chunks, each one call over the key tiles (of the same
+    size) from its first to its last non-empty one: empty tiles around it are skipped, and
+    no partial results need merging. Masked unless every tile in the span is full."""
     n = 1 << depth
     block_q = _TILE * _ceil_div(_ceil_div(q_seg.length, n), _TILE)
     block_kv = _TILE * _ceil_div(_ceil_div(kv_seg.length, n), _TILE)
-    key = (mask.fingerprint, tuple((id(t), t._version) for t in mask.tensors()), batch if "b" in mask.deps else 1,
-           heads if "h" in mask.deps else 1, q_seg, kv_seg, block_q, block_kv, str(device))
+    batch, heads = (batch if "b" in mask.deps else 1), (heads if "h" in mask.deps else 1)
+    key = _plan_key(mask, "split", batch, heads, q_seg, kv_seg, block_q, block_kv, str(device))
     if key in _PLANS:
         return _PLANS[key]
-    kinds = block_kinds(mods.mask_mod, key[2], key[3], q_seg, kv_seg, block_q, block_kv, device).tolist()
     runs = []
-    for i, row in enumerate(kinds):
-        rows = (i * block_q, min(q_seg.length, (i + 1) * block_q))
-        j = 0
-        while j < len(row):
-            end = j
-            while end < len(row) and row[end] == row[j]:
-                end += 1
-            if row[j] != BlockKind.EMPTY:
-                runs.append(_Run(rows, (j * block_kv, min(kv_seg.length, end * block_kv)), masked=row[j] == BlockKind.PARTIAL))
-            j = end
-    if _JOIN_ROWS:
-        runs = _join_rows(runs)
+    for i, row in enumerate(block_kinds(mods.mask_mod, batch, heads, q_seg, kv_seg, block_q, block_kv, device).tolist()):
+        tiles = [j for j, kind in enumerate(row) if kind != BlockKind.EMPTY]
+        if tiles:
+            span = row[tiles[0]:tiles[-1] + 1]
+            runs.append(_Run((i * block_q, min(q_seg.length, (i + 1) * block_q)),
+                             (tiles[0] * block_kv, min(kv_seg.length, (tiles[-1] + 1) * block_kv)),
+                             masked=any(kind != BlockKind.FULL for kind in span)))
     return _remember(_PLANS, key, runs, _MAX_PLANS)
 
 
-_JOIN_ROWS = False
+_MAX_GROUPS = 16  # beyond this many row groups the exact plan costs more host time than it saves
+_MAX_EXACT = 1 << 28  # mask elements the exact plan may evaluate at once
 
 
-def _join_rows(runs: List[_Run]) -> List[_Run]:
-    joined = []
-    for run in runs:
-        last = joined[-1] if joined else None
-        if last is not None and last.rows == run.rows:
-            masked = last.masked or run.masked or last.cols[1] != run.cols[0]
-            joined[-1] = _Run(run.rows, (last.cols[0], run.cols[1]), masked=masked)
-        else:
-            joined.append(run)
-    return joined
+def exact_runs(mods: Mods, mask: ModGraph, q_seg: Segment, kv_seg: Segment, device) -> Optional[List[_Run]]:
+    """The block from its exact mask, for masks that are the same for every batch and head:
+    query rows grouped by their first visible key (a packed document, say); in each group the
+    keys every row sees run unmasked, and the rest with cuDNN's native band mask where the mask
+    is a band there (causal inside a document), else masked. None where that is too fragmented."""
+    if mask.deps & {"b", "h"} or q_seg.length * kv_seg.length > _MAX_EXACT:
+        return None
+    key = _plan_key(mask, "exact", q_seg, kv_seg, str(device))
+    if key in _PLANS:
+        return _PLANS[key]
+    allowed = evaluate_mask(mods.mask_mod, 1, 1, q_seg.positions(device), kv_seg.positions(device))[0, 0]
+    visible = allowed.any(1)
+    first = torch.where(visible, allowed.int().argmax(1), -1)
+    starts = torch.nonzero(torch.diff(first, prepend=first.new_full((1,), -2))).flatten().tolist()
+    runs = None
+    if len(starts) <= 2 * _MAX_GROUPS:
+        last = kv_seg.length - 1 - allowed.flip(1).int().argmax(1)
+        first, last = first.tolist(), last.tolist()
+        groups = [(r0, r1) for r0, r1 in zip(starts, starts[1:] + [q_seg.length]) if first[r0] >= 0]
+        if len(groups) <= _MAX_GROUPS:
+            runs = []
+            for r0, r1 in groups:
+                runs += _group_runs(allowed, r0, r1, first[r0], max(last[r0:r1]) + 1)
+    return _remember(_PLANS, key, runs, _MAX_PLANS)
+
+
+def _group_runs(allowed: Tensor, r0: int, r1: int, c0: int, c1: int) -> List[_Run]:
+    """Runs for rows r0:r1 that see keys in c0:c1 only: leading keys that all of them see
+    unmasked, then the rest as a native band where it is one, else masked."""
+    block = allowed[r0:r1, c0:c1]
+    seen_by_all = block.all(0)
+    full = int(seen_by_all.int().argmin()) if not bool(seen_by_all.all()) else c1 - c0
+    runs = [_Run((r0, r1), (c0, c0 + full))] if full else []
+    rest = block[:, full:]
+    if full == c1 - c0 or not bool(rest.any()):
+        return runs
+    i = torch.arange(rest.shape[0], device=rest.device).view(-1, 1)
+    j = torch.arange(rest.shape[1], device=rest.device).view(1, -1)
+    offset = (j - i)[rest]  # kept keys lie in [i + a, i + b] if the rest is a band
+    a, b = int(offset.min()), int(offset.max())
+    band = None
+    if torch.equal(rest, (j - i >= a) & (j - i <= b)):
+        band = band_runs((-b, -a), Segment(0, 1, rest.shape[0]), Segment(0, 1, rest.shape[1]))
+    if band is None:
+        return runs + [_Run((r0, r1), (c0 + full, c1), masked=True)]
+    return runs + [_Run((r0 + r.rows[0], r0 + r.rows[1]), (c0 + full + r.cols[0], c0 + full + r.cols[1]), band=r.band)
+                   for r in band]
+
+
+def _area(runs: List[_Run]) -> int:
+    return sum((r.rows[1] - r.rows[0]) * (r.cols[1] - r.cols[0]) for r in runs)
 
 
 _BANDS: "OrderedDict[int, tuple]" = OrderedDict()
@@ -650,9 +713,14 @@ class CudnnKernel:
             runs = band_runs(band, q_seg, kv_seg)
             if runs is not None:
                 return runs
+        exact = exact_runs(mods, program.mask, q_seg, kv_seg, q.device)
+        if exact is not None and program.score is None:  # unmasked and native-band calls: no per-element mask
+            return exact
+        split = [_Run(full.rows, full.cols, masked=True)]
         if self.split_depth > 0:
-            return split_runs(mods, program.mask, q.shape[0], q.shape[1], q_seg, kv_seg, self.split_depth, q.device)
-        return [_Run(full.rows, full.cols, masked=True)]
+            split = split_runs(mods, program.mask, q.shape[0], q.shape[1], q_seg, kv_seg, self.split_depth, q.device)
+        # With a score_mod every call pays per element alike: take the plan that computes less.
+        return exact if exact is not None and _area(exact) < _area(split) else split
 
     def _call(self, backward: bool, run: _Run, program: _Program, tensors: Dict[str, Tensor], scale: float,
               q_seg, kv_seg) -> None:
@@ -673,19 +741,21 @@ class CudnnKernel:
         runs = self._runs(program, mods, q, k, q_seg, kv_seg)
         out = q.new_empty(*q.shape[:3], v.shape[-1])
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-        done = set()
+        done = []  # row ranges written so far
         for run in runs:
-            first = run.rows not in done
+            first = not any(a < run.rows[1] and run.rows[0] < b for a, b in done)
+            if not first:  # rows that no call wrote yet start empty, then everything is merged
+                for gap in _uncovered(run.rows, done):
+                    _clear(out, lse, gap)
             o = _rows(out, run.rows) if first else torch.empty_like(_rows(out, run.rows))
             s = _rows(lse, run.rows) if first else torch.empty_like(_rows(lse, run.rows))
             tensors = dict(q=_rows(q, run.rows), k=_rows(k, run.cols), v=_rows(v, run.cols), out=o, lse=s.unsqueeze(-1))
             self._call(False, run, program, tensors, scale, q_seg, kv_seg)
             if not first:
                 _merge(_rows(out, run.rows), _rows(lse, run.rows), o, s)
-            done.add(run.rows)
-        for rows in _uncovered(q.shape[2], done):
-            _rows(out, rows).zero_()
-            _rows(lse, rows).fill_(-math.inf)
+            done.append(run.rows)
+        for gap in _uncovered((0, q.shape[2]), done):
+            _clear(out, lse, gap)
         return out, lse
 
     def backward(self, q, k, v, out, lse, dout, q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods,
@@ -738,15 +808,24 @@ def _merge(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None
     lse.copy_(new)
 
 
-def _uncovered(length: int, covered) -> List[Tuple[int, int]]:
-    gaps, pos = [], 0
+def _uncovered(span: Tuple[int, int], covered) -> List[Tuple[int, int]]:
+    """The parts of ``span`` outside every range of ``covered``."""
+    gaps, pos = [], span[0]
     for begin, end in sorted(covered):
         if begin > pos:
-            gaps.append((pos, begin))
+            gaps.append((pos, min(begin, span[1])))
         pos = max(pos, end)
-    if pos < length:
-        gaps.append((pos, length))
-    return gaps
+        if pos >= span[1]:
+            break
+    if pos < span[1]:
+        gaps.append((pos, span[1]))
+    return [g for g in gaps if g[0] < g[1]]
+
+
+def _clear(out: Tensor, lse: Tensor, rows: Tuple[int, int]) -> None:
+    """Rows that see no key: output 0, lse -inf."""
+    _rows(out, rows).zero_()
+    _rows(lse, rows).fill_(-math.inf)
 
 
 def _disjoint(ranges) -> bool:

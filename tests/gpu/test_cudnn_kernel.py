@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared test 
 from cases import cases, make_inputs  # noqa: E402
 from ringflex import mods
 from ringflex.kernels.base import Mods
-from ringflex.kernels.cudnn import CudnnKernel, band_runs, cudnn_unavailable_reason, split_runs
+from ringflex.kernels.cudnn import CudnnKernel, band_runs, cudnn_unavailable_reason, exact_runs, split_runs
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.plan import Segment, evaluate_mask
 from ringflex.trace import diagonal_band, trace_mask_mod
@@ -199,18 +199,41 @@ def test_band_runs_compute_exactly_the_mask(mask_mod):
                     assert run.band is None or run.band[1] is None or run.band[1] >= 0
 
 
+def _coverage(runs, shape):
+    """How often each pair is computed, and whether a call without a select computes it."""
+    count = torch.zeros(shape, dtype=torch.int32)
+    unmasked = torch.zeros(shape, dtype=torch.bool)
+    for run in runs:
+        keep = _band_keeps(run, *shape)
+        count += keep.int()
+        if not run.masked:
+            unmasked |= keep
+    return count, unmasked
+
+
+DOC = mods.document_ids([100, 30, 200, 70, 112])
+PLAN_MASKS = {"causal": mods.causal, "documents": mods.document(DOC), "prefix_lm": mods.prefix_lm(150),
+              "late": lambda b, h, q, kv: (q >= 300) & (kv <= q)}
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3])
-def test_split_runs_cover_every_visible_pair_once(depth):
-    doc = mods.document_ids([100, 30, 200, 70, 112])
-    for mask_mod in (mods.causal, mods.document(doc), mods.prefix_lm(150)):
-        q_seg, kv_seg = Segment(128, 1, 384), Segment(0, 1, 512)
-        mask = trace_mask_mod(mask_mod)
-        runs = split_runs(Mods(None, mask_mod), mask, 1, 1, q_seg, kv_seg, depth, "cpu")
+@pytest.mark.parametrize("name", sorted(PLAN_MASKS))
+def test_split_runs_cover_every_visible_pair_once(name, depth):
+    mask_mod = PLAN_MASKS[name]
+    q_seg, kv_seg = Segment(128, 1, 384), Segment(0, 1, 512)
+    runs = split_runs(Mods(None, mask_mod), trace_mask_mod(mask_mod), 1, 1, q_seg, kv_seg, depth, "cpu")
+    allowed = _allowed(mask_mod, q_seg, kv_seg)
+    count, unmasked = _coverage(runs, allowed.shape)
+    assert (count <= 1).all() and (count[allowed] == 1).all() and allowed[unmasked].all()
+    assert len(runs) <= 1 << depth
+
+
+@pytest.mark.parametrize("name", sorted(PLAN_MASKS))
+def test_exact_runs_cover_every_visible_pair_once(name):
+    mask_mod = PLAN_MASKS[name]
+    for q_seg, kv_seg in [(Segment(128, 1, 384), Segment(0, 1, 512)), (Segment(1, 4, 128), Segment(2, 4, 128))]:
+        runs = exact_runs(Mods(None, mask_mod), trace_mask_mod(mask_mod), q_seg, kv_seg, "cpu")
         allowed = _allowed(mask_mod, q_seg, kv_seg)
-        count = torch.zeros(allowed.shape, dtype=torch.int32)
-        for run in runs:
-            count[run.rows[0]:run.rows[1], run.cols[0]:run.cols[1]] += 1
-            if not run.masked:  # an unmasked run must be entirely visible
-                assert allowed[run.rows[0]:run.rows[1], run.cols[0]:run.cols[1]].all()
-        assert (count <= 1).all() and (count[allowed] == 1).all()
-        assert len({r.rows for r in runs}) <= 1 << depth
+        count, unmasked = _coverage(runs, allowed.shape)
+        assert (count <= 1).all() and (count[allowed] == 1).all() and allowed[unmasked].all()
+        assert not any(run.masked for run in runs)  # keys every row sees, then a causal band: no select
