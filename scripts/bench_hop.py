@@ -123,7 +123,7 @@ def main():
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--mods", nargs="*", help="subset of the matrix (default: all)")
-    p.add_argument("--depths", type=int, nargs="*", default=[], help="split depths to sweep for ringflex")
+    p.add_argument("--depths", type=int, nargs="*", default=[], help="split depths to sweep (mods with a mask and a score_mod)")
     p.add_argument("--no-flex", action="store_true", help="skip torch flex_attention")
     args = p.parse_args()
     device = torch.device("cuda")
@@ -151,8 +151,8 @@ def main():
         (fwd, fwd_host), (bwd, bwd_host), first = rf
         print(f"| {name} | {fwd:.2f} | {bwd:.2f} | {fx[0]} | {fx[1]} | {sd[0]} | {sd[1]} "
               f"| {fwd_host:.0f} / {bwd_host:.0f} | {first:.1f} |", flush=True)
-        for depth in args.depths:
-            if mask_mod is not None:
+        for depth in args.depths:  # the split serves masked blocks with a score_mod
+            if mask_mod is not None and score_mod is not None:
                 sweep.append((name, depth) + bench_ringflex(q, k, v, dout, score_mod, mask_mod, depth))
     if sweep:
         print("\n| mod | split depth | fwd | bwd | first call s |")
