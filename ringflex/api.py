@@ -5,16 +5,17 @@ import math
 import os
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import validate
+from . import debug, validate
 from .kernels import select_kernel
 from .kernels.base import Mods
 from .parallel import layout as layouts
-from .parallel.comm import RingComm
+from .parallel.fault import GuardedComm
 from .parallel.ring import RingAttention, RingCall
-from .plan import PlanCache
+from .plan import PlanCache, plan_hops
 
 _PLANS = PlanCache()
 
@@ -27,6 +28,8 @@ def _ring_group(group):
     return group if group is not None else dist.group.WORLD
 
 
+@torch.compiler.disable(reason="ring_flex_attention runs collectives and plans from the mask at run time: "
+                        "it is a graph break by design, the code around it compiles")
 def ring_flex_attention(
     q: Tensor, k: Tensor, v: Tensor, *,
     score_mod: Optional[Callable] = None,
@@ -47,23 +50,36 @@ def ring_flex_attention(
     S_local] if ``return_lse``). Every rank must make the same call.
     """
     group = _ring_group(group)
-    validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group, layout=layout,
-                   scale=scale, enable_gqa=enable_gqa, backend=backend)
     mods = Mods(score_mod, mask_mod)
     world_size = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
-    q_len, kv_len = q.shape[2] * world_size, k.shape[2] * world_size
-    q_segs = layouts.segments(layout, q_len, world_size, rank)
-    kv_segs_per_step = [layouts.segments(layout, kv_len, world_size, (rank - step) % world_size)
-                        for step in range(world_size)]
-    schedule = _PLANS.get(mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device,
-                          min_tile=int(os.environ.get("RINGFLEX_MIN_TILE", 1024)))
-    call = RingCall(
-        comm=RingComm(group) if world_size > 1 else None,
-        schedule=schedule,
-        kernel=select_kernel(backend, q, k, v, mods),
-        mods=mods,
-        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
-    )
+    debugging = debug.enabled()
+
+    def prepare():  # inside the argument check: a mask_mod that raises on one rank fails all
+        q_len, kv_len = q.shape[2] * world_size, k.shape[2] * world_size
+        q_segs = layouts.segments(layout, q_len, world_size, rank)
+        kv_segs_per_step = [layouts.segments(layout, kv_len, world_size, (rank - step) % world_size)
+                            for step in range(world_size)]
+        plan_args = (mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device,
+                     int(os.environ.get("RINGFLEX_MIN_TILE", 1024)))
+        schedule = _PLANS.get(*plan_args)
+        stale = debugging and debug.plan_error(schedule, plan_hops(*plan_args))
+        if stale:
+            raise ValueError(stale)
+        return schedule, select_kernel(backend, q, k, v, mods)
+
+    schedule, kernel = validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group, layout=layout,
+                                      scale=scale, enable_gqa=enable_gqa, backend=backend, debug=debugging,
+                                      prepare=prepare)
+    comm = None
+    if world_size > 1:
+        comm = debug.DebugComm(group) if debugging else GuardedComm(group)
+    call = RingCall(comm=comm, schedule=schedule, kernel=kernel, mods=mods,
+                    scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
+    if debugging:
+        debug.check_inputs(group, q, k, v)
+        q, k, v = debug.watch_grads(group, q, k, v)
     out, lse = RingAttention.apply(q, k.contiguous(), v.contiguous(), call)
+    if debugging:
+        debug.check_outputs(group, out, lse)
     return (out, lse) if return_lse else out

@@ -1,27 +1,28 @@
 """Argument checks, on this rank and across the ring, before any point-to-point transfer.
 
 A rank that rejects its arguments must not leave its neighbours waiting in a transfer, so
-every rank first checks its own arguments, then all ranks exchange one small record (shapes,
-dtypes, layout, mod fingerprints and any local error) over a CPU (gloo) group and raise
-the same error together.
+every rank first checks its own arguments and prepares its part of the ring (the plan
+evaluates the user's mask_mod, which may raise on one rank only), then all ranks exchange
+one small record (shapes, dtypes, layout, mod fingerprints, whether backward will run, and
+any local error) over a CPU (gloo) group and raise the same error together.
 """
 from __future__ import annotations
 
 import hashlib
 import inspect
 import math
-from typing import Optional
+import struct
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .parallel import fault
 from .parallel.layout import LAYOUTS, divisor
 
 BACKENDS = ("auto", "cudnn", "flex", "reference")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MESSAGE_BYTES = 400
-_FIELDS = ("batch size", "query heads", "key/value heads", "local query length", "local key/value length",
-           "head dim", "value head dim", "dtype", "device type", "layout", "backend", "enable_gqa",
-           "scale", "score_mod", "mask_mod")
 
 
 def _positional_arity(fn) -> Optional[int]:
@@ -34,15 +35,26 @@ def _positional_arity(fn) -> Optional[int]:
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
 
 
+def _tensor_error(name, t) -> Optional[str]:
+    if not isinstance(t, torch.Tensor):
+        return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    if t.layout != torch.strided:
+        return f"{name} must be a dense (strided) tensor, got layout {t.layout}"
+    if t.dim() != 4:
+        return f"{name} must be 4-D [batch, heads, local_seq_len, head_dim], got shape {tuple(t.shape)}"
+    if t.dtype not in DTYPES:
+        return f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}"
+    if t.shape[1] == 0 or t.shape[3] == 0:
+        return f"{name} must have at least one head and a head dim > 0, got shape {tuple(t.shape)}"
+    return None
+
+
 def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, world_size) -> Optional[str]:
     """What is wrong with this rank's arguments, or None."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
-        if t.dim() != 4:
-            return f"{name} must be 4-D [batch, heads, local_seq_len, head_dim], got shape {tuple(t.shape)}"
-        if not t.is_floating_point():
-            return f"{name} must be a floating-point tensor, got {t.dtype}"
+        error = _tensor_error(name, t)
+        if error:
+            return error
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if not (q.device == k.device == v.device):
@@ -67,7 +79,7 @@ def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend
         if t.shape[2] % per_rank:
             return (f"local length of {name} ({t.shape[2]}) does not fit layout {layout!r}: it must be a "
                     f"multiple of {per_rank}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
         return f"scale must be a finite number or None, got {scale!r}"
     for name, fn, arity, sig in (("score_mod", score_mod, 5, "(score, b, h, q_idx, kv_idx)"),
                                  ("mask_mod", mask_mod, 4, "(b, h, q_idx, kv_idx)")):
@@ -81,52 +93,53 @@ def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend
     return None
 
 
-def _stable_hash(value) -> int:
-    """A hash that is the same in every process (Python's own str hash is salted per process)."""
-    return int.from_bytes(hashlib.sha1(repr(value).encode()).digest()[:8], "little") >> 1
-
-
-def _feed(h, value, depth=0) -> None:
+def _feed(h, value, contents: bool, depth=0) -> None:
     """Hashes ``value`` by content, never by address, so every process agrees."""
     if depth > 8:
         return
     if isinstance(value, torch.Tensor):
         h.update(repr((tuple(value.shape), value.dtype)).encode())
+        if contents:
+            h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     elif isinstance(value, (type(None), bool, int, float, complex, str, bytes)):
         h.update(repr(value).encode())
     elif isinstance(value, (tuple, list)):
         for item in value:
-            _feed(h, item, depth + 1)
+            _feed(h, item, contents, depth + 1)
     elif hasattr(value, "co_code"):
         h.update(value.co_code)
         h.update(repr(value.co_names).encode())
-        _feed(h, value.co_consts, depth + 1)
+        _feed(h, value.co_consts, contents, depth + 1)
     elif hasattr(value, "__code__"):
-        _feed(h, value.__code__, depth + 1)
+        _feed(h, value.__code__, contents, depth + 1)
         for cell in value.__closure__ or ():
             try:
-                _feed(h, cell.cell_contents, depth + 1)
+                _feed(h, cell.cell_contents, contents, depth + 1)
             except ValueError:  # an empty cell
                 pass
     elif hasattr(value, "func"):  # functools.partial
-        _feed(h, (value.func, value.args, tuple(sorted(value.keywords.items()))), depth + 1)
+        _feed(h, (value.func, value.args, tuple(sorted(value.keywords.items()))), contents, depth + 1)
     else:
         h.update(type(value).__qualname__.encode())
 
 
-def fingerprint(fn) -> int:
-    """A 63-bit hash of what a mod computes: its code, constants and captured values."""
+def fingerprint(fn, contents: bool = False) -> int:
+    """A 63-bit hash of what a mod computes: its code, constants and captured values.
+
+    Captured tensors count by shape and dtype, and by their values only with ``contents``
+    (a device-to-host copy, so only debug mode asks for it).
+    """
     if fn is None:
         return 0
     h = hashlib.sha1()
-    _feed(h, fn)
+    _feed(h, fn, contents)
     return int.from_bytes(h.digest()[:8], "little") >> 1
 
 
 _CONTROL_GROUPS = {}
 
 
-def _control_group(group):
+def control_group(group):
     """A group with the same ranks that can move CPU tensors (gloo), made once per group."""
     if "gloo" in str(dist.get_backend(group)):
         return group
@@ -136,33 +149,98 @@ def _control_group(group):
     return _CONTROL_GROUPS[group]
 
 
-def _record(q, k, v, layout, backend, enable_gqa, scale, score_mod, mask_mod, error):
-    values = [q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
-              _stable_hash(q.dtype), _stable_hash(q.device.type), LAYOUTS.index(layout), BACKENDS.index(backend),
-              int(enable_gqa), _stable_hash(scale), fingerprint(score_mod), fingerprint(mask_mod)] if error is None else [0] * len(_FIELDS)
+def exchange(group, values: Sequence[int], error: Optional[str], what: str, error_type=ValueError) -> List[List[int]]:
+    """Every rank's ``values`` (ints below 2**63), gathered over the control group of the ring
+    ``group``. If any rank had an ``error``, every rank raises the same ``error_type``, naming it."""
+    values = list(values) if error is None else [0] * len(values)
     message = (error or "").encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
-    return torch.tensor([int(error is not None)] + values + list(message), dtype=torch.int64)
-
-
-def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, backend) -> None:
-    """Raises the same ValueError on every rank of ``group`` if any rank's arguments are bad
-    or the ranks disagree; returns only when all agree."""
-    world_size = dist.get_world_size(group) if group is not None else 1
-    error = local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, world_size)
-    if group is None or world_size == 1:
-        if error:
-            raise ValueError(f"ring_flex_attention: {error}")
-        return
-    mine = _record(q, k, v, layout, backend, enable_gqa, scale, score_mod, mask_mod, error)
-    records = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(records, mine, group=_control_group(group))
+    mine = torch.tensor([int(error is not None)] + values + list(message), dtype=torch.int64)
+    records = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    control = control_group(group)
+    work = dist.all_gather(records, mine, group=control, async_op=True)
+    fault.wait([work], control, what, ring_group=group)
     for rank, rec in enumerate(records):
         if rec[0]:
-            text = bytes(rec[1 + len(_FIELDS):].tolist()).rstrip(b"\0").decode(errors="replace")
-            raise ValueError(f"ring_flex_attention: rank {rank}: {text}")
-    for i, field in enumerate(_FIELDS):
-        seen = [int(rec[1 + i]) for rec in records]
+            text = bytes(rec[1 + len(values):].tolist()).rstrip(b"\0").decode(errors="replace")
+            raise error_type(f"ring_flex_attention: rank {rank}: {text}")
+    return [rec[1:1 + len(values)].tolist() for rec in records]
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _from_bits(n: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", n))[0]
+
+
+def _device_code(device: torch.device) -> int:
+    return int.from_bytes(device.type.encode()[:7].ljust(7, b"\0"), "little")
+
+
+def _device_name(code: int) -> str:
+    return code.to_bytes(7, "little").rstrip(b"\0").decode(errors="replace")
+
+
+# What every rank must agree on: (name, value on this rank, how a value reads in a message).
+_Field = Tuple[str, Callable, Callable[[int], str]]
+_FIELDS: Tuple[_Field, ...] = (
+    ("batch size", lambda a: a["q"].shape[0], str),
+    ("query heads", lambda a: a["q"].shape[1], str),
+    ("key/value heads", lambda a: a["k"].shape[1], str),
+    ("local query length", lambda a: a["q"].shape[2], str),
+    ("local key/value length", lambda a: a["k"].shape[2], str),
+    ("head dim", lambda a: a["q"].shape[3], str),
+    ("value head dim", lambda a: a["v"].shape[3], str),
+    ("dtype", lambda a: DTYPES.index(a["q"].dtype), lambda n: str(DTYPES[n])),
+    ("device type", lambda a: _device_code(a["q"].device), _device_name),
+    ("layout", lambda a: LAYOUTS.index(a["layout"]), lambda n: repr(LAYOUTS[n])),
+    ("backend", lambda a: BACKENDS.index(a["backend"]), lambda n: repr(BACKENDS[n])),
+    ("enable_gqa", lambda a: int(bool(a["enable_gqa"])), lambda n: str(bool(n))),
+    ("scale", lambda a: -1 if a["scale"] is None else _bits(float(a["scale"])),
+     lambda n: "None" if n == -1 else repr(_from_bits(n))),
+    ("score_mod", lambda a: fingerprint(a["score_mod"], a["debug"]), lambda n: f"fingerprint {n:016x}"),
+    ("mask_mod", lambda a: fingerprint(a["mask_mod"], a["debug"]), lambda n: f"fingerprint {n:016x}"),
+    ("gradient tracking (whether backward will run the ring)", lambda a: int(a["grad"]), lambda n: str(bool(n))),
+    ("RINGFLEX_DEBUG mode", lambda a: int(a["debug"]), lambda n: str(bool(n))),
+)
+
+
+def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, backend,
+          debug: bool = False, prepare: Optional[Callable] = None):
+    """Raises the same ValueError on every rank of ``group`` if any rank's arguments are bad,
+    ``prepare()`` raised on any rank, or the ranks disagree; otherwise returns what
+    ``prepare()`` returned. No rank starts a transfer before all have agreed."""
+    world_size = dist.get_world_size(group) if group is not None else 1
+    failed = fault.failure(group)
+    if failed:
+        raise fault.RingFailure(f"ringflex: the ring on this process group failed earlier ({failed}); "
+                                "create a new process group")
+    error = local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, world_size)
+    result, cause = None, None
+    if error is None and prepare is not None:
+        try:
+            result = prepare()
+        except Exception as e:  # noqa: BLE001 (reported to every rank, re-raised below)
+            error, cause = f"{type(e).__name__}: {e} (while planning the ring, before any transfer)", e
+    if group is None or world_size == 1:
+        if error:
+            raise ValueError(f"ring_flex_attention: {error}") from cause
+        return result
+    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    args = dict(q=q, k=k, v=v, layout=layout, backend=backend, enable_gqa=enable_gqa, scale=scale,
+                score_mod=score_mod, mask_mod=mask_mod, grad=grad, debug=debug)
+    values = [0] * len(_FIELDS) if error else [get(args) for _, get, _ in _FIELDS]
+    try:
+        records = exchange(group, values, error, "the argument check")
+    except ValueError as e:
+        if cause is None:
+            raise
+        raise e from cause
+    for i, (name, _, show) in enumerate(_FIELDS):
+        seen = [rec[i] for rec in records]
         if len(set(seen)) > 1:
-            detail = ", ".join(f"rank {r}: {s}" for r, s in enumerate(seen)) if i < 7 else "values differ"
-            raise ValueError(f"ring_flex_attention: the ranks disagree on the {field} ({detail}); "
+            detail = ", ".join(f"rank {r}: {show(s)}" for r, s in enumerate(seen))
+            raise ValueError(f"ring_flex_attention: the ranks disagree on the {name} ({detail}); "
                              "every rank of the ring must make the same call")
+    return result

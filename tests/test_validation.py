@@ -1,0 +1,253 @@
+"""Bad calls fail with one clear error on every rank, before any transfer, and never hang.
+
+Each distributed test injects mismatches one after another in a single world: a rejected
+call leaves the group usable, which the final good call of every world checks too.
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringflex
+from harness import run_world
+from oracle import attention
+from ringflex import mods
+from ringflex.debug import RingDebugError
+
+WORLD = 3
+L = 4  # local tokens (zigzag: 2 chunks of 2)
+TIMEOUT = 120
+
+
+def _inputs(seq_len=L * WORLD, heads=2, dim=8, dtype=torch.float32, layout="zigzag"):
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, heads, seq_len, dim, generator=g, dtype=dtype) for _ in range(3)]
+    return full, [ringflex.shard(t, 2, layout=layout) for t in full]
+
+
+def _error_text(fn):
+    """The error ``fn()`` raises, as 'Type: message' (None if it returns)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 (the test compares the text on every rank)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _query_flags(flags):
+    def flagged_queries_mask(b, h, q_idx, kv_idx):
+        return ~flags[q_idx] & (kv_idx <= q_idx)
+    return flagged_queries_mask
+
+
+def _mismatches(rank, world_size):
+    """name -> the error text this rank got for each injected mismatch (rank 1 is the odd one)."""
+    odd = rank == 1
+    full, (q, k, v) = _inputs()
+    attn = ringflex.ring_flex_attention
+    flags = torch.zeros(L * world_size - 2, dtype=torch.bool)  # too short for the last rank's queries
+
+    def with_debug_on_rank_1():
+        os.environ["RINGFLEX_DEBUG"] = "1" if odd else "0"
+        try:
+            return attn(q, k, v)
+        finally:
+            os.environ["RINGFLEX_DEBUG"] = "0"
+
+    calls = {
+        "local query length": lambda: attn(q[:, :, :2] if odd else q, k, v),
+        "local key/value length": lambda: attn(q, k[:, :, :2] if odd else k, v[:, :, :2] if odd else v),
+        "query heads": lambda: attn(q.repeat(1, 2, 1, 1) if odd else q, k, v, enable_gqa=True),
+        "head dim": lambda: attn(*(t[..., :4] if odd else t for t in (q, k, v))),
+        "value head dim": lambda: attn(q, k, v[..., :4] if odd else v),
+        "dtype": lambda: attn(*(t.bfloat16() if odd else t for t in (q, k, v))),
+        "layout": lambda: attn(q, k, v, layout="striped" if odd else "zigzag"),
+        "backend": lambda: attn(q, k, v, backend="reference" if odd else "auto"),
+        "scale": lambda: attn(q, k, v, scale=0.5 if odd else None),
+        "enable_gqa": lambda: attn(q, k, v, enable_gqa=odd),
+        "mask_mod fingerprint": lambda: attn(q, k, v, mask_mod=mods.sliding_window(3 if odd else 4)),
+        "score_mod on one rank": lambda: attn(q, k, v, score_mod=mods.softcap(5.0) if odd else None),
+        "gradient tracking": lambda: attn(q.detach().requires_grad_(odd), k, v),
+        "debug mode": with_debug_on_rank_1,
+        "bad argument on one rank": lambda: attn(q[0] if odd else q, k, v),
+        "bad layout name on one rank": lambda: attn(q, k, v, layout="zigzig" if odd else "zigzag"),
+        "mask_mod raising while planning on one rank": lambda: attn(q, k, v, mask_mod=_query_flags(flags),
+                                                                    layout="contiguous"),
+    }
+    results = {name: _error_text(call) for name, call in calls.items()}
+    out = attn(q, k, v, mask_mod=mods.causal)  # the group still works
+    expected = ringflex.shard(attention(*full, mask_mod=mods.causal), 2)
+    results["good call afterwards"] = (out - expected).abs().max().item()
+    return results
+
+
+EXPECTED = {
+    "local query length": "ValueError: ring_flex_attention: the ranks disagree on the local query length "
+                          "(rank 0: 4, rank 1: 2, rank 2: 4); every rank of the ring must make the same call",
+    "local key/value length": "disagree on the local key/value length (rank 0: 4, rank 1: 2, rank 2: 4)",
+    "query heads": "disagree on the query heads (rank 0: 2, rank 1: 4, rank 2: 2)",
+    "head dim": "disagree on the head dim (rank 0: 8, rank 1: 4, rank 2: 8)",
+    "value head dim": "disagree on the value head dim (rank 0: 8, rank 1: 4, rank 2: 8)",
+    "dtype": "disagree on the dtype (rank 0: torch.float32, rank 1: torch.bfloat16, rank 2: torch.float32)",
+    "layout": "disagree on the layout (rank 0: 'zigzag', rank 1: 'striped', rank 2: 'zigzag')",
+    "backend": "disagree on the backend (rank 0: 'auto', rank 1: 'reference', rank 2: 'auto')",
+    "scale": "disagree on the scale (rank 0: None, rank 1: 0.5, rank 2: None)",
+    "enable_gqa": "disagree on the enable_gqa (rank 0: False, rank 1: True, rank 2: False)",
+    "mask_mod fingerprint": "disagree on the mask_mod (rank 0: fingerprint",
+    "score_mod on one rank": "disagree on the score_mod (rank 0: fingerprint 0000000000000000, rank 1: fingerprint",
+    "gradient tracking": "disagree on the gradient tracking (whether backward will run the ring) "
+                         "(rank 0: False, rank 1: True, rank 2: False)",
+    "debug mode": "disagree on the RINGFLEX_DEBUG mode (rank 0: False, rank 1: True, rank 2: False)",
+    "bad argument on one rank": "ValueError: ring_flex_attention: rank 1: q must be 4-D [batch, heads, "
+                                "local_seq_len, head_dim], got shape (2, 4, 8)",
+    "bad layout name on one rank": "ValueError: ring_flex_attention: rank 1: layout must be one of "
+                                   "('contiguous', 'zigzag', 'striped'), got 'zigzig'",
+    "mask_mod raising while planning on one rank": "ValueError: ring_flex_attention: rank 2: IndexError: index 10 "
+                                                   "is out of bounds for dimension 0 with size 10 (while planning "
+                                                   "the ring, before any transfer)",
+}
+
+
+def test_every_rank_raises_the_same_clear_error():
+    per_rank = run_world(WORLD, _mismatches, timeout=TIMEOUT)
+    for name, expected in EXPECTED.items():
+        texts = {r[name] for r in per_rank}
+        assert len(texts) == 1, f"{name}: the ranks raised different errors: {texts}"
+        text = texts.pop()
+        assert text is not None and expected in text, f"{name}: got {text!r}, expected {expected!r}"
+    assert all(r["good call afterwards"] < 1e-5 for r in per_rank)
+
+
+@pytest.mark.parametrize("call, expected", [
+    (lambda q: ringflex.ring_flex_attention(q, q, "v"), "v must be a torch.Tensor, got str"),
+    (lambda q: ringflex.ring_flex_attention(q.long(), q.long(), q.long()),
+     "q must be float16, bfloat16, float32 or float64, got torch.int64"),
+    (lambda q: ringflex.ring_flex_attention(*(q.to(torch.float8_e4m3fn),) * 3),
+     "q must be float16, bfloat16, float32 or float64, got torch.float8_e4m3fn"),
+    (lambda q: ringflex.ring_flex_attention(q, q.double(), q), "q, k and v must have one dtype"),
+    (lambda q: ringflex.ring_flex_attention(q.to_sparse(), q, q), "q must be a dense (strided) tensor"),
+    (lambda q: ringflex.ring_flex_attention(q[..., :0], q[..., :0], q), "q must have at least one head and a head dim > 0"),
+    (lambda q: ringflex.ring_flex_attention(q, q, q, scale=True), "scale must be a finite number or None, got True"),
+    (lambda q: ringflex.ring_flex_attention(q, q, q, scale=float("nan")), "scale must be a finite number or None"),
+    (lambda q: ringflex.ring_flex_attention(q, q, q, mask_mod=lambda b, h, q_idx: q_idx > 0),
+     "mask_mod must take 4 arguments (b, h, q_idx, kv_idx), but it takes 3"),
+    (lambda q: ringflex.ring_flex_attention(q, q, q, score_mod=mods.causal),
+     "score_mod must take 5 arguments (score, b, h, q_idx, kv_idx), but it takes 4"),
+    (lambda q: ringflex.ring_flex_attention(q, q[:, :1], q, enable_gqa=True),
+     "k and v must have the same heads and length"),
+    (lambda q: ringflex.ring_flex_attention(q, q[:, :1], q[:, :1]), "pass enable_gqa=True"),
+    (lambda q: ringflex.ring_flex_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3]),
+     "local length of q (3) does not fit layout 'zigzag': it must be a multiple of 2"),
+])
+def test_bad_arguments_are_rejected_clearly(call, expected):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="ring_flex_attention: ") as info:
+        call(q)
+    assert expected in str(info.value)
+
+
+def _debug_checks(rank, world_size):
+    """RINGFLEX_DEBUG=1: what each injected fault makes every rank raise."""
+    os.environ["RINGFLEX_DEBUG"] = "1"
+    full, (q, k, v) = _inputs()
+    results = {}
+    for p in (q, k, v):
+        p.requires_grad_()
+    out = ringflex.ring_flex_attention(q, k, v, mask_mod=mods.causal)
+    out.backward(torch.ones_like(out))
+    os.environ["RINGFLEX_DEBUG"] = "0"
+    plain = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = ringflex.ring_flex_attention(*plain, mask_mod=mods.causal)
+    ref.backward(torch.ones_like(ref))
+    results["debug equals plain"] = all(torch.equal(a, b) for a, b in
+                                        zip([out] + [t.grad for t in (q, k, v)], [ref] + [t.grad for t in plain]))
+    os.environ["RINGFLEX_DEBUG"] = "1"
+    q, k, v = (t.detach() for t in (q, k, v))
+
+    bad_k = k.clone()
+    if rank == 1:
+        bad_k[0, 1, 2, 3] = float("nan")
+    results["nan input"] = _error_text(lambda: ringflex.ring_flex_attention(q, bad_k, v))
+
+    doc_ids = mods.document_ids([4, 4, 4])
+    if rank == 1:
+        doc_ids = mods.document_ids([4, 2, 6])  # same shape, other values: only debug mode sees it
+    results["captured values differ"] = _error_text(lambda: ringflex.ring_flex_attention(q, k, v, mask_mod=mods.document(doc_ids)))
+
+    ids = mods.document_ids([6, 6])
+    mask = mods.document(ids)
+    ringflex.ring_flex_attention(q, k, v, mask_mod=mask)  # planned and cached
+    ids.data[:] = 0  # one document now, but .data does not bump the version the cache keys on
+    results["stale plan"] = _error_text(lambda: ringflex.ring_flex_attention(q, k, v, mask_mod=mask))
+
+    from ringflex.parallel import fault
+    original = fault.GuardedComm.exchange
+
+    def corrupting(self, send, recv):
+        pending = original(self, send, recv)
+
+        class Corrupted:
+            def wait(self_inner):
+                pending.wait()
+                recv[0].view(-1)[0] += 1
+        return Corrupted()
+
+    if rank == 1:
+        fault.GuardedComm.exchange = corrupting
+    # A fault inside the ring leaves its group failed: each of these gets a group of its own.
+    group = dist.new_group(list(range(world_size)))
+    results["corrupted transfer"] = _error_text(lambda: ringflex.ring_flex_attention(q, k, v, group=group))
+    fault.GuardedComm.exchange = original
+
+    group = dist.new_group(list(range(world_size)))
+    g = q.clone().requires_grad_()
+    out = ringflex.ring_flex_attention(g, k, v, group=group)
+    upstream = torch.ones_like(out)
+    if rank == 2:
+        upstream[0, 0, 0, 0] = float("inf")
+    results["non-finite gradient"] = _error_text(lambda: out.backward(upstream))
+    return results
+
+
+DEBUG_EXPECTED = {
+    "nan input": "RingDebugError: ring_flex_attention: rank 1: k has 1 NaN/Inf values (the first at index (0, 1, 2, 3))",
+    "captured values differ": "ValueError: ring_flex_attention: the ranks disagree on the mask_mod",
+    "stale plan": "ValueError: ring_flex_attention: rank 0: ValueError: the cached plan differs from a fresh plan",
+    "corrupted transfer": "RingDebugError: ring_flex_attention: rank 1 received other bytes than rank 0 sent "
+                          "(forward transfer 0, tensor 0)",
+    "non-finite gradient": "RingDebugError: ring_flex_attention: rank 2 sent a block with NaN/Inf values "
+                           "(backward transfer 1, tensor 0)",
+}
+
+
+def test_debug_mode_finds_faults_on_every_rank():
+    per_rank = run_world(WORLD, _debug_checks, timeout=TIMEOUT)
+    assert all(r["debug equals plain"] for r in per_rank)
+    for name, expected in DEBUG_EXPECTED.items():
+        texts = {r[name] for r in per_rank}
+        assert len(texts) == 1, f"{name}: the ranks raised different errors: {texts}"
+        text = texts.pop()
+        assert text is not None and text.startswith(expected), f"{name}: got {text!r}, expected {expected!r}"
+
+
+def test_debug_mode_checks_gradients_on_one_process(monkeypatch):
+    monkeypatch.setenv("RINGFLEX_DEBUG", "1")
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    out = ringflex.ring_flex_attention(q, q, q)
+    upstream = torch.ones_like(out)
+    upstream[0, 1, 2, 3] = float("nan")
+    with pytest.raises(RingDebugError, match=r"backward produced bad values: dq has \d+ NaN/Inf values"):
+        out.backward(upstream)
+
+
+def test_check_transfer_names_the_fault():
+    from ringflex.debug import _check_transfer
+    ok = [[1, 0, 11, 22, 1, 11, 22, 1]] * 2  # [phase, index] + sent (shape, bytes, finite) + received
+    _check_transfer(ok, 3, "forward")
+    with pytest.raises(RingDebugError, match="the ranks are at different transfers"):
+        _check_transfer([ok[0], [2, 0] + ok[1][2:]], 3, "forward")
+    with pytest.raises(RingDebugError, match="rank 1 received a block of another shape or dtype than rank 0"):
+        _check_transfer([ok[0], ok[1][:5] + [99] + ok[1][6:]], 3, "forward")
+    with pytest.raises(RingDebugError, match="rank 0 sent a block with NaN/Inf"):
+        _check_transfer([ok[0][:4] + [0] + ok[0][5:], ok[1]], 3, "forward")
