@@ -1,0 +1,75 @@
+"""A rank that raises inside the ring makes every other rank fail promptly instead of waiting.
+
+The raising rank's process lives on (it goes to a barrier on another group), so what releases
+the others is ringflex's failure mark, not a closed connection. Each fault runs on a group of
+its own, with a timeout far above the bound the test asserts.
+"""
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+import ringflex
+from harness import run_world
+from ringflex.parallel.fault import RingFailure
+
+WORLD = 4
+L = 4  # local tokens
+RELEASE_BOUND_S = 15.0  # the other ranks must fail well within this (the group's timeout is 60 s)
+
+
+def _fault_in_forward(score, b, h, q_idx, kv_idx):
+    """Raises on rank 1 at forward step 1, where (contiguous layout) it holds rank 0's block."""
+    if dist.get_rank() == 1 and not torch.is_grad_enabled() and int(kv_idx.max()) < L:
+        raise RuntimeError("injected fault")
+    return score
+
+
+def _fault_in_backward(score, b, h, q_idx, kv_idx):
+    """Raises on rank 2 at backward step 1, where it holds rank 1's block."""
+    if dist.get_rank() == 2 and torch.is_grad_enabled() and L <= int(kv_idx.min()) and int(kv_idx.max()) < 2 * L:
+        raise RuntimeError("injected fault")
+    return score
+
+
+def _run(score_mod, group):
+    """Forward and backward on ``group``; (error text or None, seconds until it was raised)."""
+    q, k, v = (torch.randn(1, 2, L, 8, requires_grad=True) for _ in range(3))
+    start = time.monotonic()
+    try:
+        out = ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, layout="contiguous", group=group)
+        out.sum().backward()
+    except Exception as e:  # noqa: BLE001 (the test inspects the text)
+        return f"{type(e).__name__}: {e}", time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def _faults(rank, world_size):
+    timeout = datetime.timedelta(seconds=60)
+    groups = [dist.new_group(list(range(world_size)), timeout=timeout) for _ in range(2)]
+    results = {}
+    for name, score_mod, group in (("forward", _fault_in_forward, groups[0]),
+                                   ("backward", _fault_in_backward, groups[1])):
+        results[name] = _run(score_mod, group)
+        results[name + ", called again"] = _run(None, group)
+        dist.barrier()  # the default group is healthy: the raising rank waits here, alive
+    return results
+
+
+def test_a_rank_raising_inside_the_ring_fails_every_rank():
+    per_rank = run_world(WORLD, _faults, timeout=120)
+    for phase, culprit in (("forward", 1), ("backward", 2)):
+        origin = f"rank {culprit} raised in the ring's {phase}: RuntimeError: injected fault"
+        for rank, results in enumerate(per_rank):
+            text, seconds = results[phase]
+            if rank == culprit:
+                assert text == "RuntimeError: injected fault", (phase, rank, text)
+            else:
+                assert text is not None and text.startswith("RingFailure: ringflex: ") and origin in text, \
+                    (phase, rank, text)
+                assert "the process group can no longer be used" in text
+            assert seconds < RELEASE_BOUND_S, (phase, rank, seconds)
+            again, seconds = results[phase + ", called again"]
+            assert again.startswith("RingFailure: ringflex: the ring on this process group failed earlier"), again
+            assert seconds < RELEASE_BOUND_S, (phase, rank, seconds)
