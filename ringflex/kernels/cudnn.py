@@ -31,6 +31,7 @@ from torch import Tensor
 from ..plan import BlockKind, Segment, block_kinds, evaluate_mask
 from ..trace import ModGraph, Node, UnsupportedModError, diagonal_band, evaluate, score_grad, trace_mask_mod, trace_score_mod
 from .base import Mods
+from .reference import ReferenceKernel
 
 # Sub-blocks per side are 2**SPLIT_DEPTH for a masked block that has no native mask.
 SPLIT_DEPTH = 2
@@ -617,6 +618,7 @@ def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segmen
     return _remember(_PLANS, key, runs, _MAX_PLANS)
 
 
+_MIN_FULL = 4 * _TILE  # narrowest column range worth its own unmasked call
 _MAX_GROUPS = 16  # beyond this many row groups the exact plan costs more host time than it saves
 _MAX_EXACT = 1 << 28  # mask elements the exact plan may evaluate at once
 
@@ -653,6 +655,8 @@ def _group_runs(allowed: Tensor, r0: int, r1: int, c0: int, c1: int) -> List[_Ru
     block = allowed[r0:r1, c0:c1]
     seen_by_all = block.all(0)
     full = int(seen_by_all.int().argmin()) if not bool(seen_by_all.all()) else c1 - c0
+    if full < max(_MIN_FULL, (c1 - c0) // 8):  # a narrow call and a merge cost more than they save
+        full = 0
     runs = [_Run((r0, r1), (c0, c0 + full))] if full else []
     rest = block[:, full:]
     if full == c1 - c0 or not bool(rest.any()):
@@ -719,8 +723,11 @@ class CudnnKernel:
         split = [_Run(full.rows, full.cols, masked=True)]
         if self.split_depth > 0:
             split = split_runs(mods, program.mask, q.shape[0], q.shape[1], q_seg, kv_seg, self.split_depth, q.device)
-        # With a score_mod every call pays per element alike: take the plan that computes less.
-        return exact if exact is not None and _area(exact) < _area(split) else split
+        if exact is not None and _area(exact) < _area(split):
+            # With a score_mod every call pays per element alike, and cuDNN takes no native
+            # mask beside a score_mod: the plan that computes less wins, its bands as selects.
+            return [_Run(r.rows, r.cols, masked=r.masked or r.band is not None) for r in exact]
+        return split
 
     def _call(self, backward: bool, run: _Run, program: _Program, tensors: Dict[str, Tensor], scale: float,
               q_seg, kv_seg) -> None:
@@ -779,10 +786,17 @@ class CudnnKernel:
             tensors = dict(q=_rows(q, run.rows), k=_rows(k, run.cols), v=_rows(v, run.cols), out=_rows(out, run.rows),
                            dout=_rows(dout, run.rows), lse=_rows(stats, run.rows).contiguous(),  # cuDNN wants it packed
                            dq=outs[0], dk=outs[1], dv=outs[2])
-            self._call(True, run, program, tensors, scale, q_seg, kv_seg)
-            for view, part in zip(views, outs):
+            if run.rows[1] - run.rows[0] == 1 and run.cols[1] - run.cols[0] == 1:
+                # cuDNN's backward rejects s_q = s_kv = 1 (a one-token document, say)
+                tensors["lse"] = _rows(lse, run.rows)
+                outs = ReferenceKernel().backward(*(tensors[n] for n in ("q", "k", "v", "out", "lse", "dout")),
+                                                  _sub(q_seg, run.rows), _sub(kv_seg, run.cols), mods, scale,
+                                                  run.masked or run.band is not None)
+            else:
+                self._call(True, run, program, tensors, scale, q_seg, kv_seg)
+            for view, part, in_place in zip(views, outs, (direct[0], direct[1], direct[1])):
                 if part is not view:
-                    view.add_(part)
+                    view.copy_(part) if in_place else view.add_(part)
         dq, dk, dv = grads
         return dq, dk, dv
 
