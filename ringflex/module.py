@@ -24,6 +24,7 @@ modules themselves (the recompute then runs the wrapper again).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import threading
@@ -226,9 +227,16 @@ class RingFlexMode(TorchFunctionMode):
 
     def _ring(self, query, key, value, *, score_mod=None, mask_mod=None, scale=None, enable_gqa=False,
               return_lse=False):
-        return ring_flex_attention(query, key, value, score_mod=score_mod, mask_mod=self._combine(mask_mod, self.mask_mod),
-                                   group=self.group, layout=self.layout, scale=scale, enable_gqa=enable_gqa,
-                                   return_lse=return_lse, backend=self.backend)
+        device_type = query.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        if autocast:  # as SDPA does under autocast: run in the autocast dtype, kernels unchanged
+            dtype = torch.get_autocast_dtype(device_type)
+            query, key, value = (t.to(dtype) for t in (query, key, value))
+        with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
+            return ring_flex_attention(query, key, value, score_mod=score_mod,
+                                       mask_mod=self._combine(mask_mod, self.mask_mod), group=self.group,
+                                       layout=self.layout, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                                       backend=self.backend)
 
     def _sdpa(self, query, key, value, *args, **kwargs):
         attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_arguments(query, key, value, *args, **kwargs)

@@ -181,6 +181,16 @@ def test_compiled_flex_is_routed():
     assert _COMPILED_FLEX.__dict__["_torchdynamo_orig_callable"] is torch.nn.attention.flex_attention.flex_attention
 
 
+def test_autocast_runs_attention_in_the_autocast_dtype():
+    q, k, v = (t.float() for t in _qkv())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with RingFlexMode(backend="reference"):
+            got = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
 def test_patch_is_scoped():
     import torch.nn.attention.flex_attention as torch_flex_module
     from ringflex.module import _TORCH_FLEX

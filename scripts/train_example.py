@@ -1,0 +1,307 @@
+"""Train a small GPT-style decoder with context-parallel attention under torchrun.
+
+The model below is ordinary single-device PyTorch (RoPE, causal SDPA, or flex_attention with a
+document block mask and a softcap score_mod). Context parallelism is added around it, not in
+it: the batch is sharded with its global position ids, the model is wrapped in
+``ringflex.RingFlexAttention``, the loss is ``sharded_cross_entropy`` and the gradients are
+summed with ``reduce_gradients``. One process runs the plain model: the reference curve.
+
+    python scripts/train_example.py --device cpu --dtype float64 --out single.json        # reference
+    torchrun --nproc_per_node=4 scripts/train_example.py --device cpu --dtype float64 --out ring.json
+    python scripts/train_example.py --compare single.json ring.json --plot docs/train_loss.png
+    torchrun --nproc_per_node=2 scripts/train_example.py --device cuda --dtype bfloat16 \\
+        --seq-len 65536 --dim 1024 --layers 4 --heads 16 --kv-heads 4 --packed --softcap 30
+
+On CPU, flex_attention has no backward: a one-process run that needs it (--packed or --softcap)
+routes it to ringflex on one rank (the reference kernel) and says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import ringflex
+from ringflex.progress import Progress
+from ringflex.training import next_token_labels, reduce_gradients, shard_batch, sharded_cross_entropy
+
+compiled_flex_attention = None  # torch.compile(flex_attention), what a GPU model calls: made by train()
+
+
+# ----------------------------------------------------------------------------- the model (one device)
+
+def rope(x, positions, base=10000.0):
+    """Rotary position embedding of x [B, H, S, D] at positions [B, S]."""
+    half = x.shape[-1] // 2
+    freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float64) / half)
+    angle = (positions.unsqueeze(-1).double() * freq).unsqueeze(1)  # [B, 1, S, half]
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads, kv_heads, softcap):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.score_mod = None if softcap is None else (
+            lambda score, b, h, q_idx, kv_idx: softcap * torch.tanh(score / softcap))
+
+    def forward(self, x, positions, block_mask):
+        q, k, v = self.qkv(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2).split(
+            [self.heads, self.kv_heads, self.kv_heads], dim=1)
+        q, k = rope(q, positions), rope(k, positions)
+        if block_mask is None and self.score_mod is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            attend = compiled_flex_attention if x.is_cuda else flex_attention
+            out = attend(q, k, v, score_mod=self.score_mod, block_mask=block_mask, enable_gqa=True)
+        return self.proj(out.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, kv_heads, softcap):
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.attn = Attention(dim, heads, kv_heads, softcap)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim, bias=False), nn.GELU(), nn.Linear(4 * dim, dim, bias=False))
+
+    def forward(self, x, positions, block_mask):
+        x = x + self.attn(self.norm1(x), positions, block_mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """A decoder: tokens [B, S], positions [B, S] -> logits [B, S, vocab]. ``doc_ids`` [B, S_total]
+    (packed documents) restricts attention to each token's own document."""
+
+    def __init__(self, vocab, dim, layers, heads, kv_heads, softcap=None):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, softcap) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.softcap = softcap
+
+    def forward(self, tokens, positions, doc_ids=None):
+        block_mask = None
+        if doc_ids is not None or self.softcap is not None:
+            def mask_mod(b, h, q_idx, kv_idx):
+                causal = q_idx >= kv_idx
+                return causal if doc_ids is None else causal & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+            length = tokens.shape[1]
+            block_mask = create_block_mask(mask_mod, tokens.shape[0], None, length, length, device=tokens.device,
+                                           _compile=tokens.is_cuda)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, positions, block_mask)
+        return self.head(self.norm(x))
+
+
+# ----------------------------------------------------------------------------- data
+
+def make_batch(step, args, group):
+    """The full batch of ``step``, the same on every rank: documents whose second half repeats
+    the first (attention can learn to copy), packed end to end in rows of ``seq_len`` tokens."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    tokens, doc_ids, positions = [], [], []
+    for _ in range(args.batch):
+        lengths, left = [], args.seq_len
+        while left:
+            n = args.seq_len if not args.packed else int(torch.randint(args.min_doc, args.max_doc + 1, (), generator=g))
+            lengths.append(min(n, left))
+            left -= lengths[-1]
+        row = []
+        for n in lengths:
+            first = torch.randint(0, args.vocab, ((n + 1) // 2,), generator=g)
+            row.append(torch.cat([first, first])[:n])
+        packed = ringflex.PackedSequences(lengths, group=group, layout=args.layout)  # seq_len fits: no padding
+        tokens.append(torch.cat(row))
+        doc_ids.append(packed.doc_ids)
+        positions.append(packed.position_ids())
+    tokens, doc_ids = torch.stack(tokens), torch.stack(doc_ids)
+    labels = next_token_labels(tokens, doc_ids=doc_ids)
+    return {"tokens": tokens, "labels": labels, "positions": torch.stack(positions)}, doc_ids
+
+
+# ----------------------------------------------------------------------------- training
+
+def _setup(args):
+    """(group, rank, world size, device) for torchrun, or a plain single process."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size > 1 and not dist.is_initialized():
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world_size = 0, 1
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    return (dist.group.WORLD if world_size > 1 else None), rank, world_size, device
+
+
+def _peak_memory_gib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def train(args) -> dict:
+    """Trains for ``args.steps`` steps; returns (and on rank 0 logs) the loss curve and throughput."""
+    global compiled_flex_attention
+    group, rank, world_size, device = _setup(args)
+    if device.type == "cuda" and compiled_flex_attention is None:
+        compiled_flex_attention = torch.compile(flex_attention)
+    dtype = getattr(torch, args.dtype)
+    autocast = dtype in (torch.bfloat16, torch.float16)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.kv_heads, args.softcap).to(
+        device, torch.float32 if autocast else dtype)
+    uses_flex = args.packed or args.softcap is not None
+    ring = world_size > 1 or (device.type == "cpu" and uses_flex)
+    if ring:
+        if world_size == 1:
+            print("one process on CPU with flex_attention (no CPU backward): running it as ringflex on one rank",
+                  file=sys.stderr)
+        model = ringflex.RingFlexAttention(model, group=group, layout=args.layout, backend=args.backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    progress = Progress(args.steps, label="step", interval=args.progress_every)
+    losses, tokens_per_step = [], args.batch * args.seq_len
+    start = None
+    for step in range(1, args.steps + 1):
+        if step == 2:  # time from the second step: the first one plans, compiles and warms up
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+        batch, doc_ids = make_batch(step, args, group)
+        if world_size > 1:
+            batch = shard_batch(batch, dim=1, group=group, layout=args.layout)
+        batch = {key: value.to(device) for key, value in batch.items()}
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+            logits = model(batch["tokens"], batch["positions"], doc_ids.to(device) if args.packed else None)
+        loss = sharded_cross_entropy(logits, batch["labels"], group=group)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        reduce_gradients(model.parameters(), group)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        elapsed = time.perf_counter() - start if start else 0.0
+        progress.update(step, loss=losses[-1],
+                        tok_s=(step - 1) * tokens_per_step / elapsed if elapsed else float("nan"))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start if start else float("nan")
+    result = {"args": vars(args), "world_size": world_size, "ring": ring, "losses": losses,
+              "tokens_per_s": (args.steps - 1) * tokens_per_step / elapsed if args.steps > 1 else float("nan"),
+              "peak_memory_gib": _peak_memory_gib(device)}
+    if rank == 0:
+        print(f"done: {args.steps} steps, world size {world_size}, final loss {losses[-1]:.4f}, "
+              f"{result['tokens_per_s']:.0f} tokens/s, peak memory {result['peak_memory_gib']:.2f} GiB "
+              f"({'allocated by torch' if device.type == 'cuda' else 'process RSS'}, rank 0)", file=sys.stderr)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    return result
+
+
+# ----------------------------------------------------------------------------- comparing two runs
+
+def relative_differences(a, b):
+    return [abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b)]
+
+
+def compare(paths, first, tolerance, plot):
+    """Prints the worst relative loss difference of the first ``first`` steps; plots the curves."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    reference = runs[0]["losses"]
+    ok = True
+    for path, run in zip(paths[1:], runs[1:]):
+        worst = max(relative_differences(run["losses"][:first], reference[:first]))
+        ok &= worst <= tolerance
+        print(f"{path} vs {paths[0]}: max relative loss difference over the first {first} steps {worst:.2e} "
+              f"({'ok' if worst <= tolerance else 'ABOVE'} tolerance {tolerance:g})")
+    if plot:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib is not installed (pip install 'ringflex[plot]'): no plot", file=sys.stderr)
+            return ok
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for path, run, style in zip(paths, runs, ["-", "--", ":", "-."]):
+            label = f"{run['world_size']} process{'es' if run['world_size'] > 1 else ''}" + (
+                " (ring)" if run["ring"] else " (plain torch)")
+            ax.plot(range(1, len(run["losses"]) + 1), run["losses"], style, label=label)
+        args = runs[0]["args"]
+        ax.set(xlabel="step", ylabel="loss", title=f"GPT, {args['seq_len']} tokens x {args['batch']}, {args['dtype']}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(plot, dpi=120)
+        print(f"wrote {plot}")
+    return ok
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float64", choices=["float64", "float32", "bfloat16", "float16"],
+                   help="float64/float32: the model's dtype; bfloat16/float16: autocast over fp32 weights")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=32)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--softcap", type=float, default=None, help="tanh softcap of the attention scores")
+    p.add_argument("--packed", action="store_true", help="pack documents of random length with a document mask")
+    p.add_argument("--min-doc", type=int, default=8)
+    p.add_argument("--max-doc", type=int, default=96)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", default="zigzag", choices=ringflex.LAYOUTS)
+    p.add_argument("--backend", default="auto", choices=["auto", "cudnn", "flex", "reference"])
+    p.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
+    p.add_argument("--out", help="write the loss curve and throughput to this JSON file (rank 0)")
+    p.add_argument("--compare", nargs="+", metavar="JSON", help="compare logged runs (the first is the reference)")
+    p.add_argument("--compare-steps", type=int, default=20)
+    p.add_argument("--tolerance", type=float, default=1e-6)
+    p.add_argument("--plot", help="with --compare: save the overlaid curves here (needs matplotlib)")
+    args = p.parse_args(argv)
+    if args.dim % args.heads or args.heads % args.kv_heads or (args.dim // args.heads) % 2:
+        p.error("--dim must split into --heads of even size, and --heads must be a multiple of --kv-heads")
+    if args.packed and not 2 <= args.min_doc <= args.max_doc:
+        p.error("--packed needs 2 <= --min-doc <= --max-doc")
+    return args
+
+
+def main():
+    args = parse_args()
+    if args.compare:
+        sys.exit(0 if compare(args.compare, args.compare_steps, args.tolerance, args.plot) else 1)
+    train(args)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
