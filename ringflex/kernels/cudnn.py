@@ -3,17 +3,17 @@
 ``score_mod`` / ``mask_mod`` are traced (``ringflex.trace``) and lowered into cuDNN's
 score_mod callback. ``q_idx`` / ``kv_idx`` are generated indices plus the hop's global
 offsets (and times the stride of striped layouts); offsets are pass-by-value scalars, so one
-built graph serves every hop. Sub-expressions that need no per-element work (``doc[q_idx]``,
-``slopes[h]``, ...) are computed in torch for the hop's positions and enter as broadcast
-tensors, which is how lookups of captured tensors run at all: cuDNN has no gather. A mask
-becomes a select of -inf after the score modification. The backward's ``score_mod_bprop``
-is the traced derivative (``trace.score_grad``).
+built graph serves every hop. Lookups of captured tensors (``doc[q_idx]``, ``slopes[h]``) are
+computed in torch for the hop's positions and enter as broadcast tensors: cuDNN has no gather.
+A mask becomes a select of -inf after the score modification. The backward's
+``score_mod_bprop`` is the traced derivative (``trace.score_grad``).
 
-Fast paths: a block without mask and score_mod runs plain SDPA; a mask that is a diagonal
-band of ``q_idx - kv_idx`` (causal, sliding window) runs cuDNN's native band mask, which
-skips tiles, after trimming rows and columns that see nothing; any other masked block is
-split into sub-blocks (``plan.block_kinds``) so that empty ones are skipped and full ones run
-without the mask.
+A block is planned as one or more calls (``_Run``): without mask, plain SDPA; a mask that is
+a diagonal band of ``q_idx - kv_idx`` (causal, sliding window) gets cuDNN's native band mask,
+which skips tiles, once rows and columns that see nothing are cut off; other masks without a
+score_mod are planned from the exact mask (keys every row sees unmasked, native bands where
+the mask is one); with a score_mod, cuDNN takes no native mask, so the block is cut into row
+chunks that skip empty key tiles (``SPLIT_DEPTH``). docs/cudnn.md has the measurements.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from ..trace import ModGraph, Node, UnsupportedModError, diagonal_band, evaluate
 from .base import Mods
 from .reference import ReferenceKernel
 
-# Sub-blocks per side are 2**SPLIT_DEPTH for a masked block that has no native mask.
+# A masked block with a score_mod runs as 2**SPLIT_DEPTH row chunks (measured best: docs/cudnn.md).
 SPLIT_DEPTH = 2
 _TILE = 64  # sub-block sizes are multiples of cuDNN's tile
 _MIN_CUDNN = 90600  # score_mod arrived in cuDNN 9.6
