@@ -1,0 +1,82 @@
+"""A model around ring_flex_attention on a ring of 2: activation checkpointing (both kinds) gives
+the same gradients as without it, and torch.compile compiles the model around the ring (a
+clean graph break at ring_flex_attention) with the eager results."""
+import torch
+import torch.utils.checkpoint as cp
+
+import ringflex
+from harness import run_world
+from ringflex import mods
+
+WORLD, S, DIM, HEADS = 2, 16, 16, 2
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(DIM, 3 * DIM)
+        self.out = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x):  # x: [B, S_local, DIM]
+        q, k, v = self.qkv(x).unflatten(-1, (3, HEADS, DIM // HEADS)).permute(2, 0, 3, 1, 4)
+        a = ringflex.ring_flex_attention(q, k, v, mask_mod=mods.causal, score_mod=mods.softcap(4.0))
+        return x + self.out(a.transpose(1, 2).flatten(2))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, checkpoint=None):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.checkpoint = checkpoint  # None, or use_reentrant (True / False)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) if self.checkpoint is None else cp.checkpoint(block, x, use_reentrant=self.checkpoint)
+        return x
+
+
+def _gradients(model, x):
+    x = x.detach().requires_grad_()
+    out = model(x)
+    (out * out).sum().backward()
+    grads = [out.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return grads
+
+
+def _checkpointed(rank, world_size):
+    torch.manual_seed(0)
+    model = Model()
+    x = ringflex.shard(torch.randn(2, S, DIM), 1)
+    plain = _gradients(model, x)
+    same = {}
+    for reentrant in (False, True):
+        model.checkpoint = reentrant
+        same[reentrant] = all(torch.equal(a, b) for a, b in zip(plain, _gradients(model, x)))
+    return same
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    for same in run_world(WORLD, _checkpointed, timeout=120):
+        assert same == {False: True, True: True}
+
+
+def _compiled(rank, world_size):
+    torch.manual_seed(0)
+    model = Model()
+    x = ringflex.shard(torch.randn(2, S, DIM), 1)
+    eager = _gradients(model, x)
+    compiled = _gradients(torch.compile(model), x)
+    error = max((a - b).abs().max().item() for a, b in zip(eager, compiled))
+    try:
+        torch.compile(model, fullgraph=True)(x)
+        strict = None
+    except Exception as e:  # noqa: BLE001 (the test reads the message)
+        strict = str(e)
+    return error, strict
+
+
+def test_torch_compile_breaks_the_graph_cleanly_at_the_ring():
+    for error, strict in run_world(WORLD, _compiled, timeout=240):
+        assert error < 1e-5
+        assert strict is not None and "ring_flex_attention runs collectives" in strict
