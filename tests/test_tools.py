@@ -1,0 +1,37 @@
+"""python -m ringflex.env reports versions and why each backend can or cannot run; Progress prints
+the first and last step and at most one line per interval."""
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ringflex import env
+from ringflex.progress import Progress
+
+
+def test_env_report():
+    reasons = env.backends()
+    assert reasons["reference"] is None
+    if not torch.cuda.is_available():
+        assert "CUDA" in reasons["cudnn"] and "CUDA" in reasons["flex"]
+    run = subprocess.run([sys.executable, "-m", "ringflex.env"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    for word in ("torch", torch.__version__, "nvidia-cudnn-frontend", "reference", "available"):
+        assert word in run.stdout, word
+
+
+def test_progress_lines():
+    out = io.StringIO()
+    progress = Progress(5, label="step", interval=3600, file=out, enabled=True)
+    for step in range(1, 6):
+        progress.update(step, loss=1.0 / step)
+    lines = out.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["1/5", "5/5"]
+    assert "loss=0.2" in lines[-1] and "eta 0s" in lines[-1]
+    quiet = io.StringIO()
+    Progress(2, file=quiet, enabled=False).update(2)
+    assert quiet.getvalue() == ""
+    with pytest.raises(ValueError, match="positive number of steps"):
+        Progress(0)
