@@ -1,0 +1,81 @@
+"""Are two identical calls bitwise identical? Per backend, forward and backward, as a markdown table.
+
+    python scripts/determinism.py --device cuda --backends reference cudnn flex   # one GPU
+    torchrun --nproc_per_node=2 scripts/determinism.py --device cuda --backends cudnn
+    python scripts/determinism.py                                                # CPU, reference
+
+The ring itself fixes the order of every sum (hops, merges, dK/dV round the ring), so a call
+is bitwise repeatable exactly when its kernel is. Each problem runs three times; the table
+gives the largest difference between the first run and a later one (0 means bitwise equal).
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+import ringflex
+from ringflex import mods
+
+
+def problems(seq_len):
+    doc_ids = mods.document_ids([seq_len // 4, seq_len // 8, seq_len // 2, seq_len // 8])
+    return {"no_mask": (None, None), "causal": (None, mods.causal),
+            "documents": (None, mods.document(doc_ids)), "causal_softcap": (mods.softcap(30.0), mods.causal)}
+
+
+def run(q, k, v, dout, score_mod, mask_mod, backend):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, backend=backend)
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backends", nargs="+", default=["reference"])
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--local-len", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    args = parser.parse_args()
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size > 1:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank = dist.get_rank() if world_size > 1 else 0
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    seq_len = args.local_len * world_size
+    if rank == 0:
+        print(f"{world_size} rank(s), {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
+              f"torch {torch.__version__}, S={seq_len} H={args.heads} D={args.head_dim}\n")
+        print("| backend | dtype | problem | out | dq | dk | dv |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    g = torch.Generator().manual_seed(0)
+    for backend in args.backends:
+        for dtype in (getattr(torch, d) for d in args.dtypes):
+            if backend == "cudnn" and dtype == torch.float32:
+                continue  # the cuDNN kernel takes fp16 / bf16 only
+            full = [torch.randn(1, args.heads, seq_len, args.head_dim, generator=g).to(dtype) for _ in range(4)]
+            q, k, v, dout = (ringflex.shard(t, 2).to(device) for t in full)
+            for name, (score_mod, mask_mod) in problems(seq_len).items():
+                first = run(q, k, v, dout, score_mod, mask_mod, backend)
+                diffs = [0.0] * 4
+                for _ in range(2):
+                    again = run(q, k, v, dout, score_mod, mask_mod, backend)
+                    diffs = [max(d, (a.float() - b.float()).abs().max().item()) for d, a, b in zip(diffs, first, again)]
+                if world_size > 1:
+                    worst = torch.tensor(diffs, device=device)
+                    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                    diffs = worst.tolist()
+                if rank == 0:
+                    cells = " | ".join("0" if d == 0 else f"{d:.2e}" for d in diffs)
+                    print(f"| {backend} | {str(dtype).replace('torch.', '')} | {name} | {cells} |", flush=True)
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
