@@ -34,7 +34,8 @@ import ringflex
 from ringflex.progress import Progress
 from ringflex.training import next_token_labels, reduce_gradients, shard_batch, sharded_cross_entropy
 
-compiled_flex_attention = None  # torch.compile(flex_attention), what a GPU model calls: made by train()
+# What a GPU model calls: torch.compile of flex_attention and create_block_mask (made by train()).
+compiled_flex_attention = compiled_create_block_mask = None
 
 
 # ----------------------------------------------------------------------------- the model (one device)
@@ -101,8 +102,8 @@ class GPT(nn.Module):
                 causal = q_idx >= kv_idx
                 return causal if doc_ids is None else causal & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
             length = tokens.shape[1]
-            block_mask = create_block_mask(mask_mod, tokens.shape[0], None, length, length, device=tokens.device,
-                                           _compile=tokens.is_cuda)
+            make_block_mask = compiled_create_block_mask if tokens.is_cuda else create_block_mask
+            block_mask = make_block_mask(mask_mod, tokens.shape[0], None, length, length, device=tokens.device)
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, positions, block_mask)
@@ -160,10 +161,10 @@ def _peak_memory_gib(device) -> float:
 
 def train(args) -> dict:
     """Trains for ``args.steps`` steps; returns (and on rank 0 logs) the loss curve and throughput."""
-    global compiled_flex_attention
+    global compiled_flex_attention, compiled_create_block_mask
     group, rank, world_size, device = _setup(args)
     if device.type == "cuda" and compiled_flex_attention is None:
-        compiled_flex_attention = torch.compile(flex_attention)
+        compiled_flex_attention, compiled_create_block_mask = map(torch.compile, (flex_attention, create_block_mask))
     dtype = getattr(torch, args.dtype)
     autocast = dtype in (torch.bfloat16, torch.float16)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
