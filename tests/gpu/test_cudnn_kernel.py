@@ -1,5 +1,7 @@
 """The cuDNN hop kernel matches the reference kernel, forward and backward, for every mod of
-the matrix at global offsets and striped positions. The planning tests run on CPU too."""
+the matrix at global offsets and striped positions. The planning tests, and the lowering on an
+emulated cuDNN, run on CPU too."""
+import math
 import sys
 from pathlib import Path
 
@@ -7,7 +9,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared test matrix lives in tests/
-from cases import cases, make_inputs  # noqa: E402
+from cases import Case, cases, make_inputs  # noqa: E402
+from test_trace import EXTRA_SCORE_MODS  # noqa: E402
 from ringflex import mods
 from ringflex.kernels.base import Mods
 from ringflex.kernels.cudnn import CudnnKernel, band_runs, cudnn_unavailable_reason, exact_runs, split_runs
@@ -238,3 +241,181 @@ def test_exact_runs_cover_every_visible_pair_once(name):
         assert (count <= 1).all() and (count[allowed] == 1).all() and allowed[unmasked].all()
         if q_seg.stride == 1:  # keys every row sees (here enough of them), then a causal band: no select
             assert not any(run.masked for run in runs)
+
+
+# ----------------------------------------------------------------------------- lowering, emulated (CPU)
+# A CPU stand-in for the slice of the cuDNN frontend the kernel uses: it records the graph the
+# kernel's callbacks emit, refuses what cuDNN refuses (logical ops, graph inputs in the first port
+# of comparisons and selects), and evaluates it in float64. Every mod of the matrix then runs
+# through the real planning and lowering code, exactly, on machines without a GPU.
+
+class _FakeTensor:
+    uids = iter(range(1, 1 << 30))
+
+    def __init__(self, op=None, args=None, virtual=True):
+        self.uid, self.op, self.args, self.virtual, self.dtype = next(self.uids), op, args or {}, virtual, None
+
+    def set_output(self, _):
+        return self
+
+    set_dim = set_stride = set_output
+
+    def set_data_type(self, dtype):
+        self.dtype = dtype
+        return self
+
+    def get_uid(self):
+        return self.uid
+
+
+class _FakeGraph:
+    def __init__(self, **_):
+        self.attention = None
+
+    def tensor(self, **_):
+        return _FakeTensor(virtual=False)
+
+    def __getattr__(self, name):  # pointwise ops
+        if name.startswith("logical"):
+            raise RuntimeError(f"{name} does not compile in cuDNN's fused SDPA")
+
+        def op(compute_data_type=None, **ports):
+            if name.startswith(("cmp_", "binary_select")) and not next(iter(ports.values())).virtual:
+                raise RuntimeError(f"graph input in the first port of {name}")
+            return _FakeTensor(name, ports)
+        return op
+
+    def sdpa(self, **kw):
+        self.attention, self.outs = kw, [_FakeTensor(virtual=False) for _ in range(2)]
+        return self.outs
+
+    def sdpa_backward(self, **kw):
+        self.attention, self.outs = kw, [_FakeTensor(virtual=False) for _ in range(3)]
+        return self.outs
+
+    def build_operation_graph(self):
+        kw = self.attention
+        self.score, self.ds = _FakeTensor("score"), _FakeTensor("ds")
+        self.modified = kw["score_mod"](self, self.score) if kw.get("score_mod") else self.score
+        self.ds_in = kw["score_mod_bprop"](self, self.ds) if kw.get("score_mod_bprop") else self.ds
+
+    validate = create_execution_plans = check_support = build_plans = lambda self, *a: None
+
+    def get_workspace_size(self):
+        return 0
+
+    def execute(self, buffers, workspace, handle=None, tensor_uids=None):
+        data, kw = dict(zip(tensor_uids, buffers)), self.attention
+        q, k, v = (data[kw[n].uid].double() for n in ("q", "k", "v"))
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        values = {self.score.uid: q @ k.transpose(-1, -2) * kw["attn_scale"]}
+
+        def value(t):
+            if t.uid not in values:
+                if not t.virtual:
+                    values[t.uid] = data[t.uid].double()
+                elif t.op == "gen_index":
+                    base, axis = value(t.args["input"]), t.args["axis"]
+                    shape = [1] * 4
+                    shape[axis] = base.shape[axis]
+                    values[t.uid] = torch.arange(base.shape[axis], dtype=torch.float64).view(shape)
+                else:
+                    x = {name: value(a) for name, a in t.args.items()}
+                    values[t.uid] = _FAKE_OPS[t.op](x) if t.op in _FAKE_OPS else getattr(torch, t.op)(x["input"])
+            return values[t.uid]
+
+        s = torch.broadcast_to(value(self.modified), values[self.score.uid].shape)
+        i, j = torch.arange(s.shape[2]).view(-1, 1), torch.arange(s.shape[3]).view(1, -1)
+        if kw.get("use_causal_mask"):
+            s = torch.where(j <= i, s, -math.inf)
+        if kw.get("diagonal_band_right_bound") is not None:
+            s = torch.where(j <= i + kw["diagonal_band_right_bound"], s, -math.inf)
+        if kw.get("diagonal_band_left_bound") is not None:
+            s = torch.where(j >= i - kw["diagonal_band_left_bound"] + 1, s, -math.inf)
+        if "dO" not in kw:
+            lse = torch.logsumexp(s, -1, keepdim=True)
+            data[self.outs[0].uid].copy_(torch.exp(s - torch.where(lse.isneginf(), 0, lse)) @ v)
+            data[self.outs[1].uid].copy_(lse)
+            return
+        o, do, lse = (data[kw[n].uid].double() for n in ("o", "dO", "stats"))
+        p = torch.exp(s - lse)
+        values[self.ds.uid] = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+        ds = torch.broadcast_to(value(self.ds_in), p.shape)
+        reduce = lambda x: x.unflatten(1, (-1, groups)).sum(2)  # noqa: E731
+        data[self.outs[0].uid].copy_(ds @ k * kw["attn_scale"])
+        data[self.outs[1].uid].copy_(reduce(ds.transpose(-1, -2) @ q * kw["attn_scale"]))
+        data[self.outs[2].uid].copy_(reduce(p.transpose(-1, -2) @ do))
+
+
+_FAKE_OPS = {
+    "add": lambda x: x["a"] + x["b"], "sub": lambda x: x["a"] - x["b"], "mul": lambda x: x["a"] * x["b"],
+    "div": lambda x: x["a"] / x["b"], "min": lambda x: torch.minimum(x["input0"], x["input1"]),
+    "max": lambda x: torch.maximum(x["input0"], x["input1"]), "pow": lambda x: x["input0"] ** x["input1"],
+    "binary_select": lambda x: torch.where(x["mask"].bool(), x["input0"], x["input1"]),
+    "tanh_backward": lambda x: x["loss"] * (1 - torch.tanh(x["input"]) ** 2),
+    "sigmoid_backward": lambda x: x["loss"] * torch.sigmoid(x["input"]) * (1 - torch.sigmoid(x["input"])),
+    **{f"cmp_{n}": (lambda f: lambda x: f(x["input"], x["comparison"]))(getattr(torch, t))
+       for n, t in (("eq", "eq"), ("neq", "ne"), ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge"))},
+}
+
+
+class _FakeCudnn:
+    pygraph = _FakeGraph
+    data_type = type("data_type", (), {n: n for n in ("FLOAT", "INT32", "BOOLEAN", "BFLOAT16", "HALF")})
+    heur_mode = type("heur_mode", (), {"A": "A", "FALLBACK": "FALLBACK"})
+    diagonal_alignment = type("diagonal_alignment", (), {"TOP_LEFT": "TOP_LEFT"})
+
+
+def _emulated(monkeypatch):
+    from ringflex.kernels import cudnn as module
+
+    monkeypatch.setattr(module, "_cudnn", lambda: _FakeCudnn)
+    monkeypatch.setattr(module, "_handle", lambda device: None)
+    module.clear_cache()
+    return module
+
+
+def _check_emulated(case, segments, depths=(0, 1, 2)):
+    for segs, (q_seg, kv_seg) in segments.items():
+        if case.kv_len_ratio != 1.0:
+            kv_seg = Segment(kv_seg.start // 2, kv_seg.stride, L)
+        q, k, v, dout = (t[:, :, :L].contiguous() for t in make_inputs(case, SEQ, batch=2, head_dim=16))
+        m, ref = Mods(case.score_mod, case.mask_mod), ReferenceKernel()
+        want_out, want_lse = ref.forward(q, k, v, q_seg, kv_seg, m, 0.25, True)
+        want = ref.backward(q, k, v, want_out, want_lse, dout, q_seg, kv_seg, m, 0.25, True)
+        for depth in depths:
+            kernel = CudnnKernel(split_depth=depth)
+            where = lambda e: f"{segs} depth {depth}: {e}"  # noqa: E731
+            out, lse = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.25, True)
+            torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4, msg=where)
+            assert torch.equal(lse.isneginf(), want_lse.isneginf())
+            torch.testing.assert_close(torch.where(lse.isneginf(), 0, lse), torch.where(want_lse.isneginf(), 0, want_lse))
+            grads = kernel.backward(q, k, v, want_out, want_lse, dout, q_seg, kv_seg, m, 0.25, True)
+            for g, w in zip(grads, want):
+                torch.testing.assert_close(g.float(), w, atol=1e-4, rtol=1e-4, msg=where)
+
+
+@pytest.mark.parametrize("name", sorted(cases(SEQ)))
+def test_lowering_matches_reference_emulated(name, monkeypatch):
+    module = _emulated(monkeypatch)
+    _check_emulated(cases(SEQ)[name], SEGMENTS)
+    module.clear_cache()
+
+
+SLOPES = torch.linspace(0.1, 0.8, 4)
+LOWERING_MODS = {  # operand orders and shapes the matrix does not reach
+    "select_input_first": Case(score_mod=lambda s, b, h, q, kv: torch.where(q < kv + 3, 0.5, s), mask_mod=mods.causal),
+    "input_compared": Case(score_mod=lambda s, b, h, q, kv: s + torch.where(SLOPES[h] > (q - kv) * 0.01, 1.0, -1.0)),
+    "not_and_or": Case(mask_mod=lambda b, h, q, kv: ~(q < kv) & ((q % 3 != 1) | (kv % 4 == 0))),
+    "bool_arith": Case(score_mod=lambda s, b, h, q, kv: s * (q >= kv) - 2.0 * (q % 2 == 0) + (h == 1)),
+    "index_arith": Case(mask_mod=lambda b, h, q, kv: (q // 7 - kv // 7).abs() + (q % 7 - kv % 7).abs() <= 9),
+    **{f"score_{name}": Case(score_mod=fn, mask_mod=mods.sliding_window(50)) for name, fn in EXTRA_SCORE_MODS.items()},
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOWERING_MODS))
+def test_lowering_of_operand_orders_emulated(name, monkeypatch):
+    module = _emulated(monkeypatch)
+    _check_emulated(LOWERING_MODS[name], {k: SEGMENTS[k] for k in ("offsets", "striped")}, depths=(0, 2))
+    module.clear_cache()
