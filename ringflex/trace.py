@@ -32,8 +32,8 @@ class UnsupportedModError(ValueError):
 @dataclass(eq=False)
 class Node:
     """One operation. ``op`` is an input name (``score``, ``b``, ``h``, ``q_idx``, ``kv_idx``,
-    ``grad``), ``const``, ``tensor`` (a captured tensor), ``index`` (a lookup into a captured
-    tensor) or an operation name from ``OPS``."""
+    ``grad``), ``const``, ``tensor`` (a captured tensor) or an operation from ``OPS``
+    (``index`` is a lookup into a captured tensor)."""
 
     op: str
     args: Tuple["Node", ...] = ()
@@ -60,7 +60,7 @@ _BINARY = {
     "tanh_backward": lambda g, x: g * (1 - torch.tanh(x) ** 2),
     "sigmoid_backward": lambda g, x: g * torch.sigmoid(x) * (1 - torch.sigmoid(x)),
 }
-OPS = frozenset(_UNARY) | frozenset(_BINARY) | {"where", "cast"}
+OPS = frozenset(_UNARY) | frozenset(_BINARY) | {"where", "cast", "index"}
 COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
 
 
@@ -139,6 +139,8 @@ def _promote(name: str, args: Sequence[Node]) -> torch.dtype:
 
 def op(name: str, *args: Node, dtype: Optional[torch.dtype] = None) -> Node:
     """A new operation node on ``args``."""
+    if name not in OPS:
+        raise ValueError(f"unknown operation {name!r}")
     deps = frozenset().union(*(a.deps for a in args))
     return Node(name, tuple(args), dtype=dtype or _promote(name, args), deps=deps)
 
