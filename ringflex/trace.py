@@ -10,6 +10,7 @@ the score_mod's derivative) and fingerprinted (kernels cache compiled graphs by 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import weakref
@@ -89,12 +90,12 @@ class ModGraph:
 
     __call__ = evaluate
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """Hash of what the graph computes, captured tensors by identity, shape and dtype."""
         return _digest(self.nodes, identity=True)
 
-    @property
+    @functools.cached_property
     def structure(self) -> str:
         """Like ``fingerprint`` but captured tensors by shape and dtype only: two mods with the
         same structure lower to the same kernel graph, whatever their tensors hold."""
