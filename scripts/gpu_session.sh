@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU runs behind docs/benchmarks.md, one stage per argument; logs go to $OUT (or ./out).
+#   bash scripts/gpu_session.sh check2 bench2 million      # on 2 (or more) GPUs
+#   bash scripts/gpu_session.sh check4 bench4              # on 4 GPUs
+# Needs the cuDNN frontend wheel in .whl/ (see shared/gpu/README.md).
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+run() { local name=$1; shift; echo "+ $*" | tee -a "$OUT/$name.log"; "$@" 2>&1 | grep -v "^W[0-9]* .*OMP_NUM_THREADS\|^\*\*\*\*" | tee -a "$OUT/$name.log"; }
+tr() { local n=$1; shift; torchrun --standalone --nproc_per_node="$n" "$@"; }
+for stage in "$@"; do
+  case $stage in
+    env) run env python3 -m ringflex.env ;;
+    check2) run check tr 2 scripts/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;
+    check4) run check tr 4 scripts/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;
+    bench2) run bench2 tr 2 scripts/bench.py --seq-lens 16384 32768 --iters 5 --warmup 2 \
+              --json "$OUT/bench2.json" --plot "$OUT/efficiency_2gpu.png" ;;
+    bench4) run bench4 tr 4 scripts/bench.py --seq-lens 32768 131072 --masks none causal documents \
+              --iters 3 --warmup 1 --json "$OUT/bench4.json" --plot "$OUT/efficiency_4gpu.png" ;;
+    million) run million tr 2 scripts/bench.py --seq-lens 1048576 --masks causal --single-max 0 --no-cp \
+              --iters 1 --warmup 0 --json "$OUT/million.json" ;;
+    *) echo "unknown stage $stage (have $ngpu GPUs)"; exit 2 ;;
+  esac
+done
