@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 import ringflex
 from harness import run_world
-from ringflex.parallel.fault import RingFailure
 
 WORLD = 4
 L = 4  # local tokens

@@ -123,7 +123,7 @@ class GuardedComm(RingComm):
         pending = super().exchange(send, recv)
         if send[0].is_cuda:
             return pending
-        return _PolledPending(pending.works, self.group,
+        return _PolledPending(pending.works, self.group,  # RingComm's pending holds its works
                               f"the {self.phase} transfer from rank {(self.rank - 1) % self.world_size}")
 
 
