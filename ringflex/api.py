@@ -47,7 +47,9 @@ def ring_flex_attention(
     sequence in ``layout`` (see ``ringflex.shard``). ``score_mod(score, b, h, q_idx, kv_idx)``
     and ``mask_mod(b, h, q_idx, kv_idx)`` are flex_attention's, and see GLOBAL positions.
     Returns this rank's output [B, Hq, S_local, Dv] (and the fp32 log-sum-exp [B, Hq,
-    S_local] if ``return_lse``). Every rank must make the same call.
+    S_local] if ``return_lse``). Every rank must make the same call: a bad or mismatched call
+    raises the same ValueError on every rank before any transfer, and a rank that fails inside
+    the ring makes the others raise ``RingFailure`` (see docs/reliability.md).
     """
     group = _ring_group(group)
     mods = Mods(score_mod, mask_mod)
