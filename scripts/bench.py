@@ -96,7 +96,10 @@ def single_gpu_candidates(mask, score_mod, mask_mod, seq_len, device):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=mask == "causal")
         out["sdpa-cudnn"] = sdpa
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    compiled = torch.compile(flex_attention)
+    # One compiled function per workload; grad mode and masks would exhaust a shared one's
+    # recompile budget and silently fall back to the unfused (memory-hungry) path.
+    torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
+    compiled = torch.compile(flex_attention, dynamic=False)
     block_mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
     out["flex"] = lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
     return out
