@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .parallel import fault
 from .parallel.layout import LAYOUTS, divisor
 
-BACKENDS = ("auto", "cudnn", "flex", "reference")
+BACKENDS = ("auto", "cudnn", "reference")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MESSAGE_BYTES = 400
 

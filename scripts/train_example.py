@@ -279,7 +279,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layout", default="zigzag", choices=ringflex.LAYOUTS)
-    p.add_argument("--backend", default="auto", choices=["auto", "cudnn", "flex", "reference"])
+    p.add_argument("--backend", default="auto", choices=["auto", "cudnn", "reference"])
     p.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
     p.add_argument("--out", help="write the loss curve and throughput to this JSON file (rank 0)")
     p.add_argument("--compare", nargs="+", metavar="JSON", help="compare logged runs (the first is the reference)")

@@ -157,3 +157,17 @@ def test_untraceable_mask_falls_back_to_dense():
         return q >= kv if bool((q > 100).all()) else q >= 0
     assert block_decider(data_dependent, 1, 1) is None
     assert int(classify(data_dependent, 1, 1, Segment(0, 1, 8), Segment(8, 1, 8))) == BlockKind.FULL
+
+
+def _unshard_unequal(rank, world_size):
+    x = torch.zeros(1, 2, 4 + 2 * rank)
+    try:
+        ringflex.unshard(x, 2, layout="contiguous")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_unshard_of_unequal_shards_raises_on_every_rank():
+    messages = run_world(2, _unshard_unequal, timeout=60)
+    assert messages[0] == messages[1] and "rank 0: (1, 2, 4), rank 1: (1, 2, 6)" in messages[0]

@@ -15,7 +15,7 @@ def test_env_report():
     reasons = env.backends()
     assert reasons["reference"] is None
     if not torch.cuda.is_available():
-        assert "CUDA" in reasons["cudnn"] and "CUDA" in reasons["flex"]
+        assert "CUDA" in reasons["cudnn"]
     run = subprocess.run([sys.executable, "-m", "ringflex.env"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     for word in ("torch", torch.__version__, "nvidia-cudnn-frontend", "reference", "available"):

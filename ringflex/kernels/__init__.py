@@ -27,21 +27,9 @@ def _cudnn_reason(q, k, v, mods) -> Optional[str]:
     return cudnn_unavailable_reason(q, k, v, mods)
 
 
-def _flex_reason(q) -> Optional[str]:
-    if not q.is_cuda:
-        return "inputs are not on a CUDA device"
-    try:
-        from .flex import FlexKernel  # noqa: F401
-    except ImportError as e:
-        return f"torch flex_attention is unavailable ({e})"
-    return None
-
-
 def select_kernel(backend: str, q, k, v, mods: Mods) -> HopKernel:
-    """The kernel for ``backend``; "auto" prefers cuDNN, then flex_attention, then the
-    reference kernel, and says once why it did not take a faster one on a GPU."""
-    if backend == "reference":
-        return ReferenceKernel()
+    """The kernel for ``backend``; "auto" prefers cuDNN and otherwise takes the reference
+    kernel, saying once why it did not take cuDNN for a GPU call."""
     if backend in ("cudnn", "auto"):
         reason = _cudnn_reason(q, k, v, mods)
         if reason is None:
@@ -50,14 +38,5 @@ def select_kernel(backend: str, q, k, v, mods: Mods) -> HopKernel:
         if backend == "cudnn":
             raise ValueError(f"backend='cudnn' cannot run this call: {reason}")
         if q.is_cuda:
-            _warn_once(f"ringflex: not using the cuDNN kernel: {reason}")
-    if backend in ("flex", "auto"):
-        reason = _flex_reason(q)
-        if reason is None:
-            from .flex import FlexKernel
-            return FlexKernel()
-        if backend == "flex":
-            raise ValueError(f"backend='flex' cannot run this call: {reason}")
-        if q.is_cuda:
-            _warn_once(f"ringflex: using the slow reference kernel: {reason}")
+            _warn_once(f"ringflex: using the slow reference kernel, not cuDNN: {reason}")
     return ReferenceKernel()

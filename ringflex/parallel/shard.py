@@ -24,10 +24,28 @@ def shard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
     return x.index_select(dim, index)
 
 
+_MAX_DIMS = 8
+
+
+def _check_same_shape(x: Tensor, group, world_size: int) -> None:
+    """Raises the same error on every rank if the shards' shapes differ (an all_gather of
+    unequal tensors would hang or kill a rank)."""
+    if x.dim() > _MAX_DIMS:
+        raise ValueError(f"unshard supports tensors of at most {_MAX_DIMS} dims, got {x.dim()}")
+    mine = torch.tensor([x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim()), dtype=torch.int64, device=x.device)
+    shapes = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(shapes, mine, group=group)
+    shapes = [tuple(s[1:1 + int(s[0])].tolist()) for s in shapes]
+    if len(set(shapes)) > 1:
+        raise ValueError("unshard: the ranks' shards differ in shape ("
+                         + ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes)) + ")")
+
+
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, layout):
         rank, world_size = _rank_and_size(group)
+        _check_same_shape(x, group, world_size)
         parts = [torch.empty_like(x) for _ in range(world_size)]
         dist.all_gather(parts, x.contiguous(), group=group)
         full_len = x.shape[dim] * world_size
