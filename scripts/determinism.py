@@ -1,6 +1,6 @@
 """Are two identical calls bitwise identical? Per backend, forward and backward, as a markdown table.
 
-    python scripts/determinism.py --device cuda --backends reference cudnn flex   # one GPU
+    python scripts/determinism.py --device cuda --backends reference cudnn   # one GPU
     torchrun --nproc_per_node=2 scripts/determinism.py --device cuda --backends cudnn
     python scripts/determinism.py                                                # CPU, reference
 
