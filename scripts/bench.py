@@ -100,7 +100,9 @@ def single_gpu_candidates(mask, score_mod, mask_mod, seq_len, device):
     # recompile budget and silently fall back to the unfused (memory-hungry) path.
     torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
     compiled = torch.compile(flex_attention, dynamic=False)
-    block_mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
+    # Compiled, create_block_mask works block by block; eager, it materialises seq_len^2 booleans.
+    block_mask = None if mask_mod is None else torch.compile(create_block_mask)(
+        mask_mod, None, None, seq_len, seq_len, device=device)
     out["flex"] = lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
     return out
 
