@@ -189,7 +189,8 @@ _UNARY_ATEN = {
 }
 _IDENTITY_ATEN = {aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy, aten.expand, aten.contiguous}
 _CAST_ATEN = {aten._to_copy, aten.to}
-_FILL_ATEN = {aten.full_like: None, aten.full: None, aten.zeros_like: 0, aten.ones_like: 1, aten.scalar_tensor: None}
+_FILL_ATEN = {aten.full_like: None, aten.full: None, aten.zeros_like: 0, aten.ones_like: 1, aten.scalar_tensor: None,
+              aten.new_zeros: 0, aten.new_ones: 1, aten.zeros: 0, aten.ones: 1}  # and_masks starts from new_ones
 
 
 def _convert(gm: torch.fx.GraphModule, inputs: Sequence[str], kind: str) -> ModGraph:

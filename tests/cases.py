@@ -63,6 +63,8 @@ def cases(seq_len: int, image_width: int = 4, device=None):
         "causal_softcap": Case(score_mod=mods.softcap(2.0), mask_mod=mods.causal),
         "image_2d": Case(mask_mod=mods.image_neighbourhood(seq_len // image_width, image_width, 1)),
         "head_dependent": Case(mask_mod=head_dependent),
+        "combined_masks": Case(mask_mod=mods.and_masks(
+            mods.causal, mods.or_masks(mods.sliding_window(5), mods.prefix_lm(seq_len // 3)))),
         "gqa_causal": Case(mask_mod=mods.causal, q_heads=4, kv_heads=2),
         "gqa_softcap_alibi": Case(score_mod=softcap_alibi, q_heads=4, kv_heads=1),
         "cross_no_mask": Case(kv_len_ratio=0.5),
