@@ -1,12 +1,12 @@
 """Deciding a block's kind from the mask's formula, without evaluating it on every pair.
 
-The mask is traced once (make_fx) into a graph of aten ops, and the graph is evaluated on
-*ranges*: q_idx over the block's query positions, kv_idx over its key positions, b and h
-over all batches and heads. If the result is True for the whole range the block is FULL,
-if False it is EMPTY. Anything the ranges cannot decide (an op without a rule, a range
-that straddles the answer) gives None, and the planner evaluates the block densely, so
-the answer is always exact. Causal, sliding-window, prefix-LM, document and 2-D masks
-are decided in microseconds however long the sequence.
+The mask's traced graph (``ringflex.trace``) is evaluated on *ranges*: q_idx over the
+block's query positions, kv_idx over its key positions, b and h over all batches and heads.
+If the result is True for the whole range the block is FULL, if False it is EMPTY. Anything
+the ranges cannot decide (an op without a rule, a range that straddles the answer) gives
+None, and the planner evaluates the block densely, so the answer is always exact. Causal,
+sliding-window, prefix-LM, document and 2-D masks are decided in microseconds however long
+the sequence.
 """
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from torch.fx import Interpreter
-from torch.fx.experimental.proxy_tensor import make_fx
 
-aten = torch.ops.aten
+from .trace import UnsupportedModError, trace_mask_mod
 
 
 class Undecided(Exception):
@@ -121,12 +119,6 @@ def _where(c, x, y):
     return Range(min(x.lo, y.lo), max(x.hi, y.hi))
 
 
-def _clamp(a, lo=None, hi=None):
-    lo = _as_range(lo) if lo is not None else Range(-math.inf, -math.inf)
-    hi = _as_range(hi) if hi is not None else Range(math.inf, math.inf)
-    return Range(min(max(a.lo, lo.lo), hi.hi), min(max(a.hi, lo.hi), hi.hi))
-
-
 def _index(table, indices):
     """table[i] for i in a range: the min and max of the table over that range."""
     if not isinstance(table, torch.Tensor) or table.dim() != 1 or len(indices) != 1 or indices[0] is None:
@@ -140,63 +132,86 @@ def _index(table, indices):
     return Range(*both)
 
 
+def _monotone(fn, lowest=-math.inf):
+    """An increasing function, defined above ``lowest``."""
+    def rule(a):
+        if a.lo < lowest:
+            raise Undecided(f"{fn.__name__} of a range reaching below its domain")
+        return Range(fn(a.lo), fn(a.hi))
+    return rule
+
+
+def _cast(a: Range, dtype: torch.dtype) -> Range:
+    if dtype == torch.bool:
+        return _ne(a, Range(0, 0))
+    if dtype.is_floating_point:
+        return a
+    return Range(math.trunc(a.lo), math.trunc(a.hi))  # truncation is monotone
+
+
+def _div(a, b):
+    if b.lo <= 0 <= b.hi:
+        raise Undecided("division by a range that holds 0")
+    return _corners(operator.truediv, a, b)
+
+
 _BINARY = {
-    aten.add: _add, aten.sub: _sub, aten.mul: lambda a, b: _corners(operator.mul, a, b),
-    aten.floor_divide: _floordiv, aten.remainder: _remainder,
-    aten.minimum: lambda a, b: Range(min(a.lo, b.lo), min(a.hi, b.hi)),
-    aten.maximum: lambda a, b: Range(max(a.lo, b.lo), max(a.hi, b.hi)),
-    aten.lt: _compare(True), aten.le: _compare(False),
-    aten.gt: _compare(True, flip=True), aten.ge: _compare(False, flip=True),
-    aten.eq: _eq, aten.ne: _ne,
-    aten.bitwise_and: _and, aten.logical_and: _and, aten.bitwise_or: _or, aten.logical_or: _or,
+    "add": _add, "sub": _sub, "mul": lambda a, b: _corners(operator.mul, a, b), "div": _div,
+    "floordiv": _floordiv, "mod": _remainder,
+    "minimum": lambda a, b: Range(min(a.lo, b.lo), min(a.hi, b.hi)),
+    "maximum": lambda a, b: Range(max(a.lo, b.lo), max(a.hi, b.hi)),
+    "lt": _compare(True), "le": _compare(False), "gt": _compare(True, flip=True), "ge": _compare(False, flip=True),
+    "eq": _eq, "ne": _ne, "and": _and, "or": _or,
 }
-_UNARY = {aten.abs: _abs, aten.neg: lambda a: Range(-a.hi, -a.lo), aten.bitwise_not: _not, aten.logical_not: _not}
-_SAME = {aten._to_copy, aten.to, aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy, aten.view,
-         aten.reshape, aten.expand, aten.unsqueeze, aten.squeeze, aten._unsafe_view}
+_UNARY = {
+    "abs": _abs, "neg": lambda a: Range(-a.hi, -a.lo), "not": _not, "floor": _monotone(math.floor),
+    "exp": _monotone(math.exp), "tanh": _monotone(math.tanh),
+    "sigmoid": _monotone(lambda x: 1 / (1 + math.exp(-x)) if x > -700 else 0.0),
+    "sqrt": _monotone(math.sqrt, lowest=0), "log": _monotone(lambda x: math.log(x) if x > 0 else -math.inf, lowest=0),
+}
 
 
-class _RangeInterpreter(Interpreter):
-    def call_function(self, target, args, kwargs):
-        packet = getattr(target, "overloadpacket", None)
-        if packet in _BINARY:
-            return _BINARY[packet](_as_range(args[0]), _as_range(args[1]))
-        if packet in _UNARY:
-            return _UNARY[packet](_as_range(args[0]))
-        if packet in _SAME:
-            return args[0] if isinstance(args[0], Range) else _as_range(args[0])
-        if packet is aten.div and kwargs.get("rounding_mode") == "floor":
-            return _floordiv(_as_range(args[0]), _as_range(args[1]))
-        if packet is aten.where:
-            return _where(*(_as_range(a) for a in args))
-        if packet is aten.clamp:
-            return _clamp(_as_range(args[0]), *args[1:])
-        if packet is aten.index:
-            return _index(args[0], args[1])
-        if packet in (aten.new_ones, aten.ones):
-            return Range(True, True)
-        if packet in (aten.new_zeros, aten.zeros):
-            return Range(False, False)
-        if packet is aten.scalar_tensor:
-            return _as_range(args[0])
-        raise Undecided(f"no range rule for {target}")
+def _ranges(graph, env):
+    """The range of every node of ``graph``, inputs given by ``env``; the output's range."""
+    memo = {}
+    for n in graph.nodes:
+        args = [memo[id(a)] for a in n.args]
+        if n.op in env:
+            v = env[n.op]
+        elif n.op == "const":
+            v = Range(n.value, n.value)
+        elif n.op == "tensor":
+            v = n.value
+        elif n.op == "index":
+            v = _index(args[0], args[1:])
+        elif n.op == "cast":
+            v = _cast(_as_range(args[0]), n.value)
+        elif n.op == "where":
+            v = _where(*(_as_range(a) for a in args))
+        elif n.op in _UNARY:
+            v = _UNARY[n.op](_as_range(args[0]))
+        elif n.op in _BINARY:
+            v = _BINARY[n.op](_as_range(args[0]), _as_range(args[1]))
+        else:
+            raise Undecided(f"no range rule for {n.op}")
+        memo[id(n)] = v
+    return _as_range(memo[id(graph.output)])
 
 
 def block_decider(mask_mod: Callable, batch: int, heads: int, device=None) -> Optional[Callable]:
     """A function (q_seg, kv_seg) -> True (FULL) / False (EMPTY) / None (undecided), or
     None if the mask cannot be traced."""
-    # Four distinct tensors: make_fx would give one object passed twice a single input.
-    indices = [torch.zeros((1, 1, 1, 1), dtype=torch.int32, device=device) for _ in range(4)]
     try:
-        graph = make_fx(mask_mod)(*indices)
-    except Exception:  # data-dependent Python control flow and the like: evaluate densely
+        graph = trace_mask_mod(mask_mod, device)
+    except UnsupportedModError:  # data-dependent Python control flow and the like: evaluate densely
         return None
 
     def decide(q_seg, kv_seg) -> Optional[bool]:
-        spans = [Range(0, batch - 1), Range(0, heads - 1),
-                 Range(q_seg.start, q_seg.start + q_seg.stride * (q_seg.length - 1)),
-                 Range(kv_seg.start, kv_seg.start + kv_seg.stride * (kv_seg.length - 1))]
+        env = {"b": Range(0, batch - 1), "h": Range(0, heads - 1),
+               "q_idx": Range(q_seg.start, q_seg.start + q_seg.stride * (q_seg.length - 1)),
+               "kv_idx": Range(kv_seg.start, kv_seg.start + kv_seg.stride * (kv_seg.length - 1))}
         try:
-            result = _as_range(_RangeInterpreter(graph).run(*spans))
+            result = _ranges(graph, env)
         except Undecided:
             return None
         if result.lo:
