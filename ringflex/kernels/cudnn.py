@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..parallel.merge import merge_
 from ..plan import BlockKind, Segment, block_kinds, evaluate_mask
 from ..trace import ModGraph, Node, UnsupportedModError, diagonal_band, evaluate, score_grad, trace_mask_mod, trace_score_mod
 from .base import Mods
@@ -759,7 +760,7 @@ class CudnnKernel:
             tensors = dict(q=_rows(q, run.rows), k=_rows(k, run.cols), v=_rows(v, run.cols), out=o, lse=s.unsqueeze(-1))
             self._call(False, run, program, tensors, scale, q_seg, kv_seg)
             if not first:
-                _merge(_rows(out, run.rows), _rows(lse, run.rows), o, s)
+                merge_(_rows(out, run.rows), _rows(lse, run.rows), o, s)
             done.append(run.rows)
         for gap in _uncovered((0, q.shape[2]), done):
             _clear(out, lse, gap)
@@ -811,15 +812,6 @@ def _lowering(score: Optional[ModGraph], mask: Optional[ModGraph], backward: boo
 
 def _inner_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _merge(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
-    """Folds a second partial result of the same rows into (out, lse), in fp32."""
-    new = torch.logaddexp(lse, part_lse)
-    finite = torch.where(new.isneginf(), 0.0, new)
-    merged = out.float() * torch.exp(lse - finite).unsqueeze(-1) + part_out.float() * torch.exp(part_lse - finite).unsqueeze(-1)
-    out.copy_(merged)
-    lse.copy_(new)
 
 
 def _uncovered(span: Tuple[int, int], covered) -> List[Tuple[int, int]]:

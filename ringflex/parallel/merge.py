@@ -1,4 +1,4 @@
-"""Log-sum-exp merge of partial attention results, in the accumulation dtype (fp32 or fp64)."""
+"""Log-sum-exp merge of partial attention results, computed in fp32 or fp64."""
 from __future__ import annotations
 
 import torch
@@ -17,6 +17,9 @@ def merge_(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, first: 
         return
     new_lse = torch.logaddexp(lse, part_lse)
     finite = torch.where(new_lse.isneginf(), 0.0, new_lse)
-    out.mul_(torch.exp(lse - finite).unsqueeze(-1))
-    out.addcmul_(part_out, torch.exp(part_lse - finite).unsqueeze(-1).to(out.dtype))
+    keep, add = torch.exp(lse - finite).unsqueeze(-1), torch.exp(part_lse - finite).unsqueeze(-1)
+    if out.dtype in (torch.float32, torch.float64):
+        out.mul_(keep).addcmul_(part_out, add.to(out.dtype))
+    else:  # a low-precision output (a kernel's own): merge in fp32, round once
+        out.copy_(out.float() * keep + part_out.float() * add)
     lse.copy_(new_lse)
