@@ -1,0 +1,148 @@
+"""Where a ring call's time goes: host time, GPU time, and the GPU time by kernel family.
+
+    torchrun --nproc_per_node=2 scripts/profile_ring.py --seq-lens 16384 --masks none causal \
+        --trace out/ring_causal.json.gz
+
+For every total sequence length and mask it prints, for forward and forward+backward:
+the host time of one call (returning from Python, GPU work still queued), its wall time
+with the GPU drained, and the mean time of calls issued back to back (the benchmark's
+measure); the host time of the cross-rank argument check alone; and, from torch.profiler,
+the GPU time per call spent in attention kernels, NCCL transfers and everything else
+(LSE merges, casts, zero-fills). Compute time close to the back-to-back time means the
+ring is bound by its kernels; a large gap means idle GPU (host- or link-bound).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+import ringflex
+from bench import make_mods  # scripts/ is on sys.path when this runs as a script
+from ringflex import validate
+
+
+def _family(name: str) -> str:
+    lowered = name.lower()
+    if "nccl" in lowered:
+        return "nccl"
+    if any(s in lowered for s in ("sdpa", "fmha", "flash", "cudnn", "attn", "attention")):
+        return "attention"
+    return "other"
+
+
+def gpu_time_by_family(prof, calls: int) -> dict:
+    """Milliseconds of GPU kernel time per call, by family, and the five largest 'other' kernels."""
+    totals, others = {"attention": 0.0, "nccl": 0.0, "other": 0.0}, {}
+    for event in prof.key_averages():
+        us = event.self_device_time_total
+        if us <= 0 or event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        family = _family(event.key)
+        totals[family] += us / 1e3 / calls
+        if family == "other":
+            others[event.key[:70]] = us / 1e3 / calls
+    top = dict(sorted(others.items(), key=lambda kv: -kv[1])[:5])
+    return {**{k: round(v, 3) for k, v in totals.items()}, "top_other": {k: round(v, 3) for k, v in top.items()}}
+
+
+def measure(fn, iters: int) -> dict:
+    """Host ms per call, wall ms per call with the GPU drained, and back-to-back ms per call."""
+    fn()
+    torch.cuda.synchronize()
+    host = wall = 0.0
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host, wall = host + t1 - t0, wall + time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return {"host_ms": round(host / iters * 1e3, 3), "wall_ms": round(wall / iters * 1e3, 3),
+            "back_to_back_ms": round(start.elapsed_time(end) / iters, 3)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[16384])
+    p.add_argument("--masks", nargs="+", default=["none", "causal"])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--trace", help="write a chrome trace (gzip) of rank 0's first workload here")
+    args = p.parse_args()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    trace = args.trace
+    for seq_len in args.seq_lens:
+        for mask in args.masks:
+            score_mod, mask_mod = make_mods(mask, seq_len, device, 4096, 4096)
+            torch.manual_seed(0)
+            shape = (1, args.heads, seq_len, args.head_dim)
+            q, k, v = (ringflex.shard(torch.randn(shape, device=device, dtype=torch.bfloat16), 2, layout=args.layout)
+                       .requires_grad_() for _ in range(3))
+            grad = torch.randn_like(q)
+
+            def attn():
+                return ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
+                                                    layout=args.layout)
+
+            def forward():
+                with torch.no_grad():
+                    attn()
+
+            def forward_backward():
+                attn().backward(grad)
+
+            def check():
+                validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=dist.group.WORLD,
+                               layout=args.layout, scale=None, enable_gqa=False, backend="auto")
+
+            for _ in range(3):
+                forward_backward()
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                check()
+            check_ms = (time.perf_counter() - t0) / args.iters * 1e3
+            row = {"fwd": measure(forward, args.iters), "fwd_bwd": measure(forward_backward, args.iters)}
+            calls = 3
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    forward_backward()
+                torch.cuda.synchronize()
+            row["gpu_ms_per_fwd_bwd"] = gpu_time_by_family(prof, calls)
+            log(f"== {seq_len} tokens ({seq_len // world}/GPU), mask {mask}: argument check {check_ms:.3f} ms host")
+            for name, value in row.items():
+                log(f"   {name}: {value}")
+            if rank == 0 and trace:
+                plain = trace[:-3] if trace.endswith(".gz") else trace
+                prof.export_chrome_trace(plain)
+                if plain != trace:
+                    with open(plain, "rb") as f, gzip.open(trace, "wb") as g:
+                        shutil.copyfileobj(f, g)
+                    os.remove(plain)
+                for key in ("self_cpu_time_total", "self_device_time_total"):
+                    log(prof.key_averages().table(sort_by=key, row_limit=25))
+                trace = None
+            del q, k, v, grad
+            torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
