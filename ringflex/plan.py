@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .bounds import block_decider
+from .trace import UnsupportedModError, diagonal_band, trace_mask_mod
 
 # Mask evaluations per chunk: bounds the planner's memory whatever the segment lengths.
 _CHUNK_ELEMENTS = 1 << 24
@@ -195,6 +196,38 @@ def _split(hop: Hop, kind_of, min_tile: int):
     return [piece for h in quads if h.kind != BlockKind.EMPTY for piece in _split(h, kind_of, min_tile)]
 
 
+# Masks that only compare q_idx with kv_idx: causal, and its strict and reversed forms.
+_ORDER_BANDS = {(0, None), (1, None), (None, 0), (None, -1)}
+
+
+def _in_order(segs) -> bool:
+    """Whether positions increase along the local rows (true of every layout)."""
+    return all(seg.stride > 0 for seg in segs) and all(
+        a.start + a.stride * (a.length - 1) < b.start for a, b in zip(segs, segs[1:]))
+
+
+def _local_order_hop(mask_mod, has_score_mod: bool, q_segs, kv_segs, device) -> Optional[Hop]:
+    """The whole block as one hop over LOCAL positions, where that gives the same mask.
+
+    A mask that only compares q_idx with kv_idx (causal) keeps its answer when positions
+    are replaced by any increasing relabelling applied to both sides. So where a rank holds
+    its own K/V (the same positions as its queries, in increasing order), the block is
+    causal on local row indices: one call with the kernel's native causal mask, instead of
+    one per pair of segments (three on the zigzag diagonal) and the merges between them.
+    """
+    if mask_mod is None or has_score_mod or len(q_segs) < 2 or list(q_segs) != list(kv_segs) or not _in_order(q_segs):
+        return None
+    try:
+        band = diagonal_band(trace_mask_mod(mask_mod, device))
+    except UnsupportedModError:
+        return None
+    if band not in _ORDER_BANDS:
+        return None
+    length = sum(seg.length for seg in q_segs)
+    local = Segment(0, 1, length)
+    return Hop((0, length), (0, length), local, local, BlockKind.PARTIAL)
+
+
 def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_segs_per_step, device=None,
               min_tile: int = 1024):
     """The hops of every ring step: the non-EMPTY (Q segment, KV segment) pairs, sparse
@@ -218,7 +251,12 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
     for (step, qr, q, kr, kv), kind in zip(pairs, kinds):
         if kind != BlockKind.EMPTY:
             steps[step] += _split(Hop(qr, kr, q, kv, BlockKind(kind)), kind_of, min_tile)
-    return [_merge(hops, positions_matter=has_score_mod) for hops in steps]
+    plan = [_merge(hops, positions_matter=has_score_mod) for hops in steps]
+    for step, kv_segs in enumerate(kv_segs_per_step):
+        local = _local_order_hop(mask_mod, has_score_mod, q_segs, kv_segs, device)
+        if local is not None and len(plan[step]) > 1:
+            plan[step] = [local]
+    return plan
 
 
 def _captured_tensors(fn, depth=0):

@@ -68,8 +68,14 @@ def test_plan_skips_empty_and_joins_full_blocks():
     q = layouts.segments("zigzag", 16, 2, 0)
     steps = [layouts.segments("zigzag", 16, 2, src) for src in (0, 1)]
     plan = plan_hops(mods.causal, False, 1, 1, q, steps)
-    assert [(h.q_rows, h.kv_rows, h.kind) for h in plan[0]] == [
-        ((0, 4), (0, 4), BlockKind.PARTIAL), ((4, 8), (0, 4), BlockKind.FULL), ((4, 8), (4, 8), BlockKind.PARTIAL)]
+    # the rank's own block: causal on local rows too, so one call over local positions
+    assert [(h.q_rows, h.kv_rows, h.kind, h.q_seg, h.kv_seg) for h in plan[0]] == [
+        ((0, 8), (0, 8), BlockKind.PARTIAL, Segment(0, 1, 8), Segment(0, 1, 8))]
+    # a mask that is not a pure order comparison keeps one hop per pair of segments (chunk 3
+    # sees no key of chunk 0 within a window of 5)
+    window = plan_hops(mods.sliding_window(5), False, 1, 1, q, steps)
+    assert [(h.q_rows, h.kv_rows, h.kind) for h in window[0]] == [
+        ((0, 4), (0, 4), BlockKind.PARTIAL), ((4, 8), (4, 8), BlockKind.PARTIAL)]
     # step 1 holds chunks 1 and 2: only chunk 3 of the queries sees them, fully, as one call
     assert [(h.q_rows, h.kv_rows, h.kind, h.q_seg) for h in plan[1]] == [((4, 8), (0, 8), BlockKind.FULL, None)]
     # with a score_mod positions matter: blocks join only where their positions stay one run

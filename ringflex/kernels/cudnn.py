@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..parallel.merge import merge_
+from ..parallel.merge import Coverage, add_, finish_, merge_rows_, rows, zero_gaps_
 from ..plan import BlockKind, Segment, block_kinds, evaluate_mask
 from ..trace import ModGraph, Node, UnsupportedModError, diagonal_band, evaluate, score_grad, trace_mask_mod, trace_score_mod
 from .base import Mods
@@ -689,10 +689,6 @@ def _band(mask: ModGraph):
     return cached[1]
 
 
-def _rows(x: Tensor, r: Tuple[int, int]) -> Tensor:
-    return x[:, :, r[0]:r[1]]
-
-
 def _sub(seg: Optional[Segment], r: Tuple[int, int]) -> Optional[Segment]:
     return None if seg is None else seg.slice(*r)
 
@@ -749,21 +745,19 @@ class CudnnKernel:
         runs = self._runs(program, mods, q, k, q_seg, kv_seg)
         out = q.new_empty(*q.shape[:3], v.shape[-1])
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-        done = []  # row ranges written so far
+        written = Coverage()
         for run in runs:
-            first = not any(a < run.rows[1] and run.rows[0] < b for a, b in done)
-            if not first:  # rows that no call wrote yet start empty, then everything is merged
-                for gap in _uncovered(run.rows, done):
-                    _clear(out, lse, gap)
-            o = _rows(out, run.rows) if first else torch.empty_like(_rows(out, run.rows))
-            s = _rows(lse, run.rows) if first else torch.empty_like(_rows(lse, run.rows))
-            tensors = dict(q=_rows(q, run.rows), k=_rows(k, run.cols), v=_rows(v, run.cols), out=o, lse=s.unsqueeze(-1))
+            fresh = written.fresh(run.rows)  # else: computed aside, then merged
+            o, s = rows(out, run.rows), rows(lse, run.rows)
+            if not fresh:
+                o, s = torch.empty_like(o), torch.empty_like(s)
+            tensors = dict(q=rows(q, run.rows), k=rows(k, run.cols), v=rows(v, run.cols), out=o, lse=s.unsqueeze(-1))
             self._call(False, run, program, tensors, scale, q_seg, kv_seg)
-            if not first:
-                merge_(_rows(out, run.rows), _rows(lse, run.rows), o, s)
-            done.append(run.rows)
-        for gap in _uncovered((0, q.shape[2]), done):
-            _clear(out, lse, gap)
+            if fresh:
+                written.add(run.rows)
+            else:
+                merge_rows_(out, lse, written, run.rows, o, s)
+        finish_(out, lse, written)
         return out, lse
 
     def backward(self, q, k, v, out, lse, dout, q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods,
@@ -773,32 +767,37 @@ class CudnnKernel:
         runs = self._runs(program, mods, q, k, q_seg, kv_seg)
         # A row that sees no key anywhere has lse -inf; +inf makes its probabilities exp(s - inf) = 0.
         stats = torch.where(lse.isneginf(), math.inf, lse.float()).unsqueeze(-1)
-        # Where every gradient element comes from at most one call, calls write in place;
+        # Where every gradient row comes from one call at most, calls write in place;
         # elsewhere they are summed in fp32.
-        direct = (_disjoint([r.rows for r in runs]), _disjoint([r.cols for r in runs]))
-        covers = len(runs) == 1 and runs[0].rows == (0, q.shape[2]) and runs[0].cols == (0, k.shape[2])
-        grads = [(torch.empty_like if covers else torch.zeros_like)(t) if in_place
-                 else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-                 for t, in_place in ((q, direct[0]), (k, direct[1]), (v, direct[1]))]
+        in_place = (_disjoint([r.rows for r in runs]), _disjoint([r.cols for r in runs]))
+        dq, dk, dv = (torch.empty_like(t) if direct else torch.empty(t.shape, dtype=torch.float32, device=t.device)
+                      for t, direct in ((q, in_place[0]), (k, in_place[1]), (v, in_place[1])))
+        q_written, kv_written = Coverage(), Coverage()
         for run in runs:
-            views = (_rows(grads[0], run.rows), _rows(grads[1], run.cols), _rows(grads[2], run.cols))
-            outs = [view if in_place else torch.empty(view.shape, dtype=q.dtype, device=q.device)
-                    for view, in_place in zip(views, (direct[0], direct[1], direct[1]))]
-            tensors = dict(q=_rows(q, run.rows), k=_rows(k, run.cols), v=_rows(v, run.cols), out=_rows(out, run.rows),
-                           dout=_rows(dout, run.rows), lse=_rows(stats, run.rows).contiguous(),  # cuDNN wants it packed
-                           dq=outs[0], dk=outs[1], dv=outs[2])
+            views = (rows(dq, run.rows), rows(dk, run.cols), rows(dv, run.cols))
+            parts = [view if direct else torch.empty(view.shape, dtype=q.dtype, device=q.device)
+                     for view, direct in zip(views, (in_place[0], in_place[1], in_place[1]))]
+            tensors = dict(q=rows(q, run.rows), k=rows(k, run.cols), v=rows(v, run.cols), out=rows(out, run.rows),
+                           dout=rows(dout, run.rows), lse=rows(stats, run.rows).contiguous(),  # cuDNN wants it packed
+                           dq=parts[0], dk=parts[1], dv=parts[2])
             if run.rows[1] - run.rows[0] == 1 and run.cols[1] - run.cols[0] == 1:
                 # cuDNN's backward rejects s_q = s_kv = 1 (a one-token document, say)
-                tensors["lse"] = _rows(lse, run.rows)
-                outs = ReferenceKernel().backward(*(tensors[n] for n in ("q", "k", "v", "out", "lse", "dout")),
-                                                  _sub(q_seg, run.rows), _sub(kv_seg, run.cols), mods, scale,
-                                                  run.masked or run.band is not None)
+                tensors["lse"] = rows(lse, run.rows)
+                got = ReferenceKernel().backward(*(tensors[n] for n in ("q", "k", "v", "out", "lse", "dout")),
+                                                 _sub(q_seg, run.rows), _sub(kv_seg, run.cols), mods, scale,
+                                                 run.masked or run.band is not None)
+                for part, value in zip(parts, got):
+                    part.copy_(value)
             else:
                 self._call(True, run, program, tensors, scale, q_seg, kv_seg)
-            for view, part, in_place in zip(views, outs, (direct[0], direct[1], direct[1])):
-                if part is not view:
-                    view.copy_(part) if in_place else view.add_(part)
-        dq, dk, dv = grads
+            for totals, written, r, direct, got in (((dq,), q_written, run.rows, in_place[0], parts[:1]),
+                                                    ((dk, dv), kv_written, run.cols, in_place[1], parts[1:])):
+                if direct:
+                    written.add(r)
+                else:
+                    add_(totals, written, r, got)
+        zero_gaps_((dq,), q_written, q.shape[2])
+        zero_gaps_((dk, dv), kv_written, k.shape[2])
         return dq, dk, dv
 
 
@@ -812,26 +811,6 @@ def _lowering(score: Optional[ModGraph], mask: Optional[ModGraph], backward: boo
 
 def _inner_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _uncovered(span: Tuple[int, int], covered) -> List[Tuple[int, int]]:
-    """The parts of ``span`` outside every range of ``covered``."""
-    gaps, pos = [], span[0]
-    for begin, end in sorted(covered):
-        if begin > pos:
-            gaps.append((pos, min(begin, span[1])))
-        pos = max(pos, end)
-        if pos >= span[1]:
-            break
-    if pos < span[1]:
-        gaps.append((pos, span[1]))
-    return [g for g in gaps if g[0] < g[1]]
-
-
-def _clear(out: Tensor, lse: Tensor, rows: Tuple[int, int]) -> None:
-    """Rows that see no key: output 0, lse -inf."""
-    _rows(out, rows).zero_()
-    _rows(lse, rows).fill_(-math.inf)
 
 
 def _disjoint(ranges) -> bool:

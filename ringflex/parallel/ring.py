@@ -2,7 +2,8 @@
 
 Forward keeps the running output and LSE in fp32 (fp64 for fp64 inputs). Backward runs the
 ring again: K/V travel as in forward, and the dK/dV accumulated for each block travel with
-it, in fp32, until they arrive back at the block's owner after a full turn.
+it, in fp32, until they arrive back at the block's owner after a full turn (that last
+transfer, of the finished gradient, in the input dtype).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ..kernels.reference import compute_dtype
 from ..plan import Hop
 from .comm import RingComm
 from .fault import guard
-from .merge import merge_
+from .merge import Coverage, add_, finish_, merge_rows_, rows, zero_gaps_
 
 
 @dataclass
@@ -29,10 +30,6 @@ class RingCall:
     kernel: HopKernel
     mods: Mods
     scale: float
-
-
-def _rows(x: Tensor, rows) -> Tensor:
-    return x[:, :, rows[0]:rows[1]]
 
 
 class _KVStream:
@@ -65,58 +62,68 @@ def _masked(hop: Hop) -> bool:
 
 def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     acc = compute_dtype(q.dtype)
-    out = q.new_zeros(*q.shape[:3], v.shape[-1], dtype=acc)
-    lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)
+    out = q.new_empty(*q.shape[:3], v.shape[-1], dtype=acc)
+    lse = q.new_empty(q.shape[:3], dtype=acc)
+    written = Coverage()
     blocks = _KVStream(call, k, v)
-    merged = []  # local query row ranges that hold a partial result already
     for step, hops in enumerate(call.schedule):
         pending = blocks.start(step)
         bk, bv = blocks.current
         for hop in hops:
             part_out, part_lse = call.kernel.forward(
-                _rows(q, hop.q_rows), _rows(bk, hop.kv_rows), _rows(bv, hop.kv_rows),
+                rows(q, hop.q_rows), rows(bk, hop.kv_rows), rows(bv, hop.kv_rows),
                 hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop))
-            first = not any(b < hop.q_rows[1] and hop.q_rows[0] < e for b, e in merged)
-            merge_(_rows(out, hop.q_rows), _rows(lse, hop.q_rows), part_out, part_lse, first)
-            merged.append(hop.q_rows)
+            merge_rows_(out, lse, written, hop.q_rows, part_out, part_lse)
         blocks.advance(pending)
+    finish_(out, lse, written)
     return out, lse
 
 
 def ring_backward(call: RingCall, q, k, v, out, lse, dout):
+    """dQ stays here; the dK/dV of a block follow it round the ring as fp32 partial sums:
+    each rank adds its hops' share to the sum it received and passes it on, and after a
+    full turn the sum reaches the block's owner. That last transfer carries the finished
+    gradient, so it travels in the input dtype (the rounding the owner would do anyway)."""
     acc = compute_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    steps, kv_len = len(call.schedule), k.shape[2]
+    dq, dq_written = torch.empty(q.shape, dtype=acc, device=q.device), Coverage()
+    # Two partial sums alternate: one is received (then added to and sent) while the other is sent.
+    sums = [(torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device))
+            for _ in range(min(2, steps))]
     blocks = _KVStream(call, k, v)
-    # Two dK/dV accumulators alternate: one travels on while the next step fills the other.
-    grads = [(torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
-             for _ in range(2 if call.comm else 1)]
-    inbox = tuple(torch.empty_like(g) for g in grads[0])
-    grads_pending = None
+    sum_pending = None
     for step, hops in enumerate(call.schedule):
         kv_pending = blocks.start(step)
         bk, bv = blocks.current
-        dk, dv = grads[step % len(grads)]
-        dk.zero_()
-        dv.zero_()
-        for hop in hops:
+        dk, dv = sums[step % 2]
+        written = Coverage()  # rows of (dk, dv) that hold a value
+        for i, hop in enumerate(hops):
             hq, hk, hv = call.kernel.backward(
-                _rows(q, hop.q_rows), _rows(bk, hop.kv_rows), _rows(bv, hop.kv_rows),
-                _rows(out, hop.q_rows), _rows(lse, hop.q_rows), _rows(dout, hop.q_rows),
+                rows(q, hop.q_rows), rows(bk, hop.kv_rows), rows(bv, hop.kv_rows),
+                rows(out, hop.q_rows), rows(lse, hop.q_rows), rows(dout, hop.q_rows),
                 hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop))
-            _rows(dq, hop.q_rows).add_(hq)
-            _rows(dk, hop.kv_rows).add_(hk)
-            _rows(dv, hop.kv_rows).add_(hv)
-        if grads_pending is not None:
-            grads_pending.wait()
-            dk.add_(inbox[0])
-            dv.add_(inbox[1])
-        if call.comm is not None:  # the block's gradients follow the block round the ring
-            grads_pending = call.comm.exchange((dk, dv), inbox)
+            add_((dq,), dq_written, hop.q_rows, (hq,))
+            if i == 0:  # the first kernel ran while the sum of the ranks before arrived in (dk, dv)
+                _receive(sum_pending, written, kv_len)
+            add_((dk, dv), written, hop.kv_rows, (hk, hv))
+        if not hops:
+            _receive(sum_pending, written, kv_len)
+        zero_gaps_((dk, dv), written, kv_len)
+        sum_pending = call.comm.exchange((dk, dv), sums[(step + 1) % 2]) if step + 1 < steps else None
         blocks.advance(kv_pending)
-    if grads_pending is not None:  # after a full turn the gradients are back at their owner
-        grads_pending.wait()
-        dk, dv = inbox
+    zero_gaps_((dq,), dq_written, q.shape[2])
+    dk, dv = sums[(steps - 1) % 2]
+    if steps > 1:  # the finished sums go home in the input dtype
+        home = (torch.empty_like(k), torch.empty_like(v))
+        call.comm.exchange((dk.to(k.dtype), dv.to(v.dtype)), home).wait()
+        dk, dv = home
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _receive(pending, written: Coverage, length: int) -> None:
+    if pending is not None:
+        pending.wait()
+        written.add((0, length))
 
 
 class RingAttention(torch.autograd.Function):
