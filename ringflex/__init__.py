@@ -2,10 +2,11 @@
 from . import mods, training
 from .api import ring_flex_attention
 from .module import RingFlexAttention, RingFlexMode
+from .parallel.fault import CallRejected, RingFailure
 from .parallel.layout import LAYOUTS
 from .parallel.shard import shard, unshard
 from .varlen import PackedSequences, varlen_attention
 
 __all__ = ["ring_flex_attention", "shard", "unshard", "mods", "LAYOUTS", "RingFlexAttention", "RingFlexMode",
-           "PackedSequences", "varlen_attention", "training"]
+           "PackedSequences", "varlen_attention", "training", "CallRejected", "RingFailure"]
 __version__ = "0.1.0"

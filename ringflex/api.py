@@ -48,7 +48,7 @@ def ring_flex_attention(
     and ``mask_mod(b, h, q_idx, kv_idx)`` are flex_attention's, and see GLOBAL positions.
     Returns this rank's output [B, Hq, S_local, Dv] (and the fp32 log-sum-exp [B, Hq,
     S_local] if ``return_lse``). Every rank must make the same call: a bad or mismatched call
-    raises the same ValueError on every rank before any transfer, and a rank that fails inside
+    raises the same ``CallRejected`` (a ValueError) on every rank before any transfer, and a rank that fails inside
     the ring makes the others raise ``RingFailure`` (see docs/reliability.md).
     """
     group = _ring_group(group)
@@ -70,14 +70,16 @@ def ring_flex_attention(
             raise ValueError(stale)
         return schedule, select_kernel(backend, q, k, v, mods)
 
-    schedule, kernel = validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group, layout=layout,
-                                      scale=scale, enable_gqa=enable_gqa, backend=backend, debug=debugging,
-                                      prepare=prepare)
+    agreement = validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group, layout=layout,
+                               scale=scale, enable_gqa=enable_gqa, backend=backend, debug=debugging, prepare=prepare)
+    if agreement.failed_here or debugging:  # raises here (or, debugging, agrees before the checks below)
+        agreement.wait()
+    schedule, kernel = agreement.result
     comm = None
     if world_size > 1:
         comm = debug.DebugComm(group) if debugging else GuardedComm(group)
     call = RingCall(comm=comm, schedule=schedule, kernel=kernel, mods=mods,
-                    scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
+                    scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), agreement=agreement)
     if debugging:
         debug.check_inputs(group, q, k, v)
         q, k, v = debug.watch_grads(group, q, k, v)

@@ -24,10 +24,10 @@ import torch
 from torch import Tensor
 
 from . import validate
-from .parallel.fault import GuardedComm
+from .parallel.fault import GuardedComm, RaisedTogether
 
 
-class RingDebugError(RuntimeError):
+class RingDebugError(RaisedTogether, RuntimeError):
     """A RINGFLEX_DEBUG check failed (raised on every rank alike)."""
 
 

@@ -5,6 +5,10 @@ every rank first checks its own arguments and prepares its part of the ring (the
 evaluates the user's mask_mod, which may raise on one rank only), then all ranks exchange
 one small record (shapes, dtypes, layout, mod fingerprints, whether backward will run, and
 any local error) over a CPU (gloo) group and raise the same error together.
+
+The exchange runs in the background (``Agreement``): the ring computes on the rank's own
+K/V block meanwhile and waits for the agreement only before its first transfer, so the
+check costs a round trip of host time only where there is nothing to compute.
 """
 from __future__ import annotations
 
@@ -149,21 +153,32 @@ def control_group(group):
     return _CONTROL_GROUPS[group]
 
 
+class _Exchange:
+    """An all_gather of every rank's record, under way."""
+
+    def __init__(self, group, values: Sequence[int], error: Optional[str], what: str, error_type):
+        self.group, self.what, self.error_type, self.count = group, what, error_type, len(values)
+        values = list(values) if error is None else [0] * len(values)
+        message = (error or "").encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
+        mine = torch.tensor([int(error is not None)] + values + list(message), dtype=torch.int64)
+        self.records = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        self.control = control_group(group)
+        self.work = dist.all_gather(self.records, mine, group=self.control, async_op=True)
+
+    def result(self) -> List[List[int]]:
+        fault.wait_collective(self.work, self.control, self.what, ring_group=self.group)
+        n = self.count
+        for rank, rec in enumerate(self.records):
+            if rec[0]:
+                text = bytes(rec[1 + n:].tolist()).rstrip(b"\0").decode(errors="replace")
+                raise self.error_type(f"ring_flex_attention: rank {rank}: {text}")
+        return [rec[1:1 + n].tolist() for rec in self.records]
+
+
 def exchange(group, values: Sequence[int], error: Optional[str], what: str, error_type=ValueError) -> List[List[int]]:
     """Every rank's ``values`` (ints below 2**63), gathered over the control group of the ring
     ``group``. If any rank had an ``error``, every rank raises the same ``error_type``, naming it."""
-    values = list(values) if error is None else [0] * len(values)
-    message = (error or "").encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
-    mine = torch.tensor([int(error is not None)] + values + list(message), dtype=torch.int64)
-    records = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    control = control_group(group)
-    work = dist.all_gather(records, mine, group=control, async_op=True)
-    fault.wait([work], control, what, ring_group=group)
-    for rank, rec in enumerate(records):
-        if rec[0]:
-            text = bytes(rec[1 + len(values):].tolist()).rstrip(b"\0").decode(errors="replace")
-            raise error_type(f"ring_flex_attention: rank {rank}: {text}")
-    return [rec[1:1 + len(values)].tolist() for rec in records]
+    return _Exchange(group, values, error, what, error_type).result()
 
 
 def _bits(x: float) -> int:
@@ -206,11 +221,45 @@ _FIELDS: Tuple[_Field, ...] = (
 )
 
 
+class Agreement:
+    """The argument check of one call: ``wait()`` returns what ``prepare()`` returned, once
+    every rank has agreed, or raises the same ``fault.CallRejected`` on every rank."""
+
+    def __init__(self, result=None, error: Optional[str] = None, cause=None, exchange: Optional[_Exchange] = None):
+        self.result, self.error, self.cause, self.exchange = result, error, cause, exchange
+
+    @property
+    def failed_here(self) -> bool:
+        """This rank cannot run the call (the others learn it from the exchange)."""
+        return self.error is not None
+
+    def wait(self):
+        if self.exchange is None:
+            if self.error:
+                raise fault.CallRejected(f"ring_flex_attention: {self.error}") from self.cause
+            return self.result
+        exchange, self.exchange = self.exchange, None
+        try:
+            records = exchange.result()
+        except fault.CallRejected as e:
+            if self.cause is None:
+                raise
+            raise e from self.cause
+        for i, (name, _, show) in enumerate(_FIELDS):
+            seen = [rec[i] for rec in records]
+            if len(set(seen)) > 1:
+                detail = ", ".join(f"rank {r}: {show(s)}" for r, s in enumerate(seen))
+                raise fault.CallRejected(f"ring_flex_attention: the ranks disagree on the {name} ({detail}); "
+                                         "every rank of the ring must make the same call")
+        return self.result
+
+
 def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, backend,
-          debug: bool = False, prepare: Optional[Callable] = None):
-    """Raises the same ValueError on every rank of ``group`` if any rank's arguments are bad,
-    ``prepare()`` raised on any rank, or the ranks disagree; otherwise returns what
-    ``prepare()`` returned. No rank starts a transfer before all have agreed."""
+          debug: bool = False, prepare: Optional[Callable] = None) -> Agreement:
+    """Checks this rank's arguments, runs ``prepare()`` and starts comparing with the other
+    ranks of ``group``. No rank may start a transfer before ``wait()`` on the result returned:
+    it raises the same ValueError on every rank if any rank's arguments are bad, ``prepare()``
+    raised on any rank, or the ranks disagree."""
     world_size = dist.get_world_size(group) if group is not None else 1
     failed = fault.failure(group)
     if failed:
@@ -221,26 +270,12 @@ def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, bac
     if error is None and prepare is not None:
         try:
             result = prepare()
-        except Exception as e:  # noqa: BLE001 (reported to every rank, re-raised below)
+        except Exception as e:  # noqa: BLE001 (reported to every rank, re-raised by wait())
             error, cause = f"{type(e).__name__}: {e} (while planning the ring, before any transfer)", e
     if group is None or world_size == 1:
-        if error:
-            raise ValueError(f"ring_flex_attention: {error}") from cause
-        return result
+        return Agreement(result, error, cause)
     grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     args = dict(q=q, k=k, v=v, layout=layout, backend=backend, enable_gqa=enable_gqa, scale=scale,
                 score_mod=score_mod, mask_mod=mask_mod, grad=grad, debug=debug)
     values = [0] * len(_FIELDS) if error else [get(args) for _, get, _ in _FIELDS]
-    try:
-        records = exchange(group, values, error, "the argument check")
-    except ValueError as e:
-        if cause is None:
-            raise
-        raise e from cause
-    for i, (name, _, show) in enumerate(_FIELDS):
-        seen = [rec[i] for rec in records]
-        if len(set(seen)) > 1:
-            detail = ", ".join(f"rank {r}: {show(s)}" for r, s in enumerate(seen))
-            raise ValueError(f"ring_flex_attention: the ranks disagree on the {name} ({detail}); "
-                             "every rank of the ring must make the same call")
-    return result
+    return Agreement(result, error, cause, _Exchange(group, values, error, "the argument check", fault.CallRejected))

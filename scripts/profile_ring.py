@@ -111,7 +111,7 @@ def main():
 
             def check():
                 validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=dist.group.WORLD,
-                               layout=args.layout, scale=None, enable_gqa=False, backend="auto")
+                               layout=args.layout, scale=None, enable_gqa=False, backend="auto").wait()
 
             for _ in range(3):
                 forward_backward()

@@ -83,7 +83,7 @@ def _mismatches(rank, world_size):
 
 
 EXPECTED = {
-    "local query length": "ValueError: ring_flex_attention: the ranks disagree on the local query length "
+    "local query length": "CallRejected: ring_flex_attention: the ranks disagree on the local query length "
                           "(rank 0: 4, rank 1: 2, rank 2: 4); every rank of the ring must make the same call",
     "local key/value length": "disagree on the local key/value length (rank 0: 4, rank 1: 2, rank 2: 4)",
     "query heads": "disagree on the query heads (rank 0: 2, rank 1: 4, rank 2: 2)",
@@ -99,11 +99,11 @@ EXPECTED = {
     "gradient tracking": "disagree on the gradient tracking (whether backward will run the ring) "
                          "(rank 0: False, rank 1: True, rank 2: False)",
     "debug mode": "disagree on the RINGFLEX_DEBUG mode (rank 0: False, rank 1: True, rank 2: False)",
-    "bad argument on one rank": "ValueError: ring_flex_attention: rank 1: q must be 4-D [batch, heads, "
+    "bad argument on one rank": "CallRejected: ring_flex_attention: rank 1: q must be 4-D [batch, heads, "
                                 "local_seq_len, head_dim], got shape (2, 4, 8)",
-    "bad layout name on one rank": "ValueError: ring_flex_attention: rank 1: layout must be one of "
+    "bad layout name on one rank": "CallRejected: ring_flex_attention: rank 1: layout must be one of "
                                    "('contiguous', 'zigzag', 'striped'), got 'zigzig'",
-    "mask_mod raising while planning on one rank": "ValueError: ring_flex_attention: rank 2: IndexError: index 10 "
+    "mask_mod raising while planning on one rank": "CallRejected: ring_flex_attention: rank 2: IndexError: index 10 "
                                                    "is out of bounds for dimension 0 with size 10 (while planning "
                                                    "the ring, before any transfer)",
 }
@@ -212,8 +212,8 @@ def _debug_checks(rank, world_size):
 
 DEBUG_EXPECTED = {
     "nan input": "RingDebugError: ring_flex_attention: rank 1: k has 1 NaN/Inf values (the first at index (0, 1, 2, 3))",
-    "captured values differ": "ValueError: ring_flex_attention: the ranks disagree on the mask_mod",
-    "stale plan": "ValueError: ring_flex_attention: rank 0: ValueError: the cached plan differs from a fresh plan",
+    "captured values differ": "CallRejected: ring_flex_attention: the ranks disagree on the mask_mod",
+    "stale plan": "CallRejected: ring_flex_attention: rank 0: ValueError: the cached plan differs from a fresh plan",
     "corrupted transfer": "RingDebugError: ring_flex_attention: rank 1 received other bytes than rank 0 sent "
                           "(forward transfer 0, tensor 0)",
     "non-finite gradient": "RingDebugError: ring_flex_attention: rank 2 sent a block with NaN/Inf values "

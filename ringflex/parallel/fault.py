@@ -20,6 +20,7 @@ group's own timeout does.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 from typing import Optional, Sequence
@@ -36,6 +37,14 @@ _FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> w
 
 class RingFailure(RuntimeError):
     """Another rank of the ring failed (or this group failed earlier); the group is unusable."""
+
+
+class RaisedTogether(Exception):
+    """Base of errors that every rank raises at the same point: the ring needs no tearing down."""
+
+
+class CallRejected(RaisedTogether, ValueError):
+    """Every rank rejected the call together, before any transfer: the group stays usable."""
 
 
 def _store(group):
@@ -106,6 +115,24 @@ def wait(works: Sequence, group, what: str, ring_group=None) -> None:
         raise errors[0]
 
 
+def wait_collective(work, group, what: str, ring_group=None) -> None:
+    """``wait`` for a gloo collective, which progresses on gloo's own threads: polled here,
+    without a helper thread (the argument check of every call waits on one)."""
+    ring_group = group if ring_group is None else ring_group
+    look_at_store, pause = time.monotonic() + _POLL_STORE_S, 0.0
+    while not work.is_completed():
+        time.sleep(pause)
+        pause = min(1e-3, 2 * pause or 1e-5)  # a quick answer costs little latency, a slow one little CPU
+        if time.monotonic() >= look_at_store and not work.is_completed():
+            look_at_store = time.monotonic() + _POLL_STORE_S
+            remote = _remote_failure(ring_group)
+            if remote is not None:
+                fail(ring_group, remote)
+                raise RingFailure(f"ringflex: {what} stopped because {remote}; the process group can no "
+                                  "longer be used: create a new one")
+    work.wait()  # raises the collective's own error, if any
+
+
 class _PolledPending:
     def __init__(self, works, group, what: str):
         self.works, self.group, self.what = works, group, what
@@ -137,7 +164,7 @@ def guard(comm: Optional[RingComm], phase: str):
         comm.phase = phase
     try:
         yield
-    except RingFailure:
+    except (RingFailure, RaisedTogether):  # the others know already
         raise
     except BaseException as e:
         fail(comm.group, f"rank {comm.rank} raised in the ring's {phase}: {type(e).__name__}: {e}")

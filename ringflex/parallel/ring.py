@@ -8,7 +8,7 @@ transfer, of the finished gradient, in the input dtype).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 from torch import Tensor
@@ -30,6 +30,7 @@ class RingCall:
     kernel: HopKernel
     mods: Mods
     scale: float
+    agreement: Any = None  # the cross-rank argument check under way: ``wait()`` before the first transfer
 
 
 class _KVStream:
@@ -67,13 +68,19 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     written = Coverage()
     blocks = _KVStream(call, k, v)
     for step, hops in enumerate(call.schedule):
-        pending = blocks.start(step)
+        # The rank's own block needs no transfer: it is computed while the argument check
+        # completes, and no block leaves before every rank has agreed to the call.
+        pending = blocks.start(step) if step else None
         bk, bv = blocks.current
         for hop in hops:
             part_out, part_lse = call.kernel.forward(
                 rows(q, hop.q_rows), rows(bk, hop.kv_rows), rows(bv, hop.kv_rows),
                 hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop))
             merge_rows_(out, lse, written, hop.q_rows, part_out, part_lse)
+        if not step:
+            if call.agreement is not None:
+                call.agreement.wait()
+            pending = blocks.start(step)
         blocks.advance(pending)
     finish_(out, lse, written)
     return out, lse
