@@ -7,6 +7,7 @@ transfer, of the finished gradient, in the input dtype).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
@@ -43,13 +44,22 @@ class _KVStream:
         self.current = (k, v)
         steps = len(call.schedule)
         self.buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, steps - 1))]
+        # NCCL starts a transfer only after the work queued before it on the current stream.
+        # The first transfer may be issued after the own block's compute is queued (forward
+        # waits for the argument check there), so it goes from a stream that waits for the
+        # inputs alone and still overlaps that compute.
+        self.first_stream = None
+        if k.is_cuda and steps > 1:
+            self.first_stream = torch.cuda.Stream(k.device)
+            self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
 
     def start(self, step: int):
         """Starts passing the current block on; the next one arrives in ``advance``."""
         if step + 1 == len(self.call.schedule):
             return None
         self.incoming = self.buffers[step % 2]
-        return self.call.comm.exchange(self.current, self.incoming)
+        with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
+            return self.call.comm.exchange(self.current, self.incoming)
 
     def advance(self, pending) -> None:
         if pending is not None:
