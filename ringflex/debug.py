@@ -92,16 +92,17 @@ class DebugComm(GuardedComm):
         super().__init__(group)
         self.transfers = dict.fromkeys(self._PHASES, 0)  # per pass of the ring
 
-    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor]):
-        pending = super().exchange(send, recv)
+    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], reverse: bool = False):
+        pending = super().exchange(send, recv, reverse)
         index = self.transfers[self.phase]
         self.transfers[self.phase] += 1
-        return _CheckedPending(self, pending, send, recv, self.phase, index)
+        return _CheckedPending(self, pending, send, recv, self.phase, index, reverse)
 
 
 class _CheckedPending:
-    def __init__(self, comm: DebugComm, pending, send, recv, phase: str, index: int):
+    def __init__(self, comm: DebugComm, pending, send, recv, phase: str, index: int, reverse: bool):
         self.comm, self.pending, self.send, self.recv, self.phase, self.index = comm, pending, send, recv, phase, index
+        self.reverse = reverse
 
     def wait(self) -> None:
         self.pending.wait()
@@ -111,11 +112,12 @@ class _CheckedPending:
         received = [x for t in self.recv for x in _describe(t)]
         records = _agree(comm.group, None, f"the debug check of {self.phase} transfer {self.index}",
                          where + sent + received)
-        _check_transfer(records, len(sent), self.phase)
+        _check_transfer(records, len(sent), self.phase, self.reverse)
 
 
-def _check_transfer(records, n: int, phase: str) -> None:
-    """Raises RingDebugError (on every rank: all see the same records) if the transfer went wrong."""
+def _check_transfer(records, n: int, phase: str, reverse: bool = False) -> None:
+    """Raises RingDebugError (on every rank: all see the same records) if the transfer went wrong.
+    ``reverse``: each rank received from the next rank, not the previous one."""
     world = len(records)
     where = {tuple(rec[:2]) for rec in records}
     if len(where) > 1:
@@ -123,18 +125,18 @@ def _check_transfer(records, n: int, phase: str) -> None:
         raise RingDebugError(f"ring_flex_attention: the ranks are at different transfers ({detail})")
     index = records[0][1]
     for r, rec in enumerate(records):
-        prev = records[(r - 1) % world]
-        sent, received = prev[2:2 + n], rec[2 + n:2 + 2 * n]
+        source = (r + (1 if reverse else -1)) % world
+        sent, received = records[source][2:2 + n], rec[2 + n:2 + 2 * n]
         for t in range(0, n, 3):
             what = f"{phase} transfer {index}, tensor {t // 3}"
             if sent[t] != received[t]:
                 raise RingDebugError(f"ring_flex_attention: rank {r} received a block of another shape or dtype "
-                                     f"than rank {(r - 1) % world} sent ({what})")
+                                     f"than rank {source} sent ({what})")
             if sent[t + 1] != received[t + 1]:
                 raise RingDebugError(f"ring_flex_attention: rank {r} received other bytes than rank "
-                                     f"{(r - 1) % world} sent ({what})")
+                                     f"{source} sent ({what})")
             if not sent[t + 2]:
-                raise RingDebugError(f"ring_flex_attention: rank {(r - 1) % world} sent a block with NaN/Inf "
+                raise RingDebugError(f"ring_flex_attention: rank {source} sent a block with NaN/Inf "
                                      f"values ({what})")
 
 

@@ -9,7 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # The long-sequence training run: a model whose activations at this length do not fit one H200.
-LONG="--seq-len 65536 --batch 1 --dim 4096 --layers 10 --heads 32 --kv-heads 8 --vocab 32"
+LONG="--seq-len 131072 --batch 1 --dim 4096 --layers 8 --heads 32 --kv-heads 8 --vocab 32 --lr 3e-4"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 run() { local name=$1; shift; echo "+ $*" | tee -a "$OUT/$name.log"; "$@" 2>&1 | grep -v "^W[0-9]* .*OMP_NUM_THREADS\|^\*\*\*\*" | tee -a "$OUT/$name.log"; }
 tr() { local n=$1; shift; torchrun --standalone --nproc_per_node="$n" "$@"; }
@@ -29,8 +29,8 @@ for stage in "$@"; do
     trainprof) run trainprof tr 2 --no-python sh -c 'if [ "$LOCAL_RANK" = 0 ]; then p="-m cProfile -o $OUT/train.prof"; fi;
               exec python3 $p scripts/train_example.py --device cuda --dtype bfloat16 --seq-len 16384 --batch 1 \
               --dim 256 --layers 2 --heads 4 --kv-heads 2 --packed --steps 8 --progress-every 0' ;;
-    train1) run train1 python3 scripts/train_example.py --device cuda --dtype bfloat16 $LONG --steps 2 ;;
-    train2) run train2 tr 2 scripts/train_example.py --device cuda --dtype bfloat16 $LONG --steps 20 \
+    train1) run train1 python3 scripts/train_example.py --device cuda --dtype bfloat16 $LONG --steps 2 ;;  # runs out of memory
+    train2) run train2 tr 2 scripts/train_example.py --device cuda --dtype bfloat16 $LONG --steps 12 \
               --progress-every 0 --out "$OUT/train2.json" ;;
     *) echo "unknown stage $stage (have $ngpu GPUs)"; exit 2 ;;
   esac

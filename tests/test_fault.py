@@ -26,8 +26,9 @@ def _fault_in_forward(score, b, h, q_idx, kv_idx):
 
 
 def _fault_in_backward(score, b, h, q_idx, kv_idx):
-    """Raises on rank 2 at backward step 1, where it holds rank 1's block."""
-    if dist.get_rank() == 2 and torch.is_grad_enabled() and L <= int(kv_idx.min()) and int(kv_idx.max()) < 2 * L:
+    """Raises on rank 2 at backward step 0, where it holds rank 3's block (the block forward
+    ended on), before it sends its first partial dK/dV: every other rank needs that sum."""
+    if dist.get_rank() == 2 and torch.is_grad_enabled() and 3 * L <= int(kv_idx.min()):
         raise RuntimeError("injected fault")
     return score
 

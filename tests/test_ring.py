@@ -54,3 +54,35 @@ def test_ring_with_blocks_split_into_small_tiles(monkeypatch):
     for rank, errors in enumerate(run_world(2, _max_errors, "zigzag")):
         for (name, dtype), errs in errors.items():
             assert max(errs) <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (rank, name, dtype, errs)
+
+
+def _transfers(rank, world_size):
+    """The transfers of one forward and one backward: (pass, direction, tensors, dtypes)."""
+    from ringflex.parallel import fault
+    seen, original = [], fault.GuardedComm.exchange
+
+    def counting(self, send, recv, reverse=False):
+        seen.append((self.phase, "reverse" if reverse else "forward", len(send), tuple(str(t.dtype) for t in send)))
+        return original(self, send, recv, reverse)
+
+    fault.GuardedComm.exchange = counting
+    try:
+        q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        ringflex.ring_flex_attention(q, k, v, layout="contiguous").sum().backward()
+    finally:
+        fault.GuardedComm.exchange = original
+    return seen
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_backward_sends_no_finished_gradient(world_size):
+    """Backward starts on the block forward ended on and runs the ring in reverse, so each
+    block's last stop is its owner: N - 2 K/V transfers (the owner holds its block), N - 1
+    transfers of fp32 dK/dV partial sums, and none of the finished gradient, which nothing
+    could hide behind."""
+    bf16, fp32 = ("torch.bfloat16",) * 2, ("torch.float32",) * 2
+    expected = sorted([("forward", "forward", 2, bf16)] * (world_size - 1)
+                      + [("backward", "reverse", 2, bf16)] * (world_size - 2)
+                      + [("backward", "reverse", 2, fp32)] * (world_size - 1))
+    for seen in run_world(world_size, _transfers):
+        assert sorted(seen) == expected

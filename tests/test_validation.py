@@ -184,8 +184,8 @@ def _debug_checks(rank, world_size):
     from ringflex.parallel import fault
     original = fault.GuardedComm.exchange
 
-    def corrupting(self, send, recv):
-        pending = original(self, send, recv)
+    def corrupting(self, send, recv, reverse=False):
+        pending = original(self, send, recv, reverse)
 
         class Corrupted:
             def wait(self_inner):
@@ -251,3 +251,12 @@ def test_check_transfer_names_the_fault():
         _check_transfer([ok[0], ok[1][:5] + [99] + ok[1][6:]], 3, "forward")
     with pytest.raises(RingDebugError, match="rank 0 sent a block with NaN/Inf"):
         _check_transfer([ok[0][:4] + [0] + ok[0][5:], ok[1]], 3, "forward")
+    # The backward ring passes blocks to the previous rank: rank r receives from rank r + 1.
+    received = {1: 2, 2: 3, 3: 1}  # what each of three ranks sent -> what reached it, backwards
+    three = [[2, 0, 11, sent, 1, 11, received[sent], 1] for sent in (1, 2, 3)]
+    _check_transfer(three, 3, "backward", reverse=True)
+    with pytest.raises(RingDebugError, match="rank 0 received other bytes than rank 2 sent"):
+        _check_transfer(three, 3, "forward")
+    three[0][6] = 9
+    with pytest.raises(RingDebugError, match="rank 0 received other bytes than rank 1 sent"):
+        _check_transfer(three, 3, "backward", reverse=True)

@@ -1,4 +1,4 @@
-"""The ring's point-to-point exchange: send to the next rank while receiving from the previous."""
+"""The ring's point-to-point exchange: send to the next rank while receiving from the previous (or the reverse)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -8,7 +8,7 @@ from torch import Tensor
 
 
 class RingComm:
-    """Sends to rank+1 and receives from rank-1 of ``group`` with batched P2P ops."""
+    """Sends to rank+1 and receives from rank-1 of ``group`` (or the reverse) with batched P2P ops."""
 
     def __init__(self, group):
         self.group = group
@@ -17,13 +17,15 @@ class RingComm:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.world_size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world_size)
 
-    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor]):
+    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], reverse: bool = False):
         """Starts the transfer; call ``.wait()`` on the result before reading ``recv``.
+        ``reverse``: send to the previous rank and receive from the next.
 
         NCCL runs it on its own stream, so the compute launched meanwhile overlaps it.
         """
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        to, source = (self.prev, self.next) if reverse else (self.next, self.prev)
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv]
         return _Pending(dist.batch_isend_irecv(ops))
 
 

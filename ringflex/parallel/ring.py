@@ -35,36 +35,40 @@ class RingCall:
 
 
 class _KVStream:
-    """The K/V block of each step: the local one first, then blocks received into two
-    buffers that alternate, so no step allocates and a block is never overwritten while
-    it is still being read or sent."""
+    """The K/V block of each step: ``first``, then blocks received into two buffers that
+    alternate (no step allocates, and a block is never overwritten while it is still being
+    read or sent), and for the last step ``last``, where the rank holds that block already:
+    then the ring skips the transfer that would bring it."""
 
-    def __init__(self, call: RingCall, k: Tensor, v: Tensor):
-        self.call = call
-        self.current = (k, v)
-        steps = len(call.schedule)
-        self.buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, steps - 1))]
+    def __init__(self, call: RingCall, first, last=None, reverse: bool = False):
+        self.call, self.reverse, self.last = call, reverse, last
+        self.current = first
+        self.steps = len(call.schedule)
+        self.transfers = self.steps - 1 - (last is not None and self.steps > 1)
+        k, v = first
+        self.buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, self.transfers))]
         # NCCL starts a transfer only after the work queued before it on the current stream.
         # The first transfer may be issued after the own block's compute is queued (forward
         # waits for the argument check there), so it goes from a stream that waits for the
         # inputs alone and still overlaps that compute.
         self.first_stream = None
-        if k.is_cuda and steps > 1:
+        if k.is_cuda and self.transfers:
             self.first_stream = torch.cuda.Stream(k.device)
             self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
 
     def start(self, step: int):
         """Starts passing the current block on; the next one arrives in ``advance``."""
-        if step + 1 == len(self.call.schedule):
+        if step >= self.transfers:
             return None
-        self.incoming = self.buffers[step % 2]
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
-            return self.call.comm.exchange(self.current, self.incoming)
+            return self.call.comm.exchange(self.current, self.buffers[step % 2], reverse=self.reverse)
 
-    def advance(self, pending) -> None:
+    def advance(self, step: int, pending) -> None:
         if pending is not None:
             pending.wait()
-            self.current = self.incoming
+            self.current = self.buffers[step % 2]
+        elif step + 2 == self.steps and self.last is not None:
+            self.current = self.last
 
 
 def _masked(hop: Hop) -> bool:
@@ -76,7 +80,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     out = q.new_empty(*q.shape[:3], v.shape[-1], dtype=acc)
     lse = q.new_empty(q.shape[:3], dtype=acc)
     written = Coverage()
-    blocks = _KVStream(call, k, v)
+    blocks = _KVStream(call, (k, v))
     for step, hops in enumerate(call.schedule):
         # The rank's own block needs no transfer: it is computed while the argument check
         # completes, and no block leaves before every rank has agreed to the call.
@@ -91,25 +95,28 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
             if call.agreement is not None:
                 call.agreement.wait()
             pending = blocks.start(step)
-        blocks.advance(pending)
+        last = blocks.current
+        blocks.advance(step, pending)
     finish_(out, lse, written)
-    return out, lse
+    return out, lse, last
 
 
-def ring_backward(call: RingCall, q, k, v, out, lse, dout):
-    """dQ stays here; the dK/dV of a block follow it round the ring as fp32 partial sums:
-    each rank adds its hops' share to the sum it received and passes it on, and after a
-    full turn the sum reaches the block's owner. That last transfer carries the finished
-    gradient, so it travels in the input dtype (the rounding the owner would do anyway)."""
+def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v):
+    """The ring in reverse. It starts on the block forward ended on (``last_k``, ``last_v``,
+    kept for it) and passes blocks to the previous rank, so every block visits the ranks in
+    the reverse order and its last stop is its owner, which holds it already (no transfer).
+    The dK/dV of a block follow it as fp32 partial sums: each rank adds its hops' share to
+    the sum it received and passes it on, and the owner's share completes it. So the
+    finished gradient never travels: no transfer is left that compute could not hide."""
     acc = compute_dtype(q.dtype)
     steps, kv_len = len(call.schedule), k.shape[2]
     dq, dq_written = torch.empty(q.shape, dtype=acc, device=q.device), Coverage()
     # Two partial sums alternate: one is received (then added to and sent) while the other is sent.
     sums = [(torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device))
             for _ in range(min(2, steps))]
-    blocks = _KVStream(call, k, v)
+    blocks = _KVStream(call, (last_k, last_v), last=(k, v), reverse=True)
     sum_pending = None
-    for step, hops in enumerate(call.schedule):
+    for step, hops in enumerate(reversed(call.schedule)):
         kv_pending = blocks.start(step)
         bk, bv = blocks.current
         dk, dv = sums[step % 2]
@@ -126,14 +133,11 @@ def ring_backward(call: RingCall, q, k, v, out, lse, dout):
         if not hops:
             _receive(sum_pending, written, kv_len)
         zero_gaps_((dk, dv), written, kv_len)
-        sum_pending = call.comm.exchange((dk, dv), sums[(step + 1) % 2]) if step + 1 < steps else None
-        blocks.advance(kv_pending)
+        if step + 1 < steps:
+            sum_pending = call.comm.exchange((dk, dv), sums[(step + 1) % 2], reverse=True)
+        blocks.advance(step, kv_pending)
     zero_gaps_((dq,), dq_written, q.shape[2])
     dk, dv = sums[(steps - 1) % 2]
-    if steps > 1:  # the finished sums go home in the input dtype
-        home = (torch.empty_like(k), torch.empty_like(v))
-        call.comm.exchange((dk.to(k.dtype), dv.to(v.dtype)), home).wait()
-        dk, dv = home
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -149,16 +153,15 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: RingCall):
         with guard(call.comm, "forward"):  # a failure here releases the other ranks
-            out, lse = ring_forward(call, q, k, v)
+            out, lse, (last_k, last_v) = ring_forward(call, q, k, v)
         out = out.to(q.dtype)
         ctx.call = call
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, last_k, last_v)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
         with guard(ctx.call.comm, "backward"):
-            dq, dk, dv = ring_backward(ctx.call, q, k, v, out, lse, dout.contiguous())
+            dq, dk, dv = ring_backward(ctx.call, dout.contiguous(), *ctx.saved_tensors)
         return dq, dk, dv, None
