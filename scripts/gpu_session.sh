@@ -26,6 +26,9 @@ for stage in "$@"; do
               --iters 1 --warmup 0 --json "$OUT/million.json" ;;
     profile2) run profile2 tr 2 scripts/profile_ring.py --seq-lens 16384 32768 --masks causal none documents \
               --trace "$OUT/ring_trace.json.gz" ;;
+    profile8k) mkdir -p "$OUT/traces" && run profile8k tr 2 scripts/profile_ring.py --seq-lens 16384 \
+              --masks causal none documents --trace "$OUT/traces/ring_{}.json.gz" \
+              && tar -C "$OUT" -czf "$OUT/traces.tgz" traces && rm -r "$OUT/traces" ;;
     trainprof) run trainprof tr 2 --no-python sh -c 'if [ "$LOCAL_RANK" = 0 ]; then p="-m cProfile -o $OUT/train.prof"; fi;
               exec python3 $p scripts/train_example.py --device cuda --dtype bfloat16 --seq-len 16384 --batch 1 \
               --dim 256 --layers 2 --heads 4 --kv-heads 2 --packed --steps 8 --progress-every 0' ;;

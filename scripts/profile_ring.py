@@ -81,7 +81,8 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--layout", default="zigzag")
-    p.add_argument("--trace", help="write a chrome trace (gzip) of rank 0's first workload here")
+    p.add_argument("--trace", help="write a chrome trace (gzip) of rank 0 here: of the first workload, or of "
+                                   "each if the name has a {} (filled with tokens_mask)")
     args = p.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
@@ -130,15 +131,17 @@ def main():
             for name, value in row.items():
                 log(f"   {name}: {value}")
             if rank == 0 and trace:
-                plain = trace[:-3] if trace.endswith(".gz") else trace
+                path = trace.format(f"{seq_len}_{mask}")
+                plain = path[:-3] if path.endswith(".gz") else path
                 prof.export_chrome_trace(plain)
-                if plain != trace:
-                    with open(plain, "rb") as f, gzip.open(trace, "wb") as g:
+                if plain != path:
+                    with open(plain, "rb") as f, gzip.open(path, "wb") as g:
                         shutil.copyfileobj(f, g)
                     os.remove(plain)
-                for key in ("self_cpu_time_total", "self_device_time_total"):
-                    log(prof.key_averages().table(sort_by=key, row_limit=25))
-                trace = None
+                if "{}" not in trace:
+                    for key in ("self_cpu_time_total", "self_device_time_total"):
+                        log(prof.key_averages().table(sort_by=key, row_limit=25))
+                    trace = None
             del q, k, v, grad
             torch.cuda.empty_cache()
     dist.destroy_process_group()
