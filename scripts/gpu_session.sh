@@ -26,6 +26,9 @@ for stage in "$@"; do
               --iters 1 --warmup 0 --json "$OUT/million.json" ;;
     profile2) run profile2 tr 2 scripts/profile_ring.py --seq-lens 16384 32768 --masks causal none documents \
               --trace "$OUT/ring_trace.json.gz" ;;
+    profile4) mkdir -p "$OUT/traces" && run profile4 tr 4 scripts/profile_ring.py --seq-lens 32768 \
+              --masks documents causal --trace "$OUT/traces/ring_{}.json.gz" \
+              && tar -C "$OUT" -czf "$OUT/traces4.tgz" traces && rm -r "$OUT/traces" ;;
     profile8k) mkdir -p "$OUT/traces" && run profile8k tr 2 scripts/profile_ring.py --seq-lens 16384 \
               --masks causal none documents --trace "$OUT/traces/ring_{}.json.gz" \
               && tar -C "$OUT" -czf "$OUT/traces.tgz" traces && rm -r "$OUT/traces" ;;

@@ -81,8 +81,8 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--layout", default="zigzag")
-    p.add_argument("--trace", help="write a chrome trace (gzip) of rank 0 here: of the first workload, or of "
-                                   "each if the name has a {} (filled with tokens_mask)")
+    p.add_argument("--trace", help="write a chrome trace (gzip) of rank 0's first workload here, or, if the "
+                                   "name has a {} (filled with tokens_mask_rank), of every workload and rank")
     args = p.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
@@ -130,8 +130,8 @@ def main():
             log(f"== {seq_len} tokens ({seq_len // world}/GPU), mask {mask}: argument check {check_ms:.3f} ms host")
             for name, value in row.items():
                 log(f"   {name}: {value}")
-            if rank == 0 and trace:
-                path = trace.format(f"{seq_len}_{mask}")
+            if trace and (rank == 0 or "{}" in trace):
+                path = trace.format(f"{seq_len}_{mask}_{rank}")
                 plain = path[:-3] if path.endswith(".gz") else path
                 prof.export_chrome_trace(plain)
                 if plain != path:

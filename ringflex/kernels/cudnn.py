@@ -20,7 +20,9 @@ from __future__ import annotations
 import atexit
 import gc
 import math
+import os
 import sys
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -38,7 +40,9 @@ from .reference import ReferenceKernel
 SPLIT_DEPTH = 2
 _TILE = 64  # sub-block sizes are multiples of cuDNN's tile
 _MIN_CUDNN = 90600  # score_mod arrived in cuDNN 9.6
-_MAX_GRAPHS = 256
+# Built graphs kept (LRU). Every distinct call shape needs its own: packed documents give one
+# per document length, fwd and bwd, so a long packed sequence needs hundreds.
+_MAX_GRAPHS = int(os.environ.get("RINGFLEX_CUDNN_GRAPHS", 2048))
 _MAX_PLANS = 256
 
 
@@ -493,7 +497,15 @@ def _graph(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
     if key in _GRAPHS:
         _GRAPHS.move_to_end(key)
         return _GRAPHS[key]
+    if len(_GRAPHS) >= _MAX_GRAPHS and not _EVICTING:
+        _EVICTING.append(True)
+        warnings.warn(f"ringflex: the cuDNN graph cache is full ({_MAX_GRAPHS} graphs): older graphs are dropped and "
+                      "rebuilt when needed again (0.1 to 1.5 s each); raise RINGFLEX_CUDNN_GRAPHS if this "
+                      "workload has that many call shapes", stacklevel=4)
     return _remember(_GRAPHS, key, _build(backward, tensors, scale, band, lowering, strided), _MAX_GRAPHS)
+
+
+_EVICTING: List[bool] = []  # whether the full-cache warning was given
 
 
 def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lowering: Optional[_Lowering],

@@ -419,3 +419,19 @@ def test_lowering_of_operand_orders_emulated(name, monkeypatch):
     module = _emulated(monkeypatch)
     _check_emulated(LOWERING_MODS[name], {k: SEGMENTS[k] for k in ("offsets", "striped")}, depths=(0, 2))
     module.clear_cache()
+
+
+def test_full_graph_cache_says_so_once_emulated(monkeypatch):
+    """More call shapes than the cache holds: graphs are rebuilt (slow), and the user is told once."""
+    module = _emulated(monkeypatch)
+    monkeypatch.setattr(module, "_MAX_GRAPHS", 2)
+    monkeypatch.setattr(module, "_EVICTING", [])
+    kernel = module.CudnnKernel()
+    with pytest.warns(UserWarning) as record:
+        for length in (8, 16, 24, 8, 16):
+            q = torch.randn(1, 1, length, 8, dtype=torch.bfloat16)
+            kernel.forward(q, q, q, None, None, Mods(), 1.0, False)
+    assert [str(w.message) for w in record if "graph cache is full" in str(w.message)] == [
+        "ringflex: the cuDNN graph cache is full (2 graphs): older graphs are dropped and rebuilt when needed "
+        "again (0.1 to 1.5 s each); raise RINGFLEX_CUDNN_GRAPHS if this workload has that many call shapes"]
+    assert len(module._GRAPHS) == 2
