@@ -1,9 +1,8 @@
 """The ring: K/V blocks travel around the ranks, each step runs the hops of the plan.
 
 Forward keeps the running output and LSE in fp32 (fp64 for fp64 inputs). Backward runs the
-ring again: K/V travel as in forward, and the dK/dV accumulated for each block travel with
-it, in fp32, until they arrive back at the block's owner after a full turn (that last
-transfer, of the finished gradient, in the input dtype).
+ring in reverse, from the block forward ended on, so each block's last stop is its owner:
+the dK/dV accumulated for a block travel with it in fp32 and are complete when they arrive.
 """
 from __future__ import annotations
 
