@@ -48,8 +48,9 @@ def ring_flex_attention(
     and ``mask_mod(b, h, q_idx, kv_idx)`` are flex_attention's, and see GLOBAL positions.
     Returns this rank's output [B, Hq, S_local, Dv] (and the fp32 log-sum-exp [B, Hq,
     S_local] if ``return_lse``). Every rank must make the same call: a bad or mismatched call
-    raises the same ``CallRejected`` (a ValueError) on every rank before any transfer, and a rank that fails inside
-    the ring makes the others raise ``RingFailure`` (see docs/reliability.md).
+    raises the same ``CallRejected`` (a ValueError) on every rank before any transfer, and a
+    rank that fails inside the ring makes the ranks waiting for it raise ``RingFailure`` (see
+    docs/reliability.md).
     """
     group = _ring_group(group)
     mods = Mods(score_mod, mask_mod)
