@@ -2,6 +2,8 @@
 # The GPU runs behind docs/benchmarks.md, one stage per argument; logs go to $OUT (or ./out).
 #   bash scripts/gpu_session.sh check2 bench2 million      # on 2 (or more) GPUs
 #   bash scripts/gpu_session.sh check4 bench4              # on 4 GPUs
+#   bash scripts/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
+# One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
 # Needs the cuDNN frontend wheel in .whl/ (see shared/gpu/README.md).
 set -uo pipefail
 export OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -21,7 +23,9 @@ for stage in "$@"; do
     bench2) run bench2 tr 2 scripts/bench.py --seq-lens 16384 32768 --iters 5 --warmup 2 \
               --json "$OUT/bench2.json" --plot "$OUT/efficiency_2gpu.png" ;;
     bench4) run bench4 tr 4 scripts/bench.py --seq-lens 32768 131072 --masks none causal documents \
-              --iters 3 --warmup 1 --json "$OUT/bench4.json" --plot "$OUT/efficiency_4gpu.png" ;;
+              --iters 5 --warmup 3 --json "$OUT/bench4.json" --plot "$OUT/efficiency_4gpu.png" ;;
+    bench8) run bench8 tr 8 scripts/bench.py --seq-lens 65536 262144 1048576 --masks none causal documents \
+              --single-max 262144 --iters 5 --warmup 3 --json "$OUT/bench8.json" --plot "$OUT/efficiency_8gpu.png" ;;
     million) run million tr 2 scripts/bench.py --seq-lens 1048576 --masks causal --single-max 0 --no-cp \
               --iters 1 --warmup 0 --json "$OUT/million.json" ;;
     profile2) run profile2 tr 2 scripts/profile_ring.py --seq-lens 16384 32768 --masks causal none documents \
