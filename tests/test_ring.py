@@ -86,3 +86,21 @@ def test_backward_sends_no_finished_gradient(world_size):
                       + [("backward", "reverse", 2, fp32)] * (world_size - 1))
     for seen in run_world(world_size, _transfers):
         assert sorted(seen) == expected
+
+
+def _twice(rank, world_size):
+    """Gradients of one backward, and of two through a retained graph."""
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = ringflex.ring_flex_attention(q, k, v, mask_mod=cases(4 * world_size)["causal"].mask_mod)
+    out.backward(torch.ones_like(out), retain_graph=True)
+    once = [t.grad.clone() for t in (q, k, v)]
+    out.backward(torch.ones_like(out))
+    return once, [t.grad for t in (q, k, v)]
+
+
+def test_backward_twice_through_a_retained_graph():
+    """Backward only reads what forward saved (the block forward ended on travels, but is
+    never received into), so a retained graph gives the same gradients again."""
+    for once, twice in run_world(3, _twice):
+        for a, b in zip(once, twice):
+            torch.testing.assert_close(b, 2 * a)
