@@ -106,11 +106,7 @@ def wait(works: Sequence, group, what: str, ring_group=None) -> None:
 
     threading.Thread(target=wait_all, name="ringflex-wait", daemon=True).start()
     while not done.wait(_POLL_STORE_S):
-        remote = _remote_failure(ring_group)
-        if remote is not None:
-            fail(ring_group, remote)
-            raise RingFailure(f"ringflex: {what} stopped because {remote}; the process group can no "
-                              "longer be used: create a new one")
+        _raise_if_failed(ring_group, what)
     if errors:
         raise errors[0]
 
@@ -125,12 +121,17 @@ def wait_collective(work, group, what: str, ring_group=None) -> None:
         pause = min(1e-3, 2 * pause or 1e-5)  # a quick answer costs little latency, a slow one little CPU
         if time.monotonic() >= look_at_store and not work.is_completed():
             look_at_store = time.monotonic() + _POLL_STORE_S
-            remote = _remote_failure(ring_group)
-            if remote is not None:
-                fail(ring_group, remote)
-                raise RingFailure(f"ringflex: {what} stopped because {remote}; the process group can no "
-                                  "longer be used: create a new one")
+            _raise_if_failed(ring_group, what)
     work.wait()  # raises the collective's own error, if any
+
+
+def _raise_if_failed(ring_group, what: str) -> None:
+    """Raises RingFailure if a rank of ``ring_group`` has marked it failed (marking it here too)."""
+    remote = _remote_failure(ring_group)
+    if remote is not None:
+        fail(ring_group, remote)
+        raise RingFailure(f"ringflex: {what} stopped because {remote}; the process group can no "
+                          "longer be used: create a new one")
 
 
 class _PolledPending:
