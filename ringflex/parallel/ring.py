@@ -94,10 +94,9 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
             if call.agreement is not None:
                 call.agreement.wait()
             pending = blocks.start(step)
-        last = blocks.current
         blocks.advance(step, pending)
     finish_(out, lse, written)
-    return out, lse, last
+    return out, lse, blocks.current  # the block of the last step: backward starts on it
 
 
 def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v):
