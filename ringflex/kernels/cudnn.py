@@ -22,7 +22,6 @@ import gc
 import math
 import os
 import sys
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -33,6 +32,7 @@ from torch import Tensor
 from ..parallel.merge import Coverage, add_, finish_, merge_rows_, rows, zero_gaps_
 from ..plan import BlockKind, Segment, block_kinds, evaluate_mask
 from ..trace import ModGraph, Node, UnsupportedModError, diagonal_band, evaluate, score_grad, trace_mask_mod, trace_score_mod
+from . import _warn_once
 from .base import Mods
 from .reference import ReferenceKernel
 
@@ -497,15 +497,11 @@ def _graph(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
     if key in _GRAPHS:
         _GRAPHS.move_to_end(key)
         return _GRAPHS[key]
-    if len(_GRAPHS) >= _MAX_GRAPHS and not _EVICTING:
-        _EVICTING.append(True)
-        warnings.warn(f"ringflex: the cuDNN graph cache is full ({_MAX_GRAPHS} graphs): older graphs are dropped and "
-                      "rebuilt when needed again (0.1 to 1.5 s each); raise RINGFLEX_CUDNN_GRAPHS if this "
-                      "workload has that many call shapes", stacklevel=4)
+    if len(_GRAPHS) >= _MAX_GRAPHS:
+        _warn_once(f"ringflex: the cuDNN graph cache is full ({_MAX_GRAPHS} graphs): older graphs are dropped and "
+                   "rebuilt when needed again (0.1 to 1.5 s each); raise RINGFLEX_CUDNN_GRAPHS if this "
+                   "workload has that many call shapes")
     return _remember(_GRAPHS, key, _build(backward, tensors, scale, band, lowering, strided), _MAX_GRAPHS)
-
-
-_EVICTING: List[bool] = []  # whether the full-cache warning was given
 
 
 def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lowering: Optional[_Lowering],

@@ -425,7 +425,7 @@ def test_full_graph_cache_says_so_once_emulated(monkeypatch):
     """More call shapes than the cache holds: graphs are rebuilt (slow), and the user is told once."""
     module = _emulated(monkeypatch)
     monkeypatch.setattr(module, "_MAX_GRAPHS", 2)
-    monkeypatch.setattr(module, "_EVICTING", [])
+    monkeypatch.setattr("ringflex.kernels._WARNED", set())
     kernel = module.CudnnKernel()
     with pytest.warns(UserWarning) as record:
         for length in (8, 16, 24, 8, 16):
