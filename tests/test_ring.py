@@ -7,6 +7,7 @@ import ringflex
 from cases import cases, make_inputs
 from harness import run_world
 from oracle import attention
+from ringflex.kernels.reference import ReferenceKernel
 
 LOCAL_LEN = 12  # query tokens per rank (even, so zigzag fits; K/V: 6 for cross-attention)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -56,9 +57,31 @@ def test_ring_with_blocks_split_into_small_tiles(monkeypatch):
             assert max(errs) <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (rank, name, dtype, errs)
 
 
-def _transfers(rank, world_size):
+class _RoundingKernel(ReferenceKernel):
+    """The reference kernel returning its results in the input dtype, as cuDNN does."""
+
+    def grad_dtype(self, dtype):
+        return dtype
+
+    def forward(self, q, *args):
+        out, lse = super().forward(q, *args)
+        return out.to(q.dtype), lse
+
+    def backward(self, q, *args):
+        return tuple(g.to(q.dtype) for g in super().backward(q, *args))
+
+
+def _with_kernel(kernel):
+    """Makes every ring call of this process use ``kernel``."""
+    import ringflex.api
+    ringflex.api.select_kernel = lambda *args: kernel
+
+
+def _transfers(rank, world_size, kernel=None):
     """The transfers of one forward and one backward: (pass, direction, tensors, dtypes)."""
     from ringflex.parallel import fault
+    if kernel is not None:
+        _with_kernel(kernel)
     seen, original = [], fault.GuardedComm.exchange
 
     def counting(self, send, recv, reverse=False):
@@ -78,14 +101,39 @@ def _transfers(rank, world_size):
 def test_backward_sends_no_finished_gradient(world_size):
     """Backward starts on the block forward ended on and runs the ring in reverse, so each
     block's last stop is its owner: N - 2 K/V transfers (the owner holds its block), N - 1
-    transfers of fp32 dK/dV partial sums, and none of the finished gradient, which nothing
-    could hide behind."""
+    transfers of dK/dV partial sums (the first, one rank's share, in the dtype the kernel
+    returned it in: fp32 for the reference kernel; sums of several in fp32), and none of the finished gradient, which nothing could hide behind."""
     bf16, fp32 = ("torch.bfloat16",) * 2, ("torch.float32",) * 2
     expected = sorted([("forward", "forward", 2, bf16)] * (world_size - 1)
                       + [("backward", "reverse", 2, bf16)] * (world_size - 2)
                       + [("backward", "reverse", 2, fp32)] * (world_size - 1))
     for seen in run_world(world_size, _transfers):
         assert sorted(seen) == expected
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_first_partial_sum_travels_as_the_kernel_returned_it(world_size):
+    """A kernel that returns dk/dv in the input dtype (cuDNN) sends the first partial sum,
+    one rank's share, in that dtype: half the bytes of fp32 and nothing rounded twice."""
+    bf16, fp32 = ("torch.bfloat16",) * 2, ("torch.float32",) * 2
+    expected = sorted([("forward", "forward", 2, bf16)] * (world_size - 1)
+                      + [("backward", "reverse", 2, bf16)] * (world_size - 2 + 1)  # K/V blocks, the first sum
+                      + [("backward", "reverse", 2, fp32)] * (world_size - 2))
+    for seen in run_world(world_size, _transfers, _RoundingKernel()):
+        assert sorted(seen) == expected
+
+
+def _rounding_kernel_errors(rank, world_size, layout):
+    _with_kernel(_RoundingKernel())
+    return _max_errors(rank, world_size, layout)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_with_a_kernel_that_rounds_its_results(world_size):
+    """With hop results in the input dtype (as cuDNN returns them) the ring still matches."""
+    for rank, errors in enumerate(run_world(world_size, _rounding_kernel_errors, "zigzag")):
+        for (name, dtype), errs in errors.items():
+            assert max(errs) <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (rank, name, dtype, errs)
 
 
 def _twice(rank, world_size):

@@ -59,3 +59,8 @@ class HopKernel(Protocol):
         lse is -inf contribute nothing.
         """
         ...
+
+    def grad_dtype(self, dtype) -> "torch.dtype":
+        """The dtype of the dk/dv ``backward`` returns for inputs of ``dtype``. A ring's first
+        partial dK/dV sum (one rank's share) travels in it: no wider than needed, never rounded."""
+        ...

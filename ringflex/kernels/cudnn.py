@@ -711,6 +711,11 @@ class CudnnKernel:
     def __init__(self, split_depth: int = SPLIT_DEPTH):
         self.split_depth = split_depth
 
+    def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        # cuDNN writes dk/dv in the input dtype (a hop whose calls share key rows sums them in
+        # fp32; a ring rounds that sum once more for its first transfer)
+        return dtype
+
     def _runs(self, program: _Program, mods: Mods, q: Tensor, k: Tensor, q_seg, kv_seg) -> List[_Run]:
         full = _Run((0, q.shape[2]), (0, k.shape[2]))
         if program.mask is None:

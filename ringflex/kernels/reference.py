@@ -54,6 +54,9 @@ def modified_scores(q: Tensor, k: Tensor, q_seg: Segment, kv_seg: Segment, mods:
 class ReferenceKernel:
     name = "reference"
 
+    def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return compute_dtype(dtype)
+
     def forward(self, q, k, v, q_seg: Segment, kv_seg: Segment, mods: Mods, scale: float, masked: bool) -> Tuple[Tensor, Tensor]:
         dtype = compute_dtype(q.dtype)
         groups = q.shape[1] // k.shape[1]

@@ -8,7 +8,7 @@ ring would otherwise spend outside its attention kernels.
 from __future__ import annotations
 
 import math
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -110,3 +110,166 @@ def finish_(out: Tensor, lse: Tensor, written: Coverage) -> None:
     """Clears the rows no hop wrote."""
     for gap in written.gaps((0, out.shape[2])):
         clear_(out, lse, written, gap)
+
+
+class _Span:
+    """Rows ``begin:end`` of a result: how many announced parts are still to come, and where
+    their value is so far: nowhere (None), ``_ACC`` (the accumulator), ``_DONE`` (the result),
+    or ``(part, row0)``: rows of a part kept as it came, whose first row is ``row0``."""
+
+    __slots__ = ("begin", "end", "remaining", "state")
+
+    def __init__(self, begin: int, end: int, remaining: int):
+        self.begin, self.end, self.remaining, self.state = begin, end, remaining, None
+
+
+_ACC, _DONE = "acc", "done"
+
+
+class _RowParts:
+    """Parts of a result over row ranges announced in advance, each added once, in any order.
+
+    A part is kept as it came until a second one reaches its rows; from then the rows
+    accumulate in ``acc_dtype``, and the part that completes them writes the result dtype
+    directly. So a row with one part costs a copy at most (none if one part is the whole
+    result), a row with two parts one pass, and no row is rounded before its last part.
+    """
+
+    def __init__(self, shapes: Sequence[torch.Size], dtype: torch.dtype, acc_dtype: torch.dtype, device,
+                 expected: Sequence[Rows]):
+        self.shapes, self.dtype, self.acc_dtype, self.device = list(shapes), dtype, acc_dtype, device
+        length = self.shapes[0][2]
+        cuts = sorted({0, length, *(b for r in expected for b in r)})
+        self.spans = [_Span(b, e, sum(r[0] <= b and e <= r[1] for r in expected)) for b, e in zip(cuts, cuts[1:])]
+        self.out: Optional[List[Tensor]] = None
+        self.acc: Optional[List[Tensor]] = None
+
+    def _buffers(self, final: bool) -> List[Tensor]:
+        if self.out is None:
+            self.out = [torch.empty(s, dtype=self.dtype, device=self.device) for s in self.shapes]
+            if self.acc_dtype == self.dtype:
+                self.acc = self.out
+        if final:
+            return self.out
+        if self.acc is None:
+            self.acc = [torch.empty(s, dtype=self.acc_dtype, device=self.device) for s in self.shapes]
+        return self.acc
+
+    def _groups(self, r: Rows):
+        """The spans of ``r`` as runs of neighbours in the same state that become final together."""
+        spans = [s for s in self.spans if r[0] <= s.begin and s.end <= r[1]]
+        if sum(s.end - s.begin for s in spans) != r[1] - r[0] or any(s.remaining == 0 for s in spans):
+            raise ValueError(f"rows {r} were not announced (or already complete)")
+        for s in spans:
+            s.remaining -= 1
+        group = []
+        for s in spans:
+            if group and not (_same_source(group[-1].state, s.state) and (group[-1].remaining == 0) == (s.remaining == 0)):
+                yield group
+                group = []
+            group.append(s)
+        if group:
+            yield group
+
+    def _add(self, r: Rows, parts: Sequence[Tensor], combine) -> None:
+        for group in self._groups(r):
+            b, e, state, final = group[0].begin, group[-1].end, group[0].state, group[0].remaining == 0
+            new = [p.narrow(2, b - r[0], e - b) for p in parts]
+            if state is None:
+                self._first(b, e, new)
+                new_state = (parts, r[0])
+            else:
+                prev = self.acc if state == _ACC else state[0]
+                row0 = 0 if state == _ACC else state[1]
+                prev = [p.narrow(2, b - row0, e - b) for p in prev]
+                dest = [rows(t, (b, e)) for t in self._buffers(final)]
+                combine(dest, prev, new, (b, e))
+                new_state = _DONE if final else _ACC
+            for s in group:
+                s.state = new_state
+
+    def _first(self, b: int, e: int, parts: List[Tensor]) -> None:
+        """The first part of rows b:e arrived (kept as it is)."""
+
+    def _fill_empty(self, out: List[Tensor], r: Rows) -> None:
+        for t in out:
+            rows(t, r).zero_()
+
+    def result(self) -> List[Tensor]:
+        """The complete result, in the result dtype."""
+        if any(s.remaining for s in self.spans):
+            raise RuntimeError("a result was read before all its announced parts were added")
+        whole = self.spans[0].state if len(self.spans) == 1 else None
+        if (self.out is None and isinstance(whole, tuple) and whole[1] == 0
+                and all(p.dtype == self.dtype and p.shape == s and p.is_contiguous() for p, s in zip(whole[0], self.shapes))):
+            return list(whole[0])  # one part is the whole result, as it came
+        out = self._buffers(True)
+        for s in self.spans:
+            if s.state is None:
+                self._fill_empty(out, (s.begin, s.end))
+            elif s.state != _DONE:
+                parts, row0 = s.state
+                for t, p in zip(out, parts):
+                    rows(t, (s.begin, s.end)).copy_(p.narrow(2, s.begin - row0, s.end - s.begin))
+        return out
+
+
+def _same_source(a, b) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return a[0] is b[0] and a[1] == b[1]
+    return a == b
+
+
+class RowSum(_RowParts):
+    """Sums of tensors (dq; or dk and dv) over row ranges, rounded once (see ``_RowParts``)."""
+
+    def add(self, r: Rows, *parts: Tensor) -> None:
+        self._add(r, parts, self._sum)
+
+    def _sum(self, dest: List[Tensor], prev: List[Tensor], new: List[Tensor], r: Rows) -> None:
+        for d, a, b in zip(dest, prev, new):
+            common = torch.promote_types(a.dtype, b.dtype)
+            if torch.promote_types(common, d.dtype) == common:
+                # computed in ``common`` (fp32 for fp16/bf16 inputs), rounded once into d
+                torch.add(a, b, out=d)
+            else:  # d is wider than both: widen first, or the sum is rounded to their dtype
+                d.copy_(a)
+                d.add_(b)
+
+
+class RowMerge(_RowParts):
+    """The running output of a ring call and its log-sum-exp: hop results over row ranges,
+    merged by LSE with weights in fp32 and rounded once into the output dtype (see ``_RowParts``).
+    Rows that see no key have output 0 and lse -inf, never NaN."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, acc_dtype: torch.dtype, device, expected: Sequence[Rows]):
+        super().__init__([shape], dtype, acc_dtype, device, expected)
+        self.lse = torch.empty(shape[:3], dtype=acc_dtype, device=device)
+
+    def add(self, r: Rows, part_out: Tensor, part_lse: Tensor) -> None:
+        self._part_lse = part_lse, r[0]
+        self._add(r, (part_out,), self._merge)
+
+    def _first(self, b: int, e: int, parts: List[Tensor]) -> None:
+        lse, row0 = self._part_lse
+        rows(self.lse, (b, e)).copy_(lse.narrow(2, b - row0, e - b))
+
+    def _merge(self, dest: List[Tensor], prev: List[Tensor], new: List[Tensor], r: Rows) -> None:
+        lse, row0 = self._part_lse
+        old, part = rows(self.lse, r), lse.narrow(2, r[0] - row0, r[1] - r[0])
+        merged = torch.logaddexp(old, part)
+        finite = torch.where(merged.isneginf(), 0.0, merged)
+        keep, add = torch.exp(old - finite).unsqueeze(-1), torch.exp(part - finite).unsqueeze(-1)
+        (d,), (a,), (b,) = dest, prev, new
+        if d.dtype == self.acc_dtype:
+            torch.addcmul(torch.mul(a, keep, out=d), b, add, out=d)
+        else:  # the last part of these rows: merge in acc_dtype, round once into d
+            torch.addcmul(a * keep, b, add, out=d)
+        old.copy_(merged)
+
+    def _fill_empty(self, out: List[Tensor], r: Rows) -> None:
+        super()._fill_empty(out, r)
+        rows(self.lse, r).fill_(-math.inf)
+
+    def result(self) -> Tuple[Tensor, Tensor]:
+        return super().result()[0], self.lse

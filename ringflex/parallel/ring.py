@@ -1,8 +1,9 @@
 """The ring: K/V blocks travel around the ranks, each step runs the hops of the plan.
 
-Forward keeps the running output and LSE in fp32 (fp64 for fp64 inputs). Backward runs the
-ring in reverse, from the block forward ended on, so each block's last stop is its owner:
-the dK/dV accumulated for a block travel with it in fp32 and are complete when they arrive.
+Results accumulate in fp32 (fp64 for fp64 inputs) and are rounded once into the input dtype
+(``merge.RowMerge`` / ``RowSum``). Backward runs the ring in reverse, from the block forward
+ended on, so each block's last stop is its owner: the dK/dV accumulated for a block travel
+with it and are complete when they arrive.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ..kernels.reference import compute_dtype
 from ..plan import Hop
 from .comm import RingComm
 from .fault import guard
-from .merge import Coverage, add_, finish_, merge_rows_, rows, zero_gaps_
+from .merge import RowMerge, RowSum, rows
 
 
 @dataclass
@@ -75,10 +76,8 @@ def _masked(hop: Hop) -> bool:
 
 
 def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
-    acc = compute_dtype(q.dtype)
-    out = q.new_empty(*q.shape[:3], v.shape[-1], dtype=acc)
-    lse = q.new_empty(q.shape[:3], dtype=acc)
-    written = Coverage()
+    out = RowMerge((*q.shape[:3], v.shape[-1]), q.dtype, compute_dtype(q.dtype), q.device,
+                   [hop.q_rows for hops in call.schedule for hop in hops])
     blocks = _KVStream(call, (k, v))
     for step, hops in enumerate(call.schedule):
         # The rank's own block needs no transfer: it is computed while the argument check
@@ -86,63 +85,65 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
         pending = blocks.start(step) if step else None
         bk, bv = blocks.current
         for hop in hops:
-            part_out, part_lse = call.kernel.forward(
+            out.add(hop.q_rows, *call.kernel.forward(
                 rows(q, hop.q_rows), rows(bk, hop.kv_rows), rows(bv, hop.kv_rows),
-                hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop))
-            merge_rows_(out, lse, written, hop.q_rows, part_out, part_lse)
+                hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop)))
         if not step:
             if call.agreement is not None:
                 call.agreement.wait()
             pending = blocks.start(step)
         blocks.advance(step, pending)
-    finish_(out, lse, written)
-    return out, lse, blocks.current  # the block of the last step: backward starts on it
+    return (*out.result(), blocks.current)  # the block of the last step: backward starts on it
 
 
 def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v):
     """The ring in reverse. It starts on the block forward ended on (``last_k``, ``last_v``,
     kept for it) and passes blocks to the previous rank, so every block visits the ranks in
     the reverse order and its last stop is its owner, which holds it already (no transfer).
-    The dK/dV of a block follow it as fp32 partial sums: each rank adds its hops' share to
-    the sum it received and passes it on, and the owner's share completes it. So the
-    finished gradient never travels: no transfer is left that compute could not hide."""
+    The dK/dV of a block follow it as partial sums: each rank adds its hops' share to the
+    sum it received and passes it on, and the owner's share completes it. So the finished
+    gradient never travels: no transfer is left that compute could not hide. The first sum
+    is one rank's share and travels in the dtype the kernel returned it in (the input dtype
+    for cuDNN: half the bytes of fp32); later ones travel in fp32; the owner rounds once."""
     acc = compute_dtype(q.dtype)
-    steps, kv_len = len(call.schedule), k.shape[2]
-    dq, dq_written = torch.empty(q.shape, dtype=acc, device=q.device), Coverage()
-    # Two partial sums alternate: one is received (then added to and sent) while the other is sent.
-    sums = [(torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device))
-            for _ in range(min(2, steps))]
+    steps, kv_len, kv_shapes = len(call.schedule), k.shape[2], (k.shape, v.shape)
+    sum_dtypes = [acc] * steps  # of the partial sum each step sends; the last step's is the gradient
+    sum_dtypes[0], sum_dtypes[-1] = call.kernel.grad_dtype(k.dtype), k.dtype
+    schedule = call.schedule[::-1]
+    dq = RowSum([q.shape], q.dtype, acc, q.device, [hop.q_rows for hops in schedule for hop in hops])
     blocks = _KVStream(call, (last_k, last_v), last=(k, v), reverse=True)
-    sum_pending = None
-    for step, hops in enumerate(reversed(call.schedule)):
+    received = None  # the partial sums on their way here: (tensors, transfer)
+    for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
         bk, bv = blocks.current
-        dk, dv = sums[step % 2]
-        written = Coverage()  # rows of (dk, dv) that hold a value
+        sums = RowSum(kv_shapes, sum_dtypes[step], acc, k.device,
+                      [(0, kv_len)] * (received is not None) + [hop.kv_rows for hop in hops])
         for i, hop in enumerate(hops):
             hq, hk, hv = call.kernel.backward(
                 rows(q, hop.q_rows), rows(bk, hop.kv_rows), rows(bv, hop.kv_rows),
                 rows(out, hop.q_rows), rows(lse, hop.q_rows), rows(dout, hop.q_rows),
                 hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop))
-            add_((dq,), dq_written, hop.q_rows, (hq,))
-            if i == 0:  # the first kernel ran while the sum of the ranks before arrived in (dk, dv)
-                _receive(sum_pending, written, kv_len)
-            add_((dk, dv), written, hop.kv_rows, (hk, hv))
-        if not hops:
-            _receive(sum_pending, written, kv_len)
-        zero_gaps_((dk, dv), written, kv_len)
-        if step + 1 < steps:
-            sum_pending = call.comm.exchange((dk, dv), sums[(step + 1) % 2], reverse=True)
+            dq.add(hop.q_rows, hq)
+            if i == 0:  # the first kernel ran while the sum of the ranks before arrived
+                received = _receive(received, sums, kv_len)
+            sums.add(hop.kv_rows, hk, hv)
+        received = _receive(received, sums, kv_len)
+        total = sums.result()
+        if step + 1 < steps:  # ``total`` stays referenced until this transfer is waited for
+            incoming = [torch.empty_like(t) for t in total]  # every rank sends the same dtype at a step
+            received = (incoming, call.comm.exchange(total, incoming, reverse=True))
         blocks.advance(step, kv_pending)
-    zero_gaps_((dq,), dq_written, q.shape[2])
-    dk, dv = sums[(steps - 1) % 2]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    (dq,), (dk, dv) = dq.result(), total
+    return dq, dk, dv
 
 
-def _receive(pending, written: Coverage, length: int) -> None:
-    if pending is not None:
-        pending.wait()
-        written.add((0, length))
+def _receive(received, sums: RowSum, length: int):
+    """Adds the partial sum on its way (if any) once it has arrived; returns None."""
+    if received is not None:
+        tensors, transfer = received
+        transfer.wait()
+        sums.add((0, length), *tensors)
+    return None
 
 
 class RingAttention(torch.autograd.Function):
@@ -152,7 +153,6 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, call: RingCall):
         with guard(call.comm, "forward"):  # a failure here releases the other ranks
             out, lse, (last_k, last_v) = ring_forward(call, q, k, v)
-        out = out.to(q.dtype)
         ctx.call = call
         ctx.save_for_backward(q, k, v, out, lse, last_k, last_v)
         ctx.mark_non_differentiable(lse)

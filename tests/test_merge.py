@@ -1,0 +1,91 @@
+"""Accumulating hop results (``ringflex.parallel.merge``): every row is summed or merged in
+fp32 in the order its parts arrive and rounded once, whatever the row ranges of the parts."""
+import math
+
+import pytest
+import torch
+
+from ringflex.parallel.merge import RowMerge, RowSum
+
+LENGTH = 16
+# Row ranges of the parts, in arrival order: nested, overlapping, repeated, one row, gaps.
+RANGES = [
+    [(0, 16)],
+    [(0, 16), (8, 16)],
+    [(8, 16), (0, 16), (0, 8)],
+    [(0, 4), (2, 10), (2, 10), (9, 10), (0, 16)],
+    [(4, 12)],  # rows 0:4 and 12:16 get no part
+    [],
+]
+
+
+def _parts(ranges, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 3, b - a, 5, generator=g).to(dtype) for a, b in ranges]
+
+
+@pytest.mark.parametrize("ranges", RANGES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_sum_rounds_once(ranges, dtype):
+    parts = _parts(ranges, dtype)
+    want = torch.zeros(2, 3, LENGTH, 5)
+    for (a, b), p in zip(ranges, parts):
+        want[:, :, a:b] += p.float()  # fp32, in arrival order
+    total = RowSum([want.shape], dtype, torch.float32, "cpu", ranges)
+    for r, p in zip(ranges, parts):
+        total.add(r, p)
+    (got,) = total.result()
+    assert got.dtype == dtype
+    assert torch.equal(got, want.to(dtype))
+
+
+def _half_ulp_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Half the spacing of bfloat16 numbers at |x| (8 significant bits)."""
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 8)
+
+
+@pytest.mark.parametrize("ranges", RANGES)
+def test_row_merge_rounds_once(ranges):
+    """Against the exact (fp64) merge: the output is off by at most half a bfloat16 step
+    (one rounding, plus fp32 noise), and rows no part reached are 0 with lse -inf."""
+    outs = _parts(ranges, torch.bfloat16)
+    lses = [torch.randn(2, 3, b - a, generator=torch.Generator().manual_seed(i)) for i, (a, b) in enumerate(ranges)]
+    if ranges:
+        lses[0][0, 0, 0], outs[0][0, 0, 0] = -math.inf, 0.0  # a row of a part that saw no key
+    weighted, lse_parts = torch.zeros(2, 3, LENGTH, 5, dtype=torch.float64), [[] for _ in range(LENGTH)]
+    want_lse = torch.full((2, 3, LENGTH), -math.inf, dtype=torch.float64)
+    for (a, b), s in zip(ranges, lses):
+        want_lse[:, :, a:b] = torch.logaddexp(want_lse[:, :, a:b], s.double())
+    for (a, b), o, s in zip(ranges, outs, lses):
+        finite = torch.where(want_lse[:, :, a:b].isneginf(), 0.0, want_lse[:, :, a:b])
+        weighted[:, :, a:b] += torch.exp(s.double() - finite).unsqueeze(-1) * o.double()
+    merged = RowMerge((2, 3, LENGTH, 5), torch.bfloat16, torch.float32, "cpu", ranges)
+    for r, o, s in zip(ranges, outs, lses):
+        merged.add(r, o, s)
+    out, lse = merged.result()
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert bool(((out.double() - weighted).abs() <= _half_ulp_bf16(weighted) * 1.001 + 1e-30).all())
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    untouched = torch.ones(LENGTH, dtype=torch.bool)
+    for a, b in ranges:
+        untouched[a:b] = False
+    assert bool((out[:, :, untouched] == 0).all()) and bool(lse[:, :, untouched].isneginf().all())
+
+
+def test_one_part_covering_everything_is_the_result():
+    part = torch.randn(1, 2, LENGTH, 4, dtype=torch.bfloat16)
+    total = RowSum([part.shape], torch.bfloat16, torch.float32, "cpu", [(0, LENGTH)])
+    total.add((0, LENGTH), part)
+    assert total.result()[0] is part
+
+
+def test_parts_must_be_announced():
+    total = RowSum([(1, 1, LENGTH, 2)], torch.float32, torch.float32, "cpu", [(0, 8)])
+    with pytest.raises(ValueError, match="not announced"):
+        total.add((0, 4), torch.zeros(1, 1, 4, 2))
+    total.add((0, 8), torch.zeros(1, 1, 8, 2))
+    with pytest.raises(ValueError, match="already complete"):
+        total.add((0, 8), torch.zeros(1, 1, 8, 2))
+    missing = RowSum([(1, 1, LENGTH, 2)], torch.float32, torch.float32, "cpu", [(0, 8)])
+    with pytest.raises(RuntimeError, match="before all"):
+        missing.result()
