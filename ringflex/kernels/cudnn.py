@@ -518,13 +518,16 @@ def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
     if band is not None:
         kwargs.update(_band_kwargs(band))
     inputs = emitter = None
+    callbacks = []
     if lowering is not None:
         shapes = {"b": q.shape[0], "h": q.shape[1], "q_idx": q.shape[2], "kv_idx": tensors["k"].shape[2]}
         inputs = _Inputs(g, lowering, shapes, strided, backward)
         emitter = _Emitter(lowering, inputs)
-        kwargs["score_mod"] = emitter.forward
+        callbacks.append(_Callback(emitter.forward))
+        kwargs["score_mod"] = callbacks[-1]
         if backward:
-            kwargs["score_mod_bprop"] = emitter.backward
+            callbacks.append(_Callback(emitter.backward))
+            kwargs["score_mod_bprop"] = callbacks[-1]
     if backward:
         outs = g.sdpa_backward(q=io["q"], k=io["k"], v=io["v"], o=io["out"], dO=io["dout"], stats=io["lse"],
                                name="sdpa_backward", **kwargs)
@@ -543,11 +546,37 @@ def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
     g.check_support()
     g.build_plans()
     order = [io[name] for name in io]
+    for callback in callbacks:
+        callback.release()
     if emitter is not None:
         emitter.release()
         inputs.freeze()
         order += inputs.order
     return _Graph(g, tuple(io), inputs, g.get_workspace_size(), [t.get_uid() for t in order])
+
+
+class _Callback:
+    """A score_mod callback as handed to the frontend, which lets go of what it reaches once
+    the graph is built. The frontend (1.32) wraps a callback in a closure over its lowering,
+    whose closure holds the C++ graph, which holds the wrapper: a cycle through C++ that
+    Python's collector cannot see, so every such graph would outlive the cache (and nanobind
+    would report it leaked at exit). Emptying the callback and the lowering's closure (kept
+    from the graph wrapper the frontend passes in) breaks the cycle."""
+
+    def __init__(self, fn):
+        self.fn, self.lowerings = fn, []
+
+    def __call__(self, graph, tensor):
+        lowering = getattr(graph, "_lower", None)  # the frontend's wrapper around the C++ graph
+        if lowering is not None:
+            self.lowerings.append(lowering)
+        return self.fn(graph, tensor)
+
+    def release(self) -> None:
+        for lowering in self.lowerings:
+            for cell in getattr(lowering, "__closure__", None) or ():
+                cell.cell_contents = None
+        self.fn, self.lowerings = None, []
 
 
 # --------------------------------------------------------------------------- planning a block

@@ -268,6 +268,14 @@ class _FakeTensor:
         return self.uid
 
 
+class _FakeShim:
+    def __init__(self, graph, lower):
+        self._target, self._lower = graph, lower
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+
 class _FakeGraph:
     def __init__(self, **_):
         self.attention = None
@@ -296,8 +304,17 @@ class _FakeGraph:
     def build_operation_graph(self):
         kw = self.attention
         self.score, self.ds = _FakeTensor("score"), _FakeTensor("ds")
-        self.modified = kw["score_mod"](self, self.score) if kw.get("score_mod") else self.score
-        self.ds_in = kw["score_mod_bprop"](self, self.ds) if kw.get("score_mod_bprop") else self.ds
+        # As the frontend (1.32) does: the graph keeps each callback, wrapped in a closure over
+        # a lowering that holds the graph, and hands callbacks a wrapper whose _lower is it.
+        graph = self
+
+        def lower(t):
+            return graph
+
+        shim = _FakeShim(self, lower)
+        self.kept = [(kw.get(name), lower) for name in ("score_mod", "score_mod_bprop")]
+        self.modified = kw["score_mod"](shim, self.score) if kw.get("score_mod") else self.score
+        self.ds_in = kw["score_mod_bprop"](shim, self.ds) if kw.get("score_mod_bprop") else self.ds
 
     validate = create_execution_plans = check_support = build_plans = lambda self, *a: None
 
@@ -435,3 +452,27 @@ def test_full_graph_cache_says_so_once_emulated(monkeypatch):
         "ringflex: the cuDNN graph cache is full (2 graphs): older graphs are dropped and rebuilt when needed "
         "again (0.1 to 1.5 s each); raise RINGFLEX_CUDNN_GRAPHS if this workload has that many call shapes"]
     assert len(module._GRAPHS) == 2
+
+
+def test_dropped_graphs_are_freed_emulated(monkeypatch):
+    """A graph built with a score_mod keeps no reference cycle through its callbacks (the
+    frontend's cycle runs through C++, where Python's collector cannot see it): dropped from
+    the cache, it is freed by reference counting alone."""
+    import gc
+    import weakref
+
+    module = _emulated(monkeypatch)
+    q = torch.randn(1, 2, 16, 8, dtype=torch.bfloat16)
+    seg, m = Segment(0, 1, 16), Mods(score_mod=mods.softcap(5.0), mask_mod=mods.causal)
+    gc.collect()
+    gc.disable()
+    try:
+        kernel = module.CudnnKernel()
+        out, lse = kernel.forward(q, q, q, seg, seg, m, 1.0, True)
+        kernel.backward(q, q, q, out, lse, torch.ones_like(out), seg, seg, m, 1.0, True)
+        graphs = [weakref.ref(g.graph) for g in module._GRAPHS.values()]
+        assert len(graphs) >= 2 and all(r() is not None for r in graphs)
+        module._GRAPHS.clear()
+        assert all(r() is None for r in graphs)
+    finally:
+        gc.enable()
