@@ -75,37 +75,22 @@ def _masked(hop: Hop) -> bool:
     return hop.kind != hop.kind.FULL
 
 
-def _busy(x: Tensor) -> bool:
-    """Whether the GPU still has work queued on the current stream (never for CPU tensors)."""
-    return x.is_cuda and not torch.cuda.current_stream(x.device).query()
-
-
-def _agree(call: RingCall) -> None:
-    if call.agreement is not None:
-        call.agreement.wait()
-
-
 def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     out = RowMerge((*q.shape[:3], v.shape[-1]), q.dtype, compute_dtype(q.dtype), q.device,
                    [hop.q_rows for hops in call.schedule for hop in hops])
     blocks = _KVStream(call, (k, v))
-    # No block leaves before every rank has agreed to the call. Where the GPU is still busy
-    # with earlier work, waiting for that costs it nothing, and the first transfer, queued
-    # ahead of the own block's kernel, runs beside it: queued after, it would wait for the
-    # kernel to release its SMs. On an idle GPU the own block is queued first, to compute
-    # while the check completes.
-    transfer_first = _busy(q)
     for step, hops in enumerate(call.schedule):
-        if step == 0 and transfer_first:
-            _agree(call)
-        pending = blocks.start(step) if step or transfer_first else None
+        # The rank's own block needs no transfer: it is computed while the argument check
+        # completes, and no block leaves before every rank has agreed to the call.
+        pending = blocks.start(step) if step else None
         bk, bv = blocks.current
         for hop in hops:
             out.add(hop.q_rows, *call.kernel.forward(
                 rows(q, hop.q_rows), rows(bk, hop.kv_rows), rows(bv, hop.kv_rows),
                 hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop)))
-        if step == 0 and not transfer_first:
-            _agree(call)
+        if not step:
+            if call.agreement is not None:
+                call.agreement.wait()
             pending = blocks.start(step)
         blocks.advance(step, pending)
     return (*out.result(), blocks.current)  # the block of the last step: backward starts on it
