@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_lib
 import tempfile
 import time
@@ -18,7 +19,9 @@ def _worker(rank, world_size, store_path, environ, fn, args, results):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        # Pickled here, by value: a queue would pass tensors as file descriptors served by this
+        # process, which may have exited by the time the parent reads them.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report everything, the parent decides
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -54,7 +57,7 @@ def run_world(world_size: int, fn, *args, timeout: float = 240.0, allow_errors: 
                                        f"within {timeout} s") from None
                 if status == "error" and not allow_errors:
                     raise RuntimeError(f"rank {rank} failed:\n{value}")
-                out[rank] = value
+                out[rank] = pickle.loads(value) if status == "ok" else value
         finally:
             for p in procs:
                 p.join(timeout=5)

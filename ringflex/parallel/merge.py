@@ -140,7 +140,15 @@ class _RowParts:
         self.shapes, self.dtype, self.acc_dtype, self.device = list(shapes), dtype, acc_dtype, device
         length = self.shapes[0][2]
         cuts = sorted({0, length, *(b for r in expected for b in r)})
-        self.spans = [_Span(b, e, sum(r[0] <= b and e <= r[1] for r in expected)) for b, e in zip(cuts, cuts[1:])]
+        self.starts = {b: i for i, b in enumerate(cuts)}  # span index by first row
+        counts = [0] * len(cuts)  # parts per span, from the changes at range ends
+        for b, e in expected:
+            counts[self.starts[b]] += 1
+            counts[self.starts[e]] -= 1
+        self.spans, running = [], 0
+        for b, e, change in zip(cuts, cuts[1:], counts):
+            running += change
+            self.spans.append(_Span(b, e, running))
         self.out: Optional[List[Tensor]] = None
         self.acc: Optional[List[Tensor]] = None
 
@@ -157,8 +165,9 @@ class _RowParts:
 
     def _groups(self, r: Rows):
         """The spans of ``r`` as runs of neighbours in the same state that become final together."""
-        spans = [s for s in self.spans if r[0] <= s.begin and s.end <= r[1]]
-        if sum(s.end - s.begin for s in spans) != r[1] - r[0] or any(s.remaining == 0 for s in spans):
+        first, last = self.starts.get(r[0]), self.starts.get(r[1])
+        spans = self.spans[first:last] if first is not None and last is not None else []
+        if not spans or any(s.remaining == 0 for s in spans):
             raise ValueError(f"rows {r} were not announced (or already complete)")
         for s in spans:
             s.remaining -= 1
