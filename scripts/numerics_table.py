@@ -22,13 +22,15 @@ from numerics import measure  # noqa: E402
 
 def measure_with_bf16_merge(rank, world_size):
     import ringflex.parallel.ring as ring
-    original = ring.merge_
 
-    def merge_rounding_to_bf16(out, lse, part_out, part_lse, *args, **kwargs):
-        original(out, lse, part_out, part_lse, *args, **kwargs)
-        out.copy_(out.to(torch.bfloat16))
+    class MergeInInputDtype(ring.RowMerge):
+        """Accumulates the running output in the input dtype: every merge rounds it."""
 
-    ring.merge_ = merge_rounding_to_bf16
+        def __init__(self, shape, dtype, acc_dtype, device, expected):
+            super().__init__(shape, dtype, dtype, device, expected)
+            self.lse = self.lse.to(acc_dtype)
+
+    ring.RowMerge = MergeInInputDtype
     return measure(rank, world_size)
 
 
