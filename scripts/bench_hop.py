@@ -2,6 +2,8 @@
 
 Compares ringflex's cuDNN hop (the whole sequence as one hop, offsets 0), torch
 flex_attention (compiled, with a block mask) and torch's cuDNN SDPA (no mask, causal).
+Each time is the median over interleaved rounds of 20 back-to-back calls (every
+implementation in turn in each round), so drift of the GPU's clock favours none of them.
 
     python scripts/bench_hop.py                      # B=1 H=32 D=128 bf16 S=8192, every mod
     python scripts/bench_hop.py --depths 0 1 2 3     # also the split-depth sweep
@@ -9,6 +11,7 @@ flex_attention (compiled, with a block mask) and torch's cuDNN SDPA (no mask, ca
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -66,7 +69,8 @@ def timed(fn, warmup=3, iters=20):
     return start.elapsed_time(end) / iters, 1e6 * host / iters
 
 
-def bench_ringflex(q, k, v, dout, score_mod, mask_mod, depth):
+def ringflex_calls(q, k, v, dout, score_mod, mask_mod, depth):
+    """(forward, backward, seconds of the first forward + backward) of ringflex's cuDNN hop."""
     kernel = cudnn_kernel.CudnnKernel(split_depth=depth)
     seg = Segment(0, 1, q.shape[2])
     m = Mods(score_mod, mask_mod)
@@ -78,19 +82,16 @@ def bench_ringflex(q, k, v, dout, score_mod, mask_mod, depth):
     kernel.backward(q, k, v, out, lse, dout, *segs, m, scale, masked)
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
-    fwd = timed(lambda: kernel.forward(q, k, v, *segs, m, scale, masked))
-    bwd = timed(lambda: kernel.backward(q, k, v, out, lse, dout, *segs, m, scale, masked))
-    return fwd, bwd, first
+    return (lambda: kernel.forward(q, k, v, *segs, m, scale, masked),
+            lambda: kernel.backward(q, k, v, out, lse, dout, *segs, m, scale, masked), first)
 
 
-def _fwd_bwd(run, inputs, dout):
-    fwd = timed(run)
+def _autograd_calls(run, inputs, dout):
     out = run()
-    bwd = timed(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
-    return fwd[0], bwd[0]
+    return run, lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
 
 
-def bench_flex(q, k, v, dout, score_mod, mask_mod):
+def flex_calls(q, k, v, dout, score_mod, mask_mod):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     torch._dynamo.reset()  # a fresh compile per mod, not a recompile-limited one
@@ -100,10 +101,11 @@ def bench_flex(q, k, v, dout, score_mod, mask_mod):
         block_mask = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], device=q.device)
     gqa = q.shape[1] != k.shape[1]
     inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
-    return _fwd_bwd(lambda: flex(*inputs, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa), inputs, dout)
+    return _autograd_calls(lambda: flex(*inputs, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa),
+                           inputs, dout)
 
 
-def bench_sdpa(q, k, v, dout, causal):
+def sdpa_calls(q, k, v, dout, causal):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gqa = q.shape[1] != k.shape[1]
@@ -113,7 +115,17 @@ def bench_sdpa(q, k, v, dout, causal):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(*inputs, is_causal=causal, enable_gqa=gqa)
 
-    return _fwd_bwd(run, inputs, dout)
+    return _autograd_calls(run, inputs, dout)
+
+
+def interleaved(calls: dict, rounds: int) -> dict:
+    """name -> (median GPU ms, median host us) of each call, measured in ``rounds`` rounds that
+    take every call in turn, so clock and temperature drift falls on all of them alike."""
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            times[name].append(timed(fn))
+    return {name: tuple(statistics.median(t[i] for t in ts) for i in range(2)) for name, ts in times.items()}
 
 
 def main():
@@ -125,6 +137,7 @@ def main():
     p.add_argument("--mods", nargs="*", help="subset of the matrix (default: all)")
     p.add_argument("--depths", type=int, nargs="*", default=[], help="split depths to sweep (mods with a mask and a score_mod)")
     p.add_argument("--no-flex", action="store_true", help="skip torch flex_attention")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of 20 calls each; medians are reported")
     args = p.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -143,22 +156,27 @@ def main():
         q = torch.randn(shape, device=device, dtype=torch.bfloat16)
         k, v = (torch.randn(kv_shape, device=device, dtype=torch.bfloat16) for _ in range(2))
         dout = torch.randn(shape, device=device, dtype=torch.bfloat16)
-        rf = bench_ringflex(q, k, v, dout, score_mod, mask_mod, cudnn_kernel.SPLIT_DEPTH)
-        fx = ("-", "-") if args.no_flex else tuple(f"{t:.2f}" for t in bench_flex(q, k, v, dout, score_mod, mask_mod))
-        sd = ("-", "-")
+        rf_fwd, rf_bwd, first = ringflex_calls(q, k, v, dout, score_mod, mask_mod, cudnn_kernel.SPLIT_DEPTH)
+        calls = {"ringflex fwd": rf_fwd, "ringflex bwd": rf_bwd}
+        if not args.no_flex:
+            calls["flex fwd"], calls["flex bwd"] = flex_calls(q, k, v, dout, score_mod, mask_mod)
         if score_mod is None and mask_mod in (None, mods.causal):
-            sd = tuple(f"{t:.2f}" for t in bench_sdpa(q, k, v, dout, mask_mod is not None))
-        (fwd, fwd_host), (bwd, bwd_host), first = rf
-        print(f"| {name} | {fwd:.2f} | {bwd:.2f} | {fx[0]} | {fx[1]} | {sd[0]} | {sd[1]} "
-              f"| {fwd_host:.0f} / {bwd_host:.0f} | {first:.1f} |", flush=True)
+            calls["sdpa fwd"], calls["sdpa bwd"] = sdpa_calls(q, k, v, dout, mask_mod is not None)
+        t = interleaved(calls, args.rounds)
+        cell = lambda key: f"{t[key][0]:.2f}" if key in t else "-"  # noqa: E731
+        print(f"| {name} | {cell('ringflex fwd')} | {cell('ringflex bwd')} | {cell('flex fwd')} | {cell('flex bwd')} "
+              f"| {cell('sdpa fwd')} | {cell('sdpa bwd')} | {t['ringflex fwd'][1]:.0f} / {t['ringflex bwd'][1]:.0f} "
+              f"| {first:.1f} |", flush=True)
         for depth in args.depths:  # the split serves masked blocks with a score_mod
             if mask_mod is not None and score_mod is not None:
-                sweep.append((name, depth) + bench_ringflex(q, k, v, dout, score_mod, mask_mod, depth))
+                fwd, bwd, first = ringflex_calls(q, k, v, dout, score_mod, mask_mod, depth)
+                d = interleaved({"fwd": fwd, "bwd": bwd}, args.rounds)
+                sweep.append((name, depth, d["fwd"][0], d["bwd"][0], first))
     if sweep:
         print("\n| mod | split depth | fwd | bwd | first call s |")
         print("|---|---|---|---|---|")
         for name, depth, fwd, bwd, first in sweep:
-            print(f"| {name} | {depth} | {fwd[0]:.2f} | {bwd[0]:.2f} | {first:.1f} |")
+            print(f"| {name} | {depth} | {fwd:.2f} | {bwd:.2f} | {first:.1f} |")
 
 
 if __name__ == "__main__":
