@@ -17,7 +17,9 @@ Rows = Tuple[int, int]
 
 
 def rows(x: Tensor, r: Rows) -> Tensor:
-    """The rows ``r`` of a [B, H, L, ...] tensor (a view)."""
+    """The rows ``r`` of a [B, H, L, ...] tensor (a view; ``x`` itself for all of them)."""
+    if r[0] == 0 and r[1] == x.shape[2]:
+        return x
     return x.narrow(2, r[0], r[1] - r[0])
 
 
@@ -183,14 +185,14 @@ class _RowParts:
     def _add(self, r: Rows, parts: Sequence[Tensor], combine) -> None:
         for group in self._groups(r):
             b, e, state, final = group[0].begin, group[-1].end, group[0].state, group[0].remaining == 0
-            new = [p.narrow(2, b - r[0], e - b) for p in parts]
+            new = [rows(p, (b - r[0], e - r[0])) for p in parts]
             if state is None:
                 self._first(b, e, new)
                 new_state = (parts, r[0])
             else:
                 prev = self.acc if state == _ACC else state[0]
                 row0 = 0 if state == _ACC else state[1]
-                prev = [p.narrow(2, b - row0, e - b) for p in prev]
+                prev = [rows(p, (b - row0, e - row0)) for p in prev]
                 dest = [rows(t, (b, e)) for t in self._buffers(final)]
                 combine(dest, prev, new, (b, e))
                 new_state = _DONE if final else _ACC
@@ -219,7 +221,7 @@ class _RowParts:
             elif s.state != _DONE:
                 parts, row0 = s.state
                 for t, p in zip(out, parts):
-                    rows(t, (s.begin, s.end)).copy_(p.narrow(2, s.begin - row0, s.end - s.begin))
+                    rows(t, (s.begin, s.end)).copy_(rows(p, (s.begin - row0, s.end - row0)))
         return out
 
 
@@ -261,11 +263,11 @@ class RowMerge(_RowParts):
 
     def _first(self, b: int, e: int, parts: List[Tensor]) -> None:
         lse, row0 = self._part_lse
-        rows(self.lse, (b, e)).copy_(lse.narrow(2, b - row0, e - b))
+        rows(self.lse, (b, e)).copy_(rows(lse, (b - row0, e - row0)))
 
     def _merge(self, dest: List[Tensor], prev: List[Tensor], new: List[Tensor], r: Rows) -> None:
         lse, row0 = self._part_lse
-        old, part = rows(self.lse, r), lse.narrow(2, r[0] - row0, r[1] - r[0])
+        old, part = rows(self.lse, r), rows(lse, (r[0] - row0, r[1] - row0))
         merged = torch.logaddexp(old, part)
         finite = torch.where(merged.isneginf(), 0.0, merged)
         keep, add = torch.exp(old - finite).unsqueeze(-1), torch.exp(part - finite).unsqueeze(-1)
