@@ -89,3 +89,25 @@ def test_parts_must_be_announced():
     missing = RowSum([(1, 1, LENGTH, 2)], torch.float32, torch.float32, "cpu", [(0, 8)])
     with pytest.raises(RuntimeError, match="before all"):
         missing.result()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_row_ranges(seed):
+    """Random ranges (aligned or not, overlapping, repeated), random arrival order, fp64 and
+    bf16 parts: sums are the fp32 (fp64) sums rounded once; merges within half a bf16 step."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 9, (), generator=g))
+    ranges = []
+    for _ in range(n):
+        a = int(torch.randint(0, LENGTH, (), generator=g))
+        ranges.append((a, int(torch.randint(a + 1, LENGTH + 1, (), generator=g))))
+    for dtype, acc in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        parts = _parts(ranges, dtype, seed)
+        want = torch.zeros(2, 3, LENGTH, 5, dtype=acc)
+        for (a, b), p in zip(ranges, parts):
+            want[:, :, a:b] += p.to(acc)
+        total = RowSum([want.shape], dtype, acc, "cpu", ranges)
+        for r, p in zip(ranges, parts):
+            total.add(r, p)
+        assert torch.equal(total.result()[0], want.to(dtype))
+    test_row_merge_rounds_once(ranges)
