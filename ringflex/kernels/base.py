@@ -9,6 +9,7 @@ Conventions (the flex_attention ones):
   query head h reads key/value head h // (Hq // Hkv).
   lse: natural-log log-sum-exp of the scaled, modified, masked scores, [B, Hq, Lq].
   A row that sees no key in this hop has out 0 and lse -inf (never NaN).
+  Returned tensors belong to the caller: the ring keeps them until later hops are merged in.
   A segment is None when positions cannot matter (a FULL block and no score_mod): the
   planner then joins neighbouring blocks into one larger call.
 """
