@@ -1,9 +1,12 @@
 """Accumulating hop results: the log-sum-exp merge of outputs, and sums of gradients.
 
-Accumulators start as ``torch.empty``: a ``Coverage`` remembers which rows were written, so
-the first result for a row range is copied in (no zero-fill, no add) and only rows that no
-hop wrote are filled at the end. On a GPU each saved pass over an fp32 buffer is time the
-ring would otherwise spend outside its attention kernels.
+The ring accumulates with ``RowMerge`` (outputs) and ``RowSum`` (gradients): the row ranges
+of every hop are known in advance, so each row is combined in fp32 and rounded once, by the
+operation that adds its last part, and a row with a single part is never copied through
+fp32. Inside one hop, a kernel that splits its block into calls accumulates with the
+simpler ``Coverage`` helpers (``merge_rows_``, ``add_``): the first result for a row range
+is copied in (no zero-fill, no add) and only rows no call wrote are filled at the end.
+On a GPU each saved pass over a buffer is time spent outside the attention kernels.
 """
 from __future__ import annotations
 
@@ -258,7 +261,7 @@ class RowMerge(_RowParts):
         self.lse = torch.empty(shape[:3], dtype=acc_dtype, device=device)
 
     def add(self, r: Rows, part_out: Tensor, part_lse: Tensor) -> None:
-        self._part_lse = part_lse, r[0]
+        self._part_lse = part_lse, r[0]  # read by _first and _merge for the groups of this part
         self._add(r, (part_out,), self._merge)
 
     def _first(self, b: int, e: int, parts: List[Tensor]) -> None:
