@@ -114,3 +114,23 @@ def test_random_row_ranges(seed):
             total.add(r, p)
         assert torch.equal(total.result()[0], want.to(dtype))
     test_row_merge_rounds_once(ranges)
+
+
+@pytest.mark.parametrize("ranges", RANGES)
+def test_parts_written_in_place_give_the_same_result(ranges):
+    """A kernel may write a part straight into the result (``destination``) where no part
+    reached those rows yet; the result is bit for bit the one of parts added as they came."""
+    outs = _parts(ranges, torch.bfloat16)
+    lses = [torch.randn(2, 3, b - a, generator=torch.Generator().manual_seed(i)) for i, (a, b) in enumerate(ranges)]
+    results = []
+    for in_place in (False, True):
+        total = RowSum([(2, 3, LENGTH, 5)], torch.bfloat16, torch.float32, "cpu", ranges)
+        merged = RowMerge((2, 3, LENGTH, 5), torch.bfloat16, torch.float32, "cpu", ranges)
+        for r, o, s in zip(ranges, outs, lses):
+            into = total.destination(r) if in_place else None
+            total.add(r, *(into[0].copy_(o),) if into else (o,))
+            into = merged.destination(r) if in_place else None
+            merged.add(r, *(into[0].copy_(o), into[1].copy_(s)) if into else (o, s))
+        results.append([*total.result(), *merged.result()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

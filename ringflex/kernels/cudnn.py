@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..parallel.merge import Coverage, add_, finish_, merge_rows_, rows, zero_gaps_
+from ..parallel.merge import RowMerge, RowSum, rows
 from ..plan import BlockKind, Segment, block_kinds, evaluate_mask
 from ..trace import ModGraph, Node, UnsupportedModError, diagonal_band, evaluate, score_grad, trace_mask_mod, trace_score_mod
 from . import _warn_once
@@ -741,8 +741,8 @@ class CudnnKernel:
         self.split_depth = split_depth
 
     def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        # cuDNN writes dk/dv in the input dtype (a hop whose calls share key rows sums them in
-        # fp32; a ring rounds that sum once more for its first transfer)
+        # cuDNN writes dk/dv in the input dtype; calls of one hop that share key rows are
+        # summed in fp32 and rounded once into it
         return dtype
 
     def _runs(self, program: _Program, mods: Mods, q: Tensor, k: Tensor, q_seg, kv_seg) -> List[_Run]:
@@ -785,22 +785,15 @@ class CudnnKernel:
         q, k, v = (_inner_contiguous(t) for t in (q, k, v))
         program = _program(mods, masked, q.device)
         runs = self._runs(program, mods, q, k, q_seg, kv_seg)
-        out = q.new_empty(*q.shape[:3], v.shape[-1])
-        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-        written = Coverage()
+        merged = RowMerge((*q.shape[:3], v.shape[-1]), q.dtype, torch.float32, q.device, [r.rows for r in runs])
         for run in runs:
-            fresh = written.fresh(run.rows)  # else: computed aside, then merged
-            o, s = rows(out, run.rows), rows(lse, run.rows)
-            if not fresh:
-                o, s = torch.empty_like(o), torch.empty_like(s)
-            tensors = dict(q=rows(q, run.rows), k=rows(k, run.cols), v=rows(v, run.cols), out=o, lse=s.unsqueeze(-1))
+            # The result's own rows where no call wrote yet; else computed aside, then merged.
+            o, lse = merged.destination(run.rows) or (q.new_empty(*q.shape[:2], run.rows[1] - run.rows[0], v.shape[-1]),
+                                                      q.new_empty(*q.shape[:2], run.rows[1] - run.rows[0], dtype=torch.float32))
+            tensors = dict(q=rows(q, run.rows), k=rows(k, run.cols), v=rows(v, run.cols), out=o, lse=lse.unsqueeze(-1))
             self._call(False, run, program, tensors, scale, q_seg, kv_seg)
-            if fresh:
-                written.add(run.rows)
-            else:
-                merge_rows_(out, lse, written, run.rows, o, s)
-        finish_(out, lse, written)
-        return out, lse
+            merged.add(run.rows, o, lse)
+        return merged.result()
 
     def backward(self, q, k, v, out, lse, dout, q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods,
                  scale: float, masked: bool) -> Tuple[Tensor, Tensor, Tensor]:
@@ -809,16 +802,13 @@ class CudnnKernel:
         runs = self._runs(program, mods, q, k, q_seg, kv_seg)
         # A row that sees no key anywhere has lse -inf; +inf makes its probabilities exp(s - inf) = 0.
         stats = torch.where(lse.isneginf(), math.inf, lse.float()).unsqueeze(-1)
-        # Where every gradient row comes from one call at most, calls write in place;
-        # elsewhere they are summed in fp32.
-        in_place = (_disjoint([r.rows for r in runs]), _disjoint([r.cols for r in runs]))
-        dq, dk, dv = (torch.empty_like(t) if direct else torch.empty(t.shape, dtype=torch.float32, device=t.device)
-                      for t, direct in ((q, in_place[0]), (k, in_place[1]), (v, in_place[1])))
-        q_written, kv_written = Coverage(), Coverage()
+        # Calls write in place where no earlier call wrote those rows; elsewhere they are
+        # summed in fp32, and every gradient is rounded once.
+        dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [r.rows for r in runs])
+        kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [r.cols for r in runs])
         for run in runs:
-            views = (rows(dq, run.rows), rows(dk, run.cols), rows(dv, run.cols))
-            parts = [view if direct else torch.empty(view.shape, dtype=q.dtype, device=q.device)
-                     for view, direct in zip(views, (in_place[0], in_place[1], in_place[1]))]
+            parts = (dq_sum.destination(run.rows) or [q.new_empty(rows(q, run.rows).shape)]) + (
+                kv_sum.destination(run.cols) or [k.new_empty(rows(k, run.cols).shape), v.new_empty(rows(v, run.cols).shape)])
             tensors = dict(q=rows(q, run.rows), k=rows(k, run.cols), v=rows(v, run.cols), out=rows(out, run.rows),
                            dout=rows(dout, run.rows), lse=rows(stats, run.rows).contiguous(),  # cuDNN wants it packed
                            dq=parts[0], dk=parts[1], dv=parts[2])
@@ -832,14 +822,9 @@ class CudnnKernel:
                     part.copy_(value)
             else:
                 self._call(True, run, program, tensors, scale, q_seg, kv_seg)
-            for totals, written, r, direct, got in (((dq,), q_written, run.rows, in_place[0], parts[:1]),
-                                                    ((dk, dv), kv_written, run.cols, in_place[1], parts[1:])):
-                if direct:
-                    written.add(r)
-                else:
-                    add_(totals, written, r, got)
-        zero_gaps_((dq,), q_written, q.shape[2])
-        zero_gaps_((dk, dv), kv_written, k.shape[2])
+            dq_sum.add(run.rows, parts[0])
+            kv_sum.add(run.cols, *parts[1:])
+        (dq,), (dk, dv) = dq_sum.result(), kv_sum.result()
         return dq, dk, dv
 
 
@@ -853,11 +838,6 @@ def _lowering(score: Optional[ModGraph], mask: Optional[ModGraph], backward: boo
 
 def _inner_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _disjoint(ranges) -> bool:
-    ranges = sorted(ranges)
-    return all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
 
 
 def cudnn_unavailable_reason(q: Tensor, k: Tensor, v: Tensor, mods: Mods) -> Optional[str]:

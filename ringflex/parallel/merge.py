@@ -1,12 +1,11 @@
-"""Accumulating hop results: the log-sum-exp merge of outputs, and sums of gradients.
+"""Accumulating hop results: the log-sum-exp merge of outputs (``RowMerge``) and sums of
+gradients (``RowSum``), for the ring's hops and for the calls a kernel splits a hop into.
 
-The ring accumulates with ``RowMerge`` (outputs) and ``RowSum`` (gradients): the row ranges
-of every hop are known in advance, so each row is combined in fp32 and rounded once, by the
-operation that adds its last part, and a row with a single part is never copied through
-fp32. Inside one hop, a kernel that splits its block into calls accumulates with the
-simpler ``Coverage`` helpers (``merge_rows_``, ``add_``): the first result for a row range
-is copied in (no zero-fill, no add) and only rows no call wrote are filled at the end.
-On a GPU each saved pass over a buffer is time spent outside the attention kernels.
+The row ranges of every part are known in advance, so each row is combined in fp32 and
+rounded once, by the operation that adds its last part; a row with one part is never copied
+through fp32, and a part that a kernel writes straight into the result (``destination``) is
+not copied at all. On a GPU each saved pass over a buffer is time spent outside the
+attention kernels.
 """
 from __future__ import annotations
 
@@ -26,100 +25,10 @@ def rows(x: Tensor, r: Rows) -> Tensor:
     return x.narrow(2, r[0], r[1] - r[0])
 
 
-class Coverage:
-    """The row ranges of an accumulator written so far."""
-
-    def __init__(self):
-        self.ranges: List[Rows] = []
-
-    def fresh(self, r: Rows) -> bool:
-        """No earlier write touched any row of ``r``."""
-        return not any(b < r[1] and r[0] < e for b, e in self.ranges)
-
-    def gaps(self, r: Rows) -> List[Rows]:
-        """The parts of ``r`` that no write touched."""
-        gaps, pos = [], r[0]
-        for begin, end in sorted(self.ranges):
-            if begin > pos:
-                gaps.append((pos, min(begin, r[1])))
-            pos = max(pos, end)
-            if pos >= r[1]:
-                break
-        if pos < r[1]:
-            gaps.append((pos, r[1]))
-        return [g for g in gaps if g[0] < g[1]]
-
-    def add(self, r: Rows) -> None:
-        self.ranges.append(r)
-
-
-def add_(totals: Sequence[Tensor], written: Coverage, r: Rows, parts: Sequence[Tensor]) -> None:
-    """``total[r] += part`` for each pair, where rows never written count as zero."""
-    fresh = written.fresh(r)
-    for total, part in zip(totals, parts):
-        if fresh:
-            rows(total, r).copy_(part)
-        else:
-            for gap in written.gaps(r):
-                rows(total, gap).zero_()
-            rows(total, r).add_(part)
-    written.add(r)
-
-
-def zero_gaps_(totals: Sequence[Tensor], written: Coverage, length: int) -> None:
-    """Zeroes the rows below ``length`` that no write touched."""
-    for gap in written.gaps((0, length)):
-        for total in totals:
-            rows(total, gap).zero_()
-        written.add(gap)
-
-
-def merge_(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, first: bool = False) -> None:
-    """Folds one hop's (part_out, part_lse) into the running (out, lse), in place.
-
-    ``first``: nothing was merged into these rows yet, so this is a copy. Rows that saw no
-    key so far and none in this hop keep lse -inf and out 0, never NaN.
-    """
-    if first:
-        out.copy_(part_out)
-        lse.copy_(part_lse)
-        return
-    new_lse = torch.logaddexp(lse, part_lse)
-    finite = torch.where(new_lse.isneginf(), 0.0, new_lse)
-    keep, add = torch.exp(lse - finite).unsqueeze(-1), torch.exp(part_lse - finite).unsqueeze(-1)
-    if out.dtype in (torch.float32, torch.float64):
-        out.mul_(keep).addcmul_(part_out, add.to(out.dtype))
-    else:  # a low-precision output (a kernel's own): merge in fp32, round once
-        out.copy_(out.float() * keep + part_out.float() * add)
-    lse.copy_(new_lse)
-
-
-def merge_rows_(out: Tensor, lse: Tensor, written: Coverage, r: Rows, part_out: Tensor, part_lse: Tensor) -> None:
-    """``merge_`` of one hop's result into rows ``r`` of the running (out, lse)."""
-    fresh = written.fresh(r)
-    if not fresh:
-        for gap in written.gaps(r):
-            clear_(out, lse, written, gap)
-    merge_(rows(out, r), rows(lse, r), part_out, part_lse, first=fresh)
-    written.add(r)
-
-
-def clear_(out: Tensor, lse: Tensor, written: Coverage, r: Rows) -> None:
-    """Rows that see no key: output 0, lse -inf."""
-    rows(out, r).zero_()
-    rows(lse, r).fill_(-math.inf)
-    written.add(r)
-
-
-def finish_(out: Tensor, lse: Tensor, written: Coverage) -> None:
-    """Clears the rows no hop wrote."""
-    for gap in written.gaps((0, out.shape[2])):
-        clear_(out, lse, written, gap)
-
-
 class _Span:
     """Rows ``begin:end`` of a result: how many announced parts are still to come, and where
-    their value is so far: nowhere (None), ``_ACC`` (the accumulator), ``_DONE`` (the result),
+    their value is so far: nowhere (None), ``_ACC`` (the accumulator), ``_DONE`` (the result,
+    complete), ``_IN_PLACE`` (the result, a single part written there through ``destination``),
     or ``(part, row0)``: rows of a part kept as it came, whose first row is ``row0``."""
 
     __slots__ = ("begin", "end", "remaining", "state")
@@ -128,7 +37,7 @@ class _Span:
         self.begin, self.end, self.remaining, self.state = begin, end, remaining, None
 
 
-_ACC, _DONE = "acc", "done"
+_ACC, _DONE, _IN_PLACE = "acc", "done", "in place"
 
 
 class _RowParts:
@@ -156,6 +65,17 @@ class _RowParts:
             self.spans.append(_Span(b, e, running))
         self.out: Optional[List[Tensor]] = None
         self.acc: Optional[List[Tensor]] = None
+        self.handed_out = {}  # rows -> the views ``destination`` returned for them
+
+    def destination(self, r: Rows) -> Optional[List[Tensor]]:
+        """Views of the result's rows ``r`` for a kernel to write its part into, where no part
+        reached them yet (then adding that part copies nothing); else None."""
+        first, last = self.starts.get(r[0]), self.starts.get(r[1])
+        if first is None or last is None or any(s.state is not None for s in self.spans[first:last]):
+            return None
+        views = [rows(t, r) for t in self._buffers(True)]
+        self.handed_out[r] = views
+        return views
 
     def _buffers(self, final: bool) -> List[Tensor]:
         if self.out is None:
@@ -191,10 +111,12 @@ class _RowParts:
             new = [rows(p, (b - r[0], e - r[0])) for p in parts]
             if state is None:
                 self._first(b, e, new)
-                new_state = (parts, r[0])
+                handed = self.handed_out.get(r)
+                in_place = handed is not None and all(p is t for p, t in zip(parts, handed))
+                new_state = _IN_PLACE if in_place else (parts, r[0])
             else:
-                prev = self.acc if state == _ACC else state[0]
-                row0 = 0 if state == _ACC else state[1]
+                prev = self.acc if state == _ACC else self.out if state == _IN_PLACE else state[0]
+                row0 = 0 if state in (_ACC, _IN_PLACE) else state[1]
                 prev = [rows(p, (b - row0, e - row0)) for p in prev]
                 dest = [rows(t, (b, e)) for t in self._buffers(final)]
                 combine(dest, prev, new, (b, e))
@@ -221,7 +143,7 @@ class _RowParts:
         for s in self.spans:
             if s.state is None:
                 self._fill_empty(out, (s.begin, s.end))
-            elif s.state != _DONE:
+            elif s.state not in (_DONE, _IN_PLACE):
                 parts, row0 = s.state
                 for t, p in zip(out, parts):
                     rows(t, (s.begin, s.end)).copy_(rows(p, (s.begin - row0, s.end - row0)))
@@ -260,13 +182,20 @@ class RowMerge(_RowParts):
         super().__init__([shape], dtype, acc_dtype, device, expected)
         self.lse = torch.empty(shape[:3], dtype=acc_dtype, device=device)
 
+    def destination(self, r: Rows) -> Optional[Tuple[Tensor, Tensor]]:
+        """(output rows, lse rows) of the result for a kernel to write into (see ``_RowParts``)."""
+        views = super().destination(r)
+        return None if views is None else (views[0], rows(self.lse, r))
+
     def add(self, r: Rows, part_out: Tensor, part_lse: Tensor) -> None:
         self._part_lse = part_lse, r[0]  # read by _first and _merge for the groups of this part
         self._add(r, (part_out,), self._merge)
 
     def _first(self, b: int, e: int, parts: List[Tensor]) -> None:
         lse, row0 = self._part_lse
-        rows(self.lse, (b, e)).copy_(rows(lse, (b - row0, e - row0)))
+        target, source = rows(self.lse, (b, e)), rows(lse, (b - row0, e - row0))
+        if source.data_ptr() != target.data_ptr():  # not written in place
+            target.copy_(source)
 
     def _merge(self, dest: List[Tensor], prev: List[Tensor], new: List[Tensor], r: Rows) -> None:
         lse, row0 = self._part_lse
