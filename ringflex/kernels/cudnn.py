@@ -785,15 +785,24 @@ class CudnnKernel:
         q, k, v = (_inner_contiguous(t) for t in (q, k, v))
         program = _program(mods, masked, q.device)
         runs = self._runs(program, mods, q, k, q_seg, kv_seg)
-        merged = RowMerge((*q.shape[:3], v.shape[-1]), q.dtype, torch.float32, q.device, [r.rows for r in runs])
+        shape, lse_shape = (*q.shape[:3], v.shape[-1]), q.shape[:3]
+        if len(runs) == 1 and runs[0].rows == (0, q.shape[2]):  # one call writes the whole result
+            out, lse = q.new_empty(shape), q.new_empty(lse_shape, dtype=torch.float32)
+            self._forward_call(runs[0], program, q, k, v, out, lse, scale, q_seg, kv_seg)
+            return out, lse
+        merged = RowMerge(shape, q.dtype, torch.float32, q.device, [r.rows for r in runs])
         for run in runs:
             # The result's own rows where no call wrote yet; else computed aside, then merged.
-            o, lse = merged.destination(run.rows) or (q.new_empty(*q.shape[:2], run.rows[1] - run.rows[0], v.shape[-1]),
-                                                      q.new_empty(*q.shape[:2], run.rows[1] - run.rows[0], dtype=torch.float32))
-            tensors = dict(q=rows(q, run.rows), k=rows(k, run.cols), v=rows(v, run.cols), out=o, lse=lse.unsqueeze(-1))
-            self._call(False, run, program, tensors, scale, q_seg, kv_seg)
+            n = run.rows[1] - run.rows[0]
+            o, lse = merged.destination(run.rows) or (q.new_empty(*shape[:2], n, shape[3]),
+                                                      q.new_empty(*shape[:2], n, dtype=torch.float32))
+            self._forward_call(run, program, q, k, v, o, lse, scale, q_seg, kv_seg)
             merged.add(run.rows, o, lse)
         return merged.result()
+
+    def _forward_call(self, run: _Run, program: _Program, q, k, v, out, lse, scale, q_seg, kv_seg) -> None:
+        tensors = dict(q=rows(q, run.rows), k=rows(k, run.cols), v=rows(v, run.cols), out=out, lse=lse.unsqueeze(-1))
+        self._call(False, run, program, tensors, scale, q_seg, kv_seg)
 
     def backward(self, q, k, v, out, lse, dout, q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods,
                  scale: float, masked: bool) -> Tuple[Tensor, Tensor, Tensor]:
@@ -802,30 +811,41 @@ class CudnnKernel:
         runs = self._runs(program, mods, q, k, q_seg, kv_seg)
         # A row that sees no key anywhere has lse -inf; +inf makes its probabilities exp(s - inf) = 0.
         stats = torch.where(lse.isneginf(), math.inf, lse.float()).unsqueeze(-1)
+        call = (program, mods, q, k, v, out, lse, stats, dout, scale, q_seg, kv_seg)
+        whole = (0, q.shape[2]), (0, k.shape[2])
+        if len(runs) == 1 and (runs[0].rows, runs[0].cols) == whole:  # one call writes the whole result
+            grads = [torch.empty_like(t) for t in (q, k, v)]
+            self._backward_call(runs[0], *call, grads)
+            return tuple(grads)
         # Calls write in place where no earlier call wrote those rows; elsewhere they are
         # summed in fp32, and every gradient is rounded once.
         dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [r.rows for r in runs])
         kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [r.cols for r in runs])
         for run in runs:
-            parts = (dq_sum.destination(run.rows) or [q.new_empty(rows(q, run.rows).shape)]) + (
+            grads = (dq_sum.destination(run.rows) or [q.new_empty(rows(q, run.rows).shape)]) + (
                 kv_sum.destination(run.cols) or [k.new_empty(rows(k, run.cols).shape), v.new_empty(rows(v, run.cols).shape)])
-            tensors = dict(q=rows(q, run.rows), k=rows(k, run.cols), v=rows(v, run.cols), out=rows(out, run.rows),
-                           dout=rows(dout, run.rows), lse=rows(stats, run.rows).contiguous(),  # cuDNN wants it packed
-                           dq=parts[0], dk=parts[1], dv=parts[2])
-            if run.rows[1] - run.rows[0] == 1 and run.cols[1] - run.cols[0] == 1:
-                # cuDNN's backward rejects s_q = s_kv = 1 (a one-token document, say)
-                tensors["lse"] = rows(lse, run.rows)
-                got = ReferenceKernel().backward(*(tensors[n] for n in ("q", "k", "v", "out", "lse", "dout")),
-                                                 _sub(q_seg, run.rows), _sub(kv_seg, run.cols), mods, scale,
-                                                 run.masked or run.band is not None)
-                for part, value in zip(parts, got):
-                    part.copy_(value)
-            else:
-                self._call(True, run, program, tensors, scale, q_seg, kv_seg)
-            dq_sum.add(run.rows, parts[0])
-            kv_sum.add(run.cols, *parts[1:])
+            self._backward_call(run, *call, grads)
+            dq_sum.add(run.rows, grads[0])
+            kv_sum.add(run.cols, *grads[1:])
         (dq,), (dk, dv) = dq_sum.result(), kv_sum.result()
         return dq, dk, dv
+
+    def _backward_call(self, run: _Run, program: _Program, mods: Mods, q, k, v, out, lse, stats, dout, scale,
+                       q_seg, kv_seg, grads: List[Tensor]) -> None:
+        """One call's dq, dk, dv into ``grads``."""
+        tensors = dict(q=rows(q, run.rows), k=rows(k, run.cols), v=rows(v, run.cols), out=rows(out, run.rows),
+                       dout=rows(dout, run.rows), lse=rows(stats, run.rows).contiguous(),  # cuDNN wants it packed
+                       dq=grads[0], dk=grads[1], dv=grads[2])
+        if run.rows[1] - run.rows[0] == 1 and run.cols[1] - run.cols[0] == 1:
+            # cuDNN's backward rejects s_q = s_kv = 1 (a one-token document, say)
+            tensors["lse"] = rows(lse, run.rows)
+            got = ReferenceKernel().backward(*(tensors[n] for n in ("q", "k", "v", "out", "lse", "dout")),
+                                             _sub(q_seg, run.rows), _sub(kv_seg, run.cols), mods, scale,
+                                             run.masked or run.band is not None)
+            for grad, value in zip(grads, got):
+                grad.copy_(value)
+        else:
+            self._call(True, run, program, tensors, scale, q_seg, kv_seg)
 
 
 def _lowering(score: Optional[ModGraph], mask: Optional[ModGraph], backward: bool) -> _Lowering:

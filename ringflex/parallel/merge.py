@@ -106,26 +106,27 @@ class _RowParts:
             yield group
 
     def _add(self, r: Rows, parts: Sequence[Tensor], combine) -> None:
+        handed = self.handed_out.pop(r, None)
+        arrived = _IN_PLACE if handed is not None and all(p is t for p, t in zip(parts, handed)) else (parts, r[0])
         for group in self._groups(r):
             b, e, state, final = group[0].begin, group[-1].end, group[0].state, group[0].remaining == 0
-            new = [rows(p, (b - r[0], e - r[0])) for p in parts]
             if state is None:
-                self._first(b, e, new)
-                handed = self.handed_out.get(r)
-                in_place = handed is not None and all(p is t for p, t in zip(parts, handed))
-                new_state = _IN_PLACE if in_place else (parts, r[0])
+                self._first((b, e), (b - r[0], e - r[0]))
+                new_state = arrived
             else:
                 prev = self.acc if state == _ACC else self.out if state == _IN_PLACE else state[0]
                 row0 = 0 if state in (_ACC, _IN_PLACE) else state[1]
                 prev = [rows(p, (b - row0, e - row0)) for p in prev]
+                new = [rows(p, (b - r[0], e - r[0])) for p in parts]
                 dest = [rows(t, (b, e)) for t in self._buffers(final)]
                 combine(dest, prev, new, (b, e))
                 new_state = _DONE if final else _ACC
             for s in group:
                 s.state = new_state
 
-    def _first(self, b: int, e: int, parts: List[Tensor]) -> None:
-        """The first part of rows b:e arrived (kept as it is)."""
+    def _first(self, rows_: Rows, part_rows: Rows) -> None:
+        """The first part of result rows ``rows_`` arrived (kept as it is); ``part_rows``: the
+        same rows within the part."""
 
     def _fill_empty(self, out: List[Tensor], r: Rows) -> None:
         for t in out:
@@ -191,9 +192,8 @@ class RowMerge(_RowParts):
         self._part_lse = part_lse, r[0]  # read by _first and _merge for the groups of this part
         self._add(r, (part_out,), self._merge)
 
-    def _first(self, b: int, e: int, parts: List[Tensor]) -> None:
-        lse, row0 = self._part_lse
-        target, source = rows(self.lse, (b, e)), rows(lse, (b - row0, e - row0))
+    def _first(self, rows_: Rows, part_rows: Rows) -> None:
+        target, source = rows(self.lse, rows_), rows(self._part_lse[0], part_rows)
         if source.data_ptr() != target.data_ptr():  # not written in place
             target.copy_(source)
 
