@@ -76,8 +76,8 @@ def _masked(hop: Hop) -> bool:
 
 
 def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
-    out = RowMerge((*q.shape[:3], v.shape[-1]), q.dtype, compute_dtype(q.dtype), q.device,
-                   [hop.q_rows for hops in call.schedule for hop in hops])
+    merged = RowMerge((*q.shape[:3], v.shape[-1]), q.dtype, compute_dtype(q.dtype), q.device,
+                      [hop.q_rows for hops in call.schedule for hop in hops])
     blocks = _KVStream(call, (k, v))
     for step, hops in enumerate(call.schedule):
         # The rank's own block needs no transfer: it is computed while the argument check
@@ -85,7 +85,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
         pending = blocks.start(step) if step else None
         bk, bv = blocks.current
         for hop in hops:
-            out.add(hop.q_rows, *call.kernel.forward(
+            merged.add(hop.q_rows, *call.kernel.forward(
                 rows(q, hop.q_rows), rows(bk, hop.kv_rows), rows(bv, hop.kv_rows),
                 hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop)))
         if not step:
@@ -93,7 +93,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
                 call.agreement.wait()
             pending = blocks.start(step)
         blocks.advance(step, pending)
-    return (*out.result(), blocks.current)  # the block of the last step: backward starts on it
+    return (*merged.result(), blocks.current)  # the block of the last step: backward starts on it
 
 
 def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v):
