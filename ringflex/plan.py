@@ -259,6 +259,13 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
     return plan
 
 
+def steps_needed(schedule) -> int:
+    """Ring steps a schedule needs: up to its last step with work (at least the own block).
+    Where no rank needs blocks from further away (a sliding window or documents in the
+    contiguous layout), the ring stops there, and those blocks never travel."""
+    return 1 + max((step for step, hops in enumerate(schedule) if hops), default=0)
+
+
 def _captured_tensors(fn, depth=0):
     """Tensors a mod reads from its closure (and from the closures of mods it calls)."""
     if depth > 8:

@@ -17,7 +17,7 @@ import inspect
 import math
 import struct
 import weakref
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -236,10 +236,13 @@ _FIELDS: Tuple[_Field, ...] = (
 
 class Agreement:
     """The argument check of one call: ``wait()`` returns what ``prepare()`` returned, once
-    every rank has agreed, or raises the same ``fault.CallRejected`` on every rank."""
+    every rank has agreed, or raises the same ``fault.CallRejected`` on every rank. After
+    ``wait()``, ``ring_steps`` is the most ring steps any rank's plan needs."""
 
-    def __init__(self, result=None, error: Optional[str] = None, cause=None, exchange: Optional[_Exchange] = None):
+    def __init__(self, result=None, error: Optional[str] = None, cause=None, exchange: Optional[_Exchange] = None,
+                 ring_steps: int = 1):
         self.result, self.error, self.cause, self.exchange = result, error, cause, exchange
+        self.ring_steps = ring_steps
 
     @property
     def failed_here(self) -> bool:
@@ -264,15 +267,18 @@ class Agreement:
                 detail = ", ".join(f"rank {r}: {show(s)}" for r, s in enumerate(seen))
                 raise fault.CallRejected(f"ring_flex_attention: the ranks disagree on the {name} ({detail}); "
                                          "every rank of the ring must make the same call")
+        self.ring_steps = max(rec[len(_FIELDS)] for rec in records)
         return self.result
 
 
 def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, backend,
-          debug: bool = False, prepare: Optional[Callable] = None) -> Agreement:
+          debug: bool = False, prepare: Optional[Callable] = None,
+          ring_steps: Optional[Callable[[Any], int]] = None) -> Agreement:
     """Checks this rank's arguments, runs ``prepare()`` and starts comparing with the other
     ranks of ``group``. No rank may start a transfer before ``wait()`` on the result returned:
     it raises the same ValueError on every rank if any rank's arguments are bad, ``prepare()``
-    raised on any rank, or the ranks disagree."""
+    raised on any rank, or the ranks disagree. ``ring_steps(prepare())``: the ring steps this
+    rank's plan needs; the ranks share them and run the most any of them needs."""
     world_size = dist.get_world_size(group) if group is not None else 1
     failed = fault.failure(group)
     if failed:
@@ -285,10 +291,12 @@ def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, bac
             result = prepare()
         except Exception as e:  # noqa: BLE001 (reported to every rank, re-raised by wait())
             error, cause = f"{type(e).__name__}: {e} (while planning the ring, before any transfer)", e
+    steps = ring_steps(result) if ring_steps is not None and error is None else 1
     if group is None or world_size == 1:
-        return Agreement(result, error, cause)
+        return Agreement(result, error, cause, ring_steps=steps)
     grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     args = dict(q=q, k=k, v=v, layout=layout, backend=backend, enable_gqa=enable_gqa, scale=scale,
                 score_mod=score_mod, mask_mod=mask_mod, grad=grad, debug=debug)
     values = [0] * len(_FIELDS) if error else [get(args) for _, get, _ in _FIELDS]
-    return Agreement(result, error, cause, _Exchange(group, values, error, "the argument check", fault.CallRejected))
+    return Agreement(result, error, cause, _Exchange(group, values + [steps], error, "the argument check",
+                                                     fault.CallRejected), ring_steps=steps)

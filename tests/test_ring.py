@@ -152,3 +152,43 @@ def test_backward_twice_through_a_retained_graph():
     for once, twice in run_world(3, _twice):
         for a, b in zip(once, twice):
             torch.testing.assert_close(b, 2 * a)
+
+
+def _short_ring(rank, world_size, mask_name):
+    """Transfers of one forward and backward, and the largest error against the oracle."""
+    from ringflex import mods
+    from ringflex.parallel import fault
+    local = 8
+    mask = {"window": mods.sliding_window(4),  # each rank needs only the previous rank's block
+            "aligned_documents": mods.document(mods.document_ids([local] * world_size))}[mask_name]
+    seen, original = [], fault.GuardedComm.exchange
+
+    def counting(self, send, recv, reverse=False):
+        seen.append(self.phase)
+        return original(self, send, recv, reverse)
+
+    fault.GuardedComm.exchange = counting
+    try:
+        q, k, v, dout = (torch.randn(1, 2, local * world_size, 8, dtype=torch.float64,
+                                     generator=torch.Generator().manual_seed(i)) for i in range(4))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = attention(*full, mask_mod=mask)
+        want.backward(dout)
+        parts = [ringflex.shard(t, 2, layout="contiguous").requires_grad_() for t in (q, k, v)]
+        out = ringflex.ring_flex_attention(*parts, mask_mod=mask, layout="contiguous")
+        out.backward(ringflex.shard(dout, 2, layout="contiguous"))
+    finally:
+        fault.GuardedComm.exchange = original
+    errors = [(a - ringflex.shard(b, 2, layout="contiguous")).abs().max().item()
+              for a, b in zip([out] + [t.grad for t in parts], [want] + [t.grad for t in full])]
+    return seen, max(errors)
+
+
+@pytest.mark.parametrize("mask_name, forward, backward", [("window", 1, 1), ("aligned_documents", 0, 0)])
+def test_ring_stops_where_no_rank_needs_further_blocks(mask_name, forward, backward):
+    """A sliding window over the contiguous layout needs the previous rank's block only: the
+    ring runs two steps on 4 ranks (one K/V transfer forward; backward one partial sum and no
+    K/V block), not four. Documents that end at rank boundaries need no transfer at all."""
+    for seen, error in run_world(4, _short_ring, mask_name):
+        assert seen.count("forward") == forward and seen.count("backward") == backward, seen
+        assert error < 1e-10

@@ -38,28 +38,38 @@ class _KVStream:
     """The K/V block of each step: ``first``, then blocks received into two buffers that
     alternate (no step allocates, and a block is never overwritten while it is still being
     read or sent), and for the last step ``last``, where the rank holds that block already:
-    then the ring skips the transfer that would bring it."""
+    then the ring skips the transfer that would bring it. The number of steps is read when
+    the first transfer starts: forward may shorten the schedule once the ranks agree."""
 
     def __init__(self, call: RingCall, first, last=None, reverse: bool = False):
         self.call, self.reverse, self.last = call, reverse, last
         self.current = first
-        self.steps = len(call.schedule)
-        self.transfers = self.steps - 1 - (last is not None and self.steps > 1)
-        k, v = first
-        self.buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, self.transfers))]
+        self.buffers = None
         # NCCL starts a transfer only after the work queued before it on the current stream.
         # The first transfer may be issued after the own block's compute is queued (forward
         # waits for the argument check there), so it goes from a stream that waits for the
         # inputs alone and still overlaps that compute.
         self.first_stream = None
-        if k.is_cuda and self.transfers:
+        k, v = first
+        if k.is_cuda and len(call.schedule) > 1:
             self.first_stream = torch.cuda.Stream(k.device)
             self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
+
+    @property
+    def steps(self) -> int:
+        return len(self.call.schedule)
+
+    @property
+    def transfers(self) -> int:
+        return self.steps - 1 - (self.last is not None and self.steps > 1)
 
     def start(self, step: int):
         """Starts passing the current block on; the next one arrives in ``advance``."""
         if step >= self.transfers:
             return None
+        if self.buffers is None:
+            k, v = self.current
+            self.buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, self.transfers))]
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
             return self.call.comm.exchange(self.current, self.buffers[step % 2], reverse=self.reverse)
 
@@ -91,6 +101,8 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
         if not step:
             if call.agreement is not None:
                 call.agreement.wait()
+                # Steps beyond the most any rank needs would only carry blocks no rank uses.
+                call.schedule = call.schedule[:call.agreement.ring_steps]
             pending = blocks.start(step)
         blocks.advance(step, pending)
     return (*merged.result(), blocks.current)  # the block of the last step: backward starts on it
