@@ -25,7 +25,7 @@ def _parts(ranges, dtype, seed=0):
 
 
 @pytest.mark.parametrize("ranges", RANGES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_row_sum_rounds_once(ranges, dtype):
     parts = _parts(ranges, dtype)
     want = torch.zeros(2, 3, LENGTH, 5)
