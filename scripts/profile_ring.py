@@ -8,15 +8,18 @@ the host time of one call (returning from Python, GPU work still queued), its wa
 with the GPU drained, and the mean time of calls issued back to back (the benchmark's
 measure); the host time of the cross-rank argument check alone; and, from torch.profiler,
 the GPU time per call spent in attention kernels, NCCL transfers and everything else
-(LSE merges, casts, zero-fills). Compute time close to the back-to-back time means the
+(LSE merges, casts, zero-fills); and for every rank the time its GPU is idle and the longest
+idle gaps with the kernels around them. Compute time close to the back-to-back time means the
 ring is bound by its kernels; a large gap means idle GPU (host- or link-bound).
 """
 from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import os
 import shutil
+import tempfile
 import time
 
 import torch
@@ -52,6 +55,25 @@ def gpu_time_by_family(prof, calls: int) -> dict:
     return {**{k: round(v, 3) for k, v in totals.items()}, "top_other": {k: round(v, 3) for k, v in top.items()}}
 
 
+def gpu_idle(trace: dict, calls: int, top: int = 3) -> dict:
+    """From a chrome trace: milliseconds per call in which this GPU computes nothing (no
+    kernel, copy or memset on any stream but NCCL's, whose kernels spin while they wait),
+    between the first start and the last end, and the ``top`` longest such gaps with the
+    work before and after them: where a ring waits for a transfer or for its host."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace.get("traceEvents", ())
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                   and "nccl" not in e["name"].lower())
+    gaps, end, before = [], None, None
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            gaps.append((start - end, before, name))
+        if end is None or stop > end:
+            end, before = stop, name
+    longest = sorted(gaps, reverse=True)[:top]
+    return {"idle_ms": round(sum(g for g, _, _ in gaps) / 1e3 / calls, 3),
+            "longest": [(round(g / 1e3, 3), a[:40], b[:40]) for g, a, b in longest]}
+
+
 def measure(fn, iters: int) -> dict:
     """Host ms per call, wall ms per call with the GPU drained, and back-to-back ms per call."""
     fn()
@@ -71,6 +93,12 @@ def measure(fn, iters: int) -> dict:
     torch.cuda.synchronize()
     return {"host_ms": round(host / iters * 1e3, 3), "wall_ms": round(wall / iters * 1e3, 3),
             "back_to_back_ms": round(start.elapsed_time(end) / iters, 3)}
+
+
+def _gathered(value, world: int) -> list:
+    values = [None] * world
+    dist.all_gather_object(values, value)
+    return values
 
 
 def main():
@@ -127,9 +155,15 @@ def main():
                     forward_backward()
                 torch.cuda.synchronize()
             row["gpu_ms_per_fwd_bwd"] = gpu_time_by_family(prof, calls)
+            with tempfile.TemporaryDirectory() as tmp:
+                prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+                with open(os.path.join(tmp, "trace.json")) as f:
+                    idle = gpu_idle(json.load(f), calls)
             log(f"== {seq_len} tokens ({seq_len // world}/GPU), mask {mask}: argument check {check_ms:.3f} ms host")
             for name, value in row.items():
                 log(f"   {name}: {value}")
+            for r, value in enumerate(_gathered(idle, world)):  # every rank: the slowest sets the pace
+                log(f"   rank {r} GPU computing nothing, per fwd_bwd: {value}")
             if trace and (rank == 0 or "{}" in trace):
                 path = trace.format(f"{seq_len}_{mask}_{rank}")
                 plain = path[:-3] if path.endswith(".gz") else path

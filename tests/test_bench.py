@@ -18,3 +18,18 @@ def test_bench_smoke():
     rows = run_world(2, _bench)[0]
     assert [mask for mask, _ in rows] == ["none", "causal", "window", "documents", "causal_softcap"]
     assert all(ok for _, ok in rows)
+
+
+def test_gpu_idle_from_a_trace():
+    """profile_ring's idle time: gaps where no kernel but NCCL's (which spin while waiting)
+    runs on any stream, overlaps merged."""
+    from profile_ring import gpu_idle
+    events = [dict(ph="X", cat="kernel", ts=ts, dur=dur, name=name) for ts, dur, name in (
+        (0, 100, "attention"), (50, 150, "copy"),  # overlapping: busy until 200
+        (150, 300, "ncclDevKernel_SendRecv"),        # a transfer: not compute
+        (300, 10, "merge"),                          # 100 idle before it, after copy
+        (360, 90, "attention"))]                     # 50 idle before it, after merge
+    events.append(dict(ph="X", cat="cpu_op", ts=250, dur=1000, name="host"))  # not the GPU's
+    idle = gpu_idle({"traceEvents": events}, calls=1)
+    assert idle["idle_ms"] == 0.15
+    assert idle["longest"] == [(0.1, "copy", "merge"), (0.05, "merge", "attention")]
