@@ -70,12 +70,17 @@ class _RowParts:
     def destination(self, r: Rows) -> Optional[List[Tensor]]:
         """Views of the result's rows ``r`` for a kernel to write its part into, where no part
         reached them yet (then adding that part copies nothing); else None."""
-        first, last = self.starts.get(r[0]), self.starts.get(r[1])
-        if first is None or last is None or any(s.state is not None for s in self.spans[first:last]):
+        spans = self._spans(r)
+        if not spans or any(s.state is not None for s in spans):
             return None
         views = [rows(t, r) for t in self._buffers(True)]
         self.handed_out[r] = views
         return views
+
+    def _spans(self, r: Rows) -> List[_Span]:
+        """The spans that make up rows ``r`` (none if ``r`` was not announced)."""
+        first, last = self.starts.get(r[0]), self.starts.get(r[1])
+        return self.spans[first:last] if first is not None and last is not None else []
 
     def _buffers(self, final: bool) -> List[Tensor]:
         if self.out is None:
@@ -90,8 +95,7 @@ class _RowParts:
 
     def _groups(self, r: Rows):
         """The spans of ``r`` as runs of neighbours in the same state that become final together."""
-        first, last = self.starts.get(r[0]), self.starts.get(r[1])
-        spans = self.spans[first:last] if first is not None and last is not None else []
+        spans = self._spans(r)
         if not spans or any(s.remaining == 0 for s in spans):
             raise ValueError(f"rows {r} were not announced (or already complete)")
         for s in spans:
