@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+import os
 import struct
 import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -22,7 +23,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .parallel import fault
+from .parallel import fault, peer
 from .parallel.layout import LAYOUTS, divisor
 
 BACKENDS = ("auto", "cudnn", "reference")
@@ -91,6 +92,8 @@ def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend
         return f"layout must be one of {LAYOUTS}, got {layout!r}"
     if backend not in BACKENDS:
         return f"backend must be one of {BACKENDS}, got {backend!r}"
+    if _transport() == len(peer.CHOICES):
+        return f"RINGFLEX_TRANSPORT must be one of {peer.CHOICES}, got {os.environ['RINGFLEX_TRANSPORT']!r}"
     per_rank = divisor(layout, world_size) // world_size
     for name, t in (("q", q), ("k", k)):
         if t.shape[2] % per_rank:
@@ -231,7 +234,16 @@ _FIELDS: Tuple[_Field, ...] = (
     ("mask_mod", lambda a: fingerprint(a["mask_mod"], a["debug"]), lambda n: f"fingerprint {n:016x}"),
     ("gradient tracking (whether backward will run the ring)", lambda a: int(a["grad"]), lambda n: str(bool(n))),
     ("RINGFLEX_DEBUG mode", lambda a: int(a["debug"]), lambda n: str(bool(n))),
+    ("RINGFLEX_TRANSPORT", lambda a: _transport(), lambda n: repr((*peer.CHOICES, "invalid")[n])),
 )
+
+
+def _transport() -> int:
+    """The index of RINGFLEX_TRANSPORT in ``peer.CHOICES`` (their number if it is none of them)."""
+    try:
+        return peer.CHOICES.index(peer.choice())
+    except ValueError:
+        return len(peer.CHOICES)
 
 
 class Agreement:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import ringflex
 from ringflex import mods
+from ringflex.parallel import peer
 
 MASKS = ("none", "causal", "window", "documents", "causal_softcap")
 
@@ -270,10 +271,11 @@ def run(args):
         for mask in args.masks:
             log(f"[{len(rows) + 1}/{len(args.seq_lens) * len(args.masks)}] {seq_len} tokens, mask {mask}")
             rows.append(bench_one(args, seq_len, mask, device, dtype, rank, world_size, log))
-    log(table(rows))
+    transport = peer.in_use(dist.group.WORLD, device)
+    log(table(rows) + f"\nring transfers: {transport}")
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+            json.dump({"args": vars(args), "transport": transport, "rows": rows}, f, indent=1)
     if rank == 0 and args.plot:
         plot(rows, args.plot)
     return rows

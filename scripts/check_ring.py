@@ -18,6 +18,7 @@ import torch.distributed as dist
 import ringflex
 from ringflex.kernels.base import Mods
 from ringflex.kernels.reference import ReferenceKernel
+from ringflex.parallel import peer
 from ringflex.plan import Segment
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -78,8 +79,10 @@ def main():
             if rank == 0:
                 print(f"{name:>18} {layout:>10}: out {errs[0]:.2e} dq {errs[1]:.2e} dk {errs[2]:.2e} dv {errs[3]:.2e}"
                       f" {'ok' if ok else 'FAIL'}", flush=True)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    transport = peer.in_use(dist.group.WORLD, device)
     if rank == 0:
-        print(f"world size {world_size}, {seq_len} tokens, backend {args.backend}: "
+        print(f"world size {world_size}, {seq_len} tokens, backend {args.backend}, transfers {transport}: "
               f"{'all cases within' if not failed else f'{failed} case(s) beyond'} tolerance {tolerance}")
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)

@@ -156,26 +156,23 @@ def main():
                 torch.cuda.synchronize()
             row["gpu_ms_per_fwd_bwd"] = gpu_time_by_family(prof, calls)
             with tempfile.TemporaryDirectory() as tmp:
-                prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
-                with open(os.path.join(tmp, "trace.json")) as f:
+                plain = os.path.join(tmp, "trace.json")
+                prof.export_chrome_trace(plain)  # a profile exports once
+                with open(plain) as f:
                     idle = gpu_idle(json.load(f), calls)
+                if trace and (rank == 0 or "{}" in trace):
+                    path = trace.format(f"{seq_len}_{mask}_{rank}")
+                    with open(plain, "rb") as f, (gzip.open if path.endswith(".gz") else open)(path, "wb") as g:
+                        shutil.copyfileobj(f, g)
             log(f"== {seq_len} tokens ({seq_len // world}/GPU), mask {mask}: argument check {check_ms:.3f} ms host")
             for name, value in row.items():
                 log(f"   {name}: {value}")
             for r, value in enumerate(_gathered(idle, world)):  # every rank: the slowest sets the pace
                 log(f"   rank {r} GPU computing nothing, per fwd_bwd: {value}")
-            if trace and (rank == 0 or "{}" in trace):
-                path = trace.format(f"{seq_len}_{mask}_{rank}")
-                plain = path[:-3] if path.endswith(".gz") else path
-                prof.export_chrome_trace(plain)
-                if plain != path:
-                    with open(plain, "rb") as f, gzip.open(path, "wb") as g:
-                        shutil.copyfileobj(f, g)
-                    os.remove(plain)
-                if "{}" not in trace:
-                    for key in ("self_cpu_time_total", "self_device_time_total"):
-                        log(prof.key_averages().table(sort_by=key, row_limit=25))
-                    trace = None
+            if trace and "{}" not in trace:
+                for key in ("self_cpu_time_total", "self_device_time_total"):
+                    log(prof.key_averages().table(sort_by=key, row_limit=25))
+                trace = None
             del q, k, v, grad
             torch.cuda.empty_cache()
     dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""Runs a function on a real ring: W spawned processes joined by a gloo process group."""
+"""Runs a function on a real ring: W spawned processes joined by a gloo (or, on GPUs, NCCL) process group."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -13,12 +13,14 @@ import torch
 import torch.distributed as dist
 
 
-def _worker(rank, world_size, store_path, environ, fn, args, results):
+def _worker(rank, world_size, store_path, environ, backend, fn, args, results):
     os.environ.clear()
     os.environ.update(environ)  # the caller's, as a spawned child would see it
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         # Pickled here, by value: a queue would pass tensors as file descriptors served by this
         # process, which may have exited by the time the parent reads them.
         results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
@@ -29,8 +31,10 @@ def _worker(rank, world_size, store_path, environ, fn, args, results):
             dist.destroy_process_group()
 
 
-def run_world(world_size: int, fn, *args, timeout: float = 240.0, allow_errors: bool = False):
+def run_world(world_size: int, fn, *args, timeout: float = 240.0, allow_errors: bool = False,
+              backend: str = "gloo"):
     """``fn(rank, world_size, *args)`` on every rank; returns the per-rank results.
+    ``backend="nccl"``: rank r runs on GPU r.
 
     A rank that raises fails the call (unless ``allow_errors``: then the traceback text is
     that rank's result); ranks still running after ``timeout`` seconds are killed and the
@@ -43,7 +47,7 @@ def run_world(world_size: int, fn, *args, timeout: float = 240.0, allow_errors: 
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, store, dict(os.environ), fn, args, results), daemon=True)
+        procs = [ctx.Process(target=_worker, args=(r, world_size, store, dict(os.environ), backend, fn, args, results), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()

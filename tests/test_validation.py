@@ -55,6 +55,15 @@ def _mismatches(rank, world_size):
         finally:
             os.environ["RINGFLEX_DEBUG"] = "0"
 
+    def with_transport_on_rank_1(value):
+        def call():
+            os.environ["RINGFLEX_TRANSPORT"] = value if odd else "auto"
+            try:
+                return attn(q, k, v)
+            finally:
+                del os.environ["RINGFLEX_TRANSPORT"]
+        return call
+
     calls = {
         "local query length": lambda: attn(q[:, :, :2] if odd else q, k, v),
         "local key/value length": lambda: attn(q, k[:, :, :2] if odd else k, v[:, :, :2] if odd else v),
@@ -70,6 +79,8 @@ def _mismatches(rank, world_size):
         "score_mod on one rank": lambda: attn(q, k, v, score_mod=mods.softcap(5.0) if odd else None),
         "gradient tracking": lambda: attn(q.detach().requires_grad_(odd), k, v),
         "debug mode": with_debug_on_rank_1,
+        "transport": with_transport_on_rank_1("nccl"),
+        "bad transport on one rank": with_transport_on_rank_1("ipc"),
         "bad argument on one rank": lambda: attn(q[0] if odd else q, k, v),
         "bad layout name on one rank": lambda: attn(q, k, v, layout="zigzig" if odd else "zigzag"),
         "mask_mod raising while planning on one rank": lambda: attn(q, k, v, mask_mod=_query_flags(flags),
@@ -99,6 +110,9 @@ EXPECTED = {
     "gradient tracking": "disagree on the gradient tracking (whether backward will run the ring) "
                          "(rank 0: False, rank 1: True, rank 2: False)",
     "debug mode": "disagree on the RINGFLEX_DEBUG mode (rank 0: False, rank 1: True, rank 2: False)",
+    "transport": "disagree on the RINGFLEX_TRANSPORT (rank 0: 'auto', rank 1: 'nccl', rank 2: 'auto')",
+    "bad transport on one rank": "CallRejected: ring_flex_attention: rank 1: RINGFLEX_TRANSPORT must be one of "
+                                 "('auto', 'copy-engine', 'nccl'), got 'ipc'",
     "bad argument on one rank": "CallRejected: ring_flex_attention: rank 1: q must be 4-D [batch, heads, "
                                 "local_seq_len, head_dim], got shape (2, 4, 8)",
     "bad layout name on one rank": "CallRejected: ring_flex_attention: rank 1: layout must be one of "

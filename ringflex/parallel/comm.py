@@ -1,10 +1,15 @@
-"""The ring's point-to-point exchange: send to the next rank while receiving from the previous (or the reverse)."""
+"""The ring's point-to-point exchange: send to the next rank while receiving from the previous (or the reverse).
+
+Between the GPUs of one host the copy engines carry it (``peer``); elsewhere the process
+group's batched P2P ops (NCCL, gloo)."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch.distributed as dist
 from torch import Tensor
+
+from . import peer
 
 
 class RingComm:
@@ -21,8 +26,13 @@ class RingComm:
         """Starts the transfer; call ``.wait()`` on the result before reading ``recv``.
         ``reverse``: send to the previous rank and receive from the next.
 
-        NCCL runs it on its own stream, so the compute launched meanwhile overlaps it.
+        It runs beside the compute launched meanwhile (NCCL and the copy engines use their own
+        streams).
         """
+        if send[0].is_cuda:
+            transport = peer.transport(self.group, send[0].device)
+            if transport is not None:
+                return transport.exchange(send, recv, reverse)
         to, source = (self.prev, self.next) if reverse else (self.next, self.prev)
         ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv]

@@ -44,16 +44,22 @@ class _KVStream:
     def __init__(self, call: RingCall, first, last=None, reverse: bool = False):
         self.call, self.reverse, self.last = call, reverse, last
         self.current = first
-        self.buffers = None
-        # NCCL starts a transfer only after the work queued before it on the current stream.
-        # The first transfer may be issued after the own block's compute is queued (forward
-        # waits for the argument check there), so it goes from a stream that waits for the
-        # inputs alone and still overlaps that compute.
+        self.buffers = []
+        # A transfer starts only after the work queued before it on the current stream. The
+        # first one may be issued after the own block's compute is queued (forward waits for
+        # the argument check there), so it goes from a stream that waits for the inputs alone
+        # and still overlaps that compute. Its receive buffer is allocated before that compute
+        # is queued: memory freed by the compute's temporaries is then not handed to it.
         self.first_stream = None
-        k, v = first
-        if k.is_cuda and len(call.schedule) > 1:
-            self.first_stream = torch.cuda.Stream(k.device)
-            self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
+        if self.transfers > 0:
+            self._add_buffer()
+            k, v = first
+            if k.is_cuda:
+                self.first_stream = torch.cuda.Stream(k.device)
+                self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
+
+    def _add_buffer(self):
+        self.buffers.append(tuple(torch.empty_like(t) for t in self.current))
 
     @property
     def steps(self) -> int:
@@ -67,9 +73,8 @@ class _KVStream:
         """Starts passing the current block on; the next one arrives in ``advance``."""
         if step >= self.transfers:
             return None
-        if self.buffers is None:
-            k, v = self.current
-            self.buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(min(2, self.transfers))]
+        if len(self.buffers) <= step % 2:
+            self._add_buffer()
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
             return self.call.comm.exchange(self.current, self.buffers[step % 2], reverse=self.reverse)
 
