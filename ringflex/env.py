@@ -5,6 +5,7 @@ missing optional package or a CPU build of torch.
 """
 from __future__ import annotations
 
+import os
 import platform
 from importlib import metadata
 from typing import Dict, Optional
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from . import __version__
 from .kernels import _cudnn_reason
 from .kernels.base import Mods
+from .parallel import peer
 
 
 def _package_version(name: str) -> str:
@@ -39,11 +41,14 @@ def versions() -> Dict[str, str]:
 
 
 def devices() -> Dict[str, str]:
-    """CUDA devices and torch.distributed backends."""
+    """CUDA devices, torch.distributed backends and what can carry the ring's transfers."""
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     backends = [name for name, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())) if ok]
+    engines = peer.local_reason(torch.device("cuda", 0)) if gpus else "no CUDA device"
     return {"cuda devices": ", ".join(gpus) or "none",
-            "distributed backends": ", ".join(backends) if dist.is_available() else "torch.distributed unavailable"}
+            "distributed backends": ", ".join(backends) if dist.is_available() else "torch.distributed unavailable",
+            "ring transfers": f"RINGFLEX_TRANSPORT={os.environ.get('RINGFLEX_TRANSPORT', 'auto')}; copy engines "
+                              + ("available (GPUs of one host)" if engines is None else f"unavailable: {engines}")}
 
 
 def backends() -> Dict[str, Optional[str]]:

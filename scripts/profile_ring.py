@@ -37,12 +37,14 @@ def _family(name: str) -> str:
         return "nccl"
     if any(s in lowered for s in ("sdpa", "fmha", "flash", "cudnn", "attn", "attention")):
         return "attention"
+    if lowered.startswith("memcpy"):
+        return "copy engines"  # beside the kernels, on no SM (the copy-engine transport's transfers)
     return "other"
 
 
 def gpu_time_by_family(prof, calls: int) -> dict:
-    """Milliseconds of GPU kernel time per call, by family, and the five largest 'other' kernels."""
-    totals, others = {"attention": 0.0, "nccl": 0.0, "other": 0.0}, {}
+    """Milliseconds of GPU time per call, by family, and the five largest 'other' kernels."""
+    totals, others = {"attention": 0.0, "nccl": 0.0, "copy engines": 0.0, "other": 0.0}, {}
     for event in prof.key_averages():
         us = event.self_device_time_total
         if us <= 0 or event.device_type != torch.autograd.DeviceType.CUDA:
@@ -56,12 +58,13 @@ def gpu_time_by_family(prof, calls: int) -> dict:
 
 
 def gpu_idle(trace: dict, calls: int, top: int = 3) -> dict:
-    """From a chrome trace: milliseconds per call in which this GPU computes nothing (no
-    kernel, copy or memset on any stream but NCCL's, whose kernels spin while they wait),
-    between the first start and the last end, and the ``top`` longest such gaps with the
-    work before and after them: where a ring waits for a transfer or for its host."""
+    """From a chrome trace: milliseconds per call in which this GPU's SMs compute nothing (no
+    kernel or memset on any stream but NCCL's, whose kernels spin while they wait; copies run
+    on copy engines, beside the SMs), between the first start and the last end, and the
+    ``top`` longest such gaps with the work before and after them: where a ring waits for a
+    transfer or for its host."""
     spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace.get("traceEvents", ())
-                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset")
                    and "nccl" not in e["name"].lower())
     gaps, end, before = [], None, None
     for start, stop, name in spans:

@@ -22,7 +22,7 @@ def test_bench_smoke():
 
 def test_gpu_idle_from_a_trace():
     """profile_ring's idle time: gaps where no kernel but NCCL's (which spin while waiting)
-    runs on any stream, overlaps merged."""
+    runs on any stream, overlaps merged; copies (copy engines, no SM) do not count as work."""
     from profile_ring import gpu_idle
     events = [dict(ph="X", cat="kernel", ts=ts, dur=dur, name=name) for ts, dur, name in (
         (0, 100, "attention"), (50, 150, "copy"),  # overlapping: busy until 200
@@ -30,6 +30,7 @@ def test_gpu_idle_from_a_trace():
         (300, 10, "merge"),                          # 100 idle before it, after copy
         (360, 90, "attention"))]                     # 50 idle before it, after merge
     events.append(dict(ph="X", cat="cpu_op", ts=250, dur=1000, name="host"))  # not the GPU's
+    events.append(dict(ph="X", cat="gpu_memcpy", ts=200, dur=100, name="Memcpy PtoP"))  # no SM
     idle = gpu_idle({"traceEvents": events}, calls=1)
     assert idle["idle_ms"] == 0.15
     assert idle["longest"] == [(0.1, "copy", "merge"), (0.05, "merge", "attention")]

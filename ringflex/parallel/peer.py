@@ -208,7 +208,7 @@ def in_use(group, device: torch.device) -> str:
 
 def _why_not(group, device: torch.device) -> Optional[str]:
     """Why the copy engines cannot carry this group's ring (the same answer on every rank), or None."""
-    ranks = _gather(group, (socket.gethostname(), _local_reason(device), _uuid(device)))
+    ranks = _gather(group, (socket.gethostname(), local_reason(device), _uuid(device)))
     if len({host for host, _, _ in ranks}) > 1:
         return "the ranks are on more than one host"
     for r, (_, reason, _) in enumerate(ranks):
@@ -232,7 +232,8 @@ def _gather(group, value) -> List:
     return values
 
 
-def _local_reason(device: torch.device) -> Optional[str]:
+def local_reason(device: torch.device) -> Optional[str]:
+    """Why this process cannot use the copy-engine transport on ``device``, or None."""
     if device.type != "cuda":
         return "the tensors are not on a GPU"
     try:
