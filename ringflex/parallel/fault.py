@@ -13,9 +13,12 @@ timeout (30 minutes for gloo). gloo has no working abort in torch 2.13 (``abort(
 - a failed group stays failed (transfers in flight can no longer be matched): every later
   call on it raises at once.
 
-Waits on CUDA (NCCL) transfers block the GPU stream, not the CPU, so they cannot poll: there
+Waits on CUDA transfers block the GPU stream, not the CPU, so they cannot poll. On NCCL
 ringflex marks the failure but cannot release a rank already blocked in NCCL; the process
-group's own timeout does.
+group's own timeout does. Over the copy engines (``peer``), whose waits have no timeout, the
+rank that marks the failure raises every flag its own and its neighbours' streams may wait
+on: their streams run on (what the released copies deliver is garbage) and every rank
+raises ``RingFailure`` at its next call.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from torch import Tensor
 
+from . import peer
 from .comm import RingComm
 
 _KEY = "ringflex/failed"
@@ -64,6 +68,7 @@ def fail(group, message: str) -> None:
     if group in _FAILED:
         return
     _FAILED[group] = message
+    peer.release(group)  # GPU streams waiting on the copy engines' flags have no timeout
     store = _store(group)
     if store is not None:
         try:

@@ -38,6 +38,7 @@ SLOT_BYTES = 32 << 20
 SLOTS = 4  # per direction: 256 MiB of mailbox per rank in all
 _FLAGS_BYTES = 4096
 _READY, _FREE = 0, 1
+_RELEASED = 1 << 30  # a flag value ahead of every generation (see ``release``)
 CHOICES = ("auto", "copy-engine", "nccl")
 _TRANSPORTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> PeerTransport or None
 _WARNED = set()
@@ -161,6 +162,25 @@ class PeerTransport:
             self.driver.wait(self._flag(self.rank, _READY, direction, slot), gen)
             data[start:end].copy_(self._slot(self.mailbox, direction, slot)[:end - start])
             self.driver.write(self._flag(source, _FREE, direction, slot), gen)
+
+
+    def release(self) -> None:
+        """Raises every flag this rank's and its neighbours' streams may wait on (see ``release``)."""
+        # The driver compares flags cyclically ((int32)(flag - expected) >= 0), so the value
+        # that passes every wait is one far ahead of any generation, not 0xFFFFFFFF.
+        with torch.cuda.stream(torch.cuda.Stream(self.device)):  # the transport's streams may be blocked
+            for mailbox in (self.mailbox, *self.peer_mailbox.values()):
+                mailbox[:_FLAGS_BYTES].view(torch.int32).fill_(_RELEASED)
+
+
+def release(group) -> None:
+    """After ``group`` failed: releases the GPU streams of this rank and its neighbours that
+    wait for a transfer which will not come, so no GPU stays blocked (there is no timeout on
+    these waits). What the released copies then deliver is garbage; every rank raises
+    ``RingFailure`` at its next call on the group (``fault``)."""
+    transport = _TRANSPORTS.get(group)
+    if transport is not None:
+        transport.release()
 
 
 def _bytes(t: Tensor) -> Tensor:

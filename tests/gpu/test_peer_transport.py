@@ -70,3 +70,51 @@ def _ring(rank, world_size):
 
 def test_ring_over_copy_engines_matches_nccl_bit_for_bit():
     assert run_world(2, _ring, backend="nccl") == [True, True]
+
+
+_L = 256  # local tokens
+
+
+def _raise_on_rank_1(phase: str):
+    """A score_mod that raises on rank 1 in ``phase`` while it holds rank 0's block (contiguous
+    layout): at forward step 1, or at backward step 0 before its first partial sum leaves."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        forward = not torch.is_grad_enabled()
+        if dist.get_rank() == 1 and forward == (phase == "forward") and int(kv_idx.max()) < _L:
+            raise RuntimeError("injected fault")
+        return score
+    return score_mod
+
+
+def _call(score_mod, group):
+    q, k, v = (torch.randn(1, 2, _L, 64, device="cuda", requires_grad=True) for _ in range(3))
+    try:
+        out = ring_flex_attention(q, k, v, score_mod=score_mod, layout="contiguous", group=group, backend="reference")
+        out.sum().backward()
+    except Exception as e:  # noqa: BLE001 (the test inspects the text)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _faults(rank, world_size):
+    os.environ["RINGFLEX_TRANSPORT"] = "copy-engine"
+    results = {}
+    for phase in ("forward", "backward"):
+        group = dist.new_group([0, 1])
+        _call(None, group)  # the transport is built and used
+        results[phase] = _call(_raise_on_rank_1(phase), group)
+        results[phase + ", called again"] = _call(None, group)
+        torch.cuda.synchronize()  # no stream of this GPU is left waiting for a flag
+    return results
+
+
+def test_a_failing_rank_releases_the_copy_engine_waits():
+    per_rank = run_world(2, _faults, backend="nccl", timeout=180)
+    for phase in ("forward", "backward"):
+        assert per_rank[1][phase] == "RuntimeError: injected fault"
+        assert per_rank[1][phase + ", called again"].startswith(
+            "RingFailure: ringflex: the ring on this process group failed earlier"), per_rank[1]
+        # rank 0's call in flight ran on (with garbage from the released copies, or raising
+        # where it polled); its next call raises
+        again = per_rank[0][phase + ", called again"]
+        assert again.startswith("RingFailure: ringflex: ") and f"rank 1 raised in the ring's {phase}" in again, again
