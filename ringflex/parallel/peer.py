@@ -15,7 +15,8 @@ written and awaited by CUDA stream memory operations (the driver's cuStreamWrite
 cuStreamWaitValue32), so no host thread and no SM takes part, and a rank waits only on
 flags in its own memory. Every rank makes the same transfers in the same order, so both
 ends of a link count the chunks alike: chunk ``c`` uses slot ``c % SLOTS`` and its flags
-carry the slot's generation ``c // SLOTS + 1``.
+carry the slot's generation ``c // SLOTS + 1``. These waits have no timeout, so a rank that
+marks the ring failed (``fault.fail``) releases them (``release``).
 
 ``RINGFLEX_TRANSPORT`` chooses: ``auto`` (default; copy engines when every rank of the
 group is on one host with CUDA tensors and symmetric memory, else the process group's P2P
@@ -45,6 +46,7 @@ _WARNED = set()
 
 
 def choice() -> str:
+    """``RINGFLEX_TRANSPORT``, checked (the argument check reports a bad value before any transfer)."""
     value = os.environ.get("RINGFLEX_TRANSPORT", "auto")
     if value not in CHOICES:
         raise ValueError(f"RINGFLEX_TRANSPORT={value!r}: expected one of {', '.join(CHOICES)}")
@@ -162,7 +164,6 @@ class PeerTransport:
             self.driver.wait(self._flag(self.rank, _READY, direction, slot), gen)
             data[start:end].copy_(self._slot(self.mailbox, direction, slot)[:end - start])
             self.driver.write(self._flag(source, _FREE, direction, slot), gen)
-
 
     def release(self) -> None:
         """Raises every flag this rank's and its neighbours' streams may wait on (see ``release``)."""
