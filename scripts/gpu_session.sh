@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md, one stage per argument; logs go to $OUT (or ./out).
-#   bash scripts/gpu_session.sh check2 bench2 million      # on 2 (or more) GPUs
+#   bash scripts/gpu_session.sh check2 transport2 ab2 bench2 million   # on 2 (or more) GPUs
 #   bash scripts/gpu_session.sh check4 bench4              # on 4 GPUs
 #   bash scripts/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -19,6 +19,9 @@ for stage in "$@"; do
   case $stage in
     env) run env python3 -m ringflex.env ;;
     check2) run check tr 2 scripts/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;
+    transport2) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py ;;  # copy engines vs NCCL, failures
+    ab2) for t in nccl auto; do export RINGFLEX_TRANSPORT=$t; run ab2 tr 2 scripts/bench.py --seq-lens 16384 \
+              --masks none causal --no-cp --single-max 0 --iters 10 --warmup 3; done; unset RINGFLEX_TRANSPORT ;;
     check4) run check tr 4 scripts/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;
     bench2) run bench2 tr 2 scripts/bench.py --seq-lens 16384 32768 --iters 5 --warmup 2 \
               --json "$OUT/bench2.json" --plot "$OUT/efficiency_2gpu.png" ;;
