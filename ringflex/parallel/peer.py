@@ -144,7 +144,7 @@ class PeerTransport:
             for t in recv:
                 self._receive(direction, _bytes(t))
             received = recv_stream.record_event()
-        return _Arrival((sent, received), send)
+        return _Arrival(self.device, (sent, received), send)
 
     def _send(self, direction: int, data: Tensor) -> None:
         to = self.to[direction]
@@ -189,11 +189,12 @@ def _bytes(t: Tensor) -> Tensor:
 
 
 class _Arrival:
-    def __init__(self, events, sent):
-        self.events, self.sent = events, sent  # the sent tensors stay alive until the copies are ordered
+    def __init__(self, device: torch.device, events, sent):
+        self.device, self.events = device, events
+        self.sent = sent  # the sent tensors stay alive until the copies are ordered
 
     def wait(self) -> None:
-        stream = torch.cuda.current_stream()
+        stream = torch.cuda.current_stream(self.device)
         for event in self.events:
             stream.wait_event(event)
         self.sent = None
