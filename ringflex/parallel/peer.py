@@ -210,7 +210,11 @@ def transport(group, device: torch.device) -> Optional[PeerTransport]:
     if wanted != "nccl":
         with torch.cuda.device(device):
             why = _why_not(group, device)
-            found = PeerTransport(group, device) if why is None else None
+            if why is None:
+                try:
+                    found = PeerTransport(group, device)
+                except (RuntimeError, TypeError, AttributeError) as e:  # an older torch fails alike on every rank
+                    why = f"symmetric memory could not be set up ({e})"
         if why is not None and wanted == "copy-engine":
             raise RuntimeError(f"ringflex: RINGFLEX_TRANSPORT=copy-engine cannot be used: {why}")
         if why is not None and why not in _WARNED:
