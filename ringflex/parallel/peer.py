@@ -27,13 +27,14 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
-import warnings
 import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from ..kernels import _warn_once
 
 SLOT_BYTES = 32 << 20
 SLOTS = 4  # per direction: 256 MiB of mailbox per rank in all
@@ -42,7 +43,6 @@ _READY, _FREE = 0, 1
 _RELEASED = 1 << 30  # a flag value ahead of every generation (see ``release``)
 CHOICES = ("auto", "copy-engine", "nccl")
 _TRANSPORTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> PeerTransport or None
-_WARNED = set()
 
 
 def choice() -> str:
@@ -217,10 +217,9 @@ def transport(group, device: torch.device) -> Optional[PeerTransport]:
                     why = f"symmetric memory could not be set up ({e})"
         if why is not None and wanted == "copy-engine":
             raise RuntimeError(f"ringflex: RINGFLEX_TRANSPORT=copy-engine cannot be used: {why}")
-        if why is not None and why not in _WARNED:
-            _WARNED.add(why)
-            warnings.warn(f"ringflex: the ring's transfers go through the process group's P2P (NCCL), "
-                          f"not the copy engines: {why}", stacklevel=2)
+        if why is not None:
+            _warn_once(f"ringflex: the ring's transfers go through the process group's P2P (NCCL), "
+                       f"not the copy engines: {why}")
     _TRANSPORTS[group] = found
     return found
 

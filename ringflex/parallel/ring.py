@@ -53,7 +53,7 @@ class _KVStream:
         self.first_stream = None
         if self.transfers > 0:
             self._add_buffer()
-            k, v = first
+            k = first[0]
             if k.is_cuda:
                 self.first_stream = torch.cuda.Stream(k.device)
                 self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
