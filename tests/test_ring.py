@@ -192,3 +192,20 @@ def test_ring_stops_where_no_rank_needs_further_blocks(mask_name, forward, backw
     for seen, error in run_world(4, _short_ring, mask_name):
         assert seen.count("forward") == forward and seen.count("backward") == backward, seen
         assert error < 1e-10
+
+
+def test_first_receive_buffer_exists_before_the_own_block_is_computed():
+    """The first transfer runs on a stream that waits only for the inputs, so its receive
+    buffer is allocated when the block stream is made, before the own block's compute is
+    queued (memory freed by that compute's temporaries must not be handed to the transfer);
+    the second buffer comes with the second transfer, and a ring without transfers has none."""
+    from ringflex.kernels.base import Mods
+    from ringflex.parallel.ring import RingCall, _KVStream
+
+    k, v = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
+    for steps, last, buffers in ((3, None, 1), (2, None, 1), (2, (k, v), 0), (1, None, 0)):
+        call = RingCall(comm=None, schedule=[[] for _ in range(steps)], kernel=ReferenceKernel(), mods=Mods(),
+                        scale=1.0)
+        blocks = _KVStream(call, (k, v), last=last)
+        assert len(blocks.buffers) == buffers, (steps, last is not None)
+        assert all(b.shape == k.shape for pair in blocks.buffers for b in pair)
