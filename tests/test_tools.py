@@ -20,6 +20,10 @@ def test_env_report():
     assert run.returncode == 0, run.stderr
     for word in ("torch", torch.__version__, "nvidia-cudnn-frontend", "reference", "available"):
         assert word in run.stdout, word
+    transfers = env.devices()["ring transfers"]
+    assert transfers.startswith("RINGFLEX_TRANSPORT=")
+    if not torch.cuda.is_available():
+        assert transfers.endswith("copy engines unavailable: no CUDA device")
 
 
 def test_progress_lines():
