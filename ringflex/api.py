@@ -63,13 +63,14 @@ def ring_flex_attention(
         q_segs = layouts.segments(layout, q_len, world_size, rank)
         kv_segs_per_step = [layouts.segments(layout, kv_len, world_size, (rank - step) % world_size)
                             for step in range(world_size)]
+        kernel = select_kernel(backend, q, k, v, mods)
         plan_args = (mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device,
-                     int(os.environ.get("RINGFLEX_MIN_TILE", 1024)))
+                     int(os.environ.get("RINGFLEX_MIN_TILE", 1024)), kernel)
         schedule = _PLANS.get(*plan_args)
         stale = debugging and debug.plan_error(schedule, plan_hops(*plan_args))
         if stale:
             raise ValueError(stale)
-        return schedule, select_kernel(backend, q, k, v, mods)
+        return schedule, kernel
 
     agreement = validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group, layout=layout,
                                scale=scale, enable_gqa=enable_gqa, backend=backend, debug=debugging, prepare=prepare,

@@ -176,12 +176,15 @@ def _merge(hops, positions_matter: bool):
     return sorted(join(join(hops, "kv"), "q"), key=lambda h: (h.q_rows, h.kv_rows))
 
 
-def _split(hop: Hop, kind_of, min_tile: int):
+def _split(hop: Hop, kind_of, min_tile: int, keep_whole):
     """Splits a PARTIAL hop into quadrants, recursively, where that sheds EMPTY parts:
     sparse blocks (windows, documents) lose their empty tiles, while a block shaped like a
-    causal diagonal (one EMPTY and one FULL quadrant), which kernels run well whole, stays whole."""
+    causal diagonal (one EMPTY and one FULL quadrant), which kernels run well whole, stays
+    whole, as does a block the kernel computes exactly by itself (``keep_whole``)."""
     (q0, q1), (k0, k1) = hop.q_rows, hop.kv_rows
     if hop.kind != BlockKind.PARTIAL or q1 - q0 < 2 * min_tile or k1 - k0 < 2 * min_tile:
+        return [hop]
+    if keep_whole is not None and keep_whole(hop.q_seg, hop.kv_seg):
         return [hop]
     qm, km = (q0 + q1) // 2, (k0 + k1) // 2
     quads = []
@@ -193,7 +196,7 @@ def _split(hop: Hop, kind_of, min_tile: int):
     full = sum(h.kind == BlockKind.FULL for h in quads)
     if empty == 0 or (empty == 1 and full > 0):  # dense, or shaped like a causal diagonal
         return [hop]
-    return [piece for h in quads if h.kind != BlockKind.EMPTY for piece in _split(h, kind_of, min_tile)]
+    return [piece for h in quads if h.kind != BlockKind.EMPTY for piece in _split(h, kind_of, min_tile, keep_whole)]
 
 
 # Masks that only compare q_idx with kv_idx: causal, and its strict and reversed forms.
@@ -229,9 +232,10 @@ def _local_order_hop(mask_mod, has_score_mod: bool, q_segs, kv_segs, device) -> 
 
 
 def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_segs_per_step, device=None,
-              min_tile: int = 1024):
+              min_tile: int = 1024, kernel=None):
     """The hops of every ring step: the non-EMPTY (Q segment, KV segment) pairs, sparse
-    PARTIAL blocks split down to ``min_tile`` tokens.
+    PARTIAL blocks split down to ``min_tile`` tokens unless ``kernel`` computes them exactly
+    by itself (``HopKernel.plans_within``): then splitting only adds calls and merges.
 
     ``kv_segs_per_step[i]`` are the segments of the KV block held at step i. The blocks are
     classified on ``device`` and read back to the host at once (one synchronisation); only
@@ -247,10 +251,15 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
     def kind_of(q_seg, kv_seg):
         return BlockKind(int(classify(mask_mod, batch, heads, q_seg, kv_seg, device, decide)))
 
+    keep_whole = None
+    if kernel is not None:
+        def keep_whole(q_seg, kv_seg):
+            return kernel.plans_within(mask_mod, has_score_mod, q_seg, kv_seg, device)
+
     steps = [[] for _ in kv_segs_per_step]
     for (step, qr, q, kr, kv), kind in zip(pairs, kinds):
         if kind != BlockKind.EMPTY:
-            steps[step] += _split(Hop(qr, kr, q, kv, BlockKind(kind)), kind_of, min_tile)
+            steps[step] += _split(Hop(qr, kr, q, kv, BlockKind(kind)), kind_of, min_tile, keep_whole)
     plan = [_merge(hops, positions_matter=has_score_mod) for hops in steps]
     for step, kv_segs in enumerate(kv_segs_per_step):
         local = _local_order_hop(mask_mod, has_score_mod, q_segs, kv_segs, device)
@@ -300,18 +309,20 @@ class PlanCache:
         self.size = size
         self.entries = {}
 
-    def get(self, mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device=None, min_tile=1024):
+    def get(self, mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device=None, min_tile=1024,
+            kernel=None):
         tensors = list(_captured_tensors(mask_mod)) if mask_mod is not None else []
+        args = (mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device, min_tile, kernel)
         try:
             ref = weakref.ref(mask_mod) if mask_mod is not None else (lambda: None)
         except TypeError:  # cannot tell whether the object lives on: do not cache
-            return plan_hops(mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device, min_tile)
+            return plan_hops(*args)
         key = (id(mask_mod), self._fingerprint(mask_mod), min_tile, tuple((id(t), t._version) for t in tensors), has_score_mod, batch, heads,
-               tuple(q_segs), tuple(map(tuple, kv_segs_per_step)), str(device))
+               tuple(q_segs), tuple(map(tuple, kv_segs_per_step)), str(device), kernel and kernel.name)
         entry = self.entries.get(key)
         if entry is not None and entry[0]() is mask_mod and all(r() is t for r, t in zip(entry[1], tensors)):
             return entry[2]
-        plan = plan_hops(mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device, min_tile)
+        plan = plan_hops(*args)
         if len(self.entries) >= self.size:
             self.entries.pop(next(iter(self.entries)))
         self.entries[key] = (ref, [weakref.ref(t) for t in tensors], plan)

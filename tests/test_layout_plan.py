@@ -95,6 +95,28 @@ def test_plan_splits_sparse_blocks_and_keeps_dense_ones_whole():
     assert len(plan_hops(mods.causal, False, 1, 1, seg, [seg], min_tile=256)[0]) == 1
 
 
+class _PlansWithin:
+    """A kernel that computes the visible part of any block by itself."""
+    name = "plans-within"
+
+    def __init__(self):
+        self.asked = []
+
+    def plans_within(self, mask_mod, has_score_mod, q_seg, kv_seg, device):
+        self.asked.append((q_seg, kv_seg))
+        return True
+
+
+def test_plan_keeps_blocks_whole_that_the_kernel_plans_within():
+    seg = [Segment(0, 1, 4096)]
+    doc = mods.document(mods.document_ids([1000, 1500, 1596]))
+    kernel = _PlansWithin()
+    assert [(h.q_rows, h.kv_rows) for h in plan_hops(doc, False, 1, 1, seg, [seg], min_tile=256, kernel=kernel)[0]] == [
+        ((0, 4096), (0, 4096))]
+    assert kernel.asked == [(seg[0], seg[0])]
+    assert len(plan_hops(doc, False, 1, 1, seg, [seg], min_tile=256)[0]) > 1  # split without such a kernel
+
+
 def _shard_roundtrip(rank, world_size, layout):
     x = torch.arange(2 * 3 * 12 * world_size, dtype=torch.float64).view(2, 3, 12 * world_size)
     x.requires_grad_()

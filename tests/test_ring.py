@@ -136,6 +136,26 @@ def test_ring_with_a_kernel_that_rounds_its_results(world_size):
             assert max(errs) <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (rank, name, dtype, errs)
 
 
+class _WholeBlockKernel(ReferenceKernel):
+    """The reference kernel, claiming to skip the empty parts of any block itself."""
+
+    def plans_within(self, *args):
+        return True
+
+
+def _whole_block_errors(rank, world_size, layout):
+    _with_kernel(_WholeBlockKernel())
+    return _max_errors(rank, world_size, layout)
+
+
+def test_ring_with_blocks_the_kernel_keeps_whole(monkeypatch):
+    """Sparse blocks that the kernel plans within reach it unsplit, with the same results."""
+    monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
+    for rank, errors in enumerate(run_world(2, _whole_block_errors, "zigzag")):
+        for (name, dtype), errs in errors.items():
+            assert max(errs) <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (rank, name, dtype, errs)
+
+
 def _twice(rank, world_size):
     """Gradients of one backward, and of two through a retained graph."""
     q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))

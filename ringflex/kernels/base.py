@@ -61,6 +61,13 @@ class HopKernel(Protocol):
         """
         ...
 
+    def plans_within(self, mask_mod: Optional[MaskMod], has_score_mod: bool, q_seg: Segment, kv_seg: Segment,
+                     device) -> bool:
+        """Whether the kernel computes no more than the visible part of this PARTIAL block by
+        itself. The planner then keeps the block as one hop instead of splitting off its empty
+        parts, which would only add calls and merges."""
+        ...
+
     def grad_dtype(self, dtype) -> "torch.dtype":
         """The dtype of the dk/dv ``backward`` returns for inputs of ``dtype``. A ring's first
         partial dK/dV sum (one rank's share) travels in it: no wider than needed, never rounded."""

@@ -688,9 +688,14 @@ def exact_runs(mods: Mods, mask: ModGraph, q_seg: Segment, kv_seg: Segment, devi
 
 
 def _group_runs(allowed: Tensor, r0: int, r1: int, c0: int, c1: int) -> List[_Run]:
-    """Runs for rows r0:r1 that see keys in c0:c1 only: leading keys that all of them see
-    unmasked, then the rest as a native band where it is one, else masked."""
+    """Runs for rows r0:r1 that see keys in c0:c1 only: one native band call where the rows'
+    keys form a band (a document that began in an earlier block: every key from c0 to the
+    diagonal), else the leading keys all of them see unmasked, then the rest as a native band
+    where it is one, else masked."""
     block = allowed[r0:r1, c0:c1]
+    whole = _band_of(block)
+    if whole is not None:
+        return [_shifted(r, r0, c0) for r in whole]
     seen_by_all = block.all(0)
     full = int(seen_by_all.int().argmin()) if not bool(seen_by_all.all()) else c1 - c0
     if full < max(_MIN_FULL, (c1 - c0) // 8):  # a narrow call and a merge cost more than they save
@@ -699,17 +704,25 @@ def _group_runs(allowed: Tensor, r0: int, r1: int, c0: int, c1: int) -> List[_Ru
     rest = block[:, full:]
     if full == c1 - c0 or not bool(rest.any()):
         return runs
-    i = torch.arange(rest.shape[0], device=rest.device).view(-1, 1)
-    j = torch.arange(rest.shape[1], device=rest.device).view(1, -1)
-    offset = (j - i)[rest]  # kept keys lie in [i + a, i + b] if the rest is a band
-    a, b = int(offset.min()), int(offset.max())
-    band = None
-    if torch.equal(rest, (j - i >= a) & (j - i <= b)):
-        band = band_runs((-b, -a), Segment(0, 1, rest.shape[0]), Segment(0, 1, rest.shape[1]))
+    band = _band_of(rest)
     if band is None:
         return runs + [_Run((r0, r1), (c0 + full, c1), masked=True)]
-    return runs + [_Run((r0 + r.rows[0], r0 + r.rows[1]), (c0 + full + r.cols[0], c0 + full + r.cols[1]), band=r.band)
-                   for r in band]
+    return runs + [_shifted(r, r0, c0 + full) for r in band]
+
+
+def _band_of(block: Tensor) -> Optional[List[_Run]]:
+    """The block (every row seeing some key) as at most one native band call, or None."""
+    i = torch.arange(block.shape[0], device=block.device).view(-1, 1)
+    j = torch.arange(block.shape[1], device=block.device).view(1, -1)
+    offset = (j - i)[block]  # kept keys lie in [i + a, i + b] if the block is a band
+    a, b = int(offset.min()), int(offset.max())
+    if not torch.equal(block, (j - i >= a) & (j - i <= b)):
+        return None
+    return band_runs((-b, -a), Segment(0, 1, block.shape[0]), Segment(0, 1, block.shape[1]))
+
+
+def _shifted(run: _Run, r0: int, c0: int) -> _Run:
+    return _Run((r0 + run.rows[0], r0 + run.rows[1]), (c0 + run.cols[0], c0 + run.cols[1]), band=run.band)
 
 
 def _area(runs: List[_Run]) -> int:
@@ -744,6 +757,15 @@ class CudnnKernel:
         # cuDNN writes dk/dv in the input dtype; calls of one hop that share key rows are
         # summed in fp32 and rounded once into it
         return dtype
+
+    def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment, device) -> bool:
+        # Where the exact plan applies (see ``_runs``) every call is unmasked or a native band
+        # over visible keys only. Band masks are left to the planner: their one call per block
+        # needs no help, and their split parts were measured as they are.
+        if has_score_mod or mask_mod is None:
+            return False
+        mask = _program(Mods(None, mask_mod), True, device).mask
+        return _band(mask) is None and exact_runs(Mods(None, mask_mod), mask, q_seg, kv_seg, device) is not None
 
     def _runs(self, program: _Program, mods: Mods, q: Tensor, k: Tensor, q_seg, kv_seg) -> List[_Run]:
         full = _Run((0, q.shape[2]), (0, k.shape[2]))

@@ -243,6 +243,26 @@ def test_exact_runs_cover_every_visible_pair_once(name):
             assert not any(run.masked for run in runs)
 
 
+def test_exact_runs_give_a_document_one_band_call_per_block():
+    """A document that began before the block's first key runs as one call with cuDNN's band
+    (every key from the block's start to the diagonal), not as a full call, a band call and a merge."""
+    mask_mod = PLAN_MASKS["documents"]
+    q_seg, kv_seg = Segment(128, 1, 384), Segment(0, 1, 512)  # rows of 4 documents; the first began at 100
+    runs = exact_runs(Mods(None, mask_mod), trace_mask_mod(mask_mod), q_seg, kv_seg, "cpu")
+    assert [(r.rows, r.cols, r.band) for r in runs] == [
+        ((0, 2), (100, 130), (None, 28)), ((2, 202), (130, 330), (None, 0)), ((202, 272), (330, 400), (None, 0)),
+        ((272, 384), (400, 512), (None, 0))]
+
+
+def test_the_kernel_plans_within_exactly_planned_blocks_only():
+    kernel, q_seg, kv_seg = CudnnKernel(), Segment(128, 1, 384), Segment(0, 1, 512)
+    neighbourhood = lambda b, h, q, kv: ((q // 32 - kv // 32).abs() <= 1) & ((q % 32 - kv % 32).abs() <= 1)  # noqa: E731
+    assert kernel.plans_within(PLAN_MASKS["documents"], False, q_seg, kv_seg, "cpu")
+    assert not kernel.plans_within(PLAN_MASKS["documents"], True, q_seg, kv_seg, "cpu")  # a score_mod: selects
+    assert not kernel.plans_within(mods.causal, False, q_seg, kv_seg, "cpu")  # a band: one call already
+    assert not kernel.plans_within(neighbourhood, False, q_seg, kv_seg, "cpu")  # too fragmented to plan exactly
+
+
 # ----------------------------------------------------------------------------- lowering, emulated (CPU)
 # A CPU stand-in for the slice of the cuDNN frontend the kernel uses: it records the graph the
 # kernel's callbacks emit, refuses what cuDNN refuses (logical ops, graph inputs in the first port
