@@ -7,14 +7,17 @@ For every total sequence length and mask it times forward and forward+backward o
 (a) the best single-GPU kernel on the whole sequence (torch SDPA on cuDNN where it applies,
 torch flex_attention compiled, and ringflex's own kernel on one GPU), (b) PyTorch
 context_parallel (no mask and causal), (c) ringflex on the ring; and reports ringflex's
-efficiency t_single / (world_size * t_ring) and its peak memory per rank.
+efficiency t_single / (world_size * t_ring) and its peak memory per rank. The implementations
+are timed in turn, in rounds (``--rounds``), and each reports its median round.
 On CPU (gloo, reference kernel) it runs the same code at toy sizes as a smoke test.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -68,7 +71,7 @@ def timed(fn, iters: int, warmup: int, device) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def fwd_and_fwdbwd(attn, q, k, v, iters, warmup, device):
+def fwd_and_fwdbwd(attn, q, k, v, iters, warmup, *, device):
     """(forward seconds, forward+backward seconds) of ``attn(q, k, v)``."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     grad = torch.randn_like(q)
@@ -125,7 +128,7 @@ def context_parallel_attention(mask, world_size, device):
             def attn(q, k, v):
                 with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=mask == "causal")
-            return fwd_and_fwdbwd(attn, *buffers, iters, warmup, device)
+            return fwd_and_fwdbwd(attn, *buffers, iters, warmup, device=device)
     return run
 
 
@@ -142,45 +145,48 @@ _CPU_GROUP = None
 
 
 def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
+    """One row: every implementation timed in turn, ``args.rounds`` times, medians, so that a
+    drift of the GPUs' clocks over a row favours none of them."""
     score_mod, mask_mod = make_mods(mask, seq_len, device, args.window, args.doc_len)
     torch.manual_seed(0)
     shape = (args.batch, args.heads, seq_len, args.head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
-    row = {"seq_len": seq_len, "mask": mask, "world_size": world_size}
-
-    if seq_len <= args.single_max:
-        for name, attn in single_gpu_candidates(mask, score_mod, mask_mod, seq_len, device).items():
-            try:
-                fwd, both = fwd_and_fwdbwd(attn, q, k, v, args.iters, args.warmup, device)
-                row[name] = {"fwd": max_over_ranks(fwd), "fwd_bwd": max_over_ranks(both)}
-            except Exception as e:  # a kernel that does not apply is reported, not fatal
-                row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-            log(f"  {name}: {row[name]}")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-
-    cp = context_parallel_attention(mask, world_size, device) if not args.no_cp else None
-    if cp is not None:
-        try:
-            fwd, both = cp(q, k, v, args.iters, args.warmup)
-            row["context_parallel"] = {"fwd": max_over_ranks(fwd), "fwd_bwd": max_over_ranks(both)}
-        except Exception as e:
-            row["context_parallel"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-        log(f"  context_parallel: {row['context_parallel']}")
-
     local = [ringflex.shard(t, 2, layout=args.layout) for t in (q, k, v)]
-    del q, k, v
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    row = {"seq_len": seq_len, "mask": mask, "world_size": world_size}
 
     def ring(q, k, v):
         return ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
                                             layout=args.layout, backend=args.backend)
-    fwd, both = fwd_and_fwdbwd(ring, *local, args.iters, args.warmup, device)
-    row["ringflex"] = {"fwd": max_over_ranks(fwd), "fwd_bwd": max_over_ranks(both)}
+
+    timers = {}  # name -> (iters, warmup) -> (forward s, forward+backward s)
+    if seq_len <= args.single_max:
+        for name, attn in single_gpu_candidates(mask, score_mod, mask_mod, seq_len, device).items():
+            timers[name] = functools.partial(fwd_and_fwdbwd, attn, q, k, v, device=device)
+    cp = context_parallel_attention(mask, world_size, device) if not args.no_cp else None
+    if cp is not None:
+        timers["context_parallel"] = functools.partial(cp, q, k, v)
+    timers["ringflex"] = functools.partial(fwd_and_fwdbwd, ring, *local, device=device)
+
+    samples = {name: [] for name in timers}
+    for round_ in range(args.rounds):
+        for name, timer in timers.items():
+            if "error" in row.get(name, {}):
+                continue
+            try:
+                samples[name].append(timer(args.iters, args.warmup if round_ == 0 else 1))
+            except Exception as e:  # a kernel that does not apply is reported, not fatal
+                if name == "ringflex":
+                    raise
+                row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    for name, times in samples.items():
+        if "error" not in row.get(name, {}):
+            fwd, both = (statistics.median(t[i] for t in times) for i in (0, 1))
+            row[name] = {"fwd": max_over_ranks(fwd), "fwd_bwd": max_over_ranks(both)}
+        log(f"  {name}: {row[name]}")
     if device.type == "cuda":
-        row["ringflex"]["peak_mem_gib"] = max_over_ranks(torch.cuda.max_memory_allocated() / 2**30)
+        row["ringflex"]["peak_mem_gib"] = max_over_ranks(ring_peak_memory(ring, local) / 2**30)
     singles = {n: row[n] for n in ("sdpa-cudnn", "flex", "ringflex-1gpu") if "fwd" in row.get(n, {})}
     if singles:
         for phase in ("fwd", "fwd_bwd"):
@@ -191,6 +197,17 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
         row["ringflex"]["speedup_vs_cp_fwd_bwd"] = row["context_parallel"]["fwd_bwd"] / row["ringflex"]["fwd_bwd"]
     log(f"  ringflex: {row['ringflex']}")
     return row
+
+
+def ring_peak_memory(ring, local) -> int:
+    """Bytes a rank holds at most during a ring fwd+bwd: its inputs and what the call adds."""
+    q, k, v = (t.detach().requires_grad_() for t in local)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ring(q, k, v).backward(torch.randn_like(q))
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before + sum(t.numel() * t.element_size() for t in local)
 
 
 def table(rows) -> str:
@@ -244,7 +261,8 @@ def parse_args(argv=None):
     p.add_argument("--layout", default="zigzag", choices=ringflex.LAYOUTS)
     p.add_argument("--backend", default="auto")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before an implementation's first round")
+    p.add_argument("--rounds", type=int, default=3, help="each implementation timed this often, in turn; medians")
     p.add_argument("--single-max", type=int, default=131072, help="skip single-GPU baselines above this length")
     p.add_argument("--no-cp", action="store_true", help="skip PyTorch context_parallel")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -15,6 +15,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..kernels import _warn_once
+from . import fused_merge
+
 Rows = Tuple[int, int]
 
 
@@ -155,6 +158,31 @@ class _RowParts:
         return out
 
 
+def merge_parts(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor) -> None:
+    """``d`` = the log-sum-exp merge of parts ``a`` and ``b`` (rows alike; ``d`` may be ``a``),
+    with weights in fp32, rounded once into ``d``; ``lse_a`` becomes the merged lse. One fused
+    pass on a CUDA GPU, two torch passes elsewhere."""
+    if fused_merge.applies(d, a, b, lse_a, lse_b):
+        if fused_merge.available():
+            fused_merge.merge(d, a, lse_a, b, lse_b)
+            return
+        _warn_once("ringflex: triton is not installed, so hop results merge in two torch passes instead of "
+                   "one fused kernel (slower); torch's CUDA builds ship it: pip install triton")
+    merge_in_torch(d, a, lse_a, b, lse_b)
+
+
+def merge_in_torch(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor) -> None:
+    """``merge_parts`` in torch operations."""
+    merged = torch.logaddexp(lse_a, lse_b)
+    finite = torch.where(merged.isneginf(), 0.0, merged)
+    keep, add = torch.exp(lse_a - finite).unsqueeze(-1), torch.exp(lse_b - finite).unsqueeze(-1)
+    if d.dtype == torch.promote_types(a.dtype, keep.dtype):
+        torch.addcmul(torch.mul(a, keep, out=d), b, add, out=d)
+    else:  # merge in fp32, round once into d
+        torch.addcmul(a * keep, b, add, out=d)
+    lse_a.copy_(merged)
+
+
 def _same_source(a, b) -> bool:
     if isinstance(a, tuple) and isinstance(b, tuple):
         return a[0] is b[0] and a[1] == b[1]
@@ -203,16 +231,8 @@ class RowMerge(_RowParts):
 
     def _merge(self, dest: List[Tensor], prev: List[Tensor], new: List[Tensor], r: Rows) -> None:
         lse, row0 = self._part_lse
-        old, part = rows(self.lse, r), rows(lse, (r[0] - row0, r[1] - row0))
-        merged = torch.logaddexp(old, part)
-        finite = torch.where(merged.isneginf(), 0.0, merged)
-        keep, add = torch.exp(old - finite).unsqueeze(-1), torch.exp(part - finite).unsqueeze(-1)
         (d,), (a,), (b,) = dest, prev, new
-        if d.dtype == self.acc_dtype:
-            torch.addcmul(torch.mul(a, keep, out=d), b, add, out=d)
-        else:  # the last part of these rows: merge in acc_dtype, round once into d
-            torch.addcmul(a * keep, b, add, out=d)
-        old.copy_(merged)
+        merge_parts(d, a, rows(self.lse, r), b, rows(lse, (r[0] - row0, r[1] - row0)))
 
     def _fill_empty(self, out: List[Tensor], r: Rows) -> None:
         super()._fill_empty(out, r)

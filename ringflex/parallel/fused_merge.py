@@ -1,0 +1,86 @@
+"""The log-sum-exp merge of two partial attention results in one pass on a CUDA GPU (Triton).
+
+In torch the merge takes two passes over the rows (one part scaled into an fp32 temporary,
+then the other added into the result); on the ring's critical path every pass is time the
+attention kernels wait for. Here each part is read once and the result written once, with
+weights in fp32, rounded once into the result's dtype. Triton ships with torch's CUDA builds
+and is imported on first use.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BLOCK_ROWS = 32
+
+
+def applies(d: Tensor, a: Tensor, b: Tensor, lse_a: Tensor, lse_b: Tensor) -> bool:
+    """Whether the fused merge can take these tensors: on one CUDA device, rows of
+    contiguous elements, no float64 (its weights are fp32)."""
+    outs = (d, a, b)
+    return (d.is_cuda and all(t.device == d.device for t in (a, b, lse_a, lse_b))
+            and all(t.dtype in DTYPES and t.stride(-1) == 1 for t in outs)
+            and lse_a.dtype == lse_b.dtype == torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    try:
+        _kernel()
+    except ImportError:
+        return False
+    return True
+
+
+def merge(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor) -> None:
+    """d = exp(lse_a - m) * a + exp(lse_b - m) * b, and lse_a = m = logaddexp(lse_a, lse_b),
+    for [B, H, L, D] rows ``a``, ``b``, ``d`` and [B, H, L] lse (``d`` may be ``a``). Rows
+    where both lse are -inf get 0 and keep -inf."""
+    batch, heads, length, dim = d.shape
+    if d.numel() == 0:
+        return
+    grid = (batch * heads, -(-length // _BLOCK_ROWS))
+    _kernel()[grid](
+        a, b, d, lse_a, lse_b, heads, length, dim,
+        *a.stride()[:3], *b.stride()[:3], *d.stride()[:3], *lse_a.stride(), *lse_b.stride(),
+        BLOCK_ROWS=_BLOCK_ROWS, BLOCK_DIM=max(16, 1 << (dim - 1).bit_length()), num_warps=4)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def lse_merge(a, b, d, lse_a, lse_b, heads, length, dim,
+                  a_sb, a_sh, a_sl, b_sb, b_sh, b_sl, d_sb, d_sh, d_sl,
+                  la_sb, la_sh, la_sl, lb_sb, lb_sh, lb_sl,
+                  BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+        bh = tl.program_id(0)
+        batch, head = (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
+        row = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        col = tl.arange(0, BLOCK_DIM)
+        in_rows, in_cols = row < length, col < dim
+        row64 = row.to(tl.int64)
+        x_a = tl.load(lse_a + batch * la_sb + head * la_sh + row64 * la_sl, mask=in_rows, other=float("-inf"))
+        x_b = tl.load(lse_b + batch * lb_sb + head * lb_sh + row64 * lb_sl, mask=in_rows, other=float("-inf"))
+        top = tl.maximum(x_a, x_b)
+        top = tl.where(top == float("-inf"), 0.0, top)  # rows that see no key: weights 0, lse -inf
+        w_a, w_b = tl.exp(x_a - top), tl.exp(x_b - top)
+        total = w_a + w_b
+        seen = total > 0
+        inv = tl.where(seen, 1.0 / tl.where(seen, total, 1.0), 0.0)
+        merged = tl.where(seen, top + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+        keep, add = (w_a * inv)[:, None], (w_b * inv)[:, None]
+        both = in_rows[:, None] & in_cols[None, :]
+        cols = col[None, :]
+        part_a = tl.load(a + batch * a_sb + head * a_sh + row64[:, None] * a_sl + cols, mask=both, other=0.0)
+        part_b = tl.load(b + batch * b_sb + head * b_sh + row64[:, None] * b_sl + cols, mask=both, other=0.0)
+        result = part_a.to(tl.float32) * keep + part_b.to(tl.float32) * add
+        tl.store(d + batch * d_sb + head * d_sh + row64[:, None] * d_sl + cols, result.to(d.dtype.element_ty), mask=both)
+        tl.store(lse_a + batch * la_sb + head * la_sh + row64 * la_sl, merged, mask=in_rows)
+
+    return lse_merge

@@ -1,0 +1,54 @@
+"""The fused (Triton) log-sum-exp merge matches the merge in torch and an fp64 oracle."""
+import math
+
+import pytest
+import torch
+
+from ringflex.parallel import fused_merge
+from ringflex.parallel.merge import merge_in_torch, merge_parts
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _parts(dim, length, dtype_a, dtype_b):
+    """Rows 3:3+length of larger tensors (views, as the ring merges them), lse with -inf rows."""
+    g = torch.Generator(device="cuda").manual_seed(dim + length)
+    make = lambda dtype: torch.randn(2, 3, length + 5, dim, device="cuda", generator=g).to(dtype).narrow(2, 3, length)  # noqa: E731
+    lse = lambda: torch.randn(2, 3, length + 5, device="cuda", generator=g).mul(4).narrow(2, 3, length)  # noqa: E731
+    a, b, lse_a, lse_b = make(dtype_a), make(dtype_b), lse(), lse()
+    lse_a[:, :, ::7] = -math.inf  # only b sees keys
+    lse_b[:, :, ::5] = -math.inf  # only a (and, every 35th row, neither)
+    return a, b, lse_a, lse_b
+
+
+def _oracle(a, b, lse_a, lse_b):
+    merged = torch.logaddexp(lse_a.double(), lse_b.double())
+    finite = torch.where(merged.isneginf(), 0.0, merged)
+    out = a.double() * (lse_a.double() - finite).exp().unsqueeze(-1) + b.double() * (lse_b.double() - finite).exp().unsqueeze(-1)
+    return out, merged
+
+
+@needs_cuda
+@pytest.mark.parametrize("dim,length", [(128, 1000), (64, 32), (80, 7)])
+@pytest.mark.parametrize("dtypes", [("bf16", "bf16", "bf16"), ("fp16", "fp16", "fp16"), ("fp32", "fp32", "bf16"),
+                                    ("bf16", "fp32", "bf16"), ("in place", "fp32", "bf16")])
+def test_fused_merge_matches_torch_and_the_oracle(dim, length, dtypes):
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    out_name, a_name, b_name = dtypes
+    a, b, lse_a, lse_b = _parts(dim, length, names[a_name], names[b_name])
+    want, want_lse = _oracle(a, b, lse_a, lse_b)
+    results = []
+    for merge in (merge_parts, merge_in_torch):
+        a_, lse_a_ = a.clone(), lse_a.clone()
+        d = a_ if out_name == "in place" else torch.empty(a.shape, dtype=names[out_name], device="cuda")
+        assert fused_merge.applies(d, a_, b, lse_a_, lse_b)
+        merge(d, a_, lse_a_, b, lse_b)
+        results.append((d, lse_a_))
+    (fused, fused_lse), (torch_out, torch_lse) = results
+    assert fused_merge.available()
+    torch.testing.assert_close(fused_lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    assert not fused.isnan().any()
+    # rounded once from fp32 weights: as close to the oracle as the torch merge, within a unit of rounding
+    err, torch_err = (fused.double() - want).abs().max().item(), (torch_out.double() - want).abs().max().item()
+    assert err <= torch_err + 2 * torch.finfo(fused.dtype).eps * want.abs().max().item(), (err, torch_err)
+    torch.testing.assert_close(fused, torch_out)
