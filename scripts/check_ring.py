@@ -46,6 +46,7 @@ def main():
     p.add_argument("--local-len", type=int, default=1024, help="query tokens per rank")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layouts", nargs="+", default=list(ringflex.LAYOUTS))
+    p.add_argument("--cases", nargs="+", help="only these cases of the matrix (default: all)")
     p.add_argument("--tolerance", type=float, default=None, help="max relative error (default: 3e-2 bf16, 1e-4 fp32)")
     args = p.parse_args()
     if args.device == "cuda":
@@ -57,6 +58,8 @@ def main():
     seq_len = args.local_len * world_size
     failed = 0
     for name, case in cases(seq_len, image_width=32, device=args.device).items():
+        if args.cases and name not in args.cases:
+            continue
         q, k, v, dout = (t.to(args.device) for t in make_inputs(case, seq_len, batch=1, head_dim=args.head_dim, dtype=dtype))
         want = reference(q, k, v, dout, case)
         for layout in args.layouts:
