@@ -150,10 +150,11 @@ def _joined(a: Optional[Segment], b: Optional[Segment]) -> Optional[Segment]:
     return Segment(a.start, a.stride, a.length + b.length)
 
 
-def _merge(hops, positions_matter: bool):
+def _merge(hops, positions_matter: bool, keep_whole=None):
     """Joins hops of one kind that touch into single calls, first along the keys of each
     query range, then along the queries of each key range. Where positions cannot matter
-    (FULL, no score_mod) any neighbours join; otherwise only runs that stay affine."""
+    (FULL, no score_mod) any neighbours join; otherwise only runs that stay affine, and
+    never two blocks the kernel plans within into one it cannot (too large to plan)."""
     def join(hops, side):
         other = "kv" if side == "q" else "q"
         out = []
@@ -171,7 +172,12 @@ def _merge(hops, positions_matter: bool):
             rows = (getattr(prev, f"{side}_rows")[0], getattr(hop, f"{side}_rows")[1])
             fields = {f"{side}_rows": rows, f"{side}_seg": seg, f"{other}_rows": getattr(hop, f"{other}_rows"),
                       f"{other}_seg": None if free else getattr(hop, f"{other}_seg"), "kind": hop.kind}
-            out[-1] = Hop(**fields)
+            joined = Hop(**fields)
+            if (hop.kind == BlockKind.PARTIAL and keep_whole is not None and keep_whole(prev.q_seg, prev.kv_seg)
+                    and keep_whole(hop.q_seg, hop.kv_seg) and not keep_whole(joined.q_seg, joined.kv_seg)):
+                out.append(hop)
+                continue
+            out[-1] = joined
         return out
     return sorted(join(join(hops, "kv"), "q"), key=lambda h: (h.q_rows, h.kv_rows))
 
@@ -260,7 +266,7 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
     for (step, qr, q, kr, kv), kind in zip(pairs, kinds):
         if kind != BlockKind.EMPTY:
             steps[step] += _split(Hop(qr, kr, q, kv, BlockKind(kind)), kind_of, min_tile, keep_whole)
-    plan = [_merge(hops, positions_matter=has_score_mod) for hops in steps]
+    plan = [_merge(hops, has_score_mod, keep_whole) for hops in steps]
     for step, kv_segs in enumerate(kv_segs_per_step):
         local = _local_order_hop(mask_mod, has_score_mod, q_segs, kv_segs, device)
         if local is not None and len(plan[step]) > 1:

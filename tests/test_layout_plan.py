@@ -96,15 +96,15 @@ def test_plan_splits_sparse_blocks_and_keeps_dense_ones_whole():
 
 
 class _PlansWithin:
-    """A kernel that computes the visible part of any block by itself."""
+    """A kernel that computes the visible part of blocks up to ``area`` pairs by itself."""
     name = "plans-within"
 
-    def __init__(self):
-        self.asked = []
+    def __init__(self, area=None):
+        self.area, self.asked = area, []
 
     def plans_within(self, mask_mod, has_score_mod, q_seg, kv_seg, device):
         self.asked.append((q_seg, kv_seg))
-        return True
+        return self.area is None or q_seg.length * kv_seg.length <= self.area
 
 
 def test_plan_keeps_blocks_whole_that_the_kernel_plans_within():
@@ -115,6 +115,10 @@ def test_plan_keeps_blocks_whole_that_the_kernel_plans_within():
         ((0, 4096), (0, 4096))]
     assert kernel.asked == [(seg[0], seg[0])]
     assert len(plan_hops(doc, False, 1, 1, seg, [seg], min_tile=256)[0]) > 1  # split without such a kernel
+    # blocks it plans within are not joined into one it cannot plan (too large)
+    small = plan_hops(doc, False, 1, 1, seg, [seg], min_tile=256, kernel=_PlansWithin(area=2048 * 2048))[0]
+    assert [(h.q_rows, h.kv_rows) for h in small] == [((0, 2048), (0, 2048)), ((2048, 4096), (0, 2048)),
+                                                      ((2048, 4096), (2048, 4096))]
 
 
 def _shard_roundtrip(rank, world_size, layout):
