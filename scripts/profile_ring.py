@@ -11,11 +11,16 @@ the GPU time per call spent in attention kernels, NCCL transfers and everything 
 (LSE merges, casts, zero-fills); and for every rank the time its GPU is idle and the longest
 idle gaps with the kernels around them. Compute time close to the back-to-back time means the
 ring is bound by its kernels; a large gap means idle GPU (host- or link-bound).
+With ``--host-profile N`` it also prints rank 0's Python functions that take the most host
+time over N fwd+bwd calls (cProfile), for host-bound workloads.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gzip
+import io
+import pstats
 import json
 import os
 import shutil
@@ -40,6 +45,19 @@ def _family(name: str) -> str:
     if lowered.startswith("memcpy"):
         return "copy engines"  # beside the kernels, on no SM (the copy-engine transport's transfers)
     return "other"
+
+
+def host_profile(fn, calls: int, top: int = 30) -> str:
+    """cProfile of ``calls`` calls of ``fn``: the functions with the most host time of their own."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 def gpu_time_by_family(prof, calls: int) -> dict:
@@ -112,6 +130,8 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--layout", default="zigzag")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="print rank 0's hottest Python functions over N fwd+bwd calls")
     p.add_argument("--trace", help="write a chrome trace (gzip) of rank 0's first workload here, or, if the "
                                    "name has a {} (filled with tokens_mask_rank), of every workload and rank")
     args = p.parse_args()
@@ -172,6 +192,8 @@ def main():
                 log(f"   {name}: {value}")
             for r, value in enumerate(_gathered(idle, world)):  # every rank: the slowest sets the pace
                 log(f"   rank {r} GPU computing nothing, per fwd_bwd: {value}")
+            if args.host_profile:
+                log(host_profile(forward_backward, args.host_profile))
             if trace and "{}" not in trace:
                 for key in ("self_cpu_time_total", "self_device_time_total"):
                     log(prof.key_averages().table(sort_by=key, row_limit=25))
