@@ -36,10 +36,10 @@ class _Flags:
     def __init__(self):
         self.values = {}
 
-    def write(self, address: int, value: int) -> None:
+    def write(self, stream: int, address: int, value: int) -> None:
         self.values[address] = value
 
-    def wait(self, address: int, value: int) -> None:
+    def wait(self, stream: int, address: int, value: int) -> None:
         # as the driver compares: (int32)(flag - value) >= 0
         assert ((self.values.get(address, 0) - value + (1 << 31)) % (1 << 32)) >= 1 << 31, (address, value)
 
@@ -78,10 +78,10 @@ def test_chunks_reach_the_right_neighbour_through_the_slots(world_size, monkeypa
         recvs = [[torch.empty(n, dtype=torch.uint8) for n in sizes] for _ in ranks]
         for t, send in zip(ranks, sends):
             for data in send:
-                t._send(direction, data)
+                t._send(0, direction, data)
         for t, recv in zip(ranks, recvs):
             for data in recv:
-                t._receive(direction, data)
+                t._receive(0, direction, data)
         for r, recv in enumerate(recvs):
             source = (r + 1) % world_size if reverse else (r - 1) % world_size
             for got, sent in zip(recv, sends[source]):
@@ -92,9 +92,9 @@ def test_released_flags_pass_every_wait():
     """release() writes a value the driver's cyclic comparison puts ahead of any generation
     (0xFFFFFFFF would read as -1: behind all of them)."""
     flags = _Flags()
-    flags.write(0, peer._RELEASED)
+    flags.write(0, 0, peer._RELEASED)
     for generation in (1, 2, 1000, 1 << 29):
-        flags.wait(0, generation)
-    flags.write(0, 0xFFFFFFFF)
+        flags.wait(0, 0, generation)
+    flags.write(0, 0, 0xFFFFFFFF)
     with pytest.raises(AssertionError):
-        flags.wait(0, 1)
+        flags.wait(0, 0, 1)

@@ -80,12 +80,13 @@ class _Driver:
         fn.restype = ctypes.c_int
         return fn
 
-    def write(self, address: int, value: int) -> None:
-        self._check(self._write(torch.cuda.current_stream().cuda_stream, address, value, 0), "cuStreamWriteValue32")
+    def write(self, stream: int, address: int, value: int) -> None:
+        """On ``stream`` (a raw CUDA stream handle): set the flag at ``address`` to ``value``."""
+        self._check(self._write(stream, address, value, 0), "cuStreamWriteValue32")
 
-    def wait(self, address: int, value: int) -> None:
-        self._check(self._wait(torch.cuda.current_stream().cuda_stream, address, value, self._GEQ),
-                    "cuStreamWaitValue32")
+    def wait(self, stream: int, address: int, value: int) -> None:
+        """On ``stream``: wait until the flag at ``address`` reaches ``value``."""
+        self._check(self._wait(stream, address, value, self._GEQ), "cuStreamWaitValue32")
 
     @staticmethod
     def _check(status: int, name: str) -> None:
@@ -137,33 +138,33 @@ class PeerTransport:
         with torch.cuda.stream(send_stream):
             send_stream.wait_event(queued)
             for t in send:
-                self._send(direction, _bytes(t))
+                self._send(send_stream.cuda_stream, direction, _bytes(t))
             sent = send_stream.record_event()
         with torch.cuda.stream(recv_stream):
             recv_stream.wait_event(queued)
             for t in recv:
-                self._receive(direction, _bytes(t))
+                self._receive(recv_stream.cuda_stream, direction, _bytes(t))
             received = recv_stream.record_event()
         return _Arrival(self.device, (sent, received), send)
 
-    def _send(self, direction: int, data: Tensor) -> None:
+    def _send(self, stream: int, direction: int, data: Tensor) -> None:
         to = self.to[direction]
         for start, end in chunks(data.numel()):
             slot, gen = slot_of(self.sent[direction])
             self.sent[direction] += 1
             if gen > 1:  # the receiver has copied out what this slot held before
-                self.driver.wait(self._flag(self.rank, _FREE, direction, slot), gen - 1)
+                self.driver.wait(stream, self._flag(self.rank, _FREE, direction, slot), gen - 1)
             self._slot(self.peer_mailbox[to], direction, slot)[:end - start].copy_(data[start:end])
-            self.driver.write(self._flag(to, _READY, direction, slot), gen)
+            self.driver.write(stream, self._flag(to, _READY, direction, slot), gen)
 
-    def _receive(self, direction: int, data: Tensor) -> None:
+    def _receive(self, stream: int, direction: int, data: Tensor) -> None:
         source = self.source[direction]
         for start, end in chunks(data.numel()):
             slot, gen = slot_of(self.received[direction])
             self.received[direction] += 1
-            self.driver.wait(self._flag(self.rank, _READY, direction, slot), gen)
+            self.driver.wait(stream, self._flag(self.rank, _READY, direction, slot), gen)
             data[start:end].copy_(self._slot(self.mailbox, direction, slot)[:end - start])
-            self.driver.write(self._flag(source, _FREE, direction, slot), gen)
+            self.driver.write(stream, self._flag(source, _FREE, direction, slot), gen)
 
     def release(self) -> None:
         """Raises every flag this rank's and its neighbours' streams may wait on (see ``release``)."""
