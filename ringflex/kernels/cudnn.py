@@ -597,7 +597,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def band_runs(band: Tuple[Optional[int], Optional[int]], q_seg: Segment, kv_seg: Segment) -> Optional[List[_Run]]:
-    """The block as at most one call with cuDNN's native band mask, or None where it cannot be.
+    """The block as calls with cuDNN's native band mask (at most two), or None where it cannot be.
 
     The mask keeps ``lo <= q_pos - kv_pos <= hi`` with ``pos = start + stride * i``, that is
     local columns ``j`` in ``[i + a, i + b]``. cuDNN's band must contain the diagonal
@@ -625,6 +625,16 @@ def band_runs(band: Tuple[Optional[int], Optional[int]], q_seg: Segment, kv_seg:
         return [_Run((r0, r1), (c0, c1))]
     if a is not None and r1 - r0 > c1 - c0:  # cuDNN's sliding window needs s_q <= s_kv
         return None
+    if a is not None and b is not None and b > 0 and b + 1 < c1 - c0:
+        # Both bounds, the right one off the diagonal (a window's queries against their own
+        # and the previous block of keys): cuDNN's backward takes 1.9x as long per pair as
+        # for bands whose right bound is the diagonal (H200, scripts/band_probe.py). Keys up
+        # to c0 + b meet only the left bound; on the rest the right bound is the diagonal.
+        split = c0 + b + 1
+        left = band_runs(band, q_seg, kv_seg.slice(0, split))
+        right = band_runs(band, q_seg, kv_seg.slice(split, n_k))
+        if left is not None and right is not None:
+            return left + [_Run(r.rows, (split + r.cols[0], split + r.cols[1]), band=r.band) for r in right]
     return [_Run((r0, r1), (c0, c1), band=(None if a is None else 1 - a, b))]
 
 
@@ -759,13 +769,17 @@ class CudnnKernel:
         return dtype
 
     def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment, device) -> bool:
-        # Where the exact plan applies (see ``_runs``) every call is unmasked or a native band
-        # over visible keys only. Band masks are left to the planner: their one call per block
-        # needs no help, and their split parts were measured as they are.
+        # Native band calls (see ``_runs``) skip the tiles outside the band (a window of 4096
+        # over 16k tokens: 80 us per million pairs in the backward, causal 76; H200,
+        # scripts/band_probe.py); the exact plan's calls are unmasked or native bands over
+        # visible keys only.
         if has_score_mod or mask_mod is None:
             return False
         mask = _program(Mods(None, mask_mod), True, device).mask
-        return _band(mask) is None and exact_runs(Mods(None, mask_mod), mask, q_seg, kv_seg, device) is not None
+        band = _band(mask)
+        if band is not None:
+            return band_runs(band, q_seg, kv_seg) is not None
+        return exact_runs(Mods(None, mask_mod), mask, q_seg, kv_seg, device) is not None
 
     def _runs(self, program: _Program, mods: Mods, q: Tensor, k: Tensor, q_seg, kv_seg) -> List[_Run]:
         full = _Run((0, q.shape[2]), (0, k.shape[2]))

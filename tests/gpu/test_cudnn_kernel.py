@@ -13,7 +13,7 @@ from cases import Case, cases, make_inputs  # noqa: E402
 from test_trace import EXTRA_SCORE_MODS  # noqa: E402
 from ringflex import mods
 from ringflex.kernels.base import Mods
-from ringflex.kernels.cudnn import CudnnKernel, band_runs, cudnn_unavailable_reason, exact_runs, split_runs
+from ringflex.kernels.cudnn import CudnnKernel, _Run, band_runs, cudnn_unavailable_reason, exact_runs, split_runs
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.plan import Segment, evaluate_mask
 from ringflex.trace import diagonal_band, trace_mask_mod
@@ -193,13 +193,28 @@ def test_band_runs_compute_exactly_the_mask(mask_mod):
                 allowed = _allowed(mask_mod, q_seg, kv_seg)
                 if runs is None:  # the generic path takes it
                     continue
-                assert len(runs) <= 1
-                computed = _band_keeps(runs[0], 20, 24) if runs else torch.zeros_like(allowed)
-                assert torch.equal(computed, allowed), (q_seg, kv_seg, runs)
+                assert len(runs) <= 2
+                computed = sum((_band_keeps(run, 20, 24).int() for run in runs), torch.zeros(20, 24, dtype=torch.int))
+                assert torch.equal(computed, allowed.int()), (q_seg, kv_seg, runs)  # every pair once
                 for run in runs:
                     if run.band is not None and run.band[0] is not None:
                         assert run.rows[1] - run.rows[0] <= run.cols[1] - run.cols[0]
                     assert run.band is None or run.band[1] is None or run.band[1] >= 0
+                    if len(runs) == 2:  # no right bound off the diagonal beside a left bound
+                        assert run.band is None or None in run.band or run.band[1] == 0
+
+
+def test_a_window_over_two_blocks_runs_as_two_one_sided_bands():
+    """The block a ring's window hop covers (queries against their own and the previous block
+    of keys) as two one-sided calls: cuDNN's backward of a band with both bounds off the
+    diagonal costs twice as much per pair (docs/benchmarks.md)."""
+    window = diagonal_band(trace_mask_mod(mods.sliding_window(4096)))
+    runs = band_runs(window, Segment(8192, 1, 4096), Segment(4096, 1, 8192))
+    assert runs == [_Run((0, 4096), (1, 4097), band=(1, None)), _Run((1, 4096), (4097, 8192), band=(None, 0))]
+    whole = band_runs(window, Segment(0, 1, 16384), Segment(0, 1, 16384))  # the diagonal: one call
+    assert whole == [_Run((0, 16384), (0, 16384), band=(4096, 0))]
+    longer = band_runs(window, Segment(16384, 1, 8192), Segment(8192, 1, 16384))  # blocks longer than the window
+    assert longer == [_Run((0, 4096), (4097, 8193), band=(1, None)), _Run((1, 8192), (8193, 16384), band=(4096, 0))]
 
 
 def _coverage(runs, shape):
@@ -259,7 +274,8 @@ def test_the_kernel_plans_within_exactly_planned_blocks_only():
     neighbourhood = lambda b, h, q, kv: ((q // 32 - kv // 32).abs() <= 1) & ((q % 32 - kv % 32).abs() <= 1)  # noqa: E731
     assert kernel.plans_within(PLAN_MASKS["documents"], False, q_seg, kv_seg, "cpu")
     assert not kernel.plans_within(PLAN_MASKS["documents"], True, q_seg, kv_seg, "cpu")  # a score_mod: selects
-    assert not kernel.plans_within(mods.causal, False, q_seg, kv_seg, "cpu")  # a band: one call already
+    assert kernel.plans_within(mods.causal, False, q_seg, kv_seg, "cpu")  # native band calls
+    assert not kernel.plans_within(mods.sliding_window(8), False, Segment(0, 1, 64), Segment(0, 1, 16), "cpu")  # s_q > s_kv
     assert not kernel.plans_within(neighbourhood, False, q_seg, kv_seg, "cpu")  # too fragmented to plan exactly
 
 
