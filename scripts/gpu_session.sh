@@ -21,7 +21,7 @@ for stage in "$@"; do
     env) run env python3 -m ringflex.env ;;
     check2) run check tr 2 scripts/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;
     check2big) run check tr 2 scripts/check_ring.py --device cuda --backend cudnn --local-len 4096 \
-              --cases documents prefix_lm combined_masks sparse_rows late_queries ;;  # blocks the kernel plans whole
+              --cases sliding_window documents prefix_lm combined_masks sparse_rows late_queries ;;  # blocks kept whole
     transport2) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py ;;  # copy engines vs NCCL, failures
     merge1) run merge python3 -m pytest -q tests/gpu/test_fused_merge.py ;;  # the fused merge vs torch and fp64
     kernel1) run kernel python3 -m pytest -q tests/gpu/test_cudnn_kernel.py ;;  # every mod, offsets, fwd+bwd
