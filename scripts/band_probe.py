@@ -16,7 +16,7 @@ import torch
 
 from ringflex import mods
 from ringflex.kernels.base import Mods
-from ringflex.kernels.cudnn import CudnnKernel
+from ringflex.kernels.cudnn import CudnnKernel, _Run
 from ringflex.plan import Segment, evaluate_mask
 
 
@@ -39,8 +39,11 @@ def tensors(n_q: int, n_k: int):
     return make(n_q), make(n_k), make(n_k), make(n_q)
 
 
-def probe(name: str, mask_mod, q_seg: Segment, kv_seg: Segment) -> None:
+def probe(name: str, mask_mod, q_seg: Segment, kv_seg: Segment, runs=None) -> None:
+    """``runs``: the calls to make instead of the kernel's own plan."""
     kernel, m, scale = CudnnKernel(), Mods(None, mask_mod), 128 ** -0.5
+    if runs is not None:
+        kernel._runs = lambda *args: runs
     q, k, v, dout = tensors(q_seg.length, kv_seg.length)
     out, lse = kernel.forward(q, k, v, q_seg, kv_seg, m, scale, True)
     fwd = timed(lambda: kernel.forward(q, k, v, q_seg, kv_seg, m, scale, True))
@@ -83,6 +86,11 @@ def main() -> None:
     probe_reversed("same, reversed causal", window, Segment(n, 1, n), Segment(0, 1, n))
     probe("window over two blocks 4k x 8k", window, Segment(2 * n, 1, n), Segment(n, 1, 2 * n))
     probe("window over two blocks 8k x 16k", window, Segment(4 * n, 1, 2 * n), Segment(2 * n, 1, 4 * n))
+    late = lambda b, h, q, kv: (kv >= 5000) & (kv <= q)  # noqa: E731  (a document that began at 5000)
+    q_seg, kv_seg = Segment(2 * n, 1, n), Segment(n, 1, 2 * n)
+    probe("document begun earlier, one band", late, q_seg, kv_seg)
+    probe("same, full keys + causal band", late, q_seg, kv_seg,
+          [_Run((0, n), (904, n)), _Run((0, n), (n, 2 * n), band=(None, 0))])
     probe("causal 16k", mods.causal, Segment(0, 1, 4 * n), Segment(0, 1, 4 * n))
     probe("window 16k", window, Segment(0, 1, 4 * n), Segment(0, 1, 4 * n))
 

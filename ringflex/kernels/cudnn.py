@@ -596,6 +596,9 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_MIN_FULL = 4 * _TILE  # narrowest column range worth its own call
+
+
 def band_runs(band: Tuple[Optional[int], Optional[int]], q_seg: Segment, kv_seg: Segment) -> Optional[List[_Run]]:
     """The block as calls with cuDNN's native band mask (at most two), or None where it cannot be.
 
@@ -625,11 +628,12 @@ def band_runs(band: Tuple[Optional[int], Optional[int]], q_seg: Segment, kv_seg:
         return [_Run((r0, r1), (c0, c1))]
     if a is not None and r1 - r0 > c1 - c0:  # cuDNN's sliding window needs s_q <= s_kv
         return None
-    if a is not None and b is not None and b > 0 and b + 1 < c1 - c0:
-        # Both bounds, the right one off the diagonal (a window's queries against their own
-        # and the previous block of keys): cuDNN's backward takes 1.9x as long per pair as
-        # for bands whose right bound is the diagonal (H200, scripts/band_probe.py). Keys up
-        # to c0 + b meet only the left bound; on the rest the right bound is the diagonal.
+    if b is not None and _MIN_FULL <= b + 1 < c1 - c0:
+        # A right bound off the diagonal (a window's queries against their own and the
+        # previous block of keys; a document that began in an earlier block): cuDNN's
+        # backward takes 1.2x (right bound only) to 1.9x (both) as long per pair as with the
+        # right bound on the diagonal (H200, scripts/band_probe.py). Keys up to c0 + b meet
+        # only the left bound, if any; on the rest the right bound is the diagonal.
         split = c0 + b + 1
         left = band_runs(band, q_seg, kv_seg.slice(0, split))
         right = band_runs(band, q_seg, kv_seg.slice(split, n_k))
@@ -666,7 +670,6 @@ def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segmen
     return _remember(_PLANS, key, runs, _MAX_PLANS)
 
 
-_MIN_FULL = 4 * _TILE  # narrowest column range worth its own unmasked call
 _MAX_GROUPS = 16  # beyond this many row groups the exact plan costs more host time than it saves
 _MAX_EXACT = 1 << 28  # mask elements the exact plan may evaluate at once
 
@@ -698,10 +701,10 @@ def exact_runs(mods: Mods, mask: ModGraph, q_seg: Segment, kv_seg: Segment, devi
 
 
 def _group_runs(allowed: Tensor, r0: int, r1: int, c0: int, c1: int) -> List[_Run]:
-    """Runs for rows r0:r1 that see keys in c0:c1 only: one native band call where the rows'
+    """Runs for rows r0:r1 that see keys in c0:c1 only: native band calls where the rows'
     keys form a band (a document that began in an earlier block: every key from c0 to the
-    diagonal), else the leading keys all of them see unmasked, then the rest as a native band
-    where it is one, else masked."""
+    diagonal, see ``band_runs``), else the leading keys all of them see unmasked, then the
+    rest as a native band where it is one, else masked."""
     block = allowed[r0:r1, c0:c1]
     whole = _band_of(block)
     if whole is not None:
@@ -721,7 +724,7 @@ def _group_runs(allowed: Tensor, r0: int, r1: int, c0: int, c1: int) -> List[_Ru
 
 
 def _band_of(block: Tensor) -> Optional[List[_Run]]:
-    """The block (every row seeing some key) as at most one native band call, or None."""
+    """The block (every row seeing some key) as native band calls, or None."""
     i = torch.arange(block.shape[0], device=block.device).view(-1, 1)
     j = torch.arange(block.shape[1], device=block.device).view(1, -1)
     offset = (j - i)[block]  # kept keys lie in [i + a, i + b] if the block is a band

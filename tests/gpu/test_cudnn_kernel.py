@@ -13,7 +13,7 @@ from cases import Case, cases, make_inputs  # noqa: E402
 from test_trace import EXTRA_SCORE_MODS  # noqa: E402
 from ringflex import mods
 from ringflex.kernels.base import Mods
-from ringflex.kernels.cudnn import CudnnKernel, _Run, band_runs, cudnn_unavailable_reason, exact_runs, split_runs
+from ringflex.kernels.cudnn import CudnnKernel, _Run, _program, band_runs, cudnn_unavailable_reason, exact_runs, split_runs
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.plan import Segment, evaluate_mask
 from ringflex.trace import diagonal_band, trace_mask_mod
@@ -104,6 +104,28 @@ def test_split_depths(name, depth):
 def test_head_dim_128_and_fp16(dtype):
     case = cases(SEQ, device="cuda")["causal_softcap"]
     _check(f"causal_softcap/d128/{dtype}", case, *SEGMENTS["diagonal"], CudnnKernel(), dtype=dtype, head_dim=128)
+
+
+@needs_cudnn
+@pytest.mark.parametrize("mask_mod,q_seg,kv_seg", [
+    (mods.sliding_window(512), Segment(1024, 1, 512), Segment(512, 1, 1024)),  # a window over two blocks
+    (mods.sliding_window(300), Segment(1200, 1, 600), Segment(600, 1, 1200)),  # blocks longer than the window
+    (lambda b, h, q, kv: (kv >= 700) & (kv <= q), Segment(1024, 1, 512), Segment(512, 1, 1024))],  # a document
+    ids=["window_two_blocks", "window_longer_blocks", "document_begun_earlier"])
+def test_bands_split_off_the_diagonal_match_reference(mask_mod, q_seg, kv_seg):
+    """Bands whose right bound is off the diagonal run as two calls (``band_runs``)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    make = lambda n: torch.randn(1, 4, n, 64, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    q, k, v, dout = make(q_seg.length), make(kv_seg.length), make(kv_seg.length), make(q_seg.length)
+    m, kernel, ref = Mods(None, mask_mod), CudnnKernel(), ReferenceKernel()
+    assert len(kernel._runs(_program(m, True, "cuda"), m, q, k, q_seg, kv_seg)) == 2
+    want_out, want_lse = ref.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
+    out, lse = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
+    assert _err(out, want_out) < 2e-2 and (lse - want_lse).abs()[want_lse.isfinite()].max() < 2e-2
+    global_out = want_out.to(q.dtype)
+    grads = kernel.backward(q, k, v, global_out, want_lse, dout, q_seg, kv_seg, m, 0.125, True)
+    for got, want in zip(grads, ref.backward(q, k, v, global_out, want_lse, dout, q_seg, kv_seg, m, 0.125, True)):
+        assert _err(got, want) < 2e-2
 
 
 @needs_cudnn
@@ -204,10 +226,25 @@ def test_band_runs_compute_exactly_the_mask(mask_mod):
                         assert run.band is None or None in run.band or run.band[1] == 0
 
 
+@pytest.mark.parametrize("mask_mod,q_seg,kv_seg,splits", [
+    (mods.sliding_window(300), Segment(600, 1, 300), Segment(300, 1, 600), True),  # a window over two blocks
+    (mods.sliding_window(300), Segment(1200, 1, 600), Segment(600, 1, 1200), True),  # blocks longer than it
+    (lambda b, h, q, kv: q - kv >= -400, Segment(0, 1, 500), Segment(0, 1, 1000), True),  # keys up to 400 ahead
+    (mods.sliding_window(100), Segment(600, 1, 300), Segment(300, 1, 600), False)])  # too narrow to split
+def test_band_runs_keep_the_right_bound_on_the_diagonal(mask_mod, q_seg, kv_seg, splits):
+    """cuDNN's backward of a band whose right bound is off the diagonal costs 1.2x to 1.9x as
+    much per pair (docs/benchmarks.md): such a band splits where that leaves a call of at
+    least _MIN_FULL keys, and the calls still compute every visible pair once."""
+    runs = band_runs(diagonal_band(trace_mask_mod(mask_mod)), q_seg, kv_seg)
+    count, _ = _coverage(runs, (q_seg.length, kv_seg.length))
+    assert torch.equal(count, _allowed(mask_mod, q_seg, kv_seg).int()), runs
+    off_diagonal = [run for run in runs if run.band is not None and (run.band[1] or 0) > 0]
+    assert (len(runs), len(off_diagonal)) == ((2, 0) if splits else (1, 1)), runs
+
+
 def test_a_window_over_two_blocks_runs_as_two_one_sided_bands():
     """The block a ring's window hop covers (queries against their own and the previous block
-    of keys) as two one-sided calls: cuDNN's backward of a band with both bounds off the
-    diagonal costs twice as much per pair (docs/benchmarks.md)."""
+    of keys) as two calls whose right bound is the diagonal or absent."""
     window = diagonal_band(trace_mask_mod(mods.sliding_window(4096)))
     runs = band_runs(window, Segment(8192, 1, 4096), Segment(4096, 1, 8192))
     assert runs == [_Run((0, 4096), (1, 4097), band=(1, None)), _Run((1, 4096), (4097, 8192), band=(None, 0))]
