@@ -15,6 +15,7 @@ from torch import Tensor
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_ROWS = 32
+_MAX_ROWS = 65535 * _BLOCK_ROWS
 
 
 def applies(d: Tensor, a: Tensor, b: Tensor, lse_a: Tensor, lse_b: Tensor) -> bool:
@@ -42,7 +43,14 @@ def merge(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor) -> None
     batch, heads, length, dim = d.shape
     if d.numel() == 0:
         return
-    grid = (batch * heads, -(-length // _BLOCK_ROWS))
+    for start in range(0, length, _MAX_ROWS):  # a grid's second axis takes at most 65535 programs
+        n = min(_MAX_ROWS, length - start)
+        rows = [t.narrow(2, start, n) for t in (a, b, d, lse_a, lse_b)]
+        _launch(*rows, heads, n, dim)
+
+
+def _launch(a: Tensor, b: Tensor, d: Tensor, lse_a: Tensor, lse_b: Tensor, heads: int, length: int, dim: int):
+    grid = (a.shape[0] * heads, -(-length // _BLOCK_ROWS))
     _kernel()[grid](
         a, b, d, lse_a, lse_b, heads, length, dim,
         *a.stride()[:3], *b.stride()[:3], *d.stride()[:3], *lse_a.stride(), *lse_b.stride(),

@@ -52,3 +52,15 @@ def test_fused_merge_matches_torch_and_the_oracle(dim, length, dtypes):
     err, torch_err = (fused.double() - want).abs().max().item(), (torch_out.double() - want).abs().max().item()
     assert err <= torch_err + 2 * torch.finfo(fused.dtype).eps * want.abs().max().item(), (err, torch_err)
     torch.testing.assert_close(fused, torch_out)
+
+
+@needs_cuda
+def test_fused_merge_of_more_rows_than_one_launch_takes(monkeypatch):
+    """Beyond 65535 row blocks (2M rows) the merge launches on consecutive row ranges."""
+    monkeypatch.setattr(fused_merge, "_MAX_ROWS", 64)
+    a, b, lse_a, lse_b = _parts(128, 1000, torch.bfloat16, torch.bfloat16)
+    want, want_lse = _oracle(a, b, lse_a, lse_b)
+    d = torch.empty(a.shape, dtype=torch.bfloat16, device="cuda")
+    fused_merge.merge(d, a, lse_a, b, lse_b)
+    torch.testing.assert_close(lse_a.double(), want_lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(d, want.to(torch.bfloat16))
