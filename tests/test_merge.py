@@ -134,3 +134,26 @@ def test_parts_written_in_place_give_the_same_result(ranges):
         results.append([*total.result(), *merged.result()])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_merge_without_triton_says_so_once_and_merges_in_torch(monkeypatch, recwarn):
+    """Where the fused merge would apply (CUDA tensors) but triton cannot be imported, the
+    two-pass torch merge runs, and the slower path is named once."""
+    from ringflex import kernels
+    from ringflex.parallel import fused_merge, merge
+
+    monkeypatch.setattr(fused_merge, "applies", lambda *tensors: True)
+    monkeypatch.setattr(fused_merge, "available", lambda: False)
+    monkeypatch.setattr(kernels, "_WARNED", set())
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(2))
+    lse_a, lse_b = (torch.randn(1, 2, 8, generator=g) for _ in range(2))
+    want, want_lse = torch.empty_like(a), lse_a.clone()
+    merge.merge_in_torch(want, a, want_lse, b, lse_b)
+    for _ in range(2):
+        d, lse = torch.empty_like(a), lse_a.clone()
+        merge.merge_parts(d, a, lse, b, lse_b)
+        assert torch.equal(d, want) and torch.equal(lse, want_lse)
+    assert [str(w.message) for w in recwarn].count(
+        "ringflex: triton is not installed, so hop results merge in two torch passes instead of one fused kernel "
+        "(slower); torch's CUDA builds ship it: pip install triton") == 1
