@@ -13,7 +13,7 @@ import functools
 import torch
 from torch import Tensor
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_ROWS = 32
 _MAX_ROWS = 65535 * _BLOCK_ROWS
 
@@ -21,9 +21,8 @@ _MAX_ROWS = 65535 * _BLOCK_ROWS
 def applies(d: Tensor, a: Tensor, b: Tensor, lse_a: Tensor, lse_b: Tensor) -> bool:
     """Whether the fused merge can take these tensors: on one CUDA device, rows of
     contiguous elements, no float64 (its weights are fp32)."""
-    outs = (d, a, b)
     return (d.is_cuda and all(t.device == d.device for t in (a, b, lse_a, lse_b))
-            and all(t.dtype in DTYPES and t.stride(-1) == 1 for t in outs)
+            and all(t.dtype in _DTYPES and t.stride(-1) == 1 for t in (d, a, b))
             and lse_a.dtype == lse_b.dtype == torch.float32)
 
 
@@ -40,7 +39,7 @@ def merge(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor) -> None
     """d = exp(lse_a - m) * a + exp(lse_b - m) * b, and lse_a = m = logaddexp(lse_a, lse_b),
     for [B, H, L, D] rows ``a``, ``b``, ``d`` and [B, H, L] lse (``d`` may be ``a``). Rows
     where both lse are -inf get 0 and keep -inf."""
-    batch, heads, length, dim = d.shape
+    _, heads, length, dim = d.shape
     if d.numel() == 0:
         return
     for start in range(0, length, _MAX_ROWS):  # a grid's second axis takes at most 65535 programs
