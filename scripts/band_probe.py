@@ -14,23 +14,16 @@ from __future__ import annotations
 
 import torch
 
+import bench  # scripts/ is on sys.path when this runs as a script
 from ringflex import mods
 from ringflex.kernels.base import Mods
 from ringflex.kernels.cudnn import CudnnKernel, _Run
 from ringflex.plan import Segment, evaluate_mask
 
 
-def timed(fn, warmup: int = 3, iters: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+def timed(fn) -> float:
+    """Milliseconds per call of ``fn``, 20 calls back to back after 3 warm-up calls."""
+    return bench.timed(fn, iters=20, warmup=3, device=torch.device("cuda")) * 1e3
 
 
 def tensors(n_q: int, n_k: int):

@@ -778,11 +778,12 @@ class CudnnKernel:
         # visible keys only.
         if has_score_mod or mask_mod is None:
             return False
-        mask = _program(Mods(None, mask_mod), True, device).mask
+        masked = Mods(None, mask_mod)
+        mask = _program(masked, True, device).mask
         band = _band(mask)
         if band is not None:
             return band_runs(band, q_seg, kv_seg) is not None
-        return exact_runs(Mods(None, mask_mod), mask, q_seg, kv_seg, device) is not None
+        return exact_runs(masked, mask, q_seg, kv_seg, device) is not None
 
     def _runs(self, program: _Program, mods: Mods, q: Tensor, k: Tensor, q_seg, kv_seg) -> List[_Run]:
         full = _Run((0, q.shape[2]), (0, k.shape[2]))
