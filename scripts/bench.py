@@ -6,9 +6,10 @@
 For every total sequence length and mask it times forward and forward+backward of
 (a) the best single-GPU kernel on the whole sequence (torch SDPA on cuDNN where it applies,
 torch flex_attention compiled, and ringflex's own kernel on one GPU), (b) PyTorch
-context_parallel (no mask and causal), (c) ringflex on the ring; and reports ringflex's
-efficiency t_single / (world_size * t_ring) and its peak memory per rank. The implementations
-are timed in turn, in rounds (``--rounds``), and each reports its median round.
+context_parallel (no mask and causal), (c) ringflex on the ring, in each layout of
+``--layouts`` (one row each); and reports ringflex's efficiency t_single / (world_size *
+t_ring) and its peak memory per rank. The implementations are timed in turn, in rounds
+(``--rounds``), and each reports its median round.
 On CPU (gloo, reference kernel) it runs the same code at toy sizes as a smoke test.
 """
 from __future__ import annotations
@@ -145,19 +146,22 @@ _CPU_GROUP = None
 
 
 def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
-    """One row: every implementation timed in turn, ``args.rounds`` times, medians, so that a
-    drift of the GPUs' clocks over a row favours none of them."""
+    """The rows of one length and mask, one per layout: every implementation (the ring once
+    per layout) timed in turn, ``args.rounds`` times, medians, so that a drift of the GPUs'
+    clocks over a row favours none of them; the single-GPU and context_parallel samples are
+    shared by the layouts' rows."""
     score_mod, mask_mod = make_mods(mask, seq_len, device, args.window, args.doc_len)
     torch.manual_seed(0)
     shape = (args.batch, args.heads, seq_len, args.head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
-    local = [ringflex.shard(t, 2, layout=args.layout) for t in (q, k, v)]
-    row = {"seq_len": seq_len, "mask": mask, "world_size": world_size}
 
-    def ring(q, k, v):
-        return ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
-                                            layout=args.layout, backend=args.backend)
+    def ring(layout):
+        def attn(q, k, v):
+            return ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
+                                                layout=layout, backend=args.backend)
+        return attn
 
+    locals_ = {layout: [ringflex.shard(t, 2, layout=layout) for t in (q, k, v)] for layout in args.layouts}
     timers = {}  # name -> (iters, warmup) -> (forward s, forward+backward s)
     if seq_len <= args.single_max:
         for name, attn in single_gpu_candidates(mask, score_mod, mask_mod, seq_len, device).items():
@@ -165,38 +169,45 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
     cp = context_parallel_attention(mask, world_size, device) if not args.no_cp else None
     if cp is not None:
         timers["context_parallel"] = functools.partial(cp, q, k, v)
-    timers["ringflex"] = functools.partial(fwd_and_fwdbwd, ring, *local, device=device)
+    for layout, local in locals_.items():
+        timers[f"ringflex/{layout}"] = functools.partial(fwd_and_fwdbwd, ring(layout), *local, device=device)
 
-    samples = {name: [] for name in timers}
+    results, samples = {}, {name: [] for name in timers}
     for round_ in range(args.rounds):
         for name, timer in timers.items():
-            if "error" in row.get(name, {}):
+            if "error" in results.get(name, {}):
                 continue
             try:
                 samples[name].append(timer(args.iters, args.warmup if round_ == 0 else 1))
             except Exception as e:  # a kernel that does not apply is reported, not fatal
-                if name == "ringflex":
+                if name.startswith("ringflex/"):
                     raise
-                row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                results[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     for name, times in samples.items():
-        if "error" not in row.get(name, {}):
+        if "error" not in results.get(name, {}):
             fwd, both = (statistics.median(t[i] for t in times) for i in (0, 1))
-            row[name] = {"fwd": max_over_ranks(fwd), "fwd_bwd": max_over_ranks(both)}
-        log(f"  {name}: {row[name]}")
-    if device.type == "cuda":
-        row["ringflex"]["peak_mem_gib"] = max_over_ranks(ring_peak_memory(ring, local) / 2**30)
-    singles = {n: row[n] for n in ("sdpa-cudnn", "flex", "ringflex-1gpu") if "fwd" in row.get(n, {})}
-    if singles:
-        for phase in ("fwd", "fwd_bwd"):
-            best = min(singles, key=lambda n: singles[n][phase])
-            row[f"best_single_{phase}"] = best
-            row["ringflex"][f"efficiency_{phase}"] = singles[best][phase] / (world_size * row["ringflex"][phase])
-    if "fwd" in row.get("context_parallel", {}):
-        row["ringflex"]["speedup_vs_cp_fwd_bwd"] = row["context_parallel"]["fwd_bwd"] / row["ringflex"]["fwd_bwd"]
-    log(f"  ringflex: {row['ringflex']}")
-    return row
+            results[name] = {"fwd": max_over_ranks(fwd), "fwd_bwd": max_over_ranks(both)}
+        log(f"  {name}: {results[name]}")
+    rows = []
+    for layout, local in locals_.items():
+        row = {"seq_len": seq_len, "mask": mask, "layout": layout, "world_size": world_size,
+               **{n: r for n, r in results.items() if not n.startswith("ringflex/")},
+               "ringflex": dict(results[f"ringflex/{layout}"])}
+        if device.type == "cuda":
+            row["ringflex"]["peak_mem_gib"] = max_over_ranks(ring_peak_memory(ring(layout), local) / 2**30)
+        singles = {n: row[n] for n in ("sdpa-cudnn", "flex", "ringflex-1gpu") if "fwd" in row.get(n, {})}
+        if singles:
+            for phase in ("fwd", "fwd_bwd"):
+                best = min(singles, key=lambda n: singles[n][phase])
+                row[f"best_single_{phase}"] = best
+                row["ringflex"][f"efficiency_{phase}"] = singles[best][phase] / (world_size * row["ringflex"][phase])
+        if "fwd" in row.get("context_parallel", {}):
+            row["ringflex"]["speedup_vs_cp_fwd_bwd"] = row["context_parallel"]["fwd_bwd"] / row["ringflex"]["fwd_bwd"]
+        log(f"  ringflex ({layout}): {row['ringflex']}")
+        rows.append(row)
+    return rows
 
 
 def ring_peak_memory(ring, local) -> int:
@@ -212,7 +223,7 @@ def ring_peak_memory(ring, local) -> int:
 
 def table(rows) -> str:
     ms = lambda r, n, p: f"{r[n][p] * 1e3:9.2f}" if "fwd" in r.get(n, {}) else f"{'-':>9}"
-    head = (f"{'tokens':>8} {'mask':>15} | {'single fwd':>10} {'fwd+bwd':>9} | {'cp fwd':>9} {'fwd+bwd':>9} | "
+    head = (f"{'tokens':>8} {'mask':>15} {'layout':>10} | {'single fwd':>10} {'fwd+bwd':>9} | {'cp fwd':>9} {'fwd+bwd':>9} | "
             f"{'ring fwd':>9} {'fwd+bwd':>9} | {'eff fwd':>7} {'eff f+b':>7} | {'vs cp':>6} | {'mem GiB':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -222,7 +233,7 @@ def table(rows) -> str:
         eff = lambda p: f"{rf[f'efficiency_{p}']:7.3f}" if f"efficiency_{p}" in rf else f"{'-':>7}"
         vs = f"{rf['speedup_vs_cp_fwd_bwd']:6.2f}" if "speedup_vs_cp_fwd_bwd" in rf else f"{'-':>6}"
         mem = f"{rf['peak_mem_gib']:7.2f}" if "peak_mem_gib" in rf else f"{'-':>7}"
-        lines.append(f"{r['seq_len']:>8} {r['mask']:>15} | {single('fwd')} {single('fwd_bwd'):>9} | "
+        lines.append(f"{r['seq_len']:>8} {r['mask']:>15} {r['layout']:>10} | {single('fwd')} {single('fwd_bwd'):>9} | "
                      f"{ms(r, 'context_parallel', 'fwd')} {ms(r, 'context_parallel', 'fwd_bwd')} | "
                      f"{ms(r, 'ringflex', 'fwd')} {ms(r, 'ringflex', 'fwd_bwd')} | {eff('fwd')} {eff('fwd_bwd')} | "
                      f"{vs} | {mem}")
@@ -234,11 +245,12 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mask in dict.fromkeys(r["mask"] for r in rows):
+    layouts = dict.fromkeys(r["layout"] for r in rows)
+    for mask, layout in dict.fromkeys((r["mask"], r["layout"]) for r in rows):
         pts = [(r["seq_len"], r["ringflex"]["efficiency_fwd_bwd"]) for r in rows
-               if r["mask"] == mask and "efficiency_fwd_bwd" in r["ringflex"]]
+               if (r["mask"], r["layout"]) == (mask, layout) and "efficiency_fwd_bwd" in r["ringflex"]]
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=mask)
+            ax.plot(*zip(*pts), marker="o", label=mask if len(layouts) == 1 else f"{mask} ({layout})")
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("total sequence length (tokens)")
@@ -258,7 +270,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=4096)
     p.add_argument("--doc-len", type=int, default=4096, help="mean document length of the documents mask")
-    p.add_argument("--layout", default="zigzag", choices=ringflex.LAYOUTS)
+    p.add_argument("--layouts", nargs="+", default=["zigzag"], choices=ringflex.LAYOUTS,
+                   help="time the ring in each of these layouts (one row each)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before an implementation's first round")
@@ -287,8 +300,8 @@ def run(args):
     rows = []
     for seq_len in args.seq_lens:
         for mask in args.masks:
-            log(f"[{len(rows) + 1}/{len(args.seq_lens) * len(args.masks)}] {seq_len} tokens, mask {mask}")
-            rows.append(bench_one(args, seq_len, mask, device, dtype, rank, world_size, log))
+            log(f"[{len(rows) // len(args.layouts) + 1}/{len(args.seq_lens) * len(args.masks)}] {seq_len} tokens, mask {mask}")
+            rows += bench_one(args, seq_len, mask, device, dtype, rank, world_size, log)
     transport = peer.in_use(dist.group.WORLD, device)
     log(table(rows) + f"\nring transfers: {transport}")
     if rank == 0 and args.json:

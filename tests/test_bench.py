@@ -10,14 +10,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 def _bench(rank, world_size):
     import bench
     rows = bench.run(bench.parse_args(["--device", "cpu", "--seq-lens", "64", "--heads", "2", "--head-dim", "8",
-                                       "--iters", "1", "--warmup", "0", "--window", "16", "--doc-len", "16"]))
-    return [(r["mask"], r["ringflex"]["efficiency_fwd_bwd"] > 0) for r in rows]
+                                       "--iters", "1", "--warmup", "0", "--window", "16", "--doc-len", "16",
+                                       "--layouts", "zigzag", "striped"]))
+    return [(r["mask"], r["layout"], r["ringflex"]["efficiency_fwd_bwd"] > 0) for r in rows]
 
 
 def test_bench_smoke():
     rows = run_world(2, _bench)[0]
-    assert [mask for mask, _ in rows] == ["none", "causal", "window", "documents", "causal_softcap"]
-    assert all(ok for _, ok in rows)
+    masks = ["none", "causal", "window", "documents", "causal_softcap"]
+    assert [(mask, layout) for mask, layout, _ in rows] == [(m, l) for m in masks for l in ("zigzag", "striped")]
+    assert all(ok for _, _, ok in rows)
 
 
 def test_gpu_idle_from_a_trace():
