@@ -48,7 +48,8 @@ def _family(name: str) -> str:
 
 
 def host_profile(fn, calls: int, top: int = 30) -> str:
-    """cProfile of ``calls`` calls of ``fn``: the functions with the most host time of their own."""
+    """cProfile of ``calls`` calls of ``fn``: the functions with the most host time of their own,
+    then those with the most host time under them."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
@@ -56,7 +57,9 @@ def host_profile(fn, calls: int, top: int = 30) -> str:
     profiler.disable()
     torch.cuda.synchronize()
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)  # which of ringflex's steps the time is spent under
     return out.getvalue()
 
 

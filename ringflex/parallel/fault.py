@@ -36,6 +36,7 @@ from .comm import RingComm
 
 _KEY = "ringflex/failed"
 _POLL_STORE_S = 0.01  # how often a waiting rank looks for a failure in the store
+_SPIN_S = 0.002  # a collective wait polls without sleeping this long (the argument check's latency)
 _FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> what failed
 
 
@@ -120,10 +121,14 @@ def wait_collective(work, group, what: str, ring_group=None) -> None:
     """``wait`` for a gloo collective, which progresses on gloo's own threads: polled here,
     without a helper thread (the argument check of every call waits on one)."""
     ring_group = group if ring_group is None else ring_group
-    look_at_store, pause = time.monotonic() + _POLL_STORE_S, 0.0
+    start = time.monotonic()
+    look_at_store, pause = start + _POLL_STORE_S, 0.0
     while not work.is_completed():
-        time.sleep(pause)
-        pause = min(1e-3, 2 * pause or 1e-5)  # a quick answer costs little latency, a slow one little CPU
+        # A quick answer costs no latency (the CPU is only yielded), a slow one little CPU.
+        spinning = time.monotonic() - start < _SPIN_S
+        time.sleep(0 if spinning else pause)
+        if not spinning:
+            pause = min(1e-3, 2 * pause or 1e-5)
         if time.monotonic() >= look_at_store and not work.is_completed():
             look_at_store = time.monotonic() + _POLL_STORE_S
             _raise_if_failed(ring_group, what)
