@@ -161,7 +161,7 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
                                                 layout=layout, backend=args.backend)
         return attn
 
-    locals_ = {layout: [ringflex.shard(t, 2, layout=layout) for t in (q, k, v)] for layout in args.layouts}
+    shards = {layout: [ringflex.shard(t, 2, layout=layout) for t in (q, k, v)] for layout in args.layouts}
     timers = {}  # name -> (iters, warmup) -> (forward s, forward+backward s)
     if seq_len <= args.single_max:
         for name, attn in single_gpu_candidates(mask, score_mod, mask_mod, seq_len, device).items():
@@ -169,7 +169,7 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
     cp = context_parallel_attention(mask, world_size, device) if not args.no_cp else None
     if cp is not None:
         timers["context_parallel"] = functools.partial(cp, q, k, v)
-    for layout, local in locals_.items():
+    for layout, local in shards.items():
         timers[f"ringflex/{layout}"] = functools.partial(fwd_and_fwdbwd, ring(layout), *local, device=device)
 
     results, samples = {}, {name: [] for name in timers}
@@ -191,7 +191,7 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
             results[name] = {"fwd": max_over_ranks(fwd), "fwd_bwd": max_over_ranks(both)}
         log(f"  {name}: {results[name]}")
     rows = []
-    for layout, local in locals_.items():
+    for layout, local in shards.items():
         row = {"seq_len": seq_len, "mask": mask, "layout": layout, "world_size": world_size,
                **{n: r for n, r in results.items() if not n.startswith("ringflex/")},
                "ringflex": dict(results[f"ringflex/{layout}"])}
@@ -223,8 +223,8 @@ def ring_peak_memory(ring, local) -> int:
 
 def table(rows) -> str:
     ms = lambda r, n, p: f"{r[n][p] * 1e3:9.2f}" if "fwd" in r.get(n, {}) else f"{'-':>9}"
-    head = (f"{'tokens':>8} {'mask':>15} {'layout':>10} | {'single fwd':>10} {'fwd+bwd':>9} | {'cp fwd':>9} {'fwd+bwd':>9} | "
-            f"{'ring fwd':>9} {'fwd+bwd':>9} | {'eff fwd':>7} {'eff f+b':>7} | {'vs cp':>6} | {'mem GiB':>7}")
+    head = (f"{'tokens':>8} {'mask':>15} {'layout':>10} | {'single fwd':>10} {'fwd+bwd':>9} | "
+            f"{'cp fwd':>9} {'fwd+bwd':>9} | {'ring fwd':>9} {'fwd+bwd':>9} | {'eff fwd':>7} {'eff f+b':>7} | {'vs cp':>6} | {'mem GiB':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         best = lambda p: r.get(f"best_single_{p}")
@@ -300,7 +300,8 @@ def run(args):
     rows = []
     for seq_len in args.seq_lens:
         for mask in args.masks:
-            log(f"[{len(rows) // len(args.layouts) + 1}/{len(args.seq_lens) * len(args.masks)}] {seq_len} tokens, mask {mask}")
+            done = len(rows) // len(args.layouts)
+            log(f"[{done + 1}/{len(args.seq_lens) * len(args.masks)}] {seq_len} tokens, mask {mask}")
             rows += bench_one(args, seq_len, mask, device, dtype, rank, world_size, log)
     transport = peer.in_use(dist.group.WORLD, device)
     log(table(rows) + f"\nring transfers: {transport}")
