@@ -224,7 +224,8 @@ def ring_peak_memory(ring, local) -> int:
 def table(rows) -> str:
     ms = lambda r, n, p: f"{r[n][p] * 1e3:9.2f}" if "fwd" in r.get(n, {}) else f"{'-':>9}"
     head = (f"{'tokens':>8} {'mask':>15} {'layout':>10} | {'single fwd':>10} {'fwd+bwd':>9} | "
-            f"{'cp fwd':>9} {'fwd+bwd':>9} | {'ring fwd':>9} {'fwd+bwd':>9} | {'eff fwd':>7} {'eff f+b':>7} | {'vs cp':>6} | {'mem GiB':>7}")
+            f"{'cp fwd':>9} {'fwd+bwd':>9} | {'ring fwd':>9} {'fwd+bwd':>9} | {'eff fwd':>7} {'eff f+b':>7} | "
+            f"{'vs cp':>6} | {'mem GiB':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         best = lambda p: r.get(f"best_single_{p}")
