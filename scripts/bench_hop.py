@@ -128,12 +128,17 @@ def interleaved(calls: dict, rounds: int) -> dict:
     return {name: tuple(statistics.median(t[i] for t in ts) for i in range(2)) for name, ts in times.items()}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The attention shape a per-hop benchmark times: B=1 H=32 D=128 S=8192 by default."""
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--dim", type=int, default=128)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_arguments(p)
     p.add_argument("--mods", nargs="*", help="subset of the matrix (default: all)")
     p.add_argument("--depths", type=int, nargs="*", default=[], help="split depths to sweep (mods with a mask and a score_mod)")
     p.add_argument("--no-flex", action="store_true", help="skip torch flex_attention")

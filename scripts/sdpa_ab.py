@@ -14,7 +14,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_hop import interleaved, ringflex_calls, sdpa_calls  # scripts/ is on sys.path
+from bench_hop import add_shape_arguments, interleaved, ringflex_calls, sdpa_calls  # scripts/ is on sys.path
 from ringflex import mods
 
 
@@ -30,13 +30,11 @@ def kernels(fn, calls: int = 5) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--dim", type=int, default=128)
+    add_shape_arguments(p)
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args()
     torch.manual_seed(0)
-    q, k, v, dout = (torch.randn(1, args.heads, args.seq, args.dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v, dout = (torch.randn(args.batch, args.heads, args.seq, args.dim, device="cuda", dtype=torch.bfloat16)
                      for _ in range(4))
     for name, mask_mod in (("no_mask", None), ("causal", mods.causal)):
         rf_fwd, rf_bwd, _ = ringflex_calls(q, k, v, dout, None, mask_mod, 0)
