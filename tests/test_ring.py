@@ -8,6 +8,7 @@ from cases import cases, make_inputs
 from harness import run_world
 from oracle import attention
 from ringflex.kernels.reference import ReferenceKernel
+from ringflex.plan import evaluate_mask
 
 LOCAL_LEN = 12  # query tokens per rank (even, so zigzag fits; K/V: 6 for cross-attention)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -137,10 +138,14 @@ def test_ring_with_a_kernel_that_rounds_its_results(world_size):
 
 
 class _WholeBlockKernel(ReferenceKernel):
-    """The reference kernel, claiming to skip the empty parts of any block itself."""
+    """The reference kernel, claiming to skip the empty parts of any block itself: each block
+    reaches it whole, trimmed to the rows and keys where the mask holds somewhere."""
 
-    def plans_within(self, *args):
-        return True
+    def plans_within(self, mask_mod, has_score_mod, q_seg, kv_seg, device):
+        # over the batches and heads of the test cases (make_inputs: 2 and at most 4)
+        m = evaluate_mask(mask_mod, 2, 4, q_seg.positions(device), kv_seg.positions(device)).flatten(0, 1).any(0)
+        rows, keys = m.any(1).nonzero().flatten(), m.any(0).nonzero().flatten()
+        return (int(rows[0]), int(rows[-1]) + 1), (int(keys[0]), int(keys[-1]) + 1)
 
 
 def _whole_block_errors(rank, world_size, layout):
@@ -148,10 +153,12 @@ def _whole_block_errors(rank, world_size, layout):
     return _max_errors(rank, world_size, layout)
 
 
-def test_ring_with_blocks_the_kernel_keeps_whole(monkeypatch):
-    """Sparse blocks that the kernel plans within reach it unsplit, with the same results."""
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_with_blocks_the_kernel_keeps_whole(layout, monkeypatch):
+    """Sparse blocks that the kernel plans within reach it unsplit, trimmed to the part it
+    computes, with the same results."""
     monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
-    for rank, errors in enumerate(run_world(2, _whole_block_errors, "zigzag")):
+    for rank, errors in enumerate(run_world(2, _whole_block_errors, layout)):
         for (name, dtype), errs in errors.items():
             assert max(errs) <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (rank, name, dtype, errs)
 

@@ -316,6 +316,19 @@ def test_the_kernel_plans_within_exactly_planned_blocks_only():
     assert not kernel.plans_within(neighbourhood, False, q_seg, kv_seg, "cpu")  # too fragmented to plan exactly
 
 
+@pytest.mark.parametrize("mask_mod", [PLAN_MASKS["documents"], mods.causal, mods.sliding_window(100)])
+def test_the_kernel_reports_the_part_of_a_block_its_calls_reach(mask_mod):
+    """``plans_within`` gives the local rows and keys the calls reach: every visible pair,
+    and no row or key outside them (the planner trims the hop to it)."""
+    kernel = CudnnKernel()
+    for q_seg, kv_seg in [(Segment(128, 1, 384), Segment(0, 1, 512)), (Segment(256, 1, 256), Segment(0, 1, 256)),
+                          (Segment(300, 1, 100), Segment(250, 1, 250))]:
+        allowed = evaluate_mask(mask_mod, 1, 1, q_seg.positions("cpu"), kv_seg.positions("cpu"))[0, 0]
+        rows, keys = allowed.any(1).nonzero().flatten(), allowed.any(0).nonzero().flatten()
+        expected = (int(rows[0]), int(rows[-1]) + 1), (int(keys[0]), int(keys[-1]) + 1)
+        assert kernel.plans_within(mask_mod, False, q_seg, kv_seg, "cpu") == expected, (q_seg, kv_seg)
+
+
 # ----------------------------------------------------------------------------- lowering, emulated (CPU)
 # A CPU stand-in for the slice of the cuDNN frontend the kernel uses: it records the graph the
 # kernel's callbacks emit, refuses what cuDNN refuses (logical ops, graph inputs in the first port
