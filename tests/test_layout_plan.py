@@ -4,6 +4,7 @@ import torch
 
 import ringflex
 from harness import run_world
+from oracle import visible_extent
 from ringflex import mods
 from ringflex.parallel import layout as layouts
 from ringflex.plan import BlockKind, Segment, block_kinds, classify, plan_hops
@@ -95,13 +96,6 @@ def test_plan_splits_sparse_blocks_and_keeps_dense_ones_whole():
     assert len(plan_hops(mods.causal, False, 1, 1, seg, [seg], min_tile=256)[0]) == 1
 
 
-def _visible_extent(mask_mod, q_seg, kv_seg):
-    """The local rows and keys of a block that see or are seen by some pair."""
-    m = mask_mod(0, 0, q_seg.positions().view(-1, 1), kv_seg.positions().view(1, -1))
-    rows, keys = m.any(1).nonzero().flatten(), m.any(0).nonzero().flatten()
-    return (int(rows[0]), int(rows[-1]) + 1), (int(keys[0]), int(keys[-1]) + 1)
-
-
 class _PlansWithin:
     """A kernel that computes the visible part of blocks up to ``area`` pairs by itself."""
     name = "plans-within"
@@ -112,7 +106,7 @@ class _PlansWithin:
     def plans_within(self, mask_mod, has_score_mod, q_seg, kv_seg, device):
         self.asked.append((q_seg, kv_seg))
         if self.area is None or q_seg.length * kv_seg.length <= self.area:
-            return _visible_extent(mask_mod, q_seg, kv_seg)
+            return visible_extent(mask_mod, q_seg, kv_seg)
         return None
 
 

@@ -6,9 +6,8 @@ import torch
 import ringflex
 from cases import cases, make_inputs
 from harness import run_world
-from oracle import attention
+from oracle import attention, visible_extent
 from ringflex.kernels.reference import ReferenceKernel
-from ringflex.plan import evaluate_mask
 
 LOCAL_LEN = 12  # query tokens per rank (even, so zigzag fits; K/V: 6 for cross-attention)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -143,9 +142,7 @@ class _WholeBlockKernel(ReferenceKernel):
 
     def plans_within(self, mask_mod, has_score_mod, q_seg, kv_seg, device):
         # over the batches and heads of the test cases (make_inputs: 2 and at most 4)
-        m = evaluate_mask(mask_mod, 2, 4, q_seg.positions(device), kv_seg.positions(device)).flatten(0, 1).any(0)
-        rows, keys = m.any(1).nonzero().flatten(), m.any(0).nonzero().flatten()
-        return (int(rows[0]), int(rows[-1]) + 1), (int(keys[0]), int(keys[-1]) + 1)
+        return visible_extent(mask_mod, q_seg, kv_seg, batch=2, heads=4, device=device)
 
 
 def _whole_block_errors(rank, world_size, layout):

@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared test matrix lives in tests/
 from cases import Case, cases, make_inputs  # noqa: E402
+from oracle import visible_extent  # noqa: E402
 from test_trace import EXTRA_SCORE_MODS  # noqa: E402
 from ringflex import mods
 from ringflex.kernels.base import Mods
@@ -323,9 +324,7 @@ def test_the_kernel_reports_the_part_of_a_block_its_calls_reach(mask_mod):
     kernel = CudnnKernel()
     for q_seg, kv_seg in [(Segment(128, 1, 384), Segment(0, 1, 512)), (Segment(256, 1, 256), Segment(0, 1, 256)),
                           (Segment(300, 1, 100), Segment(250, 1, 250))]:
-        allowed = evaluate_mask(mask_mod, 1, 1, q_seg.positions("cpu"), kv_seg.positions("cpu"))[0, 0]
-        rows, keys = allowed.any(1).nonzero().flatten(), allowed.any(0).nonzero().flatten()
-        expected = (int(rows[0]), int(rows[-1]) + 1), (int(keys[0]), int(keys[-1]) + 1)
+        expected = visible_extent(mask_mod, q_seg, kv_seg)
         assert kernel.plans_within(mask_mod, False, q_seg, kv_seg, "cpu") == expected, (q_seg, kv_seg)
 
 
