@@ -150,7 +150,7 @@ def _joined(a: Optional[Segment], b: Optional[Segment]) -> Optional[Segment]:
     return Segment(a.start, a.stride, a.length + b.length)
 
 
-def _merge(hops, positions_matter: bool, keep_whole=None):
+def _merge(hops, positions_matter: bool, planned_part=None):
     """Joins hops of one kind that touch into single calls, first along the keys of each
     query range, then along the queries of each key range. Where positions cannot matter
     (FULL, no score_mod) any neighbours join; otherwise only runs that stay affine, and
@@ -173,8 +173,8 @@ def _merge(hops, positions_matter: bool, keep_whole=None):
             fields = {f"{side}_rows": rows, f"{side}_seg": seg, f"{other}_rows": getattr(hop, f"{other}_rows"),
                       f"{other}_seg": None if free else getattr(hop, f"{other}_seg"), "kind": hop.kind}
             joined = Hop(**fields)
-            if (hop.kind == BlockKind.PARTIAL and keep_whole is not None and keep_whole(prev.q_seg, prev.kv_seg)
-                    and keep_whole(hop.q_seg, hop.kv_seg) and not keep_whole(joined.q_seg, joined.kv_seg)):
+            if (hop.kind == BlockKind.PARTIAL and planned_part is not None and planned_part(prev.q_seg, prev.kv_seg)
+                    and planned_part(hop.q_seg, hop.kv_seg) and planned_part(joined.q_seg, joined.kv_seg) is None):
                 out.append(hop)
                 continue
             out[-1] = joined
@@ -182,15 +182,19 @@ def _merge(hops, positions_matter: bool, keep_whole=None):
     return sorted(join(join(hops, "kv"), "q"), key=lambda h: (h.q_rows, h.kv_rows))
 
 
-def _split(hop: Hop, kind_of, min_tile: int, keep_whole):
+def _split(hop: Hop, kind_of, min_tile: int, planned_part):
     """Splits a PARTIAL hop into quadrants, recursively, where that sheds EMPTY parts:
     sparse blocks (windows, documents) lose their empty tiles, while a block shaped like a
     causal diagonal (one EMPTY and one FULL quadrant), which kernels run well whole, stays
-    whole, as does a block the kernel computes exactly by itself (``keep_whole``)."""
-    (q0, q1), (k0, k1) = hop.q_rows, hop.kv_rows
-    if hop.kind != BlockKind.PARTIAL or q1 - q0 < 2 * min_tile or k1 - k0 < 2 * min_tile:
+    whole. A block the kernel computes exactly by itself (``planned_part`` gives the part its
+    calls reach) becomes one hop over that part."""
+    if hop.kind != BlockKind.PARTIAL:
         return [hop]
-    if keep_whole is not None and keep_whole(hop.q_seg, hop.kv_seg):
+    extent = planned_part(hop.q_seg, hop.kv_seg) if planned_part is not None else None
+    if extent is not None:
+        return [_within(hop, extent)]
+    (q0, q1), (k0, k1) = hop.q_rows, hop.kv_rows
+    if q1 - q0 < 2 * min_tile or k1 - k0 < 2 * min_tile:
         return [hop]
     qm, km = (q0 + q1) // 2, (k0 + k1) // 2
     quads = []
@@ -202,7 +206,16 @@ def _split(hop: Hop, kind_of, min_tile: int, keep_whole):
     full = sum(h.kind == BlockKind.FULL for h in quads)
     if empty == 0 or (empty == 1 and full > 0):  # dense, or shaped like a causal diagonal
         return [hop]
-    return [piece for h in quads if h.kind != BlockKind.EMPTY for piece in _split(h, kind_of, min_tile, keep_whole)]
+    return [piece for h in quads if h.kind != BlockKind.EMPTY for piece in _split(h, kind_of, min_tile, planned_part)]
+
+
+def _within(hop: Hop, extent) -> Hop:
+    """The part ``extent`` (local rows and keys) of a hop: the ring then merges and sums only
+    the rows and keys the kernel's calls reach (a window's queries at the start of a block
+    against the keys at the end of the previous one: one corner of the block)."""
+    (r0, r1), (c0, c1) = extent
+    (q0, _), (k0, _) = hop.q_rows, hop.kv_rows
+    return Hop((q0 + r0, q0 + r1), (k0 + c0, k0 + c1), hop.q_seg.slice(r0, r1), hop.kv_seg.slice(c0, c1), hop.kind)
 
 
 # Masks that only compare q_idx with kv_idx: causal, and its strict and reversed forms.
@@ -241,7 +254,8 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
               min_tile: int = 1024, kernel=None):
     """The hops of every ring step: the non-EMPTY (Q segment, KV segment) pairs, sparse
     PARTIAL blocks split down to ``min_tile`` tokens unless ``kernel`` computes them exactly
-    by itself (``HopKernel.plans_within``): then splitting only adds calls and merges.
+    by itself (``HopKernel.plans_within``): then splitting only adds calls and merges, and
+    the hop covers only the rows and keys the kernel's calls reach.
 
     ``kv_segs_per_step[i]`` are the segments of the KV block held at step i. The blocks are
     classified on ``device`` and read back to the host at once (one synchronisation); only
@@ -257,16 +271,16 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
     def kind_of(q_seg, kv_seg):
         return BlockKind(int(classify(mask_mod, batch, heads, q_seg, kv_seg, device, decide)))
 
-    keep_whole = None
+    planned_part = None
     if kernel is not None:
-        def keep_whole(q_seg, kv_seg):
+        def planned_part(q_seg, kv_seg):
             return kernel.plans_within(mask_mod, has_score_mod, q_seg, kv_seg, device)
 
     steps = [[] for _ in kv_segs_per_step]
     for (step, qr, q, kr, kv), kind in zip(pairs, kinds):
         if kind != BlockKind.EMPTY:
-            steps[step] += _split(Hop(qr, kr, q, kv, BlockKind(kind)), kind_of, min_tile, keep_whole)
-    plan = [_merge(hops, has_score_mod, keep_whole) for hops in steps]
+            steps[step] += _split(Hop(qr, kr, q, kv, BlockKind(kind)), kind_of, min_tile, planned_part)
+    plan = [_merge(hops, has_score_mod, planned_part) for hops in steps]
     for step, kv_segs in enumerate(kv_segs_per_step):
         local = _local_order_hop(mask_mod, has_score_mod, q_segs, kv_segs, device)
         if local is not None and len(plan[step]) > 1:

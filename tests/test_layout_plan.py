@@ -4,6 +4,7 @@ import torch
 
 import ringflex
 from harness import run_world
+from oracle import visible_extent
 from ringflex import mods
 from ringflex.parallel import layout as layouts
 from ringflex.plan import BlockKind, Segment, block_kinds, classify, plan_hops
@@ -104,7 +105,9 @@ class _PlansWithin:
 
     def plans_within(self, mask_mod, has_score_mod, q_seg, kv_seg, device):
         self.asked.append((q_seg, kv_seg))
-        return self.area is None or q_seg.length * kv_seg.length <= self.area
+        if self.area is None or q_seg.length * kv_seg.length <= self.area:
+            return visible_extent(mask_mod, q_seg, kv_seg)
+        return None
 
 
 def test_plan_keeps_blocks_whole_that_the_kernel_plans_within():
@@ -115,10 +118,25 @@ def test_plan_keeps_blocks_whole_that_the_kernel_plans_within():
         ((0, 4096), (0, 4096))]
     assert kernel.asked == [(seg[0], seg[0])]
     assert len(plan_hops(doc, False, 1, 1, seg, [seg], min_tile=256)[0]) > 1  # split without such a kernel
-    # blocks it plans within are not joined into one it cannot plan (too large)
+    # blocks it plans within are not joined into one it cannot plan (too large); each is
+    # the part the kernel's calls reach (below the diagonal: the second document's rows)
     small = plan_hops(doc, False, 1, 1, seg, [seg], min_tile=256, kernel=_PlansWithin(area=2048 * 2048))[0]
-    assert [(h.q_rows, h.kv_rows) for h in small] == [((0, 2048), (0, 2048)), ((2048, 4096), (0, 2048)),
+    assert [(h.q_rows, h.kv_rows) for h in small] == [((0, 2048), (0, 2048)), ((2048, 2500), (1000, 2048)),
                                                       ((2048, 4096), (2048, 4096))]
+    assert small[1].q_seg == Segment(2048, 1, 452) and small[1].kv_seg == Segment(1000, 1, 1048)
+
+
+def test_a_hop_covers_only_what_the_kernel_computes_of_its_block():
+    """A window's queries at the start of a rank's block see only the last keys of the
+    previous rank's block: the hop is that corner (as the kernel reports it), so the ring
+    merges and sums only the rows and keys it reaches."""
+    window, length = mods.sliding_window(1000), 8192
+    q, kv = [Segment(length, 1, length)], [Segment(0, 1, length)]
+    (hop,), = plan_hops(window, False, 1, 1, q, [kv], min_tile=256, kernel=_PlansWithin())
+    assert (hop.q_rows, hop.kv_rows) == ((0, 999), (7193, 8192))
+    assert (hop.q_seg, hop.kv_seg, hop.kind) == (Segment(length, 1, 999), Segment(7193, 1, 999), BlockKind.PARTIAL)
+    assert _brute_kind(window, Segment(length + 999, 1, length - 999), kv[0]) == BlockKind.EMPTY
+    assert _brute_kind(window, q[0], Segment(0, 1, 7193)) == BlockKind.EMPTY
 
 
 def _shard_roundtrip(rank, world_size, layout):

@@ -6,7 +6,7 @@ import torch
 import ringflex
 from cases import cases, make_inputs
 from harness import run_world
-from oracle import attention
+from oracle import attention, visible_extent
 from ringflex.kernels.reference import ReferenceKernel
 
 LOCAL_LEN = 12  # query tokens per rank (even, so zigzag fits; K/V: 6 for cross-attention)
@@ -137,10 +137,12 @@ def test_ring_with_a_kernel_that_rounds_its_results(world_size):
 
 
 class _WholeBlockKernel(ReferenceKernel):
-    """The reference kernel, claiming to skip the empty parts of any block itself."""
+    """The reference kernel, claiming to skip the empty parts of any block itself: each block
+    reaches it whole, trimmed to the rows and keys where the mask holds somewhere."""
 
-    def plans_within(self, *args):
-        return True
+    def plans_within(self, mask_mod, has_score_mod, q_seg, kv_seg, device):
+        # over the batches and heads of the test cases (make_inputs: 2 and at most 4)
+        return visible_extent(mask_mod, q_seg, kv_seg, batch=2, heads=4, device=device)
 
 
 def _whole_block_errors(rank, world_size, layout):
@@ -148,10 +150,12 @@ def _whole_block_errors(rank, world_size, layout):
     return _max_errors(rank, world_size, layout)
 
 
-def test_ring_with_blocks_the_kernel_keeps_whole(monkeypatch):
-    """Sparse blocks that the kernel plans within reach it unsplit, with the same results."""
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_with_blocks_the_kernel_keeps_whole(layout, monkeypatch):
+    """Sparse blocks that the kernel plans within reach it unsplit, trimmed to the part it
+    computes, with the same results."""
     monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
-    for rank, errors in enumerate(run_world(2, _whole_block_errors, "zigzag")):
+    for rank, errors in enumerate(run_world(2, _whole_block_errors, layout)):
         for (name, dtype), errs in errors.items():
             assert max(errs) <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (rank, name, dtype, errs)
 

@@ -23,6 +23,7 @@ from torch import Tensor
 from ..plan import Segment
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+Extent = Tuple[Tuple[int, int], Tuple[int, int]]  # local (rows, keys) of a block, each [begin, end)
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -62,10 +63,11 @@ class HopKernel(Protocol):
         ...
 
     def plans_within(self, mask_mod: Optional[MaskMod], has_score_mod: bool, q_seg: Segment, kv_seg: Segment,
-                     device) -> bool:
-        """Whether the kernel computes no more than the visible part of this PARTIAL block by
-        itself. The planner then keeps the block as one hop instead of splitting off its empty
-        parts, which would only add calls and merges."""
+                     device) -> Optional[Extent]:
+        """Where the kernel computes no more than the visible part of this PARTIAL block by
+        itself: the local rows and keys its calls reach, ``((r0, r1), (c0, c1))``; else None.
+        The planner then makes that part one hop instead of splitting off the empty parts,
+        which would only add calls and merges, and the ring merges and sums only its rows."""
         ...
 
     def grad_dtype(self, dtype) -> "torch.dtype":

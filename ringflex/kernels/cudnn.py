@@ -33,7 +33,7 @@ from ..parallel.merge import RowMerge, RowSum, rows
 from ..plan import BlockKind, Segment, block_kinds, evaluate_mask
 from ..trace import ModGraph, Node, UnsupportedModError, diagonal_band, evaluate, score_grad, trace_mask_mod, trace_score_mod
 from . import _warn_once
-from .base import Mods
+from .base import Extent, Mods
 from .reference import ReferenceKernel
 
 # A masked block with a score_mod runs as 2**SPLIT_DEPTH row chunks (measured best: docs/cudnn.md).
@@ -771,19 +771,22 @@ class CudnnKernel:
         # summed in fp32 and rounded once into it
         return dtype
 
-    def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment, device) -> bool:
+    def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment,
+                     device) -> Optional[Extent]:
         # Native band calls (see ``_runs``) skip the tiles outside the band (a window of 4096
         # over 16k tokens: 80 us per million pairs in the backward, causal 76; H200,
         # scripts/band_probe.py); the exact plan's calls are unmasked or native bands over
         # visible keys only.
         if has_score_mod or mask_mod is None:
-            return False
+            return None
         masked = Mods(None, mask_mod)
         mask = _program(masked, True, device).mask
         band = _band(mask)
-        if band is not None:
-            return band_runs(band, q_seg, kv_seg) is not None
-        return exact_runs(masked, mask, q_seg, kv_seg, device) is not None
+        runs = band_runs(band, q_seg, kv_seg) if band is not None else exact_runs(masked, mask, q_seg, kv_seg, device)
+        if not runs:
+            return None
+        return ((min(r.rows[0] for r in runs), max(r.rows[1] for r in runs)),
+                (min(r.cols[0] for r in runs), max(r.cols[1] for r in runs)))
 
     def _runs(self, program: _Program, mods: Mods, q: Tensor, k: Tensor, q_seg, kv_seg) -> List[_Run]:
         full = _Run((0, q.shape[2]), (0, k.shape[2]))

@@ -57,8 +57,8 @@ class ReferenceKernel:
     def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return compute_dtype(dtype)
 
-    def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment, device) -> bool:
-        return False  # it computes every pair of the block it is given
+    def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment, device) -> None:
+        return None  # it computes every pair of the block it is given
 
     def forward(self, q, k, v, q_seg: Segment, kv_seg: Segment, mods: Mods, scale: float, masked: bool) -> Tuple[Tensor, Tensor]:
         dtype = compute_dtype(q.dtype)

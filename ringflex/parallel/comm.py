@@ -23,8 +23,9 @@ class RingComm:
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world_size)
 
     def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], reverse: bool = False):
-        """Starts the transfer; call ``.wait()`` on the result before reading ``recv``.
-        ``reverse``: send to the previous rank and receive from the next.
+        """Starts the transfer; call ``.wait()`` on the result before reading ``recv``, and
+        ``join_sends`` before the caller writes into ``send``. ``reverse``: send to the
+        previous rank and receive from the next.
 
         It runs beside the compute launched meanwhile (NCCL and the copy engines use their own
         streams).
@@ -37,6 +38,14 @@ class RingComm:
         ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv]
         return _Pending(dist.batch_isend_irecv(ops))
+
+
+    def join_sends(self, device) -> None:
+        """Orders the current stream after every send issued so far: ``wait()`` orders it after
+        the receive alone over the copy engines (the process group's P2P waits for both)."""
+        transport = peer.transport(self.group, device) if device.type == "cuda" else None
+        if transport is not None:
+            transport.join_sends()
 
 
 class _Pending:

@@ -18,6 +18,14 @@ ends of a link count the chunks alike: chunk ``c`` uses slot ``c % SLOTS`` and i
 carry the slot's generation ``c // SLOTS + 1``. These waits have no timeout, so a rank that
 marks the ring failed (``fault.fail``) releases them (``release``).
 
+An arrival orders the compute stream after the receive only. A send completes when the
+peer has copied the chunks out of its mailbox, which its device-local copies do only once
+its own kernel releases the SMs; ordering after it too would make each rank wait for its
+neighbour's kernel. So a sent tensor's memory is kept from reuse by ``record_stream`` on
+the send stream, a receive into memory that a send still reads waits for that send, and
+``join_sends`` orders the compute stream after every send where the caller's own tensors
+went out (the end of a forward, whose first send is the caller's K/V).
+
 ``RINGFLEX_TRANSPORT`` chooses: ``auto`` (default; copy engines when every rank of the
 group is on one host with CUDA tensors and symmetric memory, else the process group's P2P
 with a one-time warning), ``copy-engine`` (an error where it cannot run) or ``nccl``.
@@ -117,6 +125,7 @@ class PeerTransport:
         self.rank = rank
         self.streams = [(torch.cuda.Stream(device), torch.cuda.Stream(device)) for _ in range(2)]  # (send, recv)
         self.sent, self.received = [0, 0], [0, 0]
+        self.sending = {}  # storage address -> the event of the last send that reads it
 
     def _slot(self, mailbox: Tensor, direction: int, slot: int) -> Tensor:
         start = _FLAGS_BYTES + (direction * SLOTS + slot) * SLOT_BYTES
@@ -135,17 +144,34 @@ class PeerTransport:
             raise ValueError("ringflex: a receive buffer of the copy-engine transport must be contiguous")
         queued = torch.cuda.current_stream(self.device).record_event()
         send_stream, recv_stream = self.streams[direction]
+        with torch.cuda.stream(recv_stream):
+            recv_stream.wait_event(queued)
+            for event in self._still_sending(recv):
+                recv_stream.wait_event(event)
+            for t in recv:
+                self._receive(recv_stream.cuda_stream, direction, _bytes(t))
+            received = recv_stream.record_event()
         with torch.cuda.stream(send_stream):
             send_stream.wait_event(queued)
             for t in send:
                 self._send(send_stream.cuda_stream, direction, _bytes(t))
             sent = send_stream.record_event()
-        with torch.cuda.stream(recv_stream):
-            recv_stream.wait_event(queued)
-            for t in recv:
-                self._receive(recv_stream.cuda_stream, direction, _bytes(t))
-            received = recv_stream.record_event()
-        return _Arrival(self.device, (sent, received), send)
+        for t in send:
+            t.record_stream(send_stream)  # its memory is not reused before the send has read it
+            self.sending[_storage(t)] = sent
+        return _Arrival(self.device, received, sent)
+
+    def _still_sending(self, tensors: Sequence[Tensor]) -> List[torch.cuda.Event]:
+        """The sends still reading the memory of ``tensors`` (forgetting finished ones)."""
+        for address in [a for a, event in self.sending.items() if event.query()]:
+            del self.sending[address]
+        return [self.sending[a] for a in {_storage(t) for t in tensors} if a in self.sending]
+
+    def join_sends(self) -> None:
+        """Orders the current stream after every send issued so far."""
+        stream = torch.cuda.current_stream(self.device)
+        for event in set(self.sending.values()):
+            stream.wait_event(event)
 
     def _send(self, stream: int, direction: int, data: Tensor) -> None:
         to = self.to[direction]
@@ -189,16 +215,17 @@ def _bytes(t: Tensor) -> Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 class _Arrival:
-    def __init__(self, device: torch.device, events, sent):
-        self.device, self.events = device, events
-        self.sent = sent  # the sent tensors stay alive until the copies are ordered
+    def __init__(self, device: torch.device, received: torch.cuda.Event, sent: torch.cuda.Event):
+        self.device, self.received, self.sent = device, received, sent
 
     def wait(self) -> None:
-        stream = torch.cuda.current_stream(self.device)
-        for event in self.events:
-            stream.wait_event(event)
-        self.sent = None
+        """Orders the current stream after the receive (not the send: see the module)."""
+        torch.cuda.current_stream(self.device).wait_event(self.received)
 
 
 def transport(group, device: torch.device) -> Optional[PeerTransport]:

@@ -110,6 +110,8 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
                 call.schedule = call.schedule[:call.agreement.ring_steps]
             pending = blocks.start(step)
         blocks.advance(step, pending)
+    if call.comm is not None:
+        call.comm.join_sends(q.device)  # the caller's K/V left first: it may change them once this returns
     return (*merged.result(), blocks.current)  # the block of the last step: backward starts on it
 
 

@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared test matrix lives in tests/
 from cases import Case, cases, make_inputs  # noqa: E402
+from oracle import visible_extent  # noqa: E402
 from test_trace import EXTRA_SCORE_MODS  # noqa: E402
 from ringflex import mods
 from ringflex.kernels.base import Mods
@@ -314,6 +315,17 @@ def test_the_kernel_plans_within_exactly_planned_blocks_only():
     assert kernel.plans_within(mods.causal, False, q_seg, kv_seg, "cpu")  # native band calls
     assert not kernel.plans_within(mods.sliding_window(8), False, Segment(0, 1, 64), Segment(0, 1, 16), "cpu")  # s_q > s_kv
     assert not kernel.plans_within(neighbourhood, False, q_seg, kv_seg, "cpu")  # too fragmented to plan exactly
+
+
+@pytest.mark.parametrize("mask_mod", [PLAN_MASKS["documents"], mods.causal, mods.sliding_window(100)])
+def test_the_kernel_reports_the_part_of_a_block_its_calls_reach(mask_mod):
+    """``plans_within`` gives the local rows and keys the calls reach: every visible pair,
+    and no row or key outside them (the planner trims the hop to it)."""
+    kernel = CudnnKernel()
+    for q_seg, kv_seg in [(Segment(128, 1, 384), Segment(0, 1, 512)), (Segment(256, 1, 256), Segment(0, 1, 256)),
+                          (Segment(300, 1, 100), Segment(250, 1, 250))]:
+        expected = visible_extent(mask_mod, q_seg, kv_seg)
+        assert kernel.plans_within(mask_mod, False, q_seg, kv_seg, "cpu") == expected, (q_seg, kv_seg)
 
 
 # ----------------------------------------------------------------------------- lowering, emulated (CPU)

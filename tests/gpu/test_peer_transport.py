@@ -1,8 +1,10 @@
 """The copy-engine transport (``ringflex.parallel.peer``) on two GPUs: every byte arrives, in
-both directions, for transfers smaller and larger than its mailbox, several in flight; and a
-ring over it computes bit for bit what the same ring computes over NCCL."""
+both directions, for transfers smaller and larger than its mailbox, several in flight; an
+arrival does not wait for the rank's own send; and a ring over it computes bit for bit what
+the same ring computes over NCCL."""
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,41 @@ def _exchanges(rank, world_size):
 
 def test_every_byte_arrives_in_both_directions():
     assert run_world(2, _exchanges, backend="nccl") == [[], []]
+
+
+def _arrival_before_send(rank, world_size):
+    """Rank 0 sends rank 1 more than its mailbox holds while rank 1's receive is held back
+    (its stream sleeps first); rank 1 sends rank 0 a little from a stream that does not sleep.
+    Work rank 0 queues after its arrival runs at once: the send is still waiting for rank 1."""
+    os.environ["RINGFLEX_TRANSPORT"] = "copy-engine"
+    transport = peer.transport(dist.group.WORLD, torch.device("cuda", rank))
+    big, small = 9 * peer.SLOT_BYTES, 1000
+    if rank == 0:
+        got = torch.empty(small, dtype=torch.uint8, device="cuda")
+        arrival = transport.exchange([_payload(0, 0, big)], [got])
+        arrival.wait()
+        marker = torch.cuda.current_stream().record_event()
+        deadline = time.monotonic() + 5
+        while not marker.query() and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        ordered = (marker.query(), arrival.sent.query())
+        transport.join_sends()
+        torch.cuda.synchronize()
+        return ordered, torch.equal(got, _payload(1, 0, small))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        transport.exchange([_payload(1, 0, small)], [])
+    torch.cuda._sleep(int(2e10))  # about 10 s of GPU clock cycles before the receive below starts
+    got = torch.empty(big, dtype=torch.uint8, device="cuda")
+    transport.exchange([], [got]).wait()
+    torch.cuda.synchronize()
+    return None, torch.equal(got, _payload(0, 0, big))
+
+
+def test_an_arrival_does_not_wait_for_the_own_send():
+    (ordered, small_ok), (_, big_ok) = run_world(2, _arrival_before_send, backend="nccl", timeout=120)
+    assert ordered == (True, False)  # the work after the arrival ran; the send was still waiting
+    assert small_ok and big_ok
 
 
 def _ring(rank, world_size):
