@@ -15,7 +15,7 @@ from .kernels.base import Mods
 from .parallel import layout as layouts
 from .parallel.fault import GuardedComm
 from .parallel.ring import RingAttention, RingCall
-from .plan import PlanCache, plan_hops, steps_needed
+from .plan import PlanCache, keys_read, plan_hops
 
 _PLANS = PlanCache()
 
@@ -74,7 +74,7 @@ def ring_flex_attention(
 
     agreement = validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group, layout=layout,
                                scale=scale, enable_gqa=enable_gqa, backend=backend, debug=debugging, prepare=prepare,
-                               ring_steps=lambda result: steps_needed(result[0]))
+                               keys_read=lambda result: keys_read(result[0], world_size))
     if agreement.failed_here or debugging:  # raises here (or, debugging, agrees before the checks below)
         agreement.wait()
     schedule, kernel = agreement.result

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -288,11 +288,36 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
     return plan
 
 
-def steps_needed(schedule) -> int:
-    """Ring steps a schedule needs: up to its last step with work (at least the own block).
-    Where no rank needs blocks from further away (a sliding window or documents in the
-    contiguous layout), the ring stops there, and those blocks never travel."""
-    return 1 + max((step for step, hops in enumerate(schedule) if hops), default=0)
+def keys_read(schedule, world_size: int) -> List[Tuple[int, int]]:
+    """Per ring step (``world_size`` of them), the rows of the K/V block held then that the
+    step's hops read, as one range around all of them; (0, 0) where they read none."""
+    spans = []
+    for step in range(world_size):
+        hops = schedule[step] if step < len(schedule) else []
+        spans.append((min(h.kv_rows[0] for h in hops), max(h.kv_rows[1] for h in hops)) if hops else (0, 0))
+    return spans
+
+
+def steps_needed(keys_read_by_rank) -> int:
+    """Ring steps the ranks need: up to the last step in which any rank reads keys (at least
+    the own block). Where no rank needs blocks from further away (a sliding window or
+    documents in the contiguous layout), the ring stops there, and those blocks never travel."""
+    return 1 + max((step for spans in keys_read_by_rank for step, (lo, hi) in enumerate(spans) if hi > lo),
+                   default=0)
+
+
+def travelling_rows(keys_read_by_rank, steps: int) -> List[Tuple[int, int]]:
+    """Per block (by owner), the rows of it that travel: one range around the rows that the
+    other ranks read of it in the first ``steps`` steps ((0, 0): none, and it never leaves).
+    Over the contiguous layout a sliding window reads only the end of the previous rank's
+    block, so only that end travels, forward and back (its partial dK/dV sums too)."""
+    world_size = len(keys_read_by_rank)
+    rows = []
+    for owner in range(world_size):
+        spans = [keys_read_by_rank[(owner + step) % world_size][step] for step in range(1, steps)]
+        spans = [(lo, hi) for lo, hi in spans if hi > lo]
+        rows.append((min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else (0, 0))
+    return rows
 
 
 def _captured_tensors(fn, depth=0):

@@ -249,12 +249,13 @@ def _transport() -> int:
 class Agreement:
     """The argument check of one call: ``wait()`` returns what ``prepare()`` returned, once
     every rank has agreed, or raises the same ``fault.CallRejected`` on every rank. After
-    ``wait()``, ``ring_steps`` is the most ring steps any rank's plan needs."""
+    ``wait()``, ``keys_read[r]`` is what rank r's plan reads of each step's block (see
+    ``check``)."""
 
     def __init__(self, result=None, error: Optional[str] = None, cause=None, exchange: Optional[_Exchange] = None,
-                 ring_steps: int = 1):
+                 keys_read: Optional[List[List[Tuple[int, int]]]] = None):
         self.result, self.error, self.cause, self.exchange = result, error, cause, exchange
-        self.ring_steps = ring_steps
+        self.keys_read = keys_read
 
     @property
     def failed_here(self) -> bool:
@@ -279,18 +280,23 @@ class Agreement:
                 detail = ", ".join(f"rank {r}: {show(s)}" for r, s in enumerate(seen))
                 raise fault.CallRejected(f"ring_flex_attention: the ranks disagree on the {name} ({detail}); "
                                          "every rank of the ring must make the same call")
-        self.ring_steps = max(rec[len(_FIELDS)] for rec in records)
+        self.keys_read = [_pairs(rec[len(_FIELDS):]) for rec in records]
         return self.result
+
+
+def _pairs(values: Sequence[int]) -> List[Tuple[int, int]]:
+    return [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
 
 
 def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, backend,
           debug: bool = False, prepare: Optional[Callable] = None,
-          ring_steps: Optional[Callable[[Any], int]] = None) -> Agreement:
+          keys_read: Optional[Callable[[Any], List[Tuple[int, int]]]] = None) -> Agreement:
     """Checks this rank's arguments, runs ``prepare()`` and starts comparing with the other
     ranks of ``group``. No rank may start a transfer before ``wait()`` on the result returned:
     it raises the same ValueError on every rank if any rank's arguments are bad, ``prepare()``
-    raised on any rank, or the ranks disagree. ``ring_steps(prepare())``: the ring steps this
-    rank's plan needs; the ranks share them and run the most any of them needs."""
+    raised on any rank, or the ranks disagree. ``keys_read(prepare())``: per ring step, the
+    rows of the block held then that this rank's plan reads; the ranks share them, so each
+    knows how far the ring must run and which rows of a block any rank still needs."""
     world_size = dist.get_world_size(group) if group is not None else 1
     failed = fault.failure(group)
     if failed:
@@ -303,12 +309,12 @@ def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, bac
             result = prepare()
         except Exception as e:  # noqa: BLE001 (reported to every rank, re-raised by wait())
             error, cause = f"{type(e).__name__}: {e} (while planning the ring, before any transfer)", e
-    steps = ring_steps(result) if ring_steps is not None and error is None else 1
+    reads = keys_read(result) if keys_read is not None and error is None else [(0, 0)] * world_size
     if group is None or world_size == 1:
-        return Agreement(result, error, cause, ring_steps=steps)
+        return Agreement(result, error, cause, keys_read=[reads])
     grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     args = dict(q=q, k=k, v=v, layout=layout, backend=backend, enable_gqa=enable_gqa, scale=scale,
                 score_mod=score_mod, mask_mod=mask_mod, grad=grad, debug=debug)
     values = [0] * len(_FIELDS) if error else [get(args) for _, get, _ in _FIELDS]
-    return Agreement(result, error, cause, _Exchange(group, values + [steps], error, "the argument check",
-                                                     fault.CallRejected), ring_steps=steps)
+    return Agreement(result, error, cause, _Exchange(group, values + [x for span in reads for x in span], error,
+                                                     "the argument check", fault.CallRejected))

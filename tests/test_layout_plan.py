@@ -7,7 +7,8 @@ from harness import run_world
 from oracle import visible_extent
 from ringflex import mods
 from ringflex.parallel import layout as layouts
-from ringflex.plan import BlockKind, Segment, block_kinds, classify, plan_hops
+from ringflex.plan import (BlockKind, Segment, block_kinds, classify, keys_read, plan_hops, steps_needed,
+                           travelling_rows)
 
 
 @pytest.mark.parametrize("layout", ringflex.LAYOUTS)
@@ -137,6 +138,31 @@ def test_a_hop_covers_only_what_the_kernel_computes_of_its_block():
     assert (hop.q_seg, hop.kv_seg, hop.kind) == (Segment(length, 1, 999), Segment(7193, 1, 999), BlockKind.PARTIAL)
     assert _brute_kind(window, Segment(length + 999, 1, length - 999), kv[0]) == BlockKind.EMPTY
     assert _brute_kind(window, q[0], Segment(0, 1, 7193)) == BlockKind.EMPTY
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_only_the_rows_other_ranks_read_travel(world_size):
+    """A window of 1000 over the contiguous layout: each rank reads the last 999 keys of the
+    previous rank's block, so two ring steps run and only those rows of a block travel
+    (none of the last rank's block). A causal mask over zigzag reads every block whole but
+    rank 0's: the other ranks' queries all come after its first chunk and before its second."""
+    window, length = mods.sliding_window(1000), 4096
+    kernel, n = _PlansWithin(), length * world_size
+
+    def reads(mask, layout):
+        segs = [layouts.segments(layout, n, world_size, r) for r in range(world_size)]
+        return [keys_read(plan_hops(mask, False, 1, 1, segs[r], [segs[(r - s) % world_size] for s in range(world_size)],
+                                    min_tile=256, kernel=kernel), world_size)
+                for r in range(world_size)]
+
+    windowed = reads(window, "contiguous")
+    assert windowed[0] == [(0, length)] + [(0, 0)] * (world_size - 1)
+    assert all(spans == [(0, length), (length - 999, length)] + [(0, 0)] * (world_size - 2) for spans in windowed[1:])
+    assert steps_needed(windowed) == 2
+    assert travelling_rows(windowed, 2) == [(length - 999, length)] * (world_size - 1) + [(0, 0)]
+    causal = reads(mods.causal, "zigzag")
+    assert steps_needed(causal) == world_size
+    assert travelling_rows(causal, world_size) == [(0, length // 2)] + [(0, length)] * (world_size - 1)
 
 
 def _shard_roundtrip(rank, world_size, layout):

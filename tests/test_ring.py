@@ -150,12 +150,13 @@ def _whole_block_errors(rank, world_size, layout):
     return _max_errors(rank, world_size, layout)
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_ring_with_blocks_the_kernel_keeps_whole(layout, monkeypatch):
+@pytest.mark.parametrize("world_size, layout", [(2, "zigzag"), (2, "contiguous"), (3, "contiguous"), (4, "zigzag"),
+                                               (4, "striped")])
+def test_ring_with_blocks_the_kernel_keeps_whole(world_size, layout, monkeypatch):
     """Sparse blocks that the kernel plans within reach it unsplit, trimmed to the part it
-    computes, with the same results."""
+    computes, and only the rows of a block that some rank reads travel: the same results."""
     monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
-    for rank, errors in enumerate(run_world(2, _whole_block_errors, layout)):
+    for rank, errors in enumerate(run_world(world_size, _whole_block_errors, layout)):
         for (name, dtype), errs in errors.items():
             assert max(errs) <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (rank, name, dtype, errs)
 
@@ -178,17 +179,20 @@ def test_backward_twice_through_a_retained_graph():
             torch.testing.assert_close(b, 2 * a)
 
 
-def _short_ring(rank, world_size, mask_name):
-    """Transfers of one forward and backward, and the largest error against the oracle."""
+def _short_ring(rank, world_size, mask_name, kernel=None):
+    """Transfers of one forward and backward (pass, rows of each tensor sent), and the
+    largest error against the oracle."""
     from ringflex import mods
     from ringflex.parallel import fault
+    if kernel is not None:
+        _with_kernel(kernel)
     local = 8
     mask = {"window": mods.sliding_window(4),  # each rank needs only the previous rank's block
             "aligned_documents": mods.document(mods.document_ids([local] * world_size))}[mask_name]
     seen, original = [], fault.GuardedComm.exchange
 
     def counting(self, send, recv, reverse=False):
-        seen.append(self.phase)
+        seen.append((self.phase, tuple(t.shape[2] for t in send)))
         return original(self, send, recv, reverse)
 
     fault.GuardedComm.exchange = counting
@@ -214,7 +218,19 @@ def test_ring_stops_where_no_rank_needs_further_blocks(mask_name, forward, backw
     ring runs two steps on 4 ranks (one K/V transfer forward; backward one partial sum and no
     K/V block), not four. Documents that end at rank boundaries need no transfer at all."""
     for seen, error in run_world(4, _short_ring, mask_name):
-        assert seen.count("forward") == forward and seen.count("backward") == backward, seen
+        phases = [phase for phase, _ in seen]
+        assert phases.count("forward") == forward and phases.count("backward") == backward, seen
+        assert error < 1e-10
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_only_the_rows_other_ranks_read_travel(world_size):
+    """With a kernel that reports which keys its calls reach, a window of 4 over the
+    contiguous layout moves the last 3 rows of a block (of 8) forward, and their partial
+    dK/dV sums back; the last rank's block, which no rank reads, moves no row."""
+    for rank, (seen, error) in enumerate(run_world(world_size, _short_ring, "window", _WholeBlockKernel())):
+        forward, backward = (3, 3) if rank < world_size - 1 else (0, 0), (3, 3) if rank > 0 else (0, 0)
+        assert seen == [("forward", forward), ("backward", backward)], (rank, seen)
         assert error < 1e-10
 
 

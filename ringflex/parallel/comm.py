@@ -25,7 +25,8 @@ class RingComm:
     def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], reverse: bool = False):
         """Starts the transfer; call ``.wait()`` on the result before reading ``recv``, and
         ``join_sends`` before the caller writes into ``send``. ``reverse``: send to the
-        previous rank and receive from the next.
+        previous rank and receive from the next. Empty tensors do not travel (a block none of
+        whose rows another rank reads).
 
         It runs beside the compute launched meanwhile (NCCL and the copy engines use their own
         streams).
@@ -35,10 +36,9 @@ class RingComm:
             if transport is not None:
                 return transport.exchange(send, recv, reverse)
         to, source = (self.prev, self.next) if reverse else (self.next, self.prev)
-        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv]
-        return _Pending(dist.batch_isend_irecv(ops))
-
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv if t.numel()]
+        return _Pending(dist.batch_isend_irecv(ops) if ops else [])
 
     def join_sends(self, device) -> None:
         """Orders the current stream after every send issued so far: ``wait()`` orders it after

@@ -139,7 +139,8 @@ class PeerTransport:
         the other neighbour; the copies start once the work queued so far on the current stream
         is done. ``wait()`` on the result orders the current stream after them."""
         direction = int(reverse)
-        send = [t.contiguous() for t in send]
+        send = [t.contiguous() for t in send if t.numel()]
+        recv = [t for t in recv if t.numel()]
         if any(not t.is_contiguous() for t in recv):
             raise ValueError("ringflex: a receive buffer of the copy-engine transport must be contiguous")
         queued = torch.cuda.current_stream(self.device).record_event()

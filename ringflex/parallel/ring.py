@@ -7,6 +7,7 @@ with it and are complete when they arrive.
 """
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, List, Optional
@@ -16,10 +17,10 @@ from torch import Tensor
 
 from ..kernels.base import HopKernel, Mods
 from ..kernels.reference import compute_dtype
-from ..plan import Hop
+from ..plan import Hop, steps_needed, travelling_rows
 from .comm import RingComm
 from .fault import guard
-from .merge import RowMerge, RowSum, rows
+from .merge import RowMerge, RowSum, Rows, rows
 
 
 @dataclass
@@ -32,18 +33,44 @@ class RingCall:
     mods: Mods
     scale: float
     agreement: Any = None  # the cross-rank argument check under way: ``wait()`` before the first transfer
+    travelling: Optional[List[Rows]] = None  # per block (by owner): the rows of it that travel; None: all
+
+    def agree(self) -> None:
+        """Waits for the argument check. Then the ring runs only the steps some rank needs,
+        and moves only the rows of each block that some rank reads (``plan.travelling_rows``)."""
+        if self.agreement is None:
+            return
+        self.agreement.wait()
+        reads = self.agreement.keys_read
+        self.schedule = self.schedule[:steps_needed(reads)]
+        if self.comm is not None:
+            self.travelling = travelling_rows(reads, len(self.schedule))
+
+    def rows_travelling(self, step: int, length: int) -> Rows:
+        """The rows of the block held at (forward) ``step`` that travel on."""
+        if self.travelling is None:
+            return (0, length)
+        return self.travelling[(self.comm.rank - step) % self.comm.world_size]
+
+    def rows_held(self, step: int, length: int) -> Rows:
+        """The rows of the block held at (forward) ``step``: the own block whole, others as they travel."""
+        return (0, length) if step == 0 else self.rows_travelling(step, length)
 
 
 class _KVStream:
     """The K/V block of each step: ``first``, then blocks received into two buffers that
     alternate (no step allocates, and a block is never overwritten while it is still being
     read or sent), and for the last step ``last``, where the rank holds that block already:
-    then the ring skips the transfer that would bring it. The number of steps is read when
-    the first transfer starts: forward may shorten the schedule once the ranks agree."""
+    then the ring skips the transfer that would bring it. A received block holds only the
+    rows of it that travel (``RingCall.rows_held``), in the leading memory of a buffer
+    sized for a whole block. The number of steps is read when the first transfer starts:
+    forward may shorten the schedule once the ranks agree."""
 
     def __init__(self, call: RingCall, first, last=None, reverse: bool = False):
         self.call, self.reverse, self.last = call, reverse, last
         self.current = first
+        self.shapes = [t.shape for t in (last or first)]  # the own block, whole
+        self.offset = self.rows(0)[0]  # the first row of the block that ``current`` holds
         self.buffers = []
         # A transfer starts only after the work queued before it on the current stream. The
         # first one may be issued after the own block's compute is queued (forward waits for
@@ -59,7 +86,8 @@ class _KVStream:
                 self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
 
     def _add_buffer(self):
-        self.buffers.append(tuple(torch.empty_like(t) for t in self.current))
+        self.buffers.append(tuple(torch.empty(shape, dtype=t.dtype, device=t.device)
+                                  for shape, t in zip(self.shapes, self.current)))
 
     @property
     def steps(self) -> int:
@@ -69,21 +97,50 @@ class _KVStream:
     def transfers(self) -> int:
         return self.steps - 1 - (self.last is not None and self.steps > 1)
 
+    def _forward_step(self, step: int) -> int:
+        return self.steps - 1 - step if self.reverse else step
+
+    def rows(self, step: int) -> Rows:
+        """The rows of the own-block-sized block held at ``step``."""
+        return self.call.rows_held(self._forward_step(step), self.shapes[0][2])
+
+    def travelling(self, step: int) -> Rows:
+        """The rows of the block held at ``step`` that travel, local to what is held."""
+        lo, hi = self.call.rows_travelling(self._forward_step(step), self.shapes[0][2])
+        return lo - self.offset, hi - self.offset
+
+    def local(self, r: Rows) -> Rows:
+        """Rows ``r`` of a block as rows of what ``current`` holds of it."""
+        return r[0] - self.offset, r[1] - self.offset
+
+    def keys(self, hop: Hop):
+        """The current block's keys and values of ``hop``."""
+        return tuple(rows(t, self.local(hop.kv_rows)) for t in self.current)
+
     def start(self, step: int):
         """Starts passing the current block on; the next one arrives in ``advance``."""
         if step >= self.transfers:
             return None
         if len(self.buffers) <= step % 2:
             self._add_buffer()
+        lo, hi = self.rows(step + 1)
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
-            return self.call.comm.exchange(self.current, self.buffers[step % 2], reverse=self.reverse)
+            send = tuple(rows(t, self.travelling(step)).contiguous() for t in self.current)
+            recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
+            return self.call.comm.exchange(send, recv, reverse=self.reverse), send, recv, lo
 
     def advance(self, step: int, pending) -> None:
         if pending is not None:
-            pending.wait()
-            self.current = self.buffers[step % 2]
+            transfer, _, self.current, self.offset = pending  # ``send`` stays referenced until here
+            transfer.wait()
         elif step + 2 == self.steps and self.last is not None:
-            self.current = self.last
+            self.current, self.offset = self.last, 0
+
+
+def _leading_rows(buffer: Tensor, n: int) -> Tensor:
+    """A [B, H, n, ...] tensor in the leading memory of ``buffer`` (contiguous, as received)."""
+    shape = (*buffer.shape[:2], n, *buffer.shape[3:])
+    return buffer.view(-1)[:math.prod(shape)].view(shape)
 
 
 def _masked(hop: Hop) -> bool:
@@ -98,16 +155,11 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
         # The rank's own block needs no transfer: it is computed while the argument check
         # completes, and no block leaves before every rank has agreed to the call.
         pending = blocks.start(step) if step else None
-        bk, bv = blocks.current
         for hop in hops:
             merged.add(hop.q_rows, *call.kernel.forward(
-                rows(q, hop.q_rows), rows(bk, hop.kv_rows), rows(bv, hop.kv_rows),
-                hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop)))
+                rows(q, hop.q_rows), *blocks.keys(hop), hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop)))
         if not step:
-            if call.agreement is not None:
-                call.agreement.wait()
-                # Steps beyond the most any rank needs would only carry blocks no rank uses.
-                call.schedule = call.schedule[:call.agreement.ring_steps]
+            call.agree()
             pending = blocks.start(step)
         blocks.advance(step, pending)
     if call.comm is not None:
@@ -119,13 +171,14 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v):
     """The ring in reverse. It starts on the block forward ended on (``last_k``, ``last_v``,
     kept for it) and passes blocks to the previous rank, so every block visits the ranks in
     the reverse order and its last stop is its owner, which holds it already (no transfer).
-    The dK/dV of a block follow it as partial sums: each rank adds its hops' share to the
-    sum it received and passes it on, and the owner's share completes it. So the finished
-    gradient never travels: no transfer is left that compute could not hide. The first sum
-    is one rank's share and travels in the dtype the kernel returned it in (the input dtype
-    for cuDNN: half the bytes of fp32); later ones travel in fp32; the owner rounds once."""
+    The dK/dV of a block follow it as partial sums over the rows of it that travel: each rank
+    adds its hops' share to the sum it received and passes it on, and the owner's share
+    completes it. So the finished gradient never travels: no transfer is left that compute
+    could not hide. The first sum is one rank's share and travels in the dtype the kernel
+    returned it in (the input dtype for cuDNN: half the bytes of fp32); later ones travel in
+    fp32; the owner rounds once."""
     acc = compute_dtype(q.dtype)
-    steps, kv_len, kv_shapes = len(call.schedule), k.shape[2], (k.shape, v.shape)
+    steps = len(call.schedule)
     sum_dtypes = [acc] * steps  # of the partial sum each step sends; the last step's is the gradient
     sum_dtypes[0], sum_dtypes[-1] = call.kernel.grad_dtype(k.dtype), k.dtype
     schedule = call.schedule[::-1]
@@ -134,34 +187,38 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v):
     received = None  # the partial sums on their way here: (tensors, transfer)
     for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
-        bk, bv = blocks.current
-        sums = RowSum(kv_shapes, sum_dtypes[step], acc, k.device,
-                      [(0, kv_len)] * (received is not None) + [hop.kv_rows for hop in hops])
+        arriving = blocks.travelling(step)  # what the partial sum on its way covers
+        sums = RowSum([t.shape for t in blocks.current], sum_dtypes[step], acc, k.device,
+                      [arriving] * (received is not None and arriving[1] > arriving[0])
+                      + [blocks.local(hop.kv_rows) for hop in hops])
         for i, hop in enumerate(hops):
             hq, hk, hv = call.kernel.backward(
-                rows(q, hop.q_rows), rows(bk, hop.kv_rows), rows(bv, hop.kv_rows),
+                rows(q, hop.q_rows), *blocks.keys(hop),
                 rows(out, hop.q_rows), rows(lse, hop.q_rows), rows(dout, hop.q_rows),
                 hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop))
             dq.add(hop.q_rows, hq)
             if i == 0:  # the first kernel ran while the sum of the ranks before arrived
-                received = _receive(received, sums, kv_len)
-            sums.add(hop.kv_rows, hk, hv)
-        received = _receive(received, sums, kv_len)
+                received = _receive(received, sums, arriving)
+            sums.add(blocks.local(hop.kv_rows), hk, hv)
+        received = _receive(received, sums, arriving)
         total = sums.result()
         if step + 1 < steps:  # ``total`` stays referenced until this transfer is waited for
-            incoming = [torch.empty_like(t) for t in total]  # every rank sends the same dtype at a step
+            lo, hi = call.rows_travelling(steps - 2 - step, k.shape[2])  # of the block the next step holds
+            incoming = [torch.empty((*t.shape[:2], hi - lo, *t.shape[3:]), dtype=t.dtype, device=t.device)
+                        for t in total]  # every rank sends the same dtype at a step
             received = (incoming, call.comm.exchange(total, incoming, reverse=True))
         blocks.advance(step, kv_pending)
     (dq,), (dk, dv) = dq.result(), total
     return dq, dk, dv
 
 
-def _receive(received, sums: RowSum, length: int):
-    """Adds the partial sum on its way (if any) once it has arrived; returns None."""
+def _receive(received, sums: RowSum, r: Rows):
+    """Adds the partial sum on its way (if any) over rows ``r`` once it has arrived; returns None."""
     if received is not None:
         tensors, transfer = received
         transfer.wait()
-        sums.add((0, length), *tensors)
+        if r[1] > r[0]:
+            sums.add(r, *tensors)
     return None
 
 
