@@ -15,7 +15,7 @@ from .kernels.base import Mods
 from .parallel import layout as layouts
 from .parallel.fault import GuardedComm
 from .parallel.ring import RingAttention, RingCall
-from .plan import PlanCache, keys_read, plan_hops
+from .plan import PlanCache, around, keys_read, plan_hops
 
 _PLANS = PlanCache()
 
@@ -64,25 +64,35 @@ def ring_flex_attention(
         kv_segs_per_step = [layouts.segments(layout, kv_len, world_size, (rank - step) % world_size)
                             for step in range(world_size)]
         kernel = select_kernel(backend, q, k, v, mods)
-        plan_args = (mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device,
-                     int(os.environ.get("RINGFLEX_MIN_TILE", 1024)), kernel)
-        schedule = _PLANS.get(*plan_args)
-        stale = debugging and debug.plan_error(schedule, plan_hops(*plan_args))
+        min_tile = int(os.environ.get("RINGFLEX_MIN_TILE", 1024))
+
+        def plan(q_segs, kv_segs_per_step):
+            return (mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device,
+                    min_tile, kernel)
+
+        schedule = _PLANS.get(*plan(q_segs, kv_segs_per_step))
+        stale = debugging and debug.plan_error(schedule, plan_hops(*plan(q_segs, kv_segs_per_step)))
         if stale:
             raise ValueError(stale)
-        return schedule, kernel
+        # What the other ranks will read of this rank's block (their plans for it, made here
+        # too): the first send is sliced to it before the own block's compute is queued.
+        own_rows_read = around(
+            keys_read(_PLANS.get(*plan(layouts.segments(layout, q_len, world_size, other), kv_segs_per_step[:1])), 1)[0]
+            for other in range(world_size) if other != rank)
+        return schedule, kernel, own_rows_read
 
     agreement = validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group, layout=layout,
                                scale=scale, enable_gqa=enable_gqa, backend=backend, debug=debugging, prepare=prepare,
                                keys_read=lambda result: keys_read(result[0], world_size))
     if agreement.failed_here or debugging:  # raises here (or, debugging, agrees before the checks below)
         agreement.wait()
-    schedule, kernel = agreement.result
+    schedule, kernel, own_rows_read = agreement.result
     comm = None
     if world_size > 1:
         comm = debug.DebugComm(group) if debugging else GuardedComm(group)
     call = RingCall(comm=comm, schedule=schedule, kernel=kernel, mods=mods,
-                    scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), agreement=agreement)
+                    scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), agreement=agreement,
+                    own_rows_read=own_rows_read)
     if debugging:
         debug.check_inputs(group, q, k, v)
         q, k, v = debug.watch_grads(group, q, k, v)

@@ -288,14 +288,17 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
     return plan
 
 
+def around(spans) -> Tuple[int, int]:
+    """One range around the non-empty row ranges ``spans``; (0, 0) if there are none."""
+    spans = [(lo, hi) for lo, hi in spans if hi > lo]
+    return (min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else (0, 0)
+
+
 def keys_read(schedule, world_size: int) -> List[Tuple[int, int]]:
     """Per ring step (``world_size`` of them), the rows of the K/V block held then that the
     step's hops read, as one range around all of them; (0, 0) where they read none."""
-    spans = []
-    for step in range(world_size):
-        hops = schedule[step] if step < len(schedule) else []
-        spans.append((min(h.kv_rows[0] for h in hops), max(h.kv_rows[1] for h in hops)) if hops else (0, 0))
-    return spans
+    return [around(hop.kv_rows for hop in (schedule[step] if step < len(schedule) else []))
+            for step in range(world_size)]
 
 
 def steps_needed(keys_read_by_rank) -> int:
@@ -312,12 +315,8 @@ def travelling_rows(keys_read_by_rank, steps: int) -> List[Tuple[int, int]]:
     Over the contiguous layout a sliding window reads only the end of the previous rank's
     block, so only that end travels, forward and back (its partial dK/dV sums too)."""
     world_size = len(keys_read_by_rank)
-    rows = []
-    for owner in range(world_size):
-        spans = [keys_read_by_rank[(owner + step) % world_size][step] for step in range(1, steps)]
-        spans = [(lo, hi) for lo, hi in spans if hi > lo]
-        rows.append((min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else (0, 0))
-    return rows
+    return [around(keys_read_by_rank[(owner + step) % world_size][step] for step in range(1, steps))
+            for owner in range(world_size)]
 
 
 def _captured_tensors(fn, depth=0):

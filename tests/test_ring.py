@@ -161,6 +161,35 @@ def test_ring_with_blocks_the_kernel_keeps_whole(world_size, layout, monkeypatch
             assert max(errs) <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (rank, name, dtype, errs)
 
 
+def _first_sends(rank, world_size, layout):
+    """Per ring call of the case matrix: (the rows of the own block that this rank planned
+    the others to read, the rows of it that travel as the ranks agreed)."""
+    from ringflex.parallel.ring import RingCall
+    _with_kernel(_WholeBlockKernel())
+    seen, agree = [], RingCall.agree
+
+    def recording(call):
+        agree(call)
+        seen.append((call.own_rows_read, call.travelling[call.comm.rank]))
+
+    RingCall.agree = recording
+    try:
+        _max_errors(rank, world_size, layout)
+    finally:
+        RingCall.agree = agree
+    return seen
+
+
+@pytest.mark.parametrize("world_size, layout", [(3, "contiguous"), (4, "zigzag")])
+def test_the_first_send_is_sliced_before_the_ranks_agree(world_size, layout):
+    """Each rank plans what the others read of its block, so it slices its first send before
+    its own block's compute is queued; that is what the ranks then agree travels (some
+    cases read a part only)."""
+    for seen in run_world(world_size, _first_sends, layout):
+        assert seen and all(planned == agreed for planned, agreed in seen), seen
+        assert any(hi - lo < LOCAL_LEN for lo, hi in (agreed for _, agreed in seen)), seen
+
+
 def _twice(rank, world_size):
     """Gradients of one backward, and of two through a retained graph."""
     q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
@@ -238,14 +267,18 @@ def test_first_receive_buffer_exists_before_the_own_block_is_computed():
     """The first transfer runs on a stream that waits only for the inputs, so its receive
     buffer is allocated when the block stream is made, before the own block's compute is
     queued (memory freed by that compute's temporaries must not be handed to the transfer);
-    the second buffer comes with the second transfer, and a ring without transfers has none."""
+    the second buffer comes with the second transfer, and a ring without transfers has none.
+    Forward's first send, the rows of the own block that other ranks read, is sliced then."""
     from ringflex.kernels.base import Mods
     from ringflex.parallel.ring import RingCall, _KVStream
 
     k, v = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
     for steps, last, buffers in ((3, None, 1), (2, None, 1), (2, (k, v), 0), (1, None, 0)):
         call = RingCall(comm=None, schedule=[[] for _ in range(steps)], kernel=ReferenceKernel(), mods=Mods(),
-                        scale=1.0)
+                        scale=1.0, own_rows_read=(1, 3))
         blocks = _KVStream(call, (k, v), last=last)
         assert len(blocks.buffers) == buffers, (steps, last is not None)
         assert all(b.shape == k.shape for pair in blocks.buffers for b in pair)
+        # the part of the own block that the others read is sliced out before its compute too
+        sliced = blocks.first_send is not None and [t.shape[2] for t in blocks.first_send[1]] == [2, 2]
+        assert sliced == (buffers > 0 and last is None)

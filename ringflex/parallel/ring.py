@@ -34,6 +34,7 @@ class RingCall:
     scale: float
     agreement: Any = None  # the cross-rank argument check under way: ``wait()`` before the first transfer
     travelling: Optional[List[Rows]] = None  # per block (by owner): the rows of it that travel; None: all
+    own_rows_read: Optional[Rows] = None  # what the other ranks read of the own block, as planned locally
 
     def agree(self) -> None:
         """Waits for the argument check. Then the ring runs only the steps some rank needs,
@@ -77,9 +78,13 @@ class _KVStream:
         # the argument check there), so it goes from a stream that waits for the inputs alone
         # and still overlaps that compute. Its receive buffer is allocated before that compute
         # is queued: memory freed by the compute's temporaries is then not handed to it.
-        self.first_stream = None
+        self.first_stream, self.first_send = None, None
         if self.transfers > 0:
             self._add_buffer()
+            if not reverse and call.own_rows_read is not None:
+                # Sliced now: a copy queued after the own block's attention kernel would wait for
+                # the SMs it holds, and the first transfer with it.
+                self.first_send = call.own_rows_read, tuple(rows(t, call.own_rows_read).contiguous() for t in first)
             k = first[0]
             if k.is_cuda:
                 self.first_stream = torch.cuda.Stream(k.device)
@@ -124,8 +129,12 @@ class _KVStream:
         if len(self.buffers) <= step % 2:
             self._add_buffer()
         lo, hi = self.rows(step + 1)
+        sliced, self.first_send = self.first_send, None
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
-            send = tuple(rows(t, self.travelling(step)).contiguous() for t in self.current)
+            if step == 0 and sliced is not None and sliced[0] == self.travelling(0):
+                send = sliced[1]
+            else:
+                send = tuple(rows(t, self.travelling(step)).contiguous() for t in self.current)
             recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
             return self.call.comm.exchange(send, recv, reverse=self.reverse), send, recv, lo
 
