@@ -106,7 +106,7 @@ class _KVStream:
         return self.steps - 1 - step if self.reverse else step
 
     def rows(self, step: int) -> Rows:
-        """The rows of the own-block-sized block held at ``step``."""
+        """Which rows of its block the stream holds at ``step`` (the own block: all)."""
         return self.call.rows_held(self._forward_step(step), self.shapes[0][2])
 
     def travelling(self, step: int) -> Rows:
