@@ -190,6 +190,21 @@ def test_the_first_send_is_sliced_before_the_ranks_agree(world_size, layout):
         assert any(hi - lo < LOCAL_LEN for lo, hi in (agreed for _, agreed in seen)), seen
 
 
+def _mispredicted(rank, world_size):
+    """``_short_ring`` with every rank's own prediction of what the others read wrong."""
+    import ringflex.api
+    ringflex.api.around = lambda spans: (list(spans), (0, 1))[1]
+    return _short_ring(rank, world_size, "window", _WholeBlockKernel())
+
+
+def test_a_first_send_sliced_other_than_agreed_is_sliced_again():
+    """Should a rank's own plan of what the others read differ from what they report, the
+    first send follows the agreed rows (sliced once the ranks agree): the same transfers."""
+    for rank, (seen, error) in enumerate(run_world(3, _mispredicted)):
+        assert seen[0] == ("forward", (3, 3) if rank < 2 else (0, 0)), seen
+        assert error < 1e-10
+
+
 def _twice(rank, world_size):
     """Gradients of one backward, and of two through a retained graph."""
     q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
