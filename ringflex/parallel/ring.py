@@ -1,4 +1,5 @@
 """The ring: K/V blocks travel around the ranks, each step runs the hops of the plan.
+Of each block only the rows that some other rank reads travel (``RingCall.travelling``).
 
 Results accumulate in fp32 (fp64 for fp64 inputs) and are rounded once into the input dtype
 (``merge.RowMerge`` / ``RowSum``). Backward runs the ring in reverse, from the block forward
