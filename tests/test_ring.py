@@ -205,6 +205,24 @@ def test_a_first_send_sliced_other_than_agreed_is_sliced_again():
         assert error < 1e-10
 
 
+def _saved_block(rank, world_size):
+    """Bytes of memory behind the block forward saves for backward, and the block's own bytes."""
+    from ringflex import mods
+    _with_kernel(_WholeBlockKernel())
+    q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
+    out = ringflex.ring_flex_attention(q, k, v, mask_mod=mods.sliding_window(4), layout="contiguous")
+    last_k = out.grad_fn.saved_tensors[-2]
+    return last_k.untyped_storage().nbytes(), last_k.numel() * last_k.element_size(), last_k.shape[2]
+
+
+def test_forward_saves_only_the_rows_of_the_block_that_travelled():
+    """A window of 4 over the contiguous layout: the block forward ends on holds the 3 rows
+    that travelled (none for the block no rank reads), saved in memory of their own size,
+    not as a view that keeps the whole-block receive buffer alive until backward."""
+    for rank, (memory, own, length) in enumerate(run_world(3, _saved_block)):
+        assert (memory, length) == (own, 3 if rank else 0), (rank, memory, own, length)
+
+
 def _twice(rank, world_size):
     """Gradients of one backward, and of two through a retained graph."""
     q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))

@@ -174,7 +174,19 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
         blocks.advance(step, pending)
     if call.comm is not None:
         call.comm.join_sends(q.device)  # the caller's K/V left first: it may change them once this returns
-    return (*merged.result(), blocks.current)  # the block of the last step: backward starts on it
+    # The block of the last step: backward starts on it, so it is saved until then.
+    last = blocks.current if blocks.current[0] is k else tuple(_compact(t) for t in blocks.current)
+    return (*merged.result(), last)
+
+
+def _compact(received: Tensor) -> Tensor:
+    """A received block in memory of its own size where that frees more than half of the
+    whole-block buffer it fills part of (the rows a window reads over the contiguous layout),
+    which saving the view would keep alive: in a model, once per attention layer until its
+    backward. The copy is a pass on the SMs, so a block half the buffer (zigzag, causal) stays."""
+    if received.untyped_storage().nbytes() > 2 * received.numel() * received.element_size():
+        return received.clone()
+    return received
 
 
 def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v):
