@@ -66,18 +66,18 @@ def ring_flex_attention(
         kernel = select_kernel(backend, q, k, v, mods)
         min_tile = int(os.environ.get("RINGFLEX_MIN_TILE", 1024))
 
-        def plan(q_segs, kv_segs_per_step):
+        def plan_args(q_segs, kv_segs_per_step):
             return (mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device,
                     min_tile, kernel)
 
-        schedule = _PLANS.get(*plan(q_segs, kv_segs_per_step))
-        stale = debugging and debug.plan_error(schedule, plan_hops(*plan(q_segs, kv_segs_per_step)))
+        schedule = _PLANS.get(*plan_args(q_segs, kv_segs_per_step))
+        stale = debugging and debug.plan_error(schedule, plan_hops(*plan_args(q_segs, kv_segs_per_step)))
         if stale:
             raise ValueError(stale)
         # What the other ranks will read of this rank's block (their plans for it, made here
         # too): the first send is sliced to it before the own block's compute is queued.
         own_rows_read = around(
-            keys_read(_PLANS.get(*plan(layouts.segments(layout, q_len, world_size, other), kv_segs_per_step[:1])), 1)[0]
+            keys_read(_PLANS.get(*plan_args(layouts.segments(layout, q_len, world_size, other), kv_segs_per_step[:1])), 1)[0]
             for other in range(world_size) if other != rank)
         return schedule, kernel, own_rows_read
 

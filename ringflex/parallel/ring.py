@@ -112,8 +112,7 @@ class _KVStream:
 
     def travelling(self, step: int) -> Rows:
         """The rows of the block held at ``step`` that travel, local to what is held."""
-        lo, hi = self.call.rows_travelling(self._forward_step(step), self.shapes[0][2])
-        return lo - self.offset, hi - self.offset
+        return self.local(self.call.rows_travelling(self._forward_step(step), self.shapes[0][2]))
 
     def local(self, r: Rows) -> Rows:
         """Rows ``r`` of a block as rows of what ``current`` holds of it."""
@@ -225,7 +224,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v):
         received = _receive(received, sums, arriving)
         total = sums.result()
         if step + 1 < steps:  # ``total`` stays referenced until this transfer is waited for
-            lo, hi = call.rows_travelling(steps - 2 - step, k.shape[2])  # of the block the next step holds
+            lo, hi = blocks.travelling(step + 1)  # the rows of the next step's block that travel
             incoming = [torch.empty((*t.shape[:2], hi - lo, *t.shape[3:]), dtype=t.dtype, device=t.device)
                         for t in total]  # every rank sends the same dtype at a step
             received = (incoming, call.comm.exchange(total, incoming, reverse=True))
