@@ -1,5 +1,7 @@
 """The ring against the single-process truth: world sizes 1-4, every layout, fp32 and bf16,
 every mask / score_mod of the matrix, forward and backward."""
+import contextlib
+
 import pytest
 import torch
 
@@ -77,23 +79,31 @@ def _with_kernel(kernel):
     ringflex.api.select_kernel = lambda *args: kernel
 
 
-def _transfers(rank, world_size, kernel=None):
-    """The transfers of one forward and one backward: (pass, direction, tensors, dtypes)."""
+@contextlib.contextmanager
+def _recorded_transfers(describe):
+    """Yields a list that gets ``describe(comm, send, reverse)`` of every transfer made inside."""
     from ringflex.parallel import fault
-    if kernel is not None:
-        _with_kernel(kernel)
     seen, original = [], fault.GuardedComm.exchange
 
-    def counting(self, send, recv, reverse=False):
-        seen.append((self.phase, "reverse" if reverse else "forward", len(send), tuple(str(t.dtype) for t in send)))
+    def recording(self, send, recv, reverse=False):
+        seen.append(describe(self, send, reverse))
         return original(self, send, recv, reverse)
 
-    fault.GuardedComm.exchange = counting
+    fault.GuardedComm.exchange = recording
     try:
-        q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        ringflex.ring_flex_attention(q, k, v, layout="contiguous").sum().backward()
+        yield seen
     finally:
         fault.GuardedComm.exchange = original
+
+
+def _transfers(rank, world_size, kernel=None):
+    """The transfers of one forward and one backward: (pass, direction, tensors, dtypes)."""
+    if kernel is not None:
+        _with_kernel(kernel)
+    with _recorded_transfers(lambda comm, send, reverse: (comm.phase, "reverse" if reverse else "forward", len(send),
+                                                          tuple(str(t.dtype) for t in send))) as seen:
+        q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        ringflex.ring_flex_attention(q, k, v, layout="contiguous").sum().backward()
     return seen
 
 
@@ -245,30 +255,20 @@ def _short_ring(rank, world_size, mask_name, kernel=None):
     """Transfers of one forward and backward (pass, rows of each tensor sent), and the
     largest error against the oracle."""
     from ringflex import mods
-    from ringflex.parallel import fault
     if kernel is not None:
         _with_kernel(kernel)
     local = 8
     mask = {"window": mods.sliding_window(4),  # each rank needs only the previous rank's block
             "aligned_documents": mods.document(mods.document_ids([local] * world_size))}[mask_name]
-    seen, original = [], fault.GuardedComm.exchange
-
-    def counting(self, send, recv, reverse=False):
-        seen.append((self.phase, tuple(t.shape[2] for t in send)))
-        return original(self, send, recv, reverse)
-
-    fault.GuardedComm.exchange = counting
-    try:
-        q, k, v, dout = (torch.randn(1, 2, local * world_size, 8, dtype=torch.float64,
-                                     generator=torch.Generator().manual_seed(i)) for i in range(4))
-        full = [t.clone().requires_grad_() for t in (q, k, v)]
-        want = attention(*full, mask_mod=mask)
-        want.backward(dout)
-        parts = [ringflex.shard(t, 2, layout="contiguous").requires_grad_() for t in (q, k, v)]
+    q, k, v, dout = (torch.randn(1, 2, local * world_size, 8, dtype=torch.float64,
+                                 generator=torch.Generator().manual_seed(i)) for i in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = attention(*full, mask_mod=mask)
+    want.backward(dout)
+    parts = [ringflex.shard(t, 2, layout="contiguous").requires_grad_() for t in (q, k, v)]
+    with _recorded_transfers(lambda comm, send, reverse: (comm.phase, tuple(t.shape[2] for t in send))) as seen:
         out = ringflex.ring_flex_attention(*parts, mask_mod=mask, layout="contiguous")
         out.backward(ringflex.shard(dout, 2, layout="contiguous"))
-    finally:
-        fault.GuardedComm.exchange = original
     errors = [(a - ringflex.shard(b, 2, layout="contiguous")).abs().max().item()
               for a, b in zip([out] + [t.grad for t in parts], [want] + [t.grad for t in full])]
     return seen, max(errors)
