@@ -852,8 +852,13 @@ class CudnnKernel:
         q, k, v, out, dout = (_inner_contiguous(t) for t in (q, k, v, out, dout))
         program = _program(mods, masked, q.device)
         runs = self._runs(program, mods, q, k, q_seg, kv_seg)
-        # A row that sees no key anywhere has lse -inf; +inf makes its probabilities exp(s - inf) = 0.
-        stats = torch.where(lse.isneginf(), math.inf, lse.float()).unsqueeze(-1)
+        stats = lse.float()
+        if program.score is not None or any(run.masked for run in runs):
+            # A row that sees no key anywhere has lse -inf, which cuDNN's backward turns into NaN;
+            # +inf makes its probabilities exp(s - inf) = 0. Only a per-element mask or a score_mod
+            # can hide every key of a row: each row of an unmasked or native-band call sees a key.
+            stats = torch.nan_to_num(stats, nan=math.nan, posinf=math.inf, neginf=math.inf)
+        stats = stats.unsqueeze(-1)
         call = (program, mods, q, k, v, out, lse, stats, dout, scale, q_seg, kv_seg)
         whole = (0, q.shape[2]), (0, k.shape[2])
         if len(runs) == 1 and (runs[0].rows, runs[0].cols) == whole:  # one call writes the whole result

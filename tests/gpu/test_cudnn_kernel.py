@@ -523,6 +523,26 @@ def test_lowering_of_operand_orders_emulated(name, monkeypatch):
     module.clear_cache()
 
 
+@pytest.mark.parametrize("mods_,converted", [
+    (Mods(None, mods.causal), False), (Mods(None, mods.sliding_window(50)), False),
+    (Mods(None, mods.document(mods.document_ids([100, 156]))), False), (Mods(), False),
+    (Mods(None, cases(SEQ)["sparse_rows"].mask_mod), True), (Mods(mods.softcap(5.0), None), True)])
+def test_backward_converts_lse_only_where_a_row_may_see_no_key_emulated(mods_, converted, monkeypatch):
+    """The -inf -> +inf pass over the lse runs before a backward only where a row may see no
+    key: a per-element mask or a score_mod. Unmasked and native-band calls skip it."""
+    module = _emulated(monkeypatch)
+    passes = []
+    real = torch.nan_to_num
+    monkeypatch.setattr(torch, "nan_to_num", lambda *a, **kw: passes.append(1) or real(*a, **kw))
+    q, k, v, dout = (torch.randn(1, 2, L, 16) for _ in range(4))
+    seg = Segment(0, 1, L)
+    kernel = module.CudnnKernel()
+    out, lse = kernel.forward(q, k, v, seg, seg, mods_, 0.25, True)
+    kernel.backward(q, k, v, out, lse, dout, seg, seg, mods_, 0.25, True)
+    assert bool(passes) == converted
+    module.clear_cache()
+
+
 def test_full_graph_cache_says_so_once_emulated(monkeypatch):
     """More call shapes than the cache holds: graphs are rebuilt (slow), and the user is told once."""
     module = _emulated(monkeypatch)
