@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md, one stage per argument; logs go to $OUT (or ./out).
-#   bash scripts/gpu_session.sh kernel1 merge1               # on 1 GPU
+#   bash scripts/gpu_session.sh kernel1 merge1 plans1 shapes1   # on 1 GPU
 #   bash scripts/gpu_session.sh check2 transport2 ab2 bench2 layouts2 long2 masked2 million   # on 2 (or more) GPUs
 #   bash scripts/gpu_session.sh check4 bench4              # on 4 GPUs
 #   bash scripts/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
@@ -25,7 +25,9 @@ for stage in "$@"; do
     transport2) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py ;;  # copy engines vs NCCL, failures
     merge1) run merge python3 -m pytest -q tests/gpu/test_fused_merge.py ;;  # the fused merge vs torch and fp64
     kernel1) run kernel python3 -m pytest -q tests/gpu/test_cudnn_kernel.py ;;  # every mod, offsets, fwd+bwd
-    plans1) run plans python3 scripts/plan_probe.py --seq-len 8192 --window 1024 ;;  # every cuDNN plan, timed
+    plans1) run plans python3 scripts/plan_probe.py --seq-len 8192 --window 1024  # every cuDNN plan, timed
+            run plans python3 scripts/knob_probe.py; run plans python3 scripts/dq_dtype_probe.py ;;  # knobs; fp32 dQ
+    shapes1) run shapes python3 scripts/shape_probe.py ;;  # one rank's calls against the single-GPU call
     ab2) for t in nccl auto; do export RINGFLEX_TRANSPORT=$t; run ab2 tr 2 scripts/bench.py --seq-lens 16384 \
               --masks none causal --no-cp --single-max 0 --iters 10 --warmup 3; done; unset RINGFLEX_TRANSPORT ;;
     check4) run check tr 4 scripts/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;
