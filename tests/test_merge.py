@@ -82,6 +82,39 @@ def test_one_part_covering_everything_is_the_result():
     assert total.result()[0] is part
 
 
+def test_the_last_part_over_every_row_becomes_the_result():
+    """A last part that covers every row is taken as the result and the parts before it are
+    added into it (no copy of the rows only it covers); same values as summing aside."""
+    ranges = [(0, 8), (4, 12), (0, LENGTH)]
+    parts = _parts(ranges, torch.bfloat16)
+    want = torch.zeros(2, 3, LENGTH, 5)
+    for (a, b), p in zip(ranges, parts):
+        want[:, :, a:b] += p.float()
+    total = RowSum([want.shape], torch.bfloat16, torch.float32, "cpu", ranges)
+    for r, p in zip(ranges, parts):
+        total.add(r, p)
+    (got,) = total.result()
+    assert got is parts[-1] and torch.equal(got, want.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("last", ["a view", "another dtype", "not last"])
+def test_a_part_that_cannot_be_the_result_is_summed_aside(last):
+    ranges = [(0, 8), (0, LENGTH)] if last != "not last" else [(0, LENGTH), (0, 8)]
+    parts = _parts(ranges, torch.bfloat16)
+    if last == "a view":
+        parts[-1] = torch.randn(2, 3, 5, LENGTH).to(torch.bfloat16).transpose(2, 3)
+    if last == "another dtype":
+        parts[-1] = parts[-1].float()
+    total = RowSum([(2, 3, LENGTH, 5)], torch.bfloat16, torch.float32, "cpu", ranges)
+    for r, p in zip(ranges, parts):
+        total.add(r, p)
+    (got,) = total.result()
+    want = torch.zeros(2, 3, LENGTH, 5)
+    for (a, b), p in zip(ranges, parts):
+        want[:, :, a:b] += p.float()
+    assert all(got is not p for p in parts) and torch.equal(got, want.to(torch.bfloat16))
+
+
 def test_parts_must_be_announced():
     total = RowSum([(1, 1, LENGTH, 2)], torch.float32, torch.float32, "cpu", [(0, 8)])
     with pytest.raises(ValueError, match="not announced"):
@@ -128,7 +161,7 @@ def test_parts_written_in_place_give_the_same_result(ranges):
         merged = RowMerge((2, 3, LENGTH, 5), torch.bfloat16, torch.float32, "cpu", ranges)
         for r, o, s in zip(ranges, outs, lses):
             into = total.destination(r) if in_place else None
-            total.add(r, *(into[0].copy_(o),) if into else (o,))
+            total.add(r, *(into[0].copy_(o),) if into else (o.clone(),))  # a sum may keep its part
             into = merged.destination(r) if in_place else None
             merged.add(r, *(into[0].copy_(o), into[1].copy_(s)) if into else (o, s))
         results.append([*total.result(), *merged.result()])

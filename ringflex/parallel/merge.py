@@ -86,7 +86,7 @@ class _RowParts:
         return self.spans[first:last] if first is not None and last is not None else []
 
     def _buffers(self, final: bool) -> List[Tensor]:
-        if self.out is None:
+        if self.out is None and (final or self.acc_dtype == self.dtype):
             self.out = [torch.empty(s, dtype=self.dtype, device=self.device) for s in self.shapes]
             if self.acc_dtype == self.dtype:
                 self.acc = self.out
@@ -190,10 +190,29 @@ def _same_source(a, b) -> bool:
 
 
 class RowSum(_RowParts):
-    """Sums of tensors (dq; or dk and dv) over row ranges, rounded once (see ``_RowParts``)."""
+    """Sums of tensors (dq; or dk and dv) over row ranges, rounded once (see ``_RowParts``).
+
+    Parts are handed over: the last part, where it covers every row and has the result's
+    dtype and layout (a kernel's fresh gradients), becomes the result, and the parts before
+    it are added into it in place, so rows it alone covers are not copied (``_adopt``)."""
 
     def add(self, r: Rows, *parts: Tensor) -> None:
-        self._add(r, parts, self._sum)
+        if not self._adopt(r, parts):
+            self._add(r, parts, self._sum)
+
+    def _adopt(self, r: Rows, parts: Sequence[Tensor]) -> bool:
+        whole = (0, self.shapes[0][2])
+        if (self.handed_out or r != whole or any(s.remaining != 1 or s.state == _IN_PLACE for s in self.spans)
+                or not all(p.dtype == self.dtype and p.shape == s and p.is_contiguous() for p, s in zip(parts, self.shapes))):
+            return False
+        self.out = list(parts)
+        for s in self.spans:
+            if s.state is not None:  # a part kept as it came, or the fp32 sum of several
+                prev, row0 = (self.acc, 0) if s.state == _ACC else s.state
+                dest = [rows(t, (s.begin, s.end)) for t in self.out]
+                self._sum(dest, [rows(p, (s.begin - row0, s.end - row0)) for p in prev], dest, (s.begin, s.end))
+            s.remaining, s.state = 0, _DONE
+        return True
 
     def _sum(self, dest: List[Tensor], prev: List[Tensor], new: List[Tensor], r: Rows) -> None:
         for d, a, b in zip(dest, prev, new):
