@@ -25,8 +25,7 @@ for stage in "$@"; do
     transport2) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py ;;  # copy engines vs NCCL, failures
     merge1) run merge python3 -m pytest -q tests/gpu/test_fused_merge.py ;;  # the fused merge vs torch and fp64
     kernel1) run kernel python3 -m pytest -q tests/gpu/test_cudnn_kernel.py ;;  # every mod, offsets, fwd+bwd
-    plans1) run plans python3 scripts/plan_probe.py --seq-len 8192 --window 1024  # every cuDNN plan, timed
-            run plans python3 scripts/knob_probe.py; run plans python3 scripts/dq_dtype_probe.py ;;  # knobs; fp32 dQ
+    plans1) run plans python3 scripts/plan_probe.py --seq-len 8192 --window 1024 ;;  # every cuDNN plan and knob, timed
     shapes1) run shapes python3 scripts/shape_probe.py ;;  # one rank's calls against the single-GPU call
     ab2) for t in nccl auto; do export RINGFLEX_TRANSPORT=$t; run ab2 tr 2 scripts/bench.py --seq-lens 16384 \
               --masks none causal --no-cp --single-max 0 --iters 10 --warmup 3; done; unset RINGFLEX_TRANSPORT ;;

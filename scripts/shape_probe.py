@@ -7,37 +7,52 @@ half), fwd+bwd, and prints the ceiling this puts on the ring's efficiency, trans
 
     python scripts/shape_probe.py
 """
-import statistics, sys
+from __future__ import annotations
+
+import statistics
+
 import torch
-sys.path.insert(0, "scripts")
-from bench_hop import timed
+
+from bench_hop import timed  # scripts/ is on sys.path
 from ringflex import mods
-from ringflex.kernels.cudnn import CudnnKernel
 from ringflex.kernels.base import Mods
+from ringflex.kernels.cudnn import CudnnKernel
 from ringflex.plan import Segment
 
-H, D = 32, 128
-kern = CudnnKernel()
-def call(nq, nk, causal):
-    q, dout = (torch.randn(1, H, nq, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(1, H, nk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    m = Mods(None, mods.causal if causal else None)
-    segs = (Segment(0, 1, nq), Segment(0, 1, nk)) if causal else (None, None)
-    out, lse = kern.forward(q, k, v, *segs, m, D ** -0.5, causal)
-    return (lambda: kern.forward(q, k, v, *segs, m, D ** -0.5, causal),
-            lambda: kern.backward(q, k, v, out, lse, dout, *segs, m, D ** -0.5, causal))
+HEADS, HEAD_DIM = 32, 128
 
-for n in (16384, 32768):
-    h = n // 2
-    shapes = {"single none": [(n, n, False)], "rank none": [(h, h, False), (h, h, False)],
-              "single causal": [(n, n, True)], "rank causal": [(h, h, True), (h // 2, h, False)]}
-    calls = {name: [call(*s) for s in ss] for name, ss in shapes.items()}
-    t = {name: [] for name in shapes}
-    for _ in range(5):
-        for name, cs in calls.items():
-            t[name].append(sum(timed(f)[0] for c in cs for f in c))
-    med = {name: statistics.median(x) for name, x in t.items()}
-    for kind in ("none", "causal"):
-        print(f"{n} tokens {kind}: single fwd+bwd {med['single ' + kind]:.3f} ms, one rank's calls {med['rank ' + kind]:.3f} ms, "
-              f"ceiling efficiency {med['single ' + kind] / (2 * med['rank ' + kind]):.3f}")
-    del calls; torch.cuda.empty_cache()
+
+def calls(kernel: CudnnKernel, rows: int, cols: int, causal: bool):
+    """(forward, backward) of one call of ``rows`` queries against ``cols`` keys."""
+    q, dout = (torch.randn(1, HEADS, rows, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, HEADS, cols, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    m = Mods(None, mods.causal if causal else None)
+    segs = (Segment(0, 1, rows), Segment(0, 1, cols)) if causal else (None, None)
+    scale = HEAD_DIM ** -0.5
+    out, lse = kernel.forward(q, k, v, *segs, m, scale, causal)
+    return (lambda: kernel.forward(q, k, v, *segs, m, scale, causal),
+            lambda: kernel.backward(q, k, v, out, lse, dout, *segs, m, scale, causal))
+
+
+def main():
+    kernel = CudnnKernel()
+    for n in (16384, 32768):
+        h = n // 2
+        shapes = {"single none": [(n, n, False)], "rank none": [(h, h, False), (h, h, False)],
+                  "single causal": [(n, n, True)], "rank causal": [(h, h, True), (h // 2, h, False)]}
+        fns = {name: [fn for shape in group for fn in calls(kernel, *shape)] for name, group in shapes.items()}
+        times = {name: [] for name in shapes}
+        for _ in range(5):  # interleaved rounds, medians
+            for name, group in fns.items():
+                times[name].append(sum(timed(fn)[0] for fn in group))
+        median = {name: statistics.median(t) for name, t in times.items()}
+        for kind in ("none", "causal"):
+            single, rank = median[f"single {kind}"], median[f"rank {kind}"]
+            print(f"{n} tokens {kind}: single fwd+bwd {single:.3f} ms, one rank's calls {rank:.3f} ms, "
+                  f"ceiling efficiency {single / (2 * rank):.3f}")
+        del fns
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
