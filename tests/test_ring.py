@@ -233,6 +233,32 @@ def test_forward_saves_only_the_rows_of_the_block_that_travelled():
         assert (memory, length) == (own, 3 if rank else 0), (rank, memory, own, length)
 
 
+def _gradient_storage(rank, world_size):
+    """Where the ring's gradients live, and where the kernel's last backward put its own."""
+    from ringflex.parallel import ring
+    kernel, returned = ReferenceKernel(), {}
+    kernel_backward, ring_backward = kernel.backward, ring.ring_backward
+    kernel.backward = lambda *args: _record(returned, "kernel", kernel_backward(*args))
+    ring.ring_backward = lambda *args: _record(returned, "ring", ring_backward(*args))
+    _with_kernel(kernel)
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    ringflex.ring_flex_attention(q, k, v, layout="contiguous").sum().backward()
+    return returned["kernel"], returned["ring"]
+
+
+def _record(into: dict, name: str, tensors):
+    into[name] = [t.data_ptr() for t in tensors]
+    return tensors
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_last_hop_gradients_become_the_result(world_size):
+    """The own block's hop at the last backward step covers every row: its dq, dk and dv
+    become the ring's gradients, with the other steps' shares added into them, not copied."""
+    for kernel_last, ring_result in run_world(world_size, _gradient_storage):
+        assert kernel_last == ring_result
+
+
 def _twice(rank, world_size):
     """Gradients of one backward, and of two through a retained graph."""
     q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
