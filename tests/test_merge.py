@@ -24,13 +24,19 @@ def _parts(ranges, dtype, seed=0):
     return [torch.randn(2, 3, b - a, 5, generator=g).to(dtype) for a, b in ranges]
 
 
+def _summed(ranges, parts, acc=torch.float32):
+    """The parts' sum over their rows in ``acc``, in arrival order."""
+    want = torch.zeros(2, 3, LENGTH, 5, dtype=acc)
+    for (a, b), p in zip(ranges, parts):
+        want[:, :, a:b] += p.to(acc)
+    return want
+
+
 @pytest.mark.parametrize("ranges", RANGES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_row_sum_rounds_once(ranges, dtype):
     parts = _parts(ranges, dtype)
-    want = torch.zeros(2, 3, LENGTH, 5)
-    for (a, b), p in zip(ranges, parts):
-        want[:, :, a:b] += p.float()  # fp32, in arrival order
+    want = _summed(ranges, parts)
     total = RowSum([want.shape], dtype, torch.float32, "cpu", ranges)
     for r, p in zip(ranges, parts):
         total.add(r, p)
@@ -87,9 +93,7 @@ def test_the_last_part_over_every_row_becomes_the_result():
     added into it (no copy of the rows only it covers); same values as summing aside."""
     ranges = [(0, 8), (4, 12), (0, LENGTH)]
     parts = _parts(ranges, torch.bfloat16)
-    want = torch.zeros(2, 3, LENGTH, 5)
-    for (a, b), p in zip(ranges, parts):
-        want[:, :, a:b] += p.float()
+    want = _summed(ranges, parts)
     total = RowSum([want.shape], torch.bfloat16, torch.float32, "cpu", ranges)
     for r, p in zip(ranges, parts):
         total.add(r, p)
@@ -109,10 +113,7 @@ def test_a_part_that_cannot_be_the_result_is_summed_aside(last):
     for r, p in zip(ranges, parts):
         total.add(r, p)
     (got,) = total.result()
-    want = torch.zeros(2, 3, LENGTH, 5)
-    for (a, b), p in zip(ranges, parts):
-        want[:, :, a:b] += p.float()
-    assert all(got is not p for p in parts) and torch.equal(got, want.to(torch.bfloat16))
+    assert all(got is not p for p in parts) and torch.equal(got, _summed(ranges, parts).to(torch.bfloat16))
 
 
 def test_parts_must_be_announced():
@@ -139,9 +140,7 @@ def test_random_row_ranges(seed):
         ranges.append((a, int(torch.randint(a + 1, LENGTH + 1, (), generator=g))))
     for dtype, acc in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
         parts = _parts(ranges, dtype, seed)
-        want = torch.zeros(2, 3, LENGTH, 5, dtype=acc)
-        for (a, b), p in zip(ranges, parts):
-            want[:, :, a:b] += p.to(acc)
+        want = _summed(ranges, parts, acc)
         total = RowSum([want.shape], dtype, acc, "cpu", ranges)
         for r, p in zip(ranges, parts):
             total.add(r, p)
