@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..parallel.merge import RowMerge, RowSum, rows
-from ..plan import BlockKind, Segment, block_kinds, evaluate_mask
+from ..plan import BlockKind, Segment, around, block_kinds, evaluate_mask
 from ..trace import ModGraph, Node, UnsupportedModError, diagonal_band, evaluate, score_grad, trace_mask_mod, trace_score_mod
 from . import _warn_once
 from .base import Extent, Mods
@@ -785,8 +785,7 @@ class CudnnKernel:
         runs = band_runs(band, q_seg, kv_seg) if band is not None else exact_runs(masked, mask, q_seg, kv_seg, device)
         if not runs:
             return None
-        return ((min(r.rows[0] for r in runs), max(r.rows[1] for r in runs)),
-                (min(r.cols[0] for r in runs), max(r.cols[1] for r in runs)))
+        return around(r.rows for r in runs), around(r.cols for r in runs)
 
     def _runs(self, program: _Program, mods: Mods, q: Tensor, k: Tensor, q_seg, kv_seg) -> List[_Run]:
         full = _Run((0, q.shape[2]), (0, k.shape[2]))
