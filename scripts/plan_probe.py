@@ -9,17 +9,19 @@ attention, forward and backward (B=1, H=32, D=128, bf16; the per-hop benchmark's
 - lists the kernels of the default backward with their GPU time per call, and checks whether
   a dQ declared fp32 comes back in fp32 (skipping cuDNN's conversion pass) (``kernels``).
 
-Plans are timed in interleaved rounds (medians), so clock drift favours none of them.
+Plans are timed as ``bench_hop.py`` times calls: interleaved rounds, medians, so clock drift
+favours none of them.
 
     python scripts/plan_probe.py --seq-len 8192 --window 1024
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+
+from bench_hop import interleaved  # scripts/ is on sys.path
+from sdpa_ab import kernels as kernel_times
 
 _NAMES = {False: (("q", "k", "v"), ("out", "lse")), True: (("q", "k", "v", "out", "dout", "lse"), ("dq", "dk", "dv"))}
 
@@ -66,28 +68,18 @@ def run_forward(cudnn, handle, t: dict, band: dict) -> None:
 def time_plans(g, pack, handle, label: str, args, first: int = 0) -> None:
     """Builds and times every plan of ``g`` from index ``first``; reports those that do not run."""
     g.check_support()
-    runnable = []
+    calls = {}
     for i in range(first, g.get_execution_plan_count()):
         try:
             g.build_plan_at_index(i)
             workspace = torch.empty(max(1, g.get_workspace_size_plan_at_index(i)), dtype=torch.uint8, device="cuda")
             g.execute_plan_at_index(pack, workspace, i, handle)
             torch.cuda.synchronize()
-            runnable.append((i, workspace))
+            calls[i] = lambda i=i, workspace=workspace: g.execute_plan_at_index(pack, workspace, i, handle)
         except Exception as e:  # noqa: BLE001 (a plan that does not build or run is reported)
             print(f"  {label} plan {i} {_describe(g, i)}: not run ({str(e)[:80]})")
-    times = {i: [] for i, _ in runnable}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(args.rounds):
-        for i, workspace in runnable:
-            start.record()
-            for _ in range(args.calls):
-                g.execute_plan_at_index(pack, workspace, i, handle)
-            end.record()
-            end.synchronize()
-            times[i].append(start.elapsed_time(end) / args.calls)
-    for i, _ in runnable:
-        print(f"  {label} plan {i}: {statistics.median(times[i]):.3f} ms  {_describe(g, i)}")
+    for i, (ms, _) in interleaved(calls, args.rounds).items():
+        print(f"  {label} plan {i}: {ms:.3f} ms  {_describe(g, i)}")
 
 
 def _describe(g, i: int) -> str:
@@ -139,13 +131,7 @@ def kernels(cudnn, handle, t, bands, args) -> None:
             torch.cuda.synchronize()
             results[dq_dtype] = t["dq"].float()
             if dq_dtype == torch.bfloat16:
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(args.calls):
-                        g.execute(pack, workspace, handle=handle)
-                    torch.cuda.synchronize()
-                per_call = {e.key[:70]: round(e.self_device_time_total / args.calls, 1)
-                            for e in prof.key_averages() if e.self_device_time_total > 0}
-                print(f"{label} bwd kernels, us per call: {per_call}")
+                print(f"{label} bwd kernels, us per call: {kernel_times(lambda: g.execute(pack, workspace, handle=handle))}")
         error = (results[torch.float32] - results[torch.bfloat16]).abs().max().item()
         print(f"{label} bwd, dQ declared fp32: largest difference to the bf16 dQ {error:.3g} "
               f"(largest |dQ| {results[torch.bfloat16].abs().max().item():.3g})")
@@ -157,8 +143,7 @@ def main():
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of 20 calls each; medians")
     p.add_argument("--parts", nargs="+", default=["plans", "knobs", "kernels"], choices=["plans", "knobs", "kernels"])
     args = p.parse_args()
     import cudnn
