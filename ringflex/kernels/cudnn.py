@@ -18,6 +18,7 @@ chunks that skip empty key tiles (``SPLIT_DEPTH``). docs/cudnn.md has the measur
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import math
 import os
@@ -64,6 +65,8 @@ def clear_cache() -> None:
     """Frees every built graph and handle (done at exit: live graphs make nanobind report leaks)."""
     _GRAPHS.clear()
     _PLANS.clear()
+    _RAGGED_INPUTS.clear()
+    _batched.cache_clear()
     _LOWERINGS.clear()
     _BANDS.clear()
     gc.collect()
@@ -468,6 +471,7 @@ def _index_env(batch: int, heads: int, q_seg: Segment, kv_seg: Segment, device) 
 
 _FORWARD_INPUTS = ("q", "k", "v")
 _BACKWARD_INPUTS = ("q", "k", "v", "out", "dout", "lse")
+_RAGGED_AXIS = {**dict.fromkeys(("q", "out", "lse", "dout", "dq"), "q"), **dict.fromkeys(("k", "v", "dk", "dv"), "kv")}
 _DTYPES = {torch.float16: "HALF", torch.bfloat16: "BFLOAT16", torch.float32: "FLOAT"}
 
 
@@ -488,11 +492,11 @@ def _band_kwargs(band: Tuple[Optional[int], Optional[int]]) -> dict:
 
 
 def _graph(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lowering: Optional[_Lowering],
-           strided: Dict[str, bool]) -> _Graph:
+           strided: Dict[str, bool], ragged: Optional["_Ragged"] = None) -> _Graph:
     """The built graph for this call's layouts and mods, from the cache when it was built before."""
     q = tensors["q"]
     key = (backward, q.device, scale, band, lowering and lowering.key,
-           tuple(sorted(strided.items())) if lowering and lowering.indices else None,
+           tuple(sorted(strided.items())) if lowering and lowering.indices else None, ragged,
            tuple((name, _layout(t)) for name, t in sorted(tensors.items())))
     if key in _GRAPHS:
         _GRAPHS.move_to_end(key)
@@ -501,22 +505,40 @@ def _graph(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
         _warn_once(f"ringflex: the cuDNN graph cache is full ({_MAX_GRAPHS} graphs): older graphs are dropped and "
                    "rebuilt when needed again (0.1 to 1.5 s each); raise RINGFLEX_CUDNN_GRAPHS if this "
                    "workload has that many call shapes")
-    return _remember(_GRAPHS, key, _build(backward, tensors, scale, band, lowering, strided), _MAX_GRAPHS)
+    return _remember(_GRAPHS, key, _build(backward, tensors, scale, band, lowering, strided, ragged), _MAX_GRAPHS)
 
 
 def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lowering: Optional[_Lowering],
-           strided: Dict[str, bool]) -> _Graph:
+           strided: Dict[str, bool], ragged: Optional["_Ragged"]) -> _Graph:
     cudnn = _cudnn()
     F = cudnn.data_type.FLOAT
     q = tensors["q"]
     g = cudnn.pygraph(io_data_type=getattr(cudnn.data_type, _DTYPES[q.dtype]), intermediate_data_type=F,
                       compute_data_type=F, handle=_handle(q.device))
-    io = {name: g.tensor(name=name, dim=list(t.shape), stride=list(t.stride()),
-                         data_type=getattr(cudnn.data_type, _DTYPES[t.dtype]))
-          for name, t in tensors.items() if name in (_BACKWARD_INPUTS if backward else _FORWARD_INPUTS)}
+    io, offsets = {}, {}
+    if ragged is not None:  # int32 inputs: each sequence's element offset per tensor, and its lengths
+        scalars = dict(stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+        offsets = {name: g.tensor(name=f"{name}_offsets", dim=[ragged.count + 1, 1, 1, 1], **scalars)
+                   for name in tensors if name in _RAGGED_AXIS}
+        io.update({f"{name}_offsets": t for name, t in offsets.items()})
+        io.update({name: g.tensor(name=name, dim=[ragged.count, 1, 1, 1], **scalars) for name in ("seq_q", "seq_kv")})
+
+    def describe(name: str, t: Tensor) -> dict:
+        if ragged is None:
+            return dict(dim=list(t.shape), stride=list(t.stride()))
+        n = ragged.max_q if _RAGGED_AXIS[name] == "q" else ragged.max_kv
+        return dict(dim=[ragged.count, t.shape[1], n, t.shape[3]], stride=[n * t.stride(2), *t.stride()[1:]])
+
+    io.update({name: g.tensor(name=name, data_type=getattr(cudnn.data_type, _DTYPES[t.dtype]), **describe(name, t),
+                              **({"ragged_offset": offsets[name]} if ragged is not None else {}))
+               for name, t in tensors.items() if name in (_BACKWARD_INPUTS if backward else _FORWARD_INPUTS)})
     kwargs = dict(attn_scale=scale)
     if band is not None:
         kwargs.update(_band_kwargs(band))
+    if ragged is not None:
+        kwargs.update(use_padding_mask=True, seq_len_q=io["seq_q"], seq_len_kv=io["seq_kv"])
+        if backward:  # bounds the workspace, which is sized for count x max lengths otherwise
+            kwargs.update(max_total_seq_len_q=ragged.total_q, max_total_seq_len_kv=ragged.total_kv)
     inputs = emitter = None
     callbacks = []
     if lowering is not None:
@@ -536,9 +558,11 @@ def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
         outs = g.sdpa(q=io["q"], k=io["k"], v=io["v"], generate_stats=True, name="sdpa", **kwargs)
         names = ("out", "lse")
     for name, t in zip(names, outs):
-        ref = tensors[name]
-        t.set_output(True).set_dim(list(ref.shape)).set_stride(list(ref.stride()))
+        ref, layout = tensors[name], describe(name, tensors[name])
+        t.set_output(True).set_dim(layout["dim"]).set_stride(layout["stride"])
         t.set_data_type(getattr(cudnn.data_type, _DTYPES[ref.dtype]))
+        if ragged is not None:
+            t.set_ragged_offset(offsets[name])
         io[name] = t
     g.validate()
     g.build_operation_graph()
@@ -742,6 +766,98 @@ def _area(runs: List[_Run]) -> int:
     return sum((r.rows[1] - r.rows[0]) * (r.cols[1] - r.cols[0]) for r in runs)
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """Runs of a block computed by one cuDNN call, as the sequences of a ragged batch: each
+    starts at its own offset into the block's tensors and has its own lengths (cuDNN's padding
+    mask). They share one native mask and no rows or columns, so every output and gradient row
+    has one writer. Packed documents: one call per hop instead of one per document."""
+
+    runs: Tuple[_Run, ...]
+
+    @property
+    def band(self):
+        return self.runs[0].band
+
+
+@dataclass(frozen=True)
+class _Ragged:
+    """What a ragged graph is built for: sequences, their longest rows and columns (bucketed,
+    so a few graphs serve every layout of documents), and the rows and columns in all."""
+
+    count: int
+    max_q: int
+    max_kv: int
+    total_q: int
+    total_kv: int
+
+
+_BATCHED_BANDS = (None, (None, 0))  # unmasked and causal (measured on H100: docs/benchmarks.md)
+
+
+@functools.lru_cache(maxsize=_MAX_PLANS)
+def _batched(runs: Tuple[_Run, ...]) -> Tuple[object, ...]:
+    """The calls for a block's runs: runs with the same native mask (or none) whose rows and
+    columns both follow one another become one ``_Batch``; the rest stay single calls. A
+    one-pair run stays single: cuDNN's backward rejects it (see ``_backward_call``)."""
+    calls, groups = [], {}
+    for run in runs:
+        if run.masked or run.band not in _BATCHED_BANDS or _area([run]) == 1:
+            calls.append(run)
+        else:
+            groups.setdefault(run.band, []).append(run)
+    for members in groups.values():
+        members.sort(key=lambda r: r.rows)
+        apart = all(a.rows[1] <= b.rows[0] and a.cols[1] <= b.cols[0] for a, b in zip(members, members[1:]))
+        calls += [_Batch(tuple(members))] if apart and len(members) > 1 else members
+    return tuple(calls)
+
+
+def _bucket(n: int, limit: int) -> int:
+    return min(limit, max(_TILE, 1 << (n - 1).bit_length()))
+
+
+_RAGGED_INPUTS: "OrderedDict[tuple, Tensor]" = OrderedDict()
+
+
+def _ragged_inputs(batch: _Batch, tensors: Dict[str, Tensor]) -> Tuple[_Ragged, Dict[str, Tensor]]:
+    """The ragged description of ``batch`` over these tensors, and its int32 inputs: per tensor
+    the element offset of each sequence (batch-major: the mask is the same for every batch),
+    and the sequences' lengths. Cached: they depend on the runs and strides only."""
+    q, k = tensors["q"], tensors["k"]
+    spans = {"q": [r.rows for r in batch.runs], "kv": [r.cols for r in batch.runs]}
+    batches = q.shape[0]
+    inputs = {}
+    for name, t in tensors.items():
+        axis = _RAGGED_AXIS.get(name)
+        if axis is None:
+            continue
+        key = (batch, name, batches, t.stride(0), t.stride(2), t.device)
+        if key not in _RAGGED_INPUTS:
+            starts = [b * t.stride(0) + begin * t.stride(2) for b in range(batches) for begin, _ in spans[axis]]
+            end = starts[-1] + (spans[axis][-1][1] - spans[axis][-1][0]) * t.stride(2)
+            _remember(_RAGGED_INPUTS, key, _int32s(starts + [end], t.device), _MAX_PLANS)
+        inputs[f"{name}_offsets"] = _RAGGED_INPUTS[key]
+    for axis in ("q", "kv"):
+        key = (batch, axis, batches, q.device)
+        if key not in _RAGGED_INPUTS:
+            _remember(_RAGGED_INPUTS, key, _int32s([e - b for b, e in spans[axis]] * batches, q.device), _MAX_PLANS)
+        inputs[f"seq_{axis}"] = _RAGGED_INPUTS[key]
+    longest = {axis: max(e - b for b, e in spans[axis]) for axis in spans}
+    ragged = _Ragged(batches * len(batch.runs), _bucket(longest["q"], q.shape[2]), _bucket(longest["kv"], k.shape[2]),
+                     batches * q.shape[2], batches * k.shape[2])
+    return ragged, inputs
+
+
+def _int32s(values: List[int], device) -> Tensor:
+    return torch.tensor(values, dtype=torch.int32).view(-1, 1, 1, 1).to(device)
+
+
+def _ragged_fits(*tensors: Tensor) -> bool:
+    """Whether every element offset of these tensors fits cuDNN's int32 ragged offsets."""
+    return all((t.shape[0] - 1) * t.stride(0) + t.shape[2] * t.stride(2) < 2 ** 31 for t in tensors)
+
+
 _BANDS: "OrderedDict[int, tuple]" = OrderedDict()
 
 
@@ -833,14 +949,41 @@ class CudnnKernel:
             self._forward_call(runs[0], program, q, k, v, out, lse, scale, q_seg, kv_seg)
             return out, lse
         merged = RowMerge(shape, q.dtype, torch.float32, q.device, [r.rows for r in runs])
-        for run in runs:
+        for call in self._calls(program, runs, q, k, v):
+            if isinstance(call, _Batch):
+                self._forward_batch(call, q, k, v, merged, scale)
+                continue
             # The result's own rows where no call wrote yet; else computed aside, then merged.
-            n = run.rows[1] - run.rows[0]
-            o, lse = merged.destination(run.rows) or (q.new_empty(*shape[:2], n, shape[3]),
-                                                      q.new_empty(*shape[:2], n, dtype=torch.float32))
-            self._forward_call(run, program, q, k, v, o, lse, scale, q_seg, kv_seg)
-            merged.add(run.rows, o, lse)
+            n = call.rows[1] - call.rows[0]
+            o, lse = merged.destination(call.rows) or (q.new_empty(*shape[:2], n, shape[3]),
+                                                       q.new_empty(*shape[:2], n, dtype=torch.float32))
+            self._forward_call(call, program, q, k, v, o, lse, scale, q_seg, kv_seg)
+            merged.add(call.rows, o, lse)
         return merged.result()
+
+    @staticmethod
+    def _calls(program: _Program, runs: List[_Run], *tensors: Tensor) -> Tuple[object, ...]:
+        """The block's runs as cuDNN calls: batched where they can be (see ``_Batch``)."""
+        if program.score is not None or len(runs) < 2 or not _ragged_fits(*tensors):
+            return tuple(runs)
+        return _batched(tuple(runs))
+
+    def _forward_batch(self, batch: _Batch, q, k, v, merged: RowMerge, scale: float) -> None:
+        """The batch's runs in one call, into the result itself where no call wrote their rows yet."""
+        parts = [merged.destination(r.rows) for r in batch.runs]
+        if all(parts):
+            out, lse = merged.out[0], merged.lse
+        else:
+            out, lse = q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
+            parts = [(rows(out, r.rows), rows(lse, r.rows)) for r in batch.runs]
+        self._batch_call(False, batch, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
+        for run, (o, part_lse) in zip(batch.runs, parts):
+            merged.add(run.rows, o, part_lse)
+
+    def _batch_call(self, backward: bool, batch: _Batch, tensors: Dict[str, Tensor], scale: float) -> None:
+        ragged, inputs = _ragged_inputs(batch, tensors)
+        tensors = {**tensors, **inputs}
+        _graph(backward, tensors, scale, batch.band, None, {}, ragged).execute(tensors, None, None, None)
 
     def _forward_call(self, run: _Run, program: _Program, q, k, v, out, lse, scale, q_seg, kv_seg) -> None:
         tensors = dict(q=rows(q, run.rows), k=rows(k, run.cols), v=rows(v, run.cols), out=out, lse=lse.unsqueeze(-1))
@@ -868,7 +1011,10 @@ class CudnnKernel:
         # summed in fp32, and every gradient is rounded once.
         dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [r.rows for r in runs])
         kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [r.cols for r in runs])
-        for run in runs:
+        for run in self._calls(program, runs, q, k, v, out, dout):
+            if isinstance(run, _Batch):
+                self._backward_batch(run, q, k, v, out, stats, dout, scale, dq_sum, kv_sum)
+                continue
             grads = (dq_sum.destination(run.rows) or [q.new_empty(rows(q, run.rows).shape)]) + (
                 kv_sum.destination(run.cols) or [k.new_empty(rows(k, run.cols).shape), v.new_empty(rows(v, run.cols).shape)])
             self._backward_call(run, *call, grads)
@@ -876,6 +1022,26 @@ class CudnnKernel:
             kv_sum.add(run.cols, *grads[1:])
         (dq,), (dk, dv) = dq_sum.result(), kv_sum.result()
         return dq, dk, dv
+
+    def _backward_batch(self, batch: _Batch, q, k, v, out, stats, dout, scale: float, dq_sum: RowSum,
+                        kv_sum: RowSum) -> None:
+        """The batch's runs in one call, into the sums themselves where no call wrote their rows yet."""
+        grads = []
+        for total, spans, like in ((dq_sum, [r.rows for r in batch.runs], (q,)),
+                                   (kv_sum, [r.cols for r in batch.runs], (k, v))):
+            parts = [total.destination(span) for span in spans]
+            if all(parts):
+                grads.append((total.out, parts))
+            else:
+                whole = [torch.empty_like(t) for t in like]
+                grads.append((whole, [[rows(t, span) for t in whole] for span in spans]))
+        (dq,), dq_parts = grads[0]
+        (dk, dv), kv_parts = grads[1]
+        tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=stats.contiguous(), dq=dq, dk=dk, dv=dv)
+        self._batch_call(True, batch, tensors, scale)
+        for run, dq_part, kv_part in zip(batch.runs, dq_parts, kv_parts):
+            dq_sum.add(run.rows, *dq_part)
+            kv_sum.add(run.cols, *kv_part)
 
     def _backward_call(self, run: _Run, program: _Program, mods: Mods, q, k, v, out, lse, stats, dout, scale,
                        q_seg, kv_seg, grads: List[Tensor]) -> None:

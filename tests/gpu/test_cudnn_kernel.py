@@ -41,6 +41,16 @@ SEGMENTS = {
     "striped_late_kv": (Segment(1, 4, L), Segment(2, 4, L)),  # every key one position after its query
 }
 
+# Packed documents with boundaries 0, 200, 300, 350, 384, 444, 445, 512: several in one block,
+# one that began in an earlier block, a one-token document.
+PACKED = Case(mask_mod=mods.document(mods.document_ids([200, 100, 50, 34, 60, 1, 67, 512])), q_heads=4, kv_heads=2)
+PACKED_SEGMENTS = {
+    "diagonal": (Segment(0, 1, L), Segment(0, 1, L)),  # two documents: one batch of causal runs
+    "earlier": (Segment(L, 1, L), Segment(L // 2, 1, L)),  # a full run and three causal runs
+    "one_token": (Segment(384, 1, L), Segment(384, 1, L)),  # three documents batched; the one-token run alone (by the reference kernel in bwd)
+}
+PACKED_CALLS = {"diagonal": (1, 1), "earlier": (2, 2), "one_token": (2, 1)}  # cuDNN calls, fwd / bwd
+
 
 def _case_inputs(case, dtype, head_dim=64, batch=2, seed=0):
     q, k, v, dout = make_inputs(case, SEQ, batch=batch, head_dim=head_dim, dtype=torch.float32, seed=seed)
@@ -133,6 +143,12 @@ def test_bands_split_off_the_diagonal_match_reference(mask_mod, q_seg, kv_seg):
 def test_full_block_skips_the_mask():
     case = cases(SEQ, device="cuda")["alibi"]  # masked=False: the planner proved the block FULL
     _check("alibi/unmasked", case, *SEGMENTS["offsets"], CudnnKernel(), masked=False)
+
+
+@needs_cudnn
+@pytest.mark.parametrize("segs", sorted(PACKED_SEGMENTS))
+def test_packed_documents_in_ragged_batches_match_reference(segs):
+    _check(f"packed/{segs}", PACKED, *PACKED_SEGMENTS[segs], CudnnKernel())
 
 
 @needs_cudnn
@@ -337,13 +353,18 @@ def test_the_kernel_reports_the_part_of_a_block_its_calls_reach(mask_mod):
 class _FakeTensor:
     uids = iter(range(1, 1 << 30))
 
-    def __init__(self, op=None, args=None, virtual=True):
+    def __init__(self, op=None, args=None, virtual=True, ragged_offset=None):
         self.uid, self.op, self.args, self.virtual, self.dtype = next(self.uids), op, args or {}, virtual, None
+        self.ragged_offset = ragged_offset
 
     def set_output(self, _):
         return self
 
     set_dim = set_stride = set_output
+
+    def set_ragged_offset(self, offsets):
+        self.ragged_offset = offsets
+        return self
 
     def set_data_type(self, dtype):
         self.dtype = dtype
@@ -365,8 +386,8 @@ class _FakeGraph:
     def __init__(self, **_):
         self.attention = None
 
-    def tensor(self, **_):
-        return _FakeTensor(virtual=False)
+    def tensor(self, ragged_offset=None, **_):
+        return _FakeTensor(virtual=False, ragged_offset=ragged_offset)
 
     def __getattr__(self, name):  # pointwise ops
         if name.startswith("logical"):
@@ -408,6 +429,8 @@ class _FakeGraph:
 
     def execute(self, buffers, workspace, handle=None, tensor_uids=None):
         data, kw = dict(zip(tensor_uids, buffers)), self.attention
+        if kw.get("use_padding_mask"):
+            return self._execute_ragged(data)
         q, k, v = (data[kw[n].uid].double() for n in ("q", "k", "v"))
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -448,6 +471,39 @@ class _FakeGraph:
         data[self.outs[0].uid].copy_(ds @ k * kw["attn_scale"])
         data[self.outs[1].uid].copy_(reduce(ds.transpose(-1, -2) @ q * kw["attn_scale"]))
         data[self.outs[2].uid].copy_(reduce(p.transpose(-1, -2) @ do))
+
+
+    def _execute_ragged(self, data):
+        """Each sequence of a ragged batch as its own call on views of the tensors, found from its
+        offsets as cuDNN does (element offset = batch * stride 0 + row * stride 2)."""
+        kw = self.attention
+        ports = {n: kw[n] for n in ("q", "k", "v", "o", "dO", "stats") if n in kw}
+        ports.update(zip(("dq", "dk", "dv") if "dO" in kw else ("o", "stats"), self.outs))
+        lengths = {axis: data[kw[f"seq_len_{axis}"].uid].flatten().tolist() for axis in ("q", "kv")}
+        for i, (len_q, len_kv) in enumerate(zip(lengths["q"], lengths["kv"])):
+            views = {}
+            for name, t in ports.items():
+                base, offset = data[t.uid], int(data[t.ragged_offset.uid].flatten()[i])
+                b, row = offset // base.stride(0), offset % base.stride(0) // base.stride(2)
+                views[name] = base[b:b + 1, :, row:row + (len_kv if name in ("k", "v", "dk", "dv") else len_q)]
+            q, k, v = (views[n].double() for n in ("q", "k", "v"))
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+            s = q @ k.transpose(-1, -2) * kw["attn_scale"]
+            if kw.get("use_causal_mask"):
+                s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -math.inf)
+            if "dO" not in kw:
+                lse = torch.logsumexp(s, -1, keepdim=True)
+                views["o"].copy_(torch.exp(s - lse) @ v)
+                views["stats"].copy_(lse)
+                continue
+            o, do, lse = (views[n].double() for n in ("o", "dO", "stats"))
+            p = torch.exp(s - lse)
+            ds = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+            reduce = lambda x: x.unflatten(1, (-1, groups)).sum(2)  # noqa: E731
+            views["dq"].copy_(ds @ k * kw["attn_scale"])
+            views["dk"].copy_(reduce(ds.transpose(-1, -2) @ q * kw["attn_scale"]))
+            views["dv"].copy_(reduce(p.transpose(-1, -2) @ do))
 
 
 _FAKE_OPS = {
@@ -540,6 +596,26 @@ def test_backward_converts_lse_only_where_a_row_may_see_no_key_emulated(mods_, c
     out, lse = kernel.forward(q, k, v, seg, seg, mods_, 0.25, True)
     kernel.backward(q, k, v, out, lse, dout, seg, seg, mods_, 0.25, True)
     assert bool(passes) == converted
+    module.clear_cache()
+
+
+def test_packed_documents_run_as_ragged_batches_emulated(monkeypatch):
+    """The documents of a block run as one call (cuDNN's ragged batch), forward and backward,
+    and still match the reference."""
+    module = _emulated(monkeypatch)
+    _check_emulated(PACKED, PACKED_SEGMENTS, depths=(2,))
+    calls = []
+    real = module._Graph.execute
+    monkeypatch.setattr(module._Graph, "execute", lambda self, *a: calls.append(1) or real(self, *a))
+    q, k, v, dout = (t[:, :, :L].contiguous() for t in make_inputs(PACKED, SEQ, batch=2, head_dim=16))
+    m = Mods(None, PACKED.mask_mod)
+    for name, (q_seg, kv_seg) in PACKED_SEGMENTS.items():
+        calls.clear()
+        out, lse = module.CudnnKernel().forward(q, k, v, q_seg, kv_seg, m, 0.25, True)
+        forward_calls = len(calls)
+        calls.clear()
+        module.CudnnKernel().backward(q, k, v, out, lse, dout, q_seg, kv_seg, m, 0.25, True)
+        assert (forward_calls, len(calls)) == PACKED_CALLS[name], name
     module.clear_cache()
 
 
