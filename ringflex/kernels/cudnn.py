@@ -822,30 +822,28 @@ _RAGGED_INPUTS: "OrderedDict[tuple, Tensor]" = OrderedDict()
 
 def _ragged_inputs(batch: _Batch, tensors: Dict[str, Tensor]) -> Tuple[_Ragged, Dict[str, Tensor]]:
     """The ragged description of ``batch`` over these tensors, and its int32 inputs: per tensor
-    the element offset of each sequence (batch-major: the mask is the same for every batch),
-    and the sequences' lengths. Cached: they depend on the runs and strides only."""
+    the element offset of each sequence, and the sequences' lengths. Cached: they depend on the
+    runs and strides only."""
     q, k = tensors["q"], tensors["k"]
     spans = {"q": [r.rows for r in batch.runs], "kv": [r.cols for r in batch.runs]}
-    batches = q.shape[0]
     inputs = {}
     for name, t in tensors.items():
         axis = _RAGGED_AXIS.get(name)
         if axis is None:
             continue
-        key = (batch, name, batches, t.stride(0), t.stride(2), t.device)
+        key = (batch, name, t.stride(2), t.device)
         if key not in _RAGGED_INPUTS:
-            starts = [b * t.stride(0) + begin * t.stride(2) for b in range(batches) for begin, _ in spans[axis]]
-            end = starts[-1] + (spans[axis][-1][1] - spans[axis][-1][0]) * t.stride(2)
-            _remember(_RAGGED_INPUTS, key, _int32s(starts + [end], t.device), _MAX_PLANS)
+            ends = [begin * t.stride(2) for begin, _ in spans[axis]] + [spans[axis][-1][1] * t.stride(2)]
+            _remember(_RAGGED_INPUTS, key, _int32s(ends, t.device), _MAX_PLANS)
         inputs[f"{name}_offsets"] = _RAGGED_INPUTS[key]
     for axis in ("q", "kv"):
-        key = (batch, axis, batches, q.device)
+        key = (batch, axis, q.device)
         if key not in _RAGGED_INPUTS:
-            _remember(_RAGGED_INPUTS, key, _int32s([e - b for b, e in spans[axis]] * batches, q.device), _MAX_PLANS)
+            _remember(_RAGGED_INPUTS, key, _int32s([e - b for b, e in spans[axis]], q.device), _MAX_PLANS)
         inputs[f"seq_{axis}"] = _RAGGED_INPUTS[key]
     longest = {axis: max(e - b for b, e in spans[axis]) for axis in spans}
-    ragged = _Ragged(batches * len(batch.runs), _bucket(longest["q"], q.shape[2]), _bucket(longest["kv"], k.shape[2]),
-                     batches * q.shape[2], batches * k.shape[2])
+    ragged = _Ragged(len(batch.runs), _bucket(longest["q"], q.shape[2]), _bucket(longest["kv"], k.shape[2]),
+                     q.shape[2], k.shape[2])
     return ragged, inputs
 
 
@@ -853,9 +851,14 @@ def _int32s(values: List[int], device) -> Tensor:
     return torch.tensor(values, dtype=torch.int32).view(-1, 1, 1, 1).to(device)
 
 
-def _ragged_fits(*tensors: Tensor) -> bool:
-    """Whether every element offset of these tensors fits cuDNN's int32 ragged offsets."""
-    return all((t.shape[0] - 1) * t.stride(0) + t.shape[2] * t.stride(2) < 2 ** 31 for t in tensors)
+def _ragged_applies(tensors: Tuple[Tensor, ...], query_side: Tuple[Tensor, ...]) -> bool:
+    """Whether a ragged batch computes over these tensors right (H100, cuDNN 9.19: docs/cudnn.md).
+    The backward's fp32 dQ accumulator is indexed from the offsets of the ``query_side``
+    tensors as if their rows were ``head_dim`` elements apart, and holds ``max_total_seq_len_q``
+    rows: so one batch (the mask is the same for every batch: the runs are per batch), query
+    rows of the head dimension (not [B, S, H, D] strides), and offsets that fit int32."""
+    return (all(t.shape[0] == 1 and t.shape[2] * t.stride(2) < 2 ** 31 for t in tensors)
+            and all(t.stride(2) == t.shape[3] for t in query_side))
 
 
 _BANDS: "OrderedDict[int, tuple]" = OrderedDict()
@@ -949,7 +952,7 @@ class CudnnKernel:
             self._forward_call(runs[0], program, q, k, v, out, lse, scale, q_seg, kv_seg)
             return out, lse
         merged = RowMerge(shape, q.dtype, torch.float32, q.device, [r.rows for r in runs])
-        for call in self._calls(program, runs, q, k, v):
+        for call in self._calls(program, runs, (q, k, v)):
             if isinstance(call, _Batch):
                 self._forward_batch(call, q, k, v, merged, scale)
                 continue
@@ -962,9 +965,10 @@ class CudnnKernel:
         return merged.result()
 
     @staticmethod
-    def _calls(program: _Program, runs: List[_Run], *tensors: Tensor) -> Tuple[object, ...]:
+    def _calls(program: _Program, runs: List[_Run], tensors: Tuple[Tensor, ...],
+               query_side: Tuple[Tensor, ...] = ()) -> Tuple[object, ...]:
         """The block's runs as cuDNN calls: batched where they can be (see ``_Batch``)."""
-        if program.score is not None or len(runs) < 2 or not _ragged_fits(*tensors):
+        if program.score is not None or len(runs) < 2 or not _ragged_applies(tensors, query_side):
             return tuple(runs)
         return _batched(tuple(runs))
 
@@ -1011,7 +1015,7 @@ class CudnnKernel:
         # summed in fp32, and every gradient is rounded once.
         dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [r.rows for r in runs])
         kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [r.cols for r in runs])
-        for run in self._calls(program, runs, q, k, v, out, dout):
+        for run in self._calls(program, runs, (q, k, v, out, dout), (q, out, dout)):
             if isinstance(run, _Batch):
                 self._backward_batch(run, q, k, v, out, stats, dout, scale, dq_sum, kv_sum)
                 continue

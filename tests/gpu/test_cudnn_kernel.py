@@ -3,6 +3,7 @@ the matrix at global offsets and striped positions. The planning tests, and the 
 emulated cuDNN, run on CPU too."""
 import math
 import sys
+from typing import Tuple
 from pathlib import Path
 
 import pytest
@@ -67,8 +68,8 @@ def _err(got, want):
     return ((got - want).abs()[finite].max() / want.abs()[finite].max().clamp_min(1.0)).item() if finite.any() else 0.0
 
 
-def _check(name, case, q_seg, kv_seg, kernel, dtype=torch.bfloat16, head_dim=64, masked=True, tol=2e-2):
-    q, k, v, dout = _case_inputs(case, dtype, head_dim)
+def _check(name, case, q_seg, kv_seg, kernel, dtype=torch.bfloat16, head_dim=64, masked=True, tol=2e-2, batch=2):
+    q, k, v, dout = _case_inputs(case, dtype, head_dim, batch)
     m = Mods(case.score_mod, case.mask_mod)
     scale = head_dim ** -0.5
     ref = ReferenceKernel()
@@ -148,7 +149,8 @@ def test_full_block_skips_the_mask():
 @needs_cudnn
 @pytest.mark.parametrize("segs", sorted(PACKED_SEGMENTS))
 def test_packed_documents_in_ragged_batches_match_reference(segs):
-    _check(f"packed/{segs}", PACKED, *PACKED_SEGMENTS[segs], CudnnKernel())
+    for batch in (1, 2):  # one batch runs as ragged batches; two as one call per document
+        _check(f"packed/{segs}/batch {batch}", PACKED, *PACKED_SEGMENTS[segs], CudnnKernel(), batch=batch)
 
 
 @needs_cudnn
@@ -534,11 +536,11 @@ def _emulated(monkeypatch):
     return module
 
 
-def _check_emulated(case, segments, depths=(0, 1, 2)):
+def _check_emulated(case, segments, depths=(0, 1, 2), batch=2):
     for segs, (q_seg, kv_seg) in segments.items():
         if case.kv_len_ratio != 1.0:
             kv_seg = Segment(kv_seg.start // 2, kv_seg.stride, L)
-        q, k, v, dout = (t[:, :, :L].contiguous() for t in make_inputs(case, SEQ, batch=2, head_dim=16))
+        q, k, v, dout = (t[:, :, :L].contiguous() for t in make_inputs(case, SEQ, batch=batch, head_dim=16))
         m, ref = Mods(case.score_mod, case.mask_mod), ReferenceKernel()
         want_out, want_lse = ref.forward(q, k, v, q_seg, kv_seg, m, 0.25, True)
         want = ref.backward(q, k, v, want_out, want_lse, dout, q_seg, kv_seg, m, 0.25, True)
@@ -599,23 +601,40 @@ def test_backward_converts_lse_only_where_a_row_may_see_no_key_emulated(mods_, c
     module.clear_cache()
 
 
+def _count_calls(module, monkeypatch, q, k, v, dout, q_seg, kv_seg) -> Tuple[int, int]:
+    """cuDNN calls of the forward and of the backward of one block."""
+    calls = []
+    real = module._Graph.execute
+    monkeypatch.setattr(module._Graph, "execute", lambda self, *a: calls.append(1) or real(self, *a))
+    m = Mods(None, PACKED.mask_mod)
+    out, lse = module.CudnnKernel().forward(q, k, v, q_seg, kv_seg, m, 0.25, True)
+    forward_calls = len(calls)
+    module.CudnnKernel().backward(q, k, v, out, lse, dout, q_seg, kv_seg, m, 0.25, True)
+    monkeypatch.setattr(module._Graph, "execute", real)
+    return forward_calls, len(calls) - forward_calls
+
+
 def test_packed_documents_run_as_ragged_batches_emulated(monkeypatch):
     """The documents of a block run as one call (cuDNN's ragged batch), forward and backward,
     and still match the reference."""
     module = _emulated(monkeypatch)
-    _check_emulated(PACKED, PACKED_SEGMENTS, depths=(2,))
-    calls = []
-    real = module._Graph.execute
-    monkeypatch.setattr(module._Graph, "execute", lambda self, *a: calls.append(1) or real(self, *a))
-    q, k, v, dout = (t[:, :, :L].contiguous() for t in make_inputs(PACKED, SEQ, batch=2, head_dim=16))
-    m = Mods(None, PACKED.mask_mod)
+    _check_emulated(PACKED, PACKED_SEGMENTS, depths=(2,), batch=1)
+    q, k, v, dout = (t[:, :, :L].contiguous() for t in make_inputs(PACKED, SEQ, batch=1, head_dim=16))
     for name, (q_seg, kv_seg) in PACKED_SEGMENTS.items():
-        calls.clear()
-        out, lse = module.CudnnKernel().forward(q, k, v, q_seg, kv_seg, m, 0.25, True)
-        forward_calls = len(calls)
-        calls.clear()
-        module.CudnnKernel().backward(q, k, v, out, lse, dout, q_seg, kv_seg, m, 0.25, True)
-        assert (forward_calls, len(calls)) == PACKED_CALLS[name], name
+        assert _count_calls(module, monkeypatch, q, k, v, dout, q_seg, kv_seg) == PACKED_CALLS[name], name
+    module.clear_cache()
+
+
+def test_ragged_batches_only_where_cudnn_computes_them_right_emulated(monkeypatch):
+    """Two batches, or queries in [B, S, H, D] strides in the backward, take a call per document
+    (cuDNN's dQ accumulator gets those wrong: see ``_ragged_applies``)."""
+    module = _emulated(monkeypatch)
+    q_seg, kv_seg = PACKED_SEGMENTS["diagonal"]  # two documents
+    q, k, v, dout = (t[:, :, :L].contiguous() for t in make_inputs(PACKED, SEQ, batch=2, head_dim=16))
+    assert _count_calls(module, monkeypatch, q, k, v, dout, q_seg, kv_seg) == (2, 2)
+    q, k, v, dout = (t[:1] for t in (q, k, v, dout))
+    q_bshd = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert _count_calls(module, monkeypatch, q_bshd, k, v, dout, q_seg, kv_seg) == (1, 2)
     module.clear_cache()
 
 
