@@ -65,7 +65,6 @@ def clear_cache() -> None:
     """Frees every built graph and handle (done at exit: live graphs make nanobind report leaks)."""
     _GRAPHS.clear()
     _PLANS.clear()
-    _RAGGED_INPUTS.clear()
     _batched.cache_clear()
     _LOWERINGS.clear()
     _BANDS.clear()
@@ -767,20 +766,6 @@ def _area(runs: List[_Run]) -> int:
 
 
 @dataclass(frozen=True)
-class _Batch:
-    """Runs of a block computed by one cuDNN call, as the sequences of a ragged batch: each
-    starts at its own offset into the block's tensors and has its own lengths (cuDNN's padding
-    mask). They share one native mask and no rows or columns, so every output and gradient row
-    has one writer. Packed documents: one call per hop instead of one per document."""
-
-    runs: Tuple[_Run, ...]
-
-    @property
-    def band(self):
-        return self.runs[0].band
-
-
-@dataclass(frozen=True)
 class _Ragged:
     """What a ragged graph is built for: sequences, their longest rows and columns (bucketed,
     so a few graphs serve every layout of documents), and the rows and columns in all."""
@@ -790,6 +775,57 @@ class _Ragged:
     max_kv: int
     total_q: int
     total_kv: int
+
+
+class _Batch:
+    """Runs of a block computed by one cuDNN call, as the sequences of a ragged batch: each
+    starts at its own offset into the block's tensors and has its own lengths (cuDNN's padding
+    mask). They share one native mask and no rows or columns, so every output and gradient row
+    has one writer. Packed documents: one call per hop instead of one per document. Its rows
+    and columns are merged as the spans they form (``row_spans``, ``col_spans``), not per run."""
+
+    def __init__(self, runs: Tuple[_Run, ...]):
+        self.runs, self.band = runs, runs[0].band
+        self.spans = {"q": [r.rows for r in runs], "kv": [r.cols for r in runs]}
+        self.row_spans, self.col_spans = _joined(self.spans["q"]), _joined(self.spans["kv"])
+        self._int32s: Dict[tuple, Tensor] = {}
+
+    def inputs(self, tensors: Dict[str, Tensor]) -> Tuple[_Ragged, Dict[str, Tensor]]:
+        """The ragged description over these tensors, and its int32 inputs: per tensor the
+        element offset of each sequence, and the sequences' lengths (made once per layout)."""
+        q, k = tensors["q"], tensors["k"]
+        inputs = {f"seq_{axis}": self._values((axis, q.device), [e - b for b, e in spans])
+                  for axis, spans in self.spans.items()}
+        for name, t in tensors.items():
+            axis = _RAGGED_AXIS.get(name)
+            if axis is not None:
+                step, spans = t.stride(2), self.spans[axis]
+                inputs[f"{name}_offsets"] = self._values((axis, step, t.device), [b * step for b, _ in spans] + [spans[-1][1] * step])
+        longest = {axis: max(e - b for b, e in spans) for axis, spans in self.spans.items()}
+        ragged = _Ragged(len(self.runs), _bucket(longest["q"], q.shape[2]), _bucket(longest["kv"], k.shape[2]),
+                         q.shape[2], k.shape[2])
+        return ragged, inputs
+
+    def _values(self, key: tuple, values: List[int]) -> Tensor:
+        if key not in self._int32s:
+            self._int32s[key] = torch.tensor(values, dtype=torch.int32).view(-1, 1, 1, 1).to(key[-1])
+        return self._int32s[key]
+
+
+def _joined(spans: List[Tuple[int, int]]) -> Tuple[Tuple[int, int], ...]:
+    """Ascending spans with each run of adjoining ones joined into one."""
+    joined = [spans[0]]
+    for begin, end in spans[1:]:
+        joined[-1:] = [(joined[-1][0], end)] if begin == joined[-1][1] else [joined[-1], (begin, end)]
+    return tuple(joined)
+
+
+def _row_spans(call) -> Tuple[Tuple[int, int], ...]:
+    return call.row_spans if isinstance(call, _Batch) else (call.rows,)
+
+
+def _col_spans(call) -> Tuple[Tuple[int, int], ...]:
+    return call.col_spans if isinstance(call, _Batch) else (call.cols,)
 
 
 _BATCHED_BANDS = (None, (None, 0))  # unmasked and causal (measured on H100: docs/benchmarks.md)
@@ -815,40 +851,6 @@ def _batched(runs: Tuple[_Run, ...]) -> Tuple[object, ...]:
 
 def _bucket(n: int, limit: int) -> int:
     return min(limit, max(_TILE, 1 << (n - 1).bit_length()))
-
-
-_RAGGED_INPUTS: "OrderedDict[tuple, Tensor]" = OrderedDict()
-
-
-def _ragged_inputs(batch: _Batch, tensors: Dict[str, Tensor]) -> Tuple[_Ragged, Dict[str, Tensor]]:
-    """The ragged description of ``batch`` over these tensors, and its int32 inputs: per tensor
-    the element offset of each sequence, and the sequences' lengths. Cached: they depend on the
-    runs and strides only."""
-    q, k = tensors["q"], tensors["k"]
-    spans = {"q": [r.rows for r in batch.runs], "kv": [r.cols for r in batch.runs]}
-    inputs = {}
-    for name, t in tensors.items():
-        axis = _RAGGED_AXIS.get(name)
-        if axis is None:
-            continue
-        key = (batch, name, t.stride(2), t.device)
-        if key not in _RAGGED_INPUTS:
-            ends = [begin * t.stride(2) for begin, _ in spans[axis]] + [spans[axis][-1][1] * t.stride(2)]
-            _remember(_RAGGED_INPUTS, key, _int32s(ends, t.device), _MAX_PLANS)
-        inputs[f"{name}_offsets"] = _RAGGED_INPUTS[key]
-    for axis in ("q", "kv"):
-        key = (batch, axis, q.device)
-        if key not in _RAGGED_INPUTS:
-            _remember(_RAGGED_INPUTS, key, _int32s([e - b for b, e in spans[axis]], q.device), _MAX_PLANS)
-        inputs[f"seq_{axis}"] = _RAGGED_INPUTS[key]
-    longest = {axis: max(e - b for b, e in spans[axis]) for axis in spans}
-    ragged = _Ragged(len(batch.runs), _bucket(longest["q"], q.shape[2]), _bucket(longest["kv"], k.shape[2]),
-                     q.shape[2], k.shape[2])
-    return ragged, inputs
-
-
-def _int32s(values: List[int], device) -> Tensor:
-    return torch.tensor(values, dtype=torch.int32).view(-1, 1, 1, 1).to(device)
 
 
 def _ragged_applies(tensors: Tuple[Tensor, ...], query_side: Tuple[Tensor, ...]) -> bool:
@@ -951,8 +953,9 @@ class CudnnKernel:
             out, lse = q.new_empty(shape), q.new_empty(lse_shape, dtype=torch.float32)
             self._forward_call(runs[0], program, q, k, v, out, lse, scale, q_seg, kv_seg)
             return out, lse
-        merged = RowMerge(shape, q.dtype, torch.float32, q.device, [r.rows for r in runs])
-        for call in self._calls(program, runs, (q, k, v)):
+        calls = self._calls(program, runs, (q, k, v))
+        merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in _row_spans(c)])
+        for call in calls:
             if isinstance(call, _Batch):
                 self._forward_batch(call, q, k, v, merged, scale)
                 continue
@@ -974,18 +977,18 @@ class CudnnKernel:
 
     def _forward_batch(self, batch: _Batch, q, k, v, merged: RowMerge, scale: float) -> None:
         """The batch's runs in one call, into the result itself where no call wrote their rows yet."""
-        parts = [merged.destination(r.rows) for r in batch.runs]
+        parts = [merged.destination(span) for span in batch.row_spans]
         if all(parts):
             out, lse = merged.out[0], merged.lse
         else:
             out, lse = q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
-            parts = [(rows(out, r.rows), rows(lse, r.rows)) for r in batch.runs]
+            parts = [(rows(out, span), rows(lse, span)) for span in batch.row_spans]
         self._batch_call(False, batch, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
-        for run, (o, part_lse) in zip(batch.runs, parts):
-            merged.add(run.rows, o, part_lse)
+        for span, (o, part_lse) in zip(batch.row_spans, parts):
+            merged.add(span, o, part_lse)
 
     def _batch_call(self, backward: bool, batch: _Batch, tensors: Dict[str, Tensor], scale: float) -> None:
-        ragged, inputs = _ragged_inputs(batch, tensors)
+        ragged, inputs = batch.inputs(tensors)
         tensors = {**tensors, **inputs}
         _graph(backward, tensors, scale, batch.band, None, {}, ragged).execute(tensors, None, None, None)
 
@@ -1013,9 +1016,10 @@ class CudnnKernel:
             return tuple(grads)
         # Calls write in place where no earlier call wrote those rows; elsewhere they are
         # summed in fp32, and every gradient is rounded once.
-        dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [r.rows for r in runs])
-        kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [r.cols for r in runs])
-        for run in self._calls(program, runs, (q, k, v, out, dout), (q, out, dout)):
+        calls = self._calls(program, runs, (q, k, v, out, dout), (q, out, dout))
+        dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [span for c in calls for span in _row_spans(c)])
+        kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [span for c in calls for span in _col_spans(c)])
+        for run in calls:
             if isinstance(run, _Batch):
                 self._backward_batch(run, q, k, v, out, stats, dout, scale, dq_sum, kv_sum)
                 continue
@@ -1031,8 +1035,7 @@ class CudnnKernel:
                         kv_sum: RowSum) -> None:
         """The batch's runs in one call, into the sums themselves where no call wrote their rows yet."""
         grads = []
-        for total, spans, like in ((dq_sum, [r.rows for r in batch.runs], (q,)),
-                                   (kv_sum, [r.cols for r in batch.runs], (k, v))):
+        for total, spans, like in ((dq_sum, batch.row_spans, (q,)), (kv_sum, batch.col_spans, (k, v))):
             parts = [total.destination(span) for span in spans]
             if all(parts):
                 grads.append((total.out, parts))
@@ -1043,9 +1046,10 @@ class CudnnKernel:
         (dk, dv), kv_parts = grads[1]
         tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=stats.contiguous(), dq=dq, dk=dk, dv=dv)
         self._batch_call(True, batch, tensors, scale)
-        for run, dq_part, kv_part in zip(batch.runs, dq_parts, kv_parts):
-            dq_sum.add(run.rows, *dq_part)
-            kv_sum.add(run.cols, *kv_part)
+        for span, part in zip(batch.row_spans, dq_parts):
+            dq_sum.add(span, *part)
+        for span, part in zip(batch.col_spans, kv_parts):
+            kv_sum.add(span, *part)
 
     def _backward_call(self, run: _Run, program: _Program, mods: Mods, q, k, v, out, lse, stats, dout, scale,
                        q_seg, kv_seg, grads: List[Tensor]) -> None:

@@ -44,7 +44,12 @@ SEGMENTS = {
 
 # Packed documents with boundaries 0, 200, 300, 350, 384, 444, 445, 512: several in one block,
 # one that began in an earlier block, a one-token document.
-PACKED = Case(mask_mod=mods.document(mods.document_ids([200, 100, 50, 34, 60, 1, 67, 512])), q_heads=4, kv_heads=2)
+def _packed(device="cpu"):
+    return Case(mask_mod=mods.document(mods.document_ids([200, 100, 50, 34, 60, 1, 67, 512], device=device)),
+                q_heads=4, kv_heads=2)
+
+
+PACKED = _packed()
 PACKED_SEGMENTS = {
     "diagonal": (Segment(0, 1, L), Segment(0, 1, L)),  # two documents: one batch of causal runs
     "earlier": (Segment(L, 1, L), Segment(L // 2, 1, L)),  # a full run and three causal runs
@@ -150,7 +155,7 @@ def test_full_block_skips_the_mask():
 @pytest.mark.parametrize("segs", sorted(PACKED_SEGMENTS))
 def test_packed_documents_in_ragged_batches_match_reference(segs):
     for batch in (1, 2):  # one batch runs as ragged batches; two as one call per document
-        _check(f"packed/{segs}/batch {batch}", PACKED, *PACKED_SEGMENTS[segs], CudnnKernel(), batch=batch)
+        _check(f"packed/{segs}/batch {batch}", _packed("cuda"), *PACKED_SEGMENTS[segs], CudnnKernel(), batch=batch)
 
 
 @needs_cudnn
