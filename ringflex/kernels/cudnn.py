@@ -853,14 +853,16 @@ def _bucket(n: int, limit: int) -> int:
     return min(limit, max(_TILE, 1 << (n - 1).bit_length()))
 
 
-def _ragged_applies(tensors: Tuple[Tensor, ...], query_side: Tuple[Tensor, ...]) -> bool:
-    """Whether a ragged batch computes over these tensors right (H100, cuDNN 9.19: docs/cudnn.md).
-    The backward's fp32 dQ accumulator is indexed from the offsets of the ``query_side``
-    tensors as if their rows were ``head_dim`` elements apart, and holds ``max_total_seq_len_q``
-    rows: so one batch (the mask is the same for every batch: the runs are per batch), query
-    rows of the head dimension (not [B, S, H, D] strides), and offsets that fit int32."""
-    return (all(t.shape[0] == 1 and t.shape[2] * t.stride(2) < 2 ** 31 for t in tensors)
-            and all(t.stride(2) == t.shape[3] for t in query_side))
+def _ragged_applies(q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None, dout: Optional[Tensor] = None) -> bool:
+    """Whether a ragged batch computes right over these tensors (the forward's, or with ``out``
+    and ``dout`` the backward's): one batch (the runs are per batch) and int32 offsets. cuDNN
+    9.19's backward (H100, docs/cudnn.md) indexes its fp32 dQ accumulator from the query
+    offsets as if query rows were ``head_dim`` elements apart, and got dK/dV wrong with grouped
+    key/value heads: so there also query-side rows of ``head_dim`` elements and no GQA."""
+    tensors = [t for t in (q, k, v, out, dout) if t is not None]
+    if not all(t.shape[0] == 1 and t.shape[2] * t.stride(2) < 2 ** 31 for t in tensors):
+        return False
+    return out is None or (k.shape[1] == q.shape[1] and all(t.stride(2) == t.shape[3] for t in (q, out, dout)))
 
 
 _BANDS: "OrderedDict[int, tuple]" = OrderedDict()
@@ -953,7 +955,7 @@ class CudnnKernel:
             out, lse = q.new_empty(shape), q.new_empty(lse_shape, dtype=torch.float32)
             self._forward_call(runs[0], program, q, k, v, out, lse, scale, q_seg, kv_seg)
             return out, lse
-        calls = self._calls(program, runs, (q, k, v))
+        calls = self._calls(program, runs, q, k, v)
         merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in _row_spans(c)])
         for call in calls:
             if isinstance(call, _Batch):
@@ -968,10 +970,9 @@ class CudnnKernel:
         return merged.result()
 
     @staticmethod
-    def _calls(program: _Program, runs: List[_Run], tensors: Tuple[Tensor, ...],
-               query_side: Tuple[Tensor, ...] = ()) -> Tuple[object, ...]:
+    def _calls(program: _Program, runs: List[_Run], *tensors: Tensor) -> Tuple[object, ...]:
         """The block's runs as cuDNN calls: batched where they can be (see ``_Batch``)."""
-        if program.score is not None or len(runs) < 2 or not _ragged_applies(tensors, query_side):
+        if program.score is not None or len(runs) < 2 or not _ragged_applies(*tensors):
             return tuple(runs)
         return _batched(tuple(runs))
 
@@ -1016,7 +1017,7 @@ class CudnnKernel:
             return tuple(grads)
         # Calls write in place where no earlier call wrote those rows; elsewhere they are
         # summed in fp32, and every gradient is rounded once.
-        calls = self._calls(program, runs, (q, k, v, out, dout), (q, out, dout))
+        calls = self._calls(program, runs, q, k, v, out, dout)
         dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [span for c in calls for span in _row_spans(c)])
         kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [span for c in calls for span in _col_spans(c)])
         for run in calls:

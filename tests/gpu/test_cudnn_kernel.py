@@ -44,9 +44,9 @@ SEGMENTS = {
 
 # Packed documents with boundaries 0, 200, 300, 350, 384, 444, 445, 512: several in one block,
 # one that began in an earlier block, a one-token document.
-def _packed(device="cpu"):
+def _packed(device="cpu", kv_heads=4):
     return Case(mask_mod=mods.document(mods.document_ids([200, 100, 50, 34, 60, 1, 67, 512], device=device)),
-                q_heads=4, kv_heads=2)
+                q_heads=4, kv_heads=kv_heads)
 
 
 PACKED = _packed()
@@ -154,8 +154,10 @@ def test_full_block_skips_the_mask():
 @needs_cudnn
 @pytest.mark.parametrize("segs", sorted(PACKED_SEGMENTS))
 def test_packed_documents_in_ragged_batches_match_reference(segs):
-    for batch in (1, 2):  # one batch runs as ragged batches; two as one call per document
-        _check(f"packed/{segs}/batch {batch}", _packed("cuda"), *PACKED_SEGMENTS[segs], CudnnKernel(), batch=batch)
+    # One batch runs as ragged batches; two batches, and GQA in the backward, as a call per document.
+    for batch, kv_heads in ((1, 4), (2, 4), (1, 2)):
+        _check(f"packed/{segs}/batch {batch}/kv heads {kv_heads}", _packed("cuda", kv_heads), *PACKED_SEGMENTS[segs],
+               CudnnKernel(), batch=batch)
 
 
 @needs_cudnn
@@ -631,8 +633,8 @@ def test_packed_documents_run_as_ragged_batches_emulated(monkeypatch):
 
 
 def test_ragged_batches_only_where_cudnn_computes_them_right_emulated(monkeypatch):
-    """Two batches, or queries in [B, S, H, D] strides in the backward, take a call per document
-    (cuDNN's dQ accumulator gets those wrong: see ``_ragged_applies``)."""
+    """Two batches, and in the backward queries in [B, S, H, D] strides or grouped key/value
+    heads, take a call per document (cuDNN gets those wrong: see ``_ragged_applies``)."""
     module = _emulated(monkeypatch)
     q_seg, kv_seg = PACKED_SEGMENTS["diagonal"]  # two documents
     q, k, v, dout = (t[:, :, :L].contiguous() for t in make_inputs(PACKED, SEQ, batch=2, head_dim=16))
@@ -640,6 +642,7 @@ def test_ragged_batches_only_where_cudnn_computes_them_right_emulated(monkeypatc
     q, k, v, dout = (t[:1] for t in (q, k, v, dout))
     q_bshd = q.transpose(1, 2).contiguous().transpose(1, 2)
     assert _count_calls(module, monkeypatch, q_bshd, k, v, dout, q_seg, kv_seg) == (1, 2)
+    assert _count_calls(module, monkeypatch, q, k[:, :2], v[:, :2], dout, q_seg, kv_seg) == (1, 2)
     module.clear_cache()
 
 
