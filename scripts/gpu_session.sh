@@ -27,6 +27,7 @@ for stage in "$@"; do
     kernel1) run kernel python3 -m pytest -q tests/gpu/test_cudnn_kernel.py ;;  # every mod, offsets, fwd+bwd
     plans1) run plans python3 scripts/plan_probe.py --seq-len 8192 --window 1024 ;;  # every cuDNN plan and knob, timed
     shapes1) run shapes python3 scripts/shape_probe.py ;;  # one rank's calls against the single-GPU call
+    ragged1) run ragged python3 scripts/ragged_cost.py ;;  # ragged batch vs a call per document
     ab2) for t in nccl auto; do export RINGFLEX_TRANSPORT=$t; run ab2 tr 2 scripts/bench.py --seq-lens 16384 \
               --masks none causal --no-cp --single-max 0 --iters 10 --warmup 3; done; unset RINGFLEX_TRANSPORT ;;
     check4) run check tr 4 scripts/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;
