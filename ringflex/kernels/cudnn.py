@@ -13,7 +13,9 @@ a diagonal band of ``q_idx - kv_idx`` (causal, sliding window) gets cuDNN's nati
 which skips tiles, once rows and columns that see nothing are cut off; other masks without a
 score_mod are planned from the exact mask (keys every row sees unmasked, native bands where
 the mask is one); with a score_mod, cuDNN takes no native mask, so the block is cut into row
-chunks that skip empty key tiles (``SPLIT_DEPTH``). docs/cudnn.md has the measurements.
+chunks that skip empty key tiles (``SPLIT_DEPTH``). Small calls that share a native mask and
+no rows or columns (packed documents) run as one ragged batch (``_Batch``). docs/cudnn.md has
+the measurements.
 """
 from __future__ import annotations
 
@@ -828,7 +830,7 @@ def _col_spans(call) -> Tuple[Tuple[int, int], ...]:
     return call.col_spans if isinstance(call, _Batch) else (call.cols,)
 
 
-_BATCHED_BANDS = (None, (None, 0))  # unmasked and causal (measured on H100: docs/benchmarks.md)
+_BATCHED_BANDS = (None, (None, 0))  # unmasked and causal: the ragged forms measured (docs/cudnn.md)
 # Runs up to this area join batches: a batch saves host time per call, and cost more GPU time
 # per pair where documents are long (2x H200 ring, documents of 2048 to 6144: slower).
 _RAGGED_MAX_AREA = 2048 * 2048
