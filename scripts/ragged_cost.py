@@ -1,32 +1,53 @@
-"""A ragged batch against a call per document: GPU time (kernels, under the profiler) and host
-time per block, forward and backward, for documents of several lengths (H=32, D=128, 8192
-rows, B=1; GPU only). Whether the ragged kernel costs more per pair as documents grow.
+"""A ragged batch against a call per document (GPU only): what each costs per block.
+
+For packed documents of several lengths in one block (8192 rows, B=1, H=32, D=128, bf16) it
+measures, forward and backward, the GPU time of the kernels (torch.profiler, per call) and
+the host time per call, once with the block's documents as one ragged batch (whatever their
+length) and once with a call per document: where a batch pays (``_RAGGED_MAX_AREA``).
 
     python scripts/ragged_cost.py
 """
-import statistics, sys
+from __future__ import annotations
+
 import torch
-sys.path.insert(0, "scripts")
-from bench_hop import timed
-from sdpa_ab import kernels
+
+from bench_hop import timed  # scripts/ is on sys.path
 from ringflex import mods
-from ringflex.kernels import cudnn as C
+from ringflex.kernels import cudnn as cudnn_kernel
 from ringflex.kernels.base import Mods
 from ringflex.plan import Segment
-real = C.CudnnKernel._calls
-S = 8192
-q, k, v, dout = (torch.randn(1, 32, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-seg = Segment(0, 1, S)
-for lengths in ([4096, 4096], [2048] * 4, [1024] * 8, [512] * 16, [512, 1536, 768, 2048, 1024, 256, 2048]):
-    m = Mods(None, mods.document(mods.document_ids(lengths, device="cuda")))
-    res = {}
-    for batched in (False, True):
-        C.CudnnKernel._calls = staticmethod(real) if batched else staticmethod(lambda program, runs, *t: tuple(runs))
-        kern = C.CudnnKernel()
-        out, lse = kern.forward(q, k, v, seg, seg, m, 0.088, True)
-        f = lambda: kern.forward(q, k, v, seg, seg, m, 0.088, True)
-        b = lambda: kern.backward(q, k, v, out, lse, dout, seg, seg, m, 0.088, True)
-        f(); b(); torch.cuda.synchronize()
-        res[batched] = [sum(kernels(f).values()) / 1e3, timed(f)[1], sum(kernels(b).values()) / 1e3, timed(b)[1]]
-    fmt = lambda r: f"fwd GPU {r[0]:.3f} ms host {r[1]:.0f} us, bwd GPU {r[2]:.3f} ms host {r[3]:.0f} us"
-    print(f"{len(lengths)} docs max {max(lengths)}: per document {fmt(res[False])} | ragged {fmt(res[True])}")
+from sdpa_ab import kernels
+
+ROWS = 8192
+LAYOUTS = ([4096, 4096], [2048] * 4, [1024] * 8, [512] * 16, [512, 1536, 768, 2048, 1024, 256, 2048])
+
+
+def costs(q, k, v, dout, m: Mods, batched: bool):
+    """(fwd GPU ms, fwd host us, bwd GPU ms, bwd host us) of the block."""
+    cudnn_kernel.clear_cache()
+    kernel, seg, scale = cudnn_kernel.CudnnKernel(), Segment(0, 1, ROWS), q.shape[-1] ** -0.5
+    if not batched:
+        kernel._calls = lambda program, runs, *tensors: tuple(runs)
+    out, lse = kernel.forward(q, k, v, seg, seg, m, scale, True)
+    forward = lambda: kernel.forward(q, k, v, seg, seg, m, scale, True)  # noqa: E731
+    backward = lambda: kernel.backward(q, k, v, out, lse, dout, seg, seg, m, scale, True)  # noqa: E731
+    backward()
+    torch.cuda.synchronize()
+    return [x for fn in (forward, backward) for x in (sum(kernels(fn).values()) / 1e3, timed(fn)[1])]
+
+
+def main():
+    cudnn_kernel._RAGGED_MAX_AREA = ROWS * ROWS  # batch documents of any length here
+    q, k, v, dout = (torch.randn(1, 32, ROWS, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    for lengths in LAYOUTS:
+        m = Mods(None, mods.document(mods.document_ids(lengths, device="cuda")))
+        line = []
+        for batched in (False, True):
+            fwd_gpu, fwd_host, bwd_gpu, bwd_host = costs(q, k, v, dout, m, batched)
+            line.append(f"{'ragged' if batched else 'per document'}: fwd {fwd_gpu:.3f} ms GPU, {fwd_host:.0f} us host; "
+                        f"bwd {bwd_gpu:.3f} ms GPU, {bwd_host:.0f} us host")
+        print(f"{len(lengths)} documents, longest {max(lengths)}: " + " | ".join(line))
+
+
+if __name__ == "__main__":
+    main()
