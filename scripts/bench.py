@@ -87,18 +87,26 @@ def fwd_and_fwdbwd(attn, q, k, v, iters, warmup, *, device):
     return timed(forward, iters, warmup, device), timed(forward_backward, iters, warmup, device)
 
 
-def single_gpu_candidates(mask, score_mod, mask_mod, seq_len, device):
-    """name -> attention over the whole sequence on one device, for the kernels that apply."""
-    out = {"ringflex-1gpu": lambda q, k, v: ringflex.ring_flex_attention(
-        q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=_SELF_GROUP, layout="contiguous")}
+SINGLES = ("sdpa-cudnn", "flex", "ringflex-1gpu")
+
+
+def single_gpu_candidates(mask, score_mod, mask_mod, seq_len, device, names=SINGLES):
+    """name -> attention over the whole sequence on one device, for the kernels of ``names``
+    that apply."""
+    out = {}
+    if "ringflex-1gpu" in names:
+        out["ringflex-1gpu"] = lambda q, k, v: ringflex.ring_flex_attention(
+            q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=_SELF_GROUP, layout="contiguous")
     if device.type != "cuda":
         return out
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    if mask in ("none", "causal"):
+    if "sdpa-cudnn" in names and mask in ("none", "causal"):
         def sdpa(q, k, v):
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=mask == "causal")
         out["sdpa-cudnn"] = sdpa
+    if "flex" not in names:
+        return out
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     # One compiled function per workload; grad mode and masks would exhaust a shared one's
     # recompile budget and silently fall back to the unfused (memory-hungry) path.
@@ -164,7 +172,7 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
     shards = {layout: [ringflex.shard(t, 2, layout=layout) for t in (q, k, v)] for layout in args.layouts}
     timers = {}  # name -> (iters, warmup) -> (forward s, forward+backward s)
     if seq_len <= args.single_max:
-        for name, attn in single_gpu_candidates(mask, score_mod, mask_mod, seq_len, device).items():
+        for name, attn in single_gpu_candidates(mask, score_mod, mask_mod, seq_len, device, args.singles).items():
             timers[name] = functools.partial(fwd_and_fwdbwd, attn, q, k, v, device=device)
     cp = context_parallel_attention(mask, world_size, device) if not args.no_cp else None
     if cp is not None:
@@ -197,7 +205,7 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
                "ringflex": dict(results[f"ringflex/{layout}"])}
         if device.type == "cuda":
             row["ringflex"]["peak_mem_gib"] = max_over_ranks(ring_peak_memory(ring(layout), local) / 2**30)
-        singles = {n: row[n] for n in ("sdpa-cudnn", "flex", "ringflex-1gpu") if "fwd" in row.get(n, {})}
+        singles = {n: row[n] for n in SINGLES if "fwd" in row.get(n, {})}
         if singles:
             for phase in ("fwd", "fwd_bwd"):
                 best = min(singles, key=lambda n: singles[n][phase])
@@ -278,6 +286,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before an implementation's first round")
     p.add_argument("--rounds", type=int, default=3, help="each implementation timed this often, in turn; medians")
     p.add_argument("--single-max", type=int, default=131072, help="skip single-GPU baselines above this length")
+    p.add_argument("--singles", nargs="+", default=list(SINGLES), choices=SINGLES,
+                   help="the single-GPU kernels to time (flex compiles for minutes per length)")
     p.add_argument("--no-cp", action="store_true", help="skip PyTorch context_parallel")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the rows here")

@@ -2,8 +2,8 @@
 
 For packed documents of several lengths in one block (8192 rows, B=1, H=32, D=128, bf16) it
 measures, forward and backward, the GPU time of the kernels (torch.profiler, per call) and
-the host time per call, once with the block's documents as one ragged batch (whatever their
-length) and once with a call per document: where a batch pays (``_RAGGED_MAX_AREA``).
+the host time per call, once with the block's documents as one ragged batch and once with a
+call per document.
 
     python scripts/ragged_cost.py
 """
@@ -37,7 +37,6 @@ def costs(q, k, v, dout, m: Mods, batched: bool):
 
 
 def main():
-    cudnn_kernel._RAGGED_MAX_AREA = ROWS * ROWS  # batch documents of any length here
     q, k, v, dout = (torch.randn(1, 32, ROWS, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     for lengths in LAYOUTS:
         m = Mods(None, mods.document(mods.document_ids(lengths, device="cuda")))

@@ -831,19 +831,16 @@ def _col_spans(call) -> Tuple[Tuple[int, int], ...]:
 
 
 _BATCHED_BANDS = (None, (None, 0))  # unmasked and causal: the ragged forms measured (docs/cudnn.md)
-# Runs up to this area join batches: a batch saves host time per call, and cost more GPU time
-# per pair where documents are long (2x H200 ring, documents of 2048 to 6144: slower).
-_RAGGED_MAX_AREA = 2048 * 2048
 
 
 @functools.lru_cache(maxsize=_MAX_PLANS)
 def _batched(runs: Tuple[_Run, ...]) -> Tuple[object, ...]:
-    """The calls for a block's runs: small runs with the same native mask (or none) whose rows
+    """The calls for a block's runs: runs with the same native mask (or none) whose rows
     and columns both follow one another become one ``_Batch``; the rest stay single calls. A
     one-pair run stays single: cuDNN's backward rejects it (see ``_backward_call``)."""
     calls, groups = [], {}
     for run in runs:
-        if run.masked or run.band not in _BATCHED_BANDS or not 1 < _area([run]) <= _RAGGED_MAX_AREA:
+        if run.masked or run.band not in _BATCHED_BANDS or _area([run]) == 1:
             calls.append(run)
         else:
             groups.setdefault(run.band, []).append(run)
