@@ -43,8 +43,8 @@ from .reference import ReferenceKernel
 SPLIT_DEPTH = 2
 _TILE = 64  # sub-block sizes are multiples of cuDNN's tile
 _MIN_CUDNN = 90600  # score_mod arrived in cuDNN 9.6
-# Built graphs kept (LRU). Every distinct call shape needs its own: packed documents give one
-# per document length, fwd and bwd, so a long packed sequence needs hundreds.
+# Built graphs kept (LRU). Every distinct call shape needs its own: packed documents that
+# cannot batch give one per document length, fwd and bwd, so a long packed sequence needs hundreds.
 _MAX_GRAPHS = int(os.environ.get("RINGFLEX_CUDNN_GRAPHS", 2048))
 _MAX_PLANS = 256
 
