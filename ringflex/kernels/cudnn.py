@@ -13,7 +13,7 @@ a diagonal band of ``q_idx - kv_idx`` (causal, sliding window) gets cuDNN's nati
 which skips tiles, once rows and columns that see nothing are cut off; other masks without a
 score_mod are planned from the exact mask (keys every row sees unmasked, native bands where
 the mask is one); with a score_mod, cuDNN takes no native mask, so the block is cut into row
-chunks that skip empty key tiles (``SPLIT_DEPTH``). Small calls that share a native mask and
+chunks that skip empty key tiles (``SPLIT_DEPTH``). Calls that share a native mask (or none) and
 no rows or columns (packed documents) run as one ragged batch (``_Batch``). docs/cudnn.md has
 the measurements.
 """
