@@ -54,11 +54,16 @@ def make_mods(mask: str, seq_len: int, device, window: int, doc_len: int):
 
 
 def timed(fn, iters: int, warmup: int, device) -> float:
-    """Mean seconds per call of ``fn`` after ``warmup`` calls."""
+    """Mean seconds per call of ``fn`` after ``warmup`` calls. The ranks start the timed calls
+    together: a rank still finishing earlier work would otherwise hold up the other's first
+    ring call, and that wait would count as ring time."""
     for _ in range(warmup):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
+    if _CPU_GROUP is not None:
+        dist.barrier(group=_CPU_GROUP)
+    if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
@@ -181,12 +186,12 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
         timers[f"ringflex/{layout}"] = functools.partial(fwd_and_fwdbwd, ring(layout), *local, device=device)
 
     results, samples = {}, {name: [] for name in timers}
-    for round_ in range(args.rounds):
+    for _ in range(args.rounds):
         for name, timer in timers.items():
             if "error" in results.get(name, {}):
                 continue
             try:
-                samples[name].append(timer(args.iters, args.warmup if round_ == 0 else 1))
+                samples[name].append(timer(args.iters, args.warmup))
             except Exception as e:  # a kernel that does not apply is reported, not fatal
                 if name.startswith("ringflex/"):
                     raise
@@ -283,7 +288,9 @@ def parse_args(argv=None):
                    help="time the ring in each of these layouts (one row each)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls before an implementation's first round")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed calls before each round of an implementation (the memory cache is emptied between "
+                        "implementations, and a call that grows it again would be timed)")
     p.add_argument("--rounds", type=int, default=3, help="each implementation timed this often, in turn; medians")
     p.add_argument("--single-max", type=int, default=131072, help="skip single-GPU baselines above this length")
     p.add_argument("--singles", nargs="+", default=list(SINGLES), choices=SINGLES,

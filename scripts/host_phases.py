@@ -1,0 +1,103 @@
+"""Host time of a ring call by phase (run with torchrun): where a host-bound call spends it.
+
+Wraps ringflex's functions with timers (inclusive wall time, nested phases indented) and
+prints, for every rank, the host time per fwd+bwd of each phase over calls issued back to
+back, beside the call's host time and its back-to-back time with the GPU drained. Cheaper
+than cProfile (``profile_ring.py --host-profile``), which inflates every Python call.
+
+    torchrun --nproc_per_node=2 scripts/host_phases.py --seq-len 16384
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import ringflex
+from bench import make_mods  # scripts/ is on sys.path when this runs as a script
+from ringflex import api, validate
+from ringflex.kernels import cudnn
+from ringflex.parallel import merge, peer, ring
+
+SPENT, CALLS = collections.defaultdict(int), collections.defaultdict(int)
+# (owner, function, label); a label's indent says which phase it runs inside
+PHASES = [
+    (validate, "check", "argument check, plan (prepare)"),
+    (validate, "local_error", "  own argument checks"), (api._PLANS, "get", "  plan cache lookups"),
+    (validate._Exchange, "__init__", "  start of the cross-rank exchange"),
+    (validate.Agreement, "wait", "waiting for the other ranks' records"),
+    (ring._KVStream, "__init__", "K/V stream set-up"), (ring._KVStream, "start", "transfers issued"),
+    (peer.PeerTransport, "exchange", "copy-engine exchanges (K/V, partial sums)"),
+    (cudnn.CudnnKernel, "forward", "kernel forward"), (cudnn.CudnnKernel, "backward", "kernel backward"),
+    (cudnn._Graph, "execute", "  cuDNN execute"),
+    (merge.RowMerge, "add", "output merges"), (merge.RowSum, "add", "gradient sums"),
+    (ring, "ring_forward", "ring forward (all of it)"), (ring, "ring_backward", "ring backward (all of it)"),
+]
+
+
+def _timed(owner, name: str, label: str) -> None:
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SPENT[label] += time.perf_counter_ns() - start
+            CALLS[label] += 1
+    setattr(owner, name, wrapper)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--cases", nargs="+", default=["documents:contiguous", "documents:zigzag", "causal:zigzag",
+                                                   "window:contiguous"], help="mask:layout pairs")
+    p.add_argument("--calls", type=int, default=30)
+    args = p.parse_args()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl")
+    device, world = torch.device("cuda", torch.cuda.current_device()), dist.get_world_size()
+    for owner, name, label in PHASES:
+        _timed(owner, name, label)
+    for case in args.cases:
+        mask, layout = case.split(":")
+        score_mod, mask_mod = make_mods(mask, args.seq_len, device, 4096, 4096)
+        q, k, v = (ringflex.shard(torch.randn(1, 32, args.seq_len, 128, device=device, dtype=torch.bfloat16), 2,
+                                  layout=layout).requires_grad_() for _ in range(3))
+        grad = torch.randn_like(q)
+
+        def forward_backward():
+            ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, layout=layout).backward(grad)
+
+        for _ in range(5):
+            forward_backward()
+        torch.cuda.synchronize()
+        dist.barrier()
+        SPENT.clear()
+        CALLS.clear()
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            forward_backward()
+        host = (time.perf_counter() - start) / args.calls
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / args.calls
+        lines = [f"rank {dist.get_rank()}, {mask} over {layout}, {args.seq_len} tokens: host {host * 1e3:.2f} ms "
+                 f"per fwd+bwd, back to back {wall * 1e3:.2f} ms"]
+        lines += [f"  {label:40s} {SPENT[label] / args.calls / 1e3:7.0f} us  ({CALLS[label] / args.calls:.0f} calls)"
+                  for _, _, label in PHASES if CALLS[label]]
+        gathered = [None] * world
+        dist.all_gather_object(gathered, "\n".join(lines))
+        if dist.get_rank() == 0:
+            print("\n".join(gathered), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
