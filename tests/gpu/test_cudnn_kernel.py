@@ -437,9 +437,27 @@ class _FakeGraph:
         return 0
 
     def execute(self, buffers, workspace, handle=None, tensor_uids=None):
-        data, kw = dict(zip(tensor_uids, buffers)), self.attention
-        if kw.get("use_padding_mask"):
-            return self._execute_ragged(data)
+        data = dict(zip(tensor_uids, buffers))
+        for call in self._sequences(data) if self.attention.get("use_padding_mask") else [data]:
+            self._attend(call)
+
+    def _sequences(self, data):
+        """Each sequence of a ragged batch as the tensors of a call of its own: views found from
+        its offsets as cuDNN does (element offset = batch * stride 0 + row * stride 2)."""
+        kw = self.attention
+        ports = [(kw[n], "q") for n in ("q", "o", "dO", "stats") if n in kw] + [(kw["k"], "kv"), (kw["v"], "kv")]
+        ports += zip(self.outs, ("q", "q") if "dO" not in kw else ("q", "kv", "kv"))
+        lengths = {axis: data[kw[f"seq_len_{axis}"].uid].flatten().tolist() for axis in ("q", "kv")}
+        for i in range(len(lengths["q"])):
+            views = {}
+            for t, axis in ports:
+                base, offset = data[t.uid], int(data[t.ragged_offset.uid].flatten()[i])
+                b, row = offset // base.stride(0), offset % base.stride(0) // base.stride(2)
+                views[t.uid] = base[b:b + 1, :, row:row + lengths[axis][i]]
+            yield views
+
+    def _attend(self, data):
+        kw = self.attention
         q, k, v = (data[kw[n].uid].double() for n in ("q", "k", "v"))
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -480,39 +498,6 @@ class _FakeGraph:
         data[self.outs[0].uid].copy_(ds @ k * kw["attn_scale"])
         data[self.outs[1].uid].copy_(reduce(ds.transpose(-1, -2) @ q * kw["attn_scale"]))
         data[self.outs[2].uid].copy_(reduce(p.transpose(-1, -2) @ do))
-
-
-    def _execute_ragged(self, data):
-        """Each sequence of a ragged batch as its own call on views of the tensors, found from its
-        offsets as cuDNN does (element offset = batch * stride 0 + row * stride 2)."""
-        kw = self.attention
-        ports = {n: kw[n] for n in ("q", "k", "v", "o", "dO", "stats") if n in kw}
-        ports.update(zip(("dq", "dk", "dv") if "dO" in kw else ("o", "stats"), self.outs))
-        lengths = {axis: data[kw[f"seq_len_{axis}"].uid].flatten().tolist() for axis in ("q", "kv")}
-        for i, (len_q, len_kv) in enumerate(zip(lengths["q"], lengths["kv"])):
-            views = {}
-            for name, t in ports.items():
-                base, offset = data[t.uid], int(data[t.ragged_offset.uid].flatten()[i])
-                b, row = offset // base.stride(0), offset % base.stride(0) // base.stride(2)
-                views[name] = base[b:b + 1, :, row:row + (len_kv if name in ("k", "v", "dk", "dv") else len_q)]
-            q, k, v = (views[n].double() for n in ("q", "k", "v"))
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-            s = q @ k.transpose(-1, -2) * kw["attn_scale"]
-            if kw.get("use_causal_mask"):
-                s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -math.inf)
-            if "dO" not in kw:
-                lse = torch.logsumexp(s, -1, keepdim=True)
-                views["o"].copy_(torch.exp(s - lse) @ v)
-                views["stats"].copy_(lse)
-                continue
-            o, do, lse = (views[n].double() for n in ("o", "dO", "stats"))
-            p = torch.exp(s - lse)
-            ds = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
-            reduce = lambda x: x.unflatten(1, (-1, groups)).sum(2)  # noqa: E731
-            views["dq"].copy_(ds @ k * kw["attn_scale"])
-            views["dk"].copy_(reduce(ds.transpose(-1, -2) @ q * kw["attn_scale"]))
-            views["dv"].copy_(reduce(p.transpose(-1, -2) @ do))
 
 
 _FAKE_OPS = {
