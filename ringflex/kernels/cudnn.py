@@ -980,15 +980,11 @@ class CudnnKernel:
 
     def _forward_batch(self, batch: _Batch, q, k, v, merged: RowMerge, scale: float) -> None:
         """The batch's runs in one call, into the result itself where no call wrote their rows yet."""
-        parts = [merged.destination(span) for span in batch.row_spans]
-        if all(parts):
-            out, lse = merged.out[0], merged.lse
-        else:
-            out, lse = q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
-            parts = [(rows(out, span), rows(lse, span)) for span in batch.row_spans]
+        (out, lse), parts = merged.targets(batch.row_spans, lambda: (
+            q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)))
         self._batch_call(False, batch, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
-        for span, (o, part_lse) in zip(batch.row_spans, parts):
-            merged.add(span, o, part_lse)
+        for span, part in zip(batch.row_spans, parts):
+            merged.add(span, *part)
 
     def _batch_call(self, backward: bool, batch: _Batch, tensors: Dict[str, Tensor], scale: float) -> None:
         ragged, inputs = batch.inputs(tensors)
@@ -1037,16 +1033,8 @@ class CudnnKernel:
     def _backward_batch(self, batch: _Batch, q, k, v, out, stats, dout, scale: float, dq_sum: RowSum,
                         kv_sum: RowSum) -> None:
         """The batch's runs in one call, into the sums themselves where no call wrote their rows yet."""
-        grads = []
-        for total, spans, like in ((dq_sum, batch.row_spans, (q,)), (kv_sum, batch.col_spans, (k, v))):
-            parts = [total.destination(span) for span in spans]
-            if all(parts):
-                grads.append((total.out, parts))
-            else:
-                whole = [torch.empty_like(t) for t in like]
-                grads.append((whole, [[rows(t, span) for t in whole] for span in spans]))
-        (dq,), dq_parts = grads[0]
-        (dk, dv), kv_parts = grads[1]
+        (dq,), dq_parts = dq_sum.targets(batch.row_spans, lambda: [torch.empty_like(q)])
+        (dk, dv), kv_parts = kv_sum.targets(batch.col_spans, lambda: [torch.empty_like(k), torch.empty_like(v)])
         tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=stats.contiguous(), dq=dq, dk=dk, dv=dv)
         self._batch_call(True, batch, tensors, scale)
         for span, part in zip(batch.row_spans, dq_parts):

@@ -80,6 +80,19 @@ class _RowParts:
         self.handed_out[r] = views
         return views
 
+    def targets(self, spans: Sequence[Rows], fresh) -> Tuple[List[Tensor], List[List[Tensor]]]:
+        """Where ONE kernel call writes all of ``spans``: the result's own tensors where no part
+        reached any of their rows yet, else ``fresh()`` tensors of the whole shape; and each
+        span's views of them, to ``add``."""
+        parts = [self.destination(r) for r in spans]
+        if all(parts):
+            return self._whole(), parts
+        whole = fresh()
+        return whole, [[rows(t, r) for t in whole] for r in spans]
+
+    def _whole(self) -> List[Tensor]:
+        return self.out
+
     def _spans(self, r: Rows) -> List[_Span]:
         """The spans that make up rows ``r`` (none if ``r`` was not announced)."""
         first, last = self.starts.get(r[0]), self.starts.get(r[1])
@@ -238,6 +251,9 @@ class RowMerge(_RowParts):
         """(output rows, lse rows) of the result for a kernel to write into (see ``_RowParts``)."""
         views = super().destination(r)
         return None if views is None else (views[0], rows(self.lse, r))
+
+    def _whole(self) -> List[Tensor]:
+        return [self.out[0], self.lse]
 
     def add(self, r: Rows, part_out: Tensor, part_lse: Tensor) -> None:
         self._part_lse = part_lse, r[0]  # read by _first and _merge for the groups of this part
