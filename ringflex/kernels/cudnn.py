@@ -616,6 +616,14 @@ class _Run:
     masked: bool = False
     band: Optional[Tuple[Optional[int], Optional[int]]] = None
 
+    @property
+    def row_spans(self) -> Tuple[Tuple[int, int], ...]:  # as a ``_Batch`` has them
+        return (self.rows,)
+
+    @property
+    def col_spans(self) -> Tuple[Tuple[int, int], ...]:
+        return (self.cols,)
+
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -822,14 +830,6 @@ def _joined(spans: List[Tuple[int, int]]) -> Tuple[Tuple[int, int], ...]:
     return tuple(joined)
 
 
-def _row_spans(call) -> Tuple[Tuple[int, int], ...]:
-    return call.row_spans if isinstance(call, _Batch) else (call.rows,)
-
-
-def _col_spans(call) -> Tuple[Tuple[int, int], ...]:
-    return call.col_spans if isinstance(call, _Batch) else (call.cols,)
-
-
 _BATCHED_BANDS = (None, (None, 0))  # unmasked and causal: the ragged forms measured (docs/cudnn.md)
 
 
@@ -958,7 +958,7 @@ class CudnnKernel:
             self._forward_call(runs[0], program, q, k, v, out, lse, scale, q_seg, kv_seg)
             return out, lse
         calls = self._calls(program, runs, q, k, v)
-        merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in _row_spans(c)])
+        merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans])
         for call in calls:
             if isinstance(call, _Batch):
                 self._forward_batch(call, q, k, v, merged, scale)
@@ -1016,8 +1016,8 @@ class CudnnKernel:
         # Calls write in place where no earlier call wrote those rows; elsewhere they are
         # summed in fp32, and every gradient is rounded once.
         calls = self._calls(program, runs, q, k, v, out, dout)
-        dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [span for c in calls for span in _row_spans(c)])
-        kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [span for c in calls for span in _col_spans(c)])
+        dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans])
+        kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [span for c in calls for span in c.col_spans])
         for run in calls:
             if isinstance(run, _Batch):
                 self._backward_batch(run, q, k, v, out, stats, dout, scale, dq_sum, kv_sum)
