@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import ringflex
-from bench import make_mods  # scripts/ is on sys.path when this runs as a script
+from bench import make_mods, timed  # scripts/ is on sys.path when this runs as a script
 from ringflex import validate
 
 
@@ -109,14 +109,9 @@ def measure(fn, iters: int) -> dict:
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         host, wall = host + t1 - t0, wall + time.perf_counter() - t0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
+    back_to_back = timed(fn, iters, 0, torch.device("cuda"))
     return {"host_ms": round(host / iters * 1e3, 3), "wall_ms": round(wall / iters * 1e3, 3),
-            "back_to_back_ms": round(start.elapsed_time(end) / iters, 3)}
+            "back_to_back_ms": round(back_to_back * 1e3, 3)}
 
 
 def _gathered(value, world: int) -> list:
