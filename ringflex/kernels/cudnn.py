@@ -857,14 +857,21 @@ def _bucket(n: int, limit: int) -> int:
 
 def _ragged_applies(q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None, dout: Optional[Tensor] = None) -> bool:
     """Whether a ragged batch computes right over these tensors (the forward's, or with ``out``
-    and ``dout`` the backward's): one batch (the runs are per batch) and int32 offsets. cuDNN
-    9.19's backward (H100, docs/cudnn.md) indexes its fp32 dQ accumulator from the query
-    offsets as if query rows were ``head_dim`` elements apart, and got dK/dV wrong with grouped
-    key/value heads: so there also query-side rows of ``head_dim`` elements and no GQA."""
+    and ``dout`` the backward's): one batch (the runs are per batch), int32 offsets over rows of
+    ``head_dim`` elements (``_head_dim_rows``), and in the backward no grouped key/value heads,
+    with which cuDNN 9.19 got dK/dV wrong (H100, docs/cudnn.md)."""
     tensors = [t for t in (q, k, v, out, dout) if t is not None]
-    if not all(t.shape[0] == 1 and t.shape[2] * t.stride(2) < 2 ** 31 for t in tensors):
+    if not all(t.shape[0] == 1 and t.shape[2] * t.shape[3] < 2 ** 31 for t in tensors):
         return False
-    return out is None or (k.shape[1] == q.shape[1] and all(t.stride(2) == t.shape[3] for t in (q, out, dout)))
+    return out is None or k.shape[1] == q.shape[1]
+
+
+def _head_dim_rows(t: Tensor) -> Tensor:
+    """``t`` with its rows ``head_dim`` elements apart, copied where they are not ([B, S, H, D]
+    strides): the only layout ragged batches were measured right in. cuDNN 9.19's backward
+    indexes its fp32 dQ accumulator from the query offsets as if query rows were so (dQ was
+    wrong otherwise, H100); a copy costs less than a call per document."""
+    return t if t.stride(2) == t.shape[3] else t.contiguous()
 
 
 _BANDS: "OrderedDict[int, tuple]" = OrderedDict()
@@ -982,6 +989,7 @@ class CudnnKernel:
         """The batch's runs in one call, into the result itself where no call wrote their rows yet."""
         (out, lse), parts = merged.targets(batch.row_spans, lambda: (
             q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)))
+        q, k, v = (_head_dim_rows(t) for t in (q, k, v))
         self._batch_call(False, batch, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
         for span, part in zip(batch.row_spans, parts):
             merged.add(span, *part)
@@ -1033,8 +1041,9 @@ class CudnnKernel:
     def _backward_batch(self, batch: _Batch, q, k, v, out, stats, dout, scale: float, dq_sum: RowSum,
                         kv_sum: RowSum) -> None:
         """The batch's runs in one call, into the sums themselves where no call wrote their rows yet."""
-        (dq,), dq_parts = dq_sum.targets(batch.row_spans, lambda: [torch.empty_like(q)])
-        (dk, dv), kv_parts = kv_sum.targets(batch.col_spans, lambda: [torch.empty_like(k), torch.empty_like(v)])
+        (dq,), dq_parts = dq_sum.targets(batch.row_spans, lambda: [q.new_empty(q.shape)])
+        (dk, dv), kv_parts = kv_sum.targets(batch.col_spans, lambda: [k.new_empty(k.shape), v.new_empty(v.shape)])
+        q, k, v, out, dout = (_head_dim_rows(t) for t in (q, k, v, out, dout))
         tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=stats.contiguous(), dq=dq, dk=dk, dv=dv)
         self._batch_call(True, batch, tensors, scale)
         for span, part in zip(batch.row_spans, dq_parts):

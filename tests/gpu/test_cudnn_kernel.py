@@ -618,16 +618,28 @@ def test_packed_documents_run_as_ragged_batches_emulated(monkeypatch):
 
 
 def test_ragged_batches_only_where_cudnn_computes_them_right_emulated(monkeypatch):
-    """Two batches, and in the backward queries in [B, S, H, D] strides or grouped key/value
-    heads, take a call per document (cuDNN gets those wrong: see ``_ragged_applies``)."""
+    """Two batches, and in the backward grouped key/value heads, take a call per document
+    (cuDNN gets those wrong: see ``_ragged_applies``); tensors in [B, S, H, D] strides batch,
+    and cuDNN sees a copy with rows of ``head_dim`` elements, the layout measured right."""
     module = _emulated(monkeypatch)
     q_seg, kv_seg = PACKED_SEGMENTS["diagonal"]  # two documents
     q, k, v, dout = (t[:, :, :L].contiguous() for t in make_inputs(PACKED, SEQ, batch=2, head_dim=16))
     assert _count_calls(module, monkeypatch, q, k, v, dout, q_seg, kv_seg) == (2, 2)
     q, k, v, dout = (t[:1] for t in (q, k, v, dout))
-    q_bshd = q.transpose(1, 2).contiguous().transpose(1, 2)
-    assert _count_calls(module, monkeypatch, q_bshd, k, v, dout, q_seg, kv_seg) == (1, 2)
     assert _count_calls(module, monkeypatch, q, k[:, :2], v[:, :2], dout, q_seg, kv_seg) == (1, 2)
+    bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout)]
+    seen = []
+    real = module._Batch.inputs
+    monkeypatch.setattr(module._Batch, "inputs", lambda self, tensors: seen.append(tensors) or real(self, tensors))
+    assert _count_calls(module, monkeypatch, *bshd, q_seg, kv_seg) == (1, 1)
+    assert all(t.stride(2) == t.shape[3] for tensors in seen for t in tensors.values() if t.dim() == 4)
+    m, results = Mods(None, PACKED.mask_mod), []
+    for inputs in (bshd, (q, k, v, dout)):  # the same numbers either way
+        out, lse = module.CudnnKernel().forward(*inputs[:3], q_seg, kv_seg, m, 0.25, True)
+        results.append((out, lse, *module.CudnnKernel().backward(*inputs[:3], out, lse, inputs[3], q_seg, kv_seg, m,
+                                                                   0.25, True)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)
     module.clear_cache()
 
 
