@@ -58,9 +58,12 @@ PACKED_SEGMENTS = {
 PACKED_CALLS = {"diagonal": (1, 1), "earlier": (2, 2), "one_token": (2, 1)}  # cuDNN calls, fwd / bwd
 
 
-def _case_inputs(case, dtype, head_dim=64, batch=2, seed=0):
+def _case_inputs(case, dtype, head_dim=64, batch=2, seed=0, bshd=False):
+    """The case's q, k, v, dout on the GPU, in [B, H, S, D] memory or, with ``bshd``, in
+    [B, S, H, D] memory (as models pass them: ``view(B, S, H, D).transpose(1, 2)``)."""
     q, k, v, dout = make_inputs(case, SEQ, batch=batch, head_dim=head_dim, dtype=torch.float32, seed=seed)
-    return [t[:, :, :L].to("cuda", dtype).contiguous() for t in (q, k, v, dout)]
+    tensors = [t[:, :, :L].to("cuda", dtype).contiguous() for t in (q, k, v, dout)]
+    return [t.transpose(1, 2).contiguous().transpose(1, 2) for t in tensors] if bshd else tensors
 
 
 def _err(got, want):
@@ -73,8 +76,9 @@ def _err(got, want):
     return ((got - want).abs()[finite].max() / want.abs()[finite].max().clamp_min(1.0)).item() if finite.any() else 0.0
 
 
-def _check(name, case, q_seg, kv_seg, kernel, dtype=torch.bfloat16, head_dim=64, masked=True, tol=2e-2, batch=2):
-    q, k, v, dout = _case_inputs(case, dtype, head_dim, batch)
+def _check(name, case, q_seg, kv_seg, kernel, dtype=torch.bfloat16, head_dim=64, masked=True, tol=2e-2, batch=2,
+           bshd=False):
+    q, k, v, dout = _case_inputs(case, dtype, head_dim, batch, bshd=bshd)
     m = Mods(case.score_mod, case.mask_mod)
     scale = head_dim ** -0.5
     ref = ReferenceKernel()
@@ -154,10 +158,11 @@ def test_full_block_skips_the_mask():
 @needs_cudnn
 @pytest.mark.parametrize("segs", sorted(PACKED_SEGMENTS))
 def test_packed_documents_in_ragged_batches_match_reference(segs):
-    # One batch runs as ragged batches; two batches, and GQA in the backward, as a call per document.
-    for batch, kv_heads in ((1, 4), (2, 4), (1, 2)):
-        _check(f"packed/{segs}/batch {batch}/kv heads {kv_heads}", _packed("cuda", kv_heads), *PACKED_SEGMENTS[segs],
-               CudnnKernel(), batch=batch)
+    # One batch runs as ragged batches (inputs in [B, S, H, D] memory copied for them); two
+    # batches, and GQA in the backward, as a call per document.
+    for batch, kv_heads, bshd in ((1, 4, False), (1, 4, True), (2, 4, False), (1, 2, False)):
+        _check(f"packed/{segs}/batch {batch}/kv heads {kv_heads}/bshd {bshd}", _packed("cuda", kv_heads),
+               *PACKED_SEGMENTS[segs], CudnnKernel(), batch=batch, bshd=bshd)
 
 
 @needs_cudnn
