@@ -1015,26 +1015,26 @@ class CudnnKernel:
             # can hide every key of a row: each row of an unmasked or native-band call sees a key.
             stats = torch.nan_to_num(stats, nan=math.nan, posinf=math.inf, neginf=math.inf)
         stats = stats.unsqueeze(-1)
-        call = (program, mods, q, k, v, out, lse, stats, dout, scale, q_seg, kv_seg)
+        shared = (program, mods, q, k, v, out, lse, stats, dout, scale, q_seg, kv_seg)
         whole = (0, q.shape[2]), (0, k.shape[2])
         if len(runs) == 1 and (runs[0].rows, runs[0].cols) == whole:  # one call writes the whole result
             grads = [torch.empty_like(t) for t in (q, k, v)]
-            self._backward_call(runs[0], *call, grads)
+            self._backward_call(runs[0], *shared, grads)
             return tuple(grads)
         # Calls write in place where no earlier call wrote those rows; elsewhere they are
         # summed in fp32, and every gradient is rounded once.
         calls = self._calls(program, runs, q, k, v, out, dout)
         dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans])
         kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [span for c in calls for span in c.col_spans])
-        for run in calls:
-            if isinstance(run, _Batch):
-                self._backward_batch(run, q, k, v, out, stats, dout, scale, dq_sum, kv_sum)
+        for call in calls:
+            if isinstance(call, _Batch):
+                self._backward_batch(call, q, k, v, out, stats, dout, scale, dq_sum, kv_sum)
                 continue
-            grads = (dq_sum.destination(run.rows) or [q.new_empty(rows(q, run.rows).shape)]) + (
-                kv_sum.destination(run.cols) or [k.new_empty(rows(k, run.cols).shape), v.new_empty(rows(v, run.cols).shape)])
-            self._backward_call(run, *call, grads)
-            dq_sum.add(run.rows, grads[0])
-            kv_sum.add(run.cols, *grads[1:])
+            grads = (dq_sum.destination(call.rows) or [q.new_empty(rows(q, call.rows).shape)]) + (
+                kv_sum.destination(call.cols) or [k.new_empty(rows(k, call.cols).shape), v.new_empty(rows(v, call.cols).shape)])
+            self._backward_call(call, *shared, grads)
+            dq_sum.add(call.rows, grads[0])
+            kv_sum.add(call.cols, *grads[1:])
         (dq,), (dk, dv) = dq_sum.result(), kv_sum.result()
         return dq, dk, dv
 
