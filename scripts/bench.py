@@ -32,16 +32,17 @@ from ringflex.parallel import peer
 MASKS = ("none", "causal", "window", "documents", "causal_softcap")
 
 
-def make_mods(mask: str, seq_len: int, device, window: int, doc_len: int):
-    """(score_mod, mask_mod) of a named workload over ``seq_len`` global tokens."""
+def make_mods(mask: str, seq_len: int, device, window: int, doc_len: int, seed: int = 0):
+    """(score_mod, mask_mod) of a named workload over ``seq_len`` global tokens (``seed``: of
+    the document lengths)."""
     if mask == "none":
         return None, None
     if mask == "causal":
         return None, mods.causal
     if mask == "window":
         return None, mods.sliding_window(window)
-    if mask == "documents":  # documents of random lengths around doc_len, fixed seed
-        g = torch.Generator().manual_seed(0)
+    if mask == "documents":  # documents of random lengths around doc_len
+        g = torch.Generator().manual_seed(seed)
         lengths, total = [], 0
         while total < seq_len:
             n = min(seq_len - total, int(torch.randint(doc_len // 2, 3 * doc_len // 2, (), generator=g)))

@@ -6,6 +6,9 @@ back, beside the call's host time and its back-to-back time with the GPU drained
 than cProfile (``profile_ring.py --host-profile``), which inflates every Python call.
 
     torchrun --nproc_per_node=2 scripts/host_phases.py --seq-len 16384
+
+The mask ``new_documents`` is packed documents with new lengths at every call, as in training
+on packed batches: each call then plans anew.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch.distributed as dist
 
 import ringflex
 from bench import make_mods  # scripts/ is on sys.path when this runs as a script
-from ringflex import api, validate
+from ringflex import api, plan, trace, validate
 from ringflex.kernels import cudnn
 from ringflex.parallel import merge, peer, ring
 
@@ -29,6 +32,8 @@ SPENT, CALLS = collections.defaultdict(int), collections.defaultdict(int)
 PHASES = [
     (validate, "check", "argument check, plan (prepare)"),
     (validate, "local_error", "  own argument checks"), (api._PLANS, "get", "  plan cache lookups"),
+    (plan, "plan_hops", "    planning (a mask not seen before)"), (trace, "_trace", "      tracing the mask"),
+    (cudnn, "exact_runs", "      the kernel's exact plans (outside the kernel too)"),
     (validate._Exchange, "__init__", "  start of the cross-rank exchange"),
     (validate.Agreement, "wait", "waiting for the other ranks' records"),
     (ring._KVStream, "__init__", "K/V stream set-up"), (ring._KVStream, "start", "transfers issued"),
@@ -58,7 +63,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--cases", nargs="+", default=["documents:contiguous", "documents:zigzag", "causal:zigzag",
-                                                   "window:contiguous"], help="mask:layout pairs")
+                                                   "window:contiguous", "new_documents:contiguous"], help="mask:layout pairs")
     p.add_argument("--calls", type=int, default=30)
     args = p.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -68,12 +73,16 @@ def main():
         _timed(owner, name, label)
     for case in args.cases:
         mask, layout = case.split(":")
-        score_mod, mask_mod = make_mods(mask, args.seq_len, device, 4096, 4096)
+        fresh = mask == "new_documents"
+        masks = [make_mods("documents" if fresh else mask, args.seq_len, device, 4096, 4096, seed=i)
+                 for i in range(5 + args.calls if fresh else 1)]
+        calls = iter(masks)  # one per call (new documents); else the same every call
         q, k, v = (ringflex.shard(torch.randn(1, 32, args.seq_len, 128, device=device, dtype=torch.bfloat16), 2,
                                   layout=layout).requires_grad_() for _ in range(3))
         grad = torch.randn_like(q)
 
         def forward_backward():
+            score_mod, mask_mod = next(calls) if fresh else masks[0]
             ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, layout=layout).backward(grad)
 
         for _ in range(5):

@@ -802,18 +802,22 @@ class _Batch:
 
     def inputs(self, tensors: Dict[str, Tensor]) -> Tuple[_Ragged, Dict[str, Tensor]]:
         """The ragged description over these tensors, and its int32 inputs: per tensor the
-        element offset of each sequence, and the sequences' lengths (made once per layout)."""
+        element offset of each sequence, and the sequences' lengths (made once per layout).
+        The batch is padded with empty sequences to a power of two, so that packed batches
+        with any number of documents share a few graphs (each new one takes 0.1 to 1.5 s)."""
         q, k = tensors["q"], tensors["k"]
-        inputs = {f"seq_{axis}": self._values((axis, q.device), [e - b for b, e in spans])
+        padding = _count_bucket(len(self.runs)) - len(self.runs)
+        inputs = {f"seq_{axis}": self._values((axis, q.device), [e - b for b, e in spans] + [0] * padding)
                   for axis, spans in self.spans.items()}
         for name, t in tensors.items():
             axis = _RAGGED_AXIS.get(name)
             if axis is not None:
                 step, spans = t.stride(2), self.spans[axis]
-                inputs[f"{name}_offsets"] = self._values((axis, step, t.device), [b * step for b, _ in spans] + [spans[-1][1] * step])
+                inputs[f"{name}_offsets"] = self._values(
+                    (axis, step, t.device), [b * step for b, _ in spans] + [spans[-1][1] * step] * (padding + 1))
         longest = {axis: max(e - b for b, e in spans) for axis, spans in self.spans.items()}
-        ragged = _Ragged(len(self.runs), _bucket(longest["q"], q.shape[2]), _bucket(longest["kv"], k.shape[2]),
-                         q.shape[2], k.shape[2])
+        ragged = _Ragged(len(self.runs) + padding, _bucket(longest["q"], q.shape[2]),
+                         _bucket(longest["kv"], k.shape[2]), q.shape[2], k.shape[2])
         return ragged, inputs
 
     def _values(self, key: tuple, values: List[int]) -> Tensor:
@@ -853,6 +857,10 @@ def _batched(runs: Tuple[_Run, ...]) -> Tuple[object, ...]:
 
 def _bucket(n: int, limit: int) -> int:
     return min(limit, max(_TILE, 1 << (n - 1).bit_length()))
+
+
+def _count_bucket(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def _ragged_applies(q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None, dout: Optional[Tensor] = None) -> bool:

@@ -622,6 +622,20 @@ def test_packed_documents_run_as_ragged_batches_emulated(monkeypatch):
     module.clear_cache()
 
 
+def test_packed_batches_of_any_size_share_graphs_emulated(monkeypatch):
+    """A block of 3 and one of 4 documents run on the same graphs (the batch padded with an
+    empty sequence): new packed batches in training build no new graphs. Both match the reference."""
+    module = _emulated(monkeypatch)
+    seg = Segment(0, 1, L)
+    graphs = []
+    for lengths in ((96, 96, 64), (128, 64, 32, 32)):  # the longest document in one bucket (128)
+        case = Case(mask_mod=mods.document(mods.document_ids(list(lengths) + [SEQ - L])), q_heads=4, kv_heads=4)
+        _check_emulated(case, {"diagonal": (seg, seg)}, depths=(2,), batch=1)
+        graphs.append(set(module._GRAPHS))
+    assert graphs[0] == graphs[1] and len(graphs[0]) == 2  # forward and backward
+    module.clear_cache()
+
+
 def test_ragged_batches_only_where_cudnn_computes_them_right_emulated(monkeypatch):
     """Two batches, and in the backward grouped key/value heads, take a call per document
     (cuDNN gets those wrong: see ``_ragged_applies``); tensors in [B, S, H, D] strides batch,
