@@ -171,8 +171,9 @@ _UNARY = {
 }
 
 
-def _ranges(graph, env):
-    """The range of every node of ``graph``, inputs given by ``env``; the output's range."""
+def _ranges(graph, env, tables):
+    """The range of every node of ``graph``, inputs given by ``env`` and captured tensors by
+    ``tables`` (by node id); the output's range."""
     memo = {}
     for n in graph.nodes:
         args = [memo[id(a)] for a in n.args]
@@ -181,7 +182,7 @@ def _ranges(graph, env):
         elif n.op == "const":
             v = Range(n.value, n.value)
         elif n.op == "tensor":
-            v = n.value
+            v = tables[id(n)]
         elif n.op == "index":
             v = _index(args[0], args[1:])
         elif n.op == "cast":
@@ -205,13 +206,16 @@ def block_decider(mask_mod: Callable, batch: int, heads: int, device=None) -> Op
         graph = trace_mask_mod(mask_mod, device)
     except UnsupportedModError:  # data-dependent Python control flow and the like: evaluate densely
         return None
+    # Lookups read host copies of the captured tensors (document ids): one device-to-host
+    # copy per plan, not a synchronisation with the GPU per lookup.
+    tables = {id(n): n.value.detach().cpu() for n in graph.nodes if n.op == "tensor"}
 
     def decide(q_seg, kv_seg) -> Optional[bool]:
         env = {"b": Range(0, batch - 1), "h": Range(0, heads - 1),
                "q_idx": Range(q_seg.start, q_seg.start + q_seg.stride * (q_seg.length - 1)),
                "kv_idx": Range(kv_seg.start, kv_seg.start + kv_seg.stride * (kv_seg.length - 1))}
         try:
-            result = _ranges(graph, env)
+            result = _ranges(graph, env, tables)
         except Undecided:
             return None
         if result.lo:

@@ -101,24 +101,33 @@ def _sample_is_mixed(mask_mod, batch, heads, q_seg: Segment, kv_seg: Segment, de
         return False
     pick = lambda seg: seg.positions(device)[torch.linspace(0, seg.length - 1, min(points, seg.length), device=device).long()]
     m = evaluate_mask(mask_mod, batch, heads, pick(q_seg), pick(kv_seg))
-    return bool(m.any()) and not bool(m.all())
+    some, every = torch.stack([m.any(), m.all()]).tolist()
+    return some and not every
 
 
 def classify(mask_mod: Optional[Callable], batch: int, heads: int, q_seg: Segment, kv_seg: Segment, device=None,
-             decide: Optional[Callable] = None) -> Tensor:
-    """BlockKind of the whole block, as a 0-dim int8 tensor (on ``device``; read it once per ring).
+             decide: Optional[Callable] = None):
+    """BlockKind of the whole block: a BlockKind where it is known on the host, else a 0-dim
+    int8 tensor on ``device`` (``read_kinds`` reads many at once).
 
     ``decide`` (from ``bounds.block_decider``) settles most blocks from the mask's formula;
     the rest are evaluated densely.
     """
     known = None if decide is None else decide(q_seg, kv_seg)
     if q_seg.length == 0 or kv_seg.length == 0 or known is False:
-        return torch.tensor(int(BlockKind.EMPTY), dtype=torch.int8, device=device)
+        return BlockKind.EMPTY
     if known is True:
-        return torch.tensor(int(BlockKind.FULL), dtype=torch.int8, device=device)
+        return BlockKind.FULL
     if mask_mod is not None and _sample_is_mixed(mask_mod, batch, heads, q_seg, kv_seg, device):
-        return torch.tensor(int(BlockKind.PARTIAL), dtype=torch.int8, device=device)
+        return BlockKind.PARTIAL
     return block_kinds(mask_mod, batch, heads, q_seg, kv_seg, q_seg.length, kv_seg.length, device)[0, 0]
+
+
+def read_kinds(kinds) -> List[BlockKind]:
+    """``classify`` results as BlockKinds, the device ones read in one synchronisation."""
+    dense = [k for k in kinds if isinstance(k, Tensor)]
+    values = iter(torch.stack(dense).tolist() if dense else [])
+    return [BlockKind(next(values)) if isinstance(k, Tensor) else k for k in kinds]
 
 
 @dataclass(frozen=True)
@@ -257,19 +266,19 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
     by itself (``HopKernel.plans_within``): then splitting only adds calls and merges, and
     the hop covers only the rows and keys the kernel's calls reach.
 
-    ``kv_segs_per_step[i]`` are the segments of the KV block held at step i. The blocks are
-    classified on ``device`` and read back to the host at once (one synchronisation); only
-    splitting a sparse block reads more.
+    ``kv_segs_per_step[i]`` are the segments of the KV block held at step i. Blocks the
+    mask's formula decides are classified on the host; the rest on ``device``, read back to
+    the host at once (one synchronisation); only splitting a sparse block reads more.
     """
     pairs = [(step, qr, q, kr, kv)
              for step, kv_segs in enumerate(kv_segs_per_step)
              for qr, q in zip(_local_ranges(q_segs), q_segs)
              for kr, kv in zip(_local_ranges(kv_segs), kv_segs)]
     decide = block_decider(mask_mod, batch, heads, device) if mask_mod is not None else None
-    kinds = torch.stack([classify(mask_mod, batch, heads, q, kv, device, decide) for _, _, q, _, kv in pairs]).tolist()
+    kinds = read_kinds([classify(mask_mod, batch, heads, q, kv, device, decide) for _, _, q, _, kv in pairs])
 
     def kind_of(q_seg, kv_seg):
-        return BlockKind(int(classify(mask_mod, batch, heads, q_seg, kv_seg, device, decide)))
+        return read_kinds([classify(mask_mod, batch, heads, q_seg, kv_seg, device, decide)])[0]
 
     planned_part = None
     if kernel is not None:
@@ -279,7 +288,7 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
     steps = [[] for _ in kv_segs_per_step]
     for (step, qr, q, kr, kv), kind in zip(pairs, kinds):
         if kind != BlockKind.EMPTY:
-            steps[step] += _split(Hop(qr, kr, q, kv, BlockKind(kind)), kind_of, min_tile, planned_part)
+            steps[step] += _split(Hop(qr, kr, q, kv, kind), kind_of, min_tile, planned_part)
     plan = [_merge(hops, has_score_mod, planned_part) for hops in steps]
     for step, kv_segs in enumerate(kv_segs_per_step):
         local = _local_order_hop(mask_mod, has_score_mod, q_segs, kv_segs, device)
