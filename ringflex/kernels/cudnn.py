@@ -718,53 +718,67 @@ def exact_runs(mods: Mods, mask: ModGraph, q_seg: Segment, kv_seg: Segment, devi
     if key in _PLANS:
         return _PLANS[key]
     allowed = evaluate_mask(mods.mask_mod, 1, 1, q_seg.positions(device), kv_seg.positions(device))[0, 0]
-    visible = allowed.any(1)
-    first = torch.where(visible, allowed.int().argmax(1), -1)
+    extents = _row_extents(allowed)
+    first = extents[0]
     starts = torch.nonzero(torch.diff(first, prepend=first.new_full((1,), -2))).flatten().tolist()
     runs = None
     if len(starts) <= 2 * _MAX_GROUPS:
-        last = kv_seg.length - 1 - allowed.flip(1).int().argmax(1)
-        first, last = first.tolist(), last.tolist()
         groups = [(r0, r1) for r0, r1 in zip(starts, starts[1:] + [q_seg.length]) if first[r0] >= 0]
         if len(groups) <= _MAX_GROUPS:
-            runs = []
-            for r0, r1 in groups:
-                runs += _group_runs(allowed, r0, r1, first[r0], max(last[r0:r1]) + 1)
+            runs = [run for r0, r1 in groups for run in _group_runs(extents[:, r0:r1], r0)]
     return _remember(_PLANS, key, runs, _MAX_PLANS)
 
 
-def _group_runs(allowed: Tensor, r0: int, r1: int, c0: int, c1: int) -> List[_Run]:
-    """Runs for rows r0:r1 that see keys in c0:c1 only: native band calls where the rows'
-    keys form a band (a document that began in an earlier block: every key from c0 to the
-    diagonal, see ``band_runs``), else the leading keys all of them see unmasked, then the
-    rest as a native band where it is one, else masked."""
-    block = allowed[r0:r1, c0:c1]
-    whole = _band_of(block)
+def _row_extents(allowed: Tensor) -> Tensor:
+    """Per query row of a block's mask, on the host (one copy, whatever the block): its first
+    and last visible key (-1 where it sees none), the end of the run of keys it sees from its
+    first one, and how many keys it sees. The exact plan needs nothing else, so planning a new
+    mask waits for the GPU once per block."""
+    cols = allowed.shape[1]
+    as_bytes = allowed.to(torch.uint8)  # argmax takes no bools
+    visible = allowed.any(1)
+    first = torch.where(visible, as_bytes.argmax(1), -1)
+    last = torch.where(visible, cols - 1 - as_bytes.flip(1).argmax(1), -1)
+    hidden = ~allowed & (torch.arange(cols, device=allowed.device) >= first.unsqueeze(1))
+    run_end = torch.where(hidden.any(1), hidden.to(torch.uint8).argmax(1), cols)
+    return torch.stack([first, last, run_end, allowed.sum(1)]).cpu()
+
+
+def _group_runs(extents: Tensor, r0: int) -> List[_Run]:
+    """Runs for the rows from r0 on that ``extents`` (``_row_extents``) describe, which all
+    see their first key at the same c0: native band calls where the rows' keys form a band (a
+    document that began in an earlier block: every key from c0 to the diagonal, see
+    ``band_runs``), else the leading keys all of them see unmasked, then the rest as a native
+    band where it is one, else masked."""
+    first, last, run_end, count = extents
+    c0, c1, r1 = int(first[0]), int(last.max()) + 1, r0 + extents.shape[1]
+    ends = last - c0  # the last key each row sees, from c0; it sees all before it if contiguous
+    contiguous = bool((count == last - first + 1).all())
+    whole = _band_of(ends, c1 - c0) if contiguous else None
     if whole is not None:
         return [_shifted(r, r0, c0) for r in whole]
-    seen_by_all = block.all(0)
-    full = int(seen_by_all.int().argmin()) if not bool(seen_by_all.all()) else c1 - c0
+    full = min(int(run_end.min()), c1) - c0  # the keys every row sees
     if full < max(_MIN_FULL, (c1 - c0) // 8):  # a narrow call and a merge cost more than they save
         full = 0
     runs = [_Run((r0, r1), (c0, c0 + full))] if full else []
-    rest = block[:, full:]
-    if full == c1 - c0 or not bool(rest.any()):
+    if full == c1 - c0:
         return runs
-    band = _band_of(rest)
+    band = _band_of(ends - full, c1 - c0 - full) if contiguous else None
     if band is None:
         return runs + [_Run((r0, r1), (c0 + full, c1), masked=True)]
     return runs + [_shifted(r, r0, c0 + full) for r in band]
 
 
-def _band_of(block: Tensor) -> Optional[List[_Run]]:
-    """The block (every row seeing some key) as native band calls, or None."""
-    i = torch.arange(block.shape[0], device=block.device).view(-1, 1)
-    j = torch.arange(block.shape[1], device=block.device).view(1, -1)
-    offset = (j - i)[block]  # kept keys lie in [i + a, i + b] if the block is a band
-    a, b = int(offset.min()), int(offset.max())
-    if not torch.equal(block, (j - i >= a) & (j - i <= b)):
+def _band_of(ends: Tensor, cols: int) -> Optional[List[_Run]]:
+    """Rows that each see keys 0 to ``ends[i]`` of ``cols`` (none where it is negative) as
+    native band calls, or None where they form no band."""
+    i = torch.arange(len(ends))
+    seen = ends >= 0
+    a, b = int((-i)[seen].min()), int((ends - i)[seen].max())  # kept keys lie in [i + a, i + b]
+    lo, hi = (i + a).clamp(min=0), (i + b).clamp(max=cols - 1)
+    if not (torch.equal(lo <= hi, seen) and bool((lo[seen] == 0).all()) and torch.equal(hi[seen], ends[seen])):
         return None
-    return band_runs((-b, -a), Segment(0, 1, block.shape[0]), Segment(0, 1, block.shape[1]))
+    return band_runs((-b, -a), Segment(0, 1, len(ends)), Segment(0, 1, cols))
 
 
 def _shifted(run: _Run, r0: int, c0: int) -> _Run:
