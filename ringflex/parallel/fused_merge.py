@@ -20,9 +20,11 @@ _MAX_ROWS = 65535 * _BLOCK_ROWS
 
 def applies(d: Tensor, a: Tensor, b: Tensor, lse_a: Tensor, lse_b: Tensor) -> bool:
     """Whether the fused merge can take these tensors: on one CUDA device, rows of
-    contiguous elements, no float64 (its weights are fp32)."""
+    contiguous elements whose batches and heads are whole rows apart, no float64 (its
+    weights are fp32)."""
     return (d.is_cuda and all(t.device == d.device for t in (a, b, lse_a, lse_b))
-            and all(t.dtype in _DTYPES and t.stride(-1) == 1 for t in (d, a, b))
+            and all(t.dtype in _DTYPES and t.stride(-1) == 1 and t.stride(0) % t.stride(2) == 0
+                    and t.stride(1) % t.stride(2) == 0 for t in (d, a, b))
             and lse_a.dtype == lse_b.dtype == torch.float32)
 
 
@@ -52,8 +54,14 @@ def _launch(a: Tensor, b: Tensor, d: Tensor, lse_a: Tensor, lse_b: Tensor, heads
     grid = (a.shape[0] * heads, -(-length // _BLOCK_ROWS))
     _kernel()[grid](
         a, b, d, lse_a, lse_b, heads, length, dim,
-        *a.stride()[:3], *b.stride()[:3], *d.stride()[:3], *lse_a.stride(), *lse_b.stride(),
+        *_in_rows(a), *_in_rows(b), *_in_rows(d), *lse_a.stride(), *lse_b.stride(),
         BLOCK_ROWS=_BLOCK_ROWS, BLOCK_DIM=max(16, 1 << (dim - 1).bit_length()), num_warps=4)
+
+
+def _in_rows(t: Tensor):
+    """Batch and head strides in rows, and the row stride (in elements)."""
+    row = t.stride(2)
+    return t.stride(0) // row, t.stride(1) // row, row
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,9 +69,13 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Lengths and the strides of batches and heads change with every packed batch's document
+    # boundaries; specialised on them, Triton would compile a kernel for each new pattern (tens
+    # of ms). Batch and head strides count rows, so addresses stay aligned to a row's stride.
+    @triton.jit(do_not_specialize=["heads", "length", "a_rb", "a_rh", "b_rb", "b_rh", "d_rb", "d_rh",
+                                   "la_sb", "la_sh", "lb_sb", "lb_sh"])
     def lse_merge(a, b, d, lse_a, lse_b, heads, length, dim,
-                  a_sb, a_sh, a_sl, b_sb, b_sh, b_sl, d_sb, d_sh, d_sl,
+                  a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, d_rb, d_rh, d_sl,
                   la_sb, la_sh, la_sl, lb_sb, lb_sh, lb_sl,
                   BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
         bh = tl.program_id(0)
@@ -84,10 +96,11 @@ def _kernel():
         keep, add = (w_a * inv)[:, None], (w_b * inv)[:, None]
         both = in_rows[:, None] & in_cols[None, :]
         cols = col[None, :]
-        part_a = tl.load(a + batch * a_sb + head * a_sh + row64[:, None] * a_sl + cols, mask=both, other=0.0)
-        part_b = tl.load(b + batch * b_sb + head * b_sh + row64[:, None] * b_sl + cols, mask=both, other=0.0)
+        part_a = tl.load(a + (batch * a_rb + head * a_rh + row64[:, None]) * a_sl + cols, mask=both, other=0.0)
+        part_b = tl.load(b + (batch * b_rb + head * b_rh + row64[:, None]) * b_sl + cols, mask=both, other=0.0)
         result = part_a.to(tl.float32) * keep + part_b.to(tl.float32) * add
-        tl.store(d + batch * d_sb + head * d_sh + row64[:, None] * d_sl + cols, result.to(d.dtype.element_ty), mask=both)
+        tl.store(d + (batch * d_rb + head * d_rh + row64[:, None]) * d_sl + cols, result.to(d.dtype.element_ty),
+                 mask=both)
         tl.store(lse_a + batch * la_sb + head * la_sh + row64 * la_sl, merged, mask=in_rows)
 
     return lse_merge

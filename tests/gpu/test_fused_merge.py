@@ -64,3 +64,26 @@ def test_fused_merge_of_more_rows_than_one_launch_takes(monkeypatch):
     fused_merge.merge(d, a, lse_a, b, lse_b)
     torch.testing.assert_close(lse_a.double(), want_lse, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(d, want.to(torch.bfloat16))
+
+
+def _compiled(kernel) -> int:
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+    return sum(len(cache[0]) for cache in caches.values())
+
+
+@needs_cuda
+def test_fused_merge_compiles_once_for_any_rows():
+    """Packed batches merge row spans of every length at every offset: one compiled kernel
+    serves them all (a new specialisation would take tens of ms in a training step)."""
+    kernel = fused_merge._kernel()
+    seen = None
+    for length in range(1, 40):
+        a, b, lse_a, lse_b = _parts(128, length, torch.bfloat16, torch.bfloat16)
+        want, _ = _oracle(a, b, lse_a, lse_b)
+        d = torch.empty(a.shape, dtype=torch.bfloat16, device="cuda")
+        fused_merge.merge(d, a, lse_a, b, lse_b)
+        torch.testing.assert_close(d, want.to(torch.bfloat16))
+        seen = _compiled(kernel) if seen is None else seen
+    assert _compiled(kernel) == seen
