@@ -852,10 +852,11 @@ _BATCHED_BANDS = (None, (None, 0))  # unmasked and causal: the ragged forms meas
 
 
 @functools.lru_cache(maxsize=_MAX_PLANS)
-def _batched(runs: Tuple[_Run, ...]) -> Tuple[object, ...]:
+def _batched(runs: Tuple[_Run, ...], alone: bool) -> Tuple[object, ...]:
     """The calls for a block's runs: runs with the same native mask (or none) whose rows
-    and columns both follow one another become one ``_Batch``; the rest stay single calls. A
-    one-pair run stays single: cuDNN's backward rejects it (see ``_backward_call``)."""
+    and columns both follow one another become one ``_Batch`` (with ``alone``, a run with no
+    such neighbour too); the rest stay single calls. A one-pair run stays single: cuDNN's
+    backward rejects it (see ``_backward_call``)."""
     calls, groups = [], {}
     for run in runs:
         if run.masked or run.band not in _BATCHED_BANDS or _area([run]) == 1:
@@ -865,7 +866,7 @@ def _batched(runs: Tuple[_Run, ...]) -> Tuple[object, ...]:
     for members in groups.values():
         members.sort(key=lambda r: r.rows)
         apart = all(a.rows[1] <= b.rows[0] and a.cols[1] <= b.cols[0] for a, b in zip(members, members[1:]))
-        calls += [_Batch(tuple(members))] if apart and len(members) > 1 else members
+        calls += [_Batch(tuple(members))] if apart and (alone or len(members) > 1) else members
     return tuple(calls)
 
 
@@ -980,13 +981,12 @@ class CudnnKernel:
                 masked: bool) -> Tuple[Tensor, Tensor]:
         q, k, v = (_inner_contiguous(t) for t in (q, k, v))
         program = _program(mods, masked, q.device)
-        runs = self._runs(program, mods, q, k, q_seg, kv_seg)
+        calls = self._calls(program, self._runs(program, mods, q, k, q_seg, kv_seg), q, k, v)
         shape, lse_shape = (*q.shape[:3], v.shape[-1]), q.shape[:3]
-        if len(runs) == 1 and runs[0].rows == (0, q.shape[2]):  # one call writes the whole result
-            out, lse = q.new_empty(shape), q.new_empty(lse_shape, dtype=torch.float32)
-            self._forward_call(runs[0], program, q, k, v, out, lse, scale, q_seg, kv_seg)
+        if len(calls) == 1 and isinstance(calls[0], _Run) and calls[0].rows == (0, q.shape[2]):
+            out, lse = q.new_empty(shape), q.new_empty(lse_shape, dtype=torch.float32)  # one call writes all
+            self._forward_call(calls[0], program, q, k, v, out, lse, scale, q_seg, kv_seg)
             return out, lse
-        calls = self._calls(program, runs, q, k, v)
         merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans])
         for call in calls:
             if isinstance(call, _Batch):
@@ -1002,10 +1002,16 @@ class CudnnKernel:
 
     @staticmethod
     def _calls(program: _Program, runs: List[_Run], *tensors: Tensor) -> Tuple[object, ...]:
-        """The block's runs as cuDNN calls: batched where they can be (see ``_Batch``)."""
-        if program.score is not None or len(runs) < 2 or not _ragged_applies(*tensors):
+        """The block's runs as cuDNN calls: batched where they can be (see ``_Batch``). The
+        exact plan's runs (masks that are no band: packed documents) batch even alone: their
+        shapes follow the documents, and a graph of exact shapes would be built for every new
+        document length (0.1 to 1.5 s each), where ragged graphs are built for a few bucketed sizes."""
+        q, k = tensors[:2]
+        exact = program.mask is not None and _band(program.mask) is None
+        whole = len(runs) == 1 and (runs[0].rows, runs[0].cols) == ((0, q.shape[2]), (0, k.shape[2]))
+        if program.score is not None or (len(runs) < 2 and not exact) or whole or not _ragged_applies(*tensors):
             return tuple(runs)
-        return _batched(tuple(runs))
+        return _batched(tuple(runs), exact)
 
     def _forward_batch(self, batch: _Batch, q, k, v, merged: RowMerge, scale: float) -> None:
         """The batch's runs in one call, into the result itself where no call wrote their rows yet."""

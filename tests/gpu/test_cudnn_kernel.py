@@ -624,7 +624,8 @@ def test_packed_documents_run_as_ragged_batches_emulated(monkeypatch):
 
 def test_packed_batches_of_any_size_share_graphs_emulated(monkeypatch):
     """A block of 3 and one of 4 documents run on the same graphs (the batch padded with an
-    empty sequence): new packed batches in training build no new graphs. Both match the reference."""
+    empty sequence), and so do documents of different lengths alone in a block: new packed
+    batches in training build no new graphs. All match the reference."""
     module = _emulated(monkeypatch)
     seg = Segment(0, 1, L)
     graphs = []
@@ -633,6 +634,13 @@ def test_packed_batches_of_any_size_share_graphs_emulated(monkeypatch):
         _check_emulated(case, {"diagonal": (seg, seg)}, depths=(2,), batch=1)
         graphs.append(set(module._GRAPHS))
     assert graphs[0] == graphs[1] and len(graphs[0]) == 2  # forward and backward
+    module.clear_cache()
+    graphs = []  # a document begun in the block of keys before: one run alone, of its length
+    for first in (L + 70, L + 100):  # both in the bucket of 128 rows
+        case = Case(mask_mod=mods.document(mods.document_ids([first, SEQ - first])), q_heads=4, kv_heads=4)
+        _check_emulated(case, {"earlier": (Segment(L, 1, L), Segment(0, 1, L))}, depths=(2,), batch=1)
+        graphs.append(set(module._GRAPHS))
+    assert graphs[0] == graphs[1] and len(graphs[0]) == 2
     module.clear_cache()
 
 
