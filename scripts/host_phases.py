@@ -65,6 +65,7 @@ def main():
     p.add_argument("--cases", nargs="+", default=["documents:contiguous", "documents:zigzag", "causal:zigzag",
                                                    "window:contiguous", "new_documents:contiguous"], help="mask:layout pairs")
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls first (new_documents: each with new documents)")
     args = p.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
@@ -75,7 +76,7 @@ def main():
         mask, layout = case.split(":")
         fresh = mask == "new_documents"
         masks = [make_mods("documents" if fresh else mask, args.seq_len, device, 4096, 4096, seed=i)
-                 for i in range(5 + args.calls if fresh else 1)]
+                 for i in range(args.warmup + args.calls if fresh else 1)]
         calls = iter(masks)  # one per call (new documents); else the same every call
         q, k, v = (ringflex.shard(torch.randn(1, 32, args.seq_len, 128, device=device, dtype=torch.bfloat16), 2,
                                   layout=layout).requires_grad_() for _ in range(3))
@@ -85,7 +86,7 @@ def main():
             score_mod, mask_mod = next(calls) if fresh else masks[0]
             ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, layout=layout).backward(grad)
 
-        for _ in range(5):
+        for _ in range(args.warmup):
             forward_backward()
         torch.cuda.synchronize()
         dist.barrier()
