@@ -108,7 +108,7 @@ def _sample_is_mixed(mask_mod, batch, heads, q_seg: Segment, kv_seg: Segment, de
 def classify(mask_mod: Optional[Callable], batch: int, heads: int, q_seg: Segment, kv_seg: Segment, device=None,
              decide: Optional[Callable] = None):
     """BlockKind of the whole block: a BlockKind where it is known on the host, else a 0-dim
-    int8 tensor on ``device`` (``read_kinds`` reads many at once).
+    int8 tensor on ``device`` (``_read_kinds`` reads many at once).
 
     ``decide`` (from ``bounds.block_decider``) settles most blocks from the mask's formula;
     the rest are evaluated densely.
@@ -123,7 +123,7 @@ def classify(mask_mod: Optional[Callable], batch: int, heads: int, q_seg: Segmen
     return block_kinds(mask_mod, batch, heads, q_seg, kv_seg, q_seg.length, kv_seg.length, device)[0, 0]
 
 
-def read_kinds(kinds) -> List[BlockKind]:
+def _read_kinds(kinds) -> List[BlockKind]:
     """``classify`` results as BlockKinds, the device ones read in one synchronisation."""
     dense = [k for k in kinds if isinstance(k, Tensor)]
     values = iter(torch.stack(dense).tolist() if dense else [])
@@ -275,10 +275,10 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
              for qr, q in zip(_local_ranges(q_segs), q_segs)
              for kr, kv in zip(_local_ranges(kv_segs), kv_segs)]
     decide = block_decider(mask_mod, batch, heads, device) if mask_mod is not None else None
-    kinds = read_kinds([classify(mask_mod, batch, heads, q, kv, device, decide) for _, _, q, _, kv in pairs])
+    kinds = _read_kinds([classify(mask_mod, batch, heads, q, kv, device, decide) for _, _, q, _, kv in pairs])
 
     def kind_of(q_seg, kv_seg):
-        return read_kinds([classify(mask_mod, batch, heads, q_seg, kv_seg, device, decide)])[0]
+        return _read_kinds([classify(mask_mod, batch, heads, q_seg, kv_seg, device, decide)])[0]
 
     planned_part = None
     if kernel is not None:

@@ -820,7 +820,7 @@ class _Batch:
         The batch is padded with empty sequences to a power of two, so that packed batches
         with any number of documents share a few graphs (each new one takes 0.1 to 1.5 s)."""
         q, k = tensors["q"], tensors["k"]
-        padding = _count_bucket(len(self.runs)) - len(self.runs)
+        padding = _power_of_two(len(self.runs)) - len(self.runs)
         inputs = {f"seq_{axis}": self._values((axis, q.device), [e - b for b, e in spans] + [0] * padding)
                   for axis, spans in self.spans.items()}
         for name, t in tensors.items():
@@ -870,12 +870,13 @@ def _batched(runs: Tuple[_Run, ...], alone: bool) -> Tuple[object, ...]:
     return tuple(calls)
 
 
-def _bucket(n: int, limit: int) -> int:
-    return min(limit, max(_TILE, 1 << (n - 1).bit_length()))
-
-
-def _count_bucket(n: int) -> int:
+def _power_of_two(n: int) -> int:
+    """The least power of two >= n (n > 0)."""
     return 1 << (n - 1).bit_length()
+
+
+def _bucket(n: int, limit: int) -> int:
+    return min(limit, max(_TILE, _power_of_two(n)))
 
 
 def _ragged_applies(q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None, dout: Optional[Tensor] = None) -> bool:
