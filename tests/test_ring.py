@@ -211,7 +211,7 @@ def test_a_first_send_sliced_other_than_agreed_is_sliced_again():
     """Should a rank's own plan of what the others read differ from what they report, the
     first send follows the agreed rows (sliced once the ranks agree): the same transfers."""
     for rank, (seen, error) in enumerate(run_world(3, _mispredicted)):
-        assert seen[0] == ("forward", (3, 3) if rank < 2 else (0, 0)), seen
+        assert seen[0] == ("forward", (4, 4) if rank < 2 else (0, 0)), seen
         assert error < 1e-10
 
 
@@ -220,17 +220,17 @@ def _saved_block(rank, world_size):
     from ringflex import mods
     _with_kernel(_WholeBlockKernel())
     q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
-    out = ringflex.ring_flex_attention(q, k, v, mask_mod=mods.sliding_window(4), layout="contiguous")
+    out = ringflex.ring_flex_attention(q, k, v, mask_mod=mods.sliding_window(3), layout="contiguous")
     last_k = out.grad_fn.saved_tensors[-2]
     return last_k.untyped_storage().nbytes(), last_k.numel() * last_k.element_size(), last_k.shape[2]
 
 
 def test_forward_saves_only_the_rows_of_the_block_that_travelled():
-    """A window of 4 over the contiguous layout: the block forward ends on holds the 3 rows
+    """A window of 3 over the contiguous layout: the block forward ends on holds the 2 rows
     that travelled (none for the block no rank reads), saved in memory of their own size,
-    not as a view that keeps the whole-block receive buffer alive until backward."""
+    not as a view that keeps the whole-block receive buffer (8 rows) alive until backward."""
     for rank, (memory, own, length) in enumerate(run_world(3, _saved_block)):
-        assert (memory, length) == (own, 3 if rank else 0), (rank, memory, own, length)
+        assert (memory, length) == (own, 2 if rank else 0), (rank, memory, own, length)
 
 
 def _gradient_storage(rank, world_size):
@@ -314,10 +314,11 @@ def test_ring_stops_where_no_rank_needs_further_blocks(mask_name, forward, backw
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_only_the_rows_other_ranks_read_travel(world_size):
     """With a kernel that reports which keys its calls reach, a window of 4 over the
-    contiguous layout moves the last 3 rows of a block (of 8) forward, and their partial
-    dK/dV sums back; the last rank's block, which no rank reads, moves no row."""
+    contiguous layout moves the last 3 rows of a block (of 8), widened to 4 (``widened``),
+    forward, and their partial dK/dV sums back; the last rank's block, which no rank reads,
+    moves no row."""
     for rank, (seen, error) in enumerate(run_world(world_size, _short_ring, "window", _WholeBlockKernel())):
-        forward, backward = (3, 3) if rank < world_size - 1 else (0, 0), (3, 3) if rank > 0 else (0, 0)
+        forward, backward = (4, 4) if rank < world_size - 1 else (0, 0), (4, 4) if rank > 0 else (0, 0)
         assert seen == [("forward", forward), ("backward", backward)], (rank, seen)
         assert error < 1e-10
 
@@ -341,3 +342,14 @@ def test_first_receive_buffer_exists_before_the_own_block_is_computed():
         # the part of the own block that the others read is sliced out before its compute too
         sliced = blocks.first_send is not None and [t.shape[2] for t in blocks.first_send[1]] == [2, 2]
         assert sliced == (buffers > 0 and last is None)
+
+
+@pytest.mark.parametrize("rows, length, want", [
+    ((5, 8), 8, (4, 8)), ((0, 3), 8, (0, 4)), ((2, 7), 8, (0, 8)), ((3, 4), 8, (3, 4)), ((0, 0), 8, (0, 0)),
+    ((1, 6), 6, (0, 6)), ((2, 5), 12, (2, 6)), ((9, 12), 12, (8, 12))])
+def test_travelling_rows_are_widened_to_a_power_of_two_inside_the_block(rows, length, want):
+    """Received blocks take a few row counts (powers of two, or the whole block), so their
+    strides do too: the cuDNN kernel's ragged graphs, built per stride, are reused when the
+    rows a mask reads of another rank's block change (packed documents)."""
+    from ringflex.parallel.ring import widened
+    assert widened(rows, length) == want

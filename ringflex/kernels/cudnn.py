@@ -27,7 +27,7 @@ import os
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -476,7 +476,11 @@ _RAGGED_AXIS = {**dict.fromkeys(("q", "out", "lse", "dout", "dq"), "q"), **dict.
 _DTYPES = {torch.float16: "HALF", torch.bfloat16: "BFLOAT16", torch.float32: "FLOAT"}
 
 
-def _layout(t: Tensor) -> tuple:
+def _layout(t: Tensor, ragged: bool) -> tuple:
+    """What a graph bakes in of ``t``. A ragged graph reads its rows through offsets and
+    lengths (``_Ragged``): only heads, head_dim and the strides between them count."""
+    if ragged:
+        return t.shape[1], t.shape[3:], t.stride()[1:], t.dtype
     return tuple(t.shape), tuple(t.stride()), t.dtype
 
 
@@ -498,7 +502,7 @@ def _graph(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
     q = tensors["q"]
     key = (backward, q.device, scale, band, lowering and lowering.key,
            tuple(sorted(strided.items())) if lowering and lowering.indices else None, ragged,
-           tuple((name, _layout(t)) for name, t in sorted(tensors.items())))
+           tuple((name, _layout(t, ragged is not None)) for name, t in sorted(tensors.items())))
     if key in _GRAPHS:
         _GRAPHS.move_to_end(key)
         return _GRAPHS[key]
@@ -791,8 +795,10 @@ def _area(runs: List[_Run]) -> int:
 
 @dataclass(frozen=True)
 class _Ragged:
-    """What a ragged graph is built for: sequences, their longest rows and columns (bucketed,
-    so a few graphs serve every layout of documents), and the rows and columns in all."""
+    """What a ragged graph is built for: sequences, their longest rows and columns, and the
+    rows and columns in all, each rounded up to a power of two, so that a few graphs serve
+    every layout of documents (the tensors' heads are a power of two rows apart too:
+    ``_padded_empty``, ``ring.widened``)."""
 
     count: int
     max_q: int
@@ -830,14 +836,20 @@ class _Batch:
                 inputs[f"{name}_offsets"] = self._values(
                     (axis, step, t.device), [b * step for b, _ in spans] + [spans[-1][1] * step] * (padding + 1))
         longest = {axis: max(e - b for b, e in spans) for axis, spans in self.spans.items()}
-        ragged = _Ragged(len(self.runs) + padding, _bucket(longest["q"], q.shape[2]),
-                         _bucket(longest["kv"], k.shape[2]), q.shape[2], k.shape[2])
+        ragged = _Ragged(len(self.runs) + padding, _bucket(longest["q"], q.shape[2]), _bucket(longest["kv"], k.shape[2]),
+                         _power_of_two(q.shape[2]), _power_of_two(k.shape[2]))
         return ragged, inputs
 
     def _values(self, key: tuple, values: List[int]) -> Tensor:
         if key not in self._int32s:
             self._int32s[key] = torch.tensor(values, dtype=torch.int32).view(-1, 1, 1, 1).to(key[-1])
         return self._int32s[key]
+
+
+def _empty_for(calls) -> Callable:
+    """How a block's results are allocated: heads a power of two rows apart where a ragged
+    batch writes them (see ``_padded_empty``)."""
+    return _padded_empty if any(isinstance(c, _Batch) for c in calls) else torch.empty
 
 
 def _joined(spans: List[Tuple[int, int]]) -> Tuple[Tuple[int, int], ...]:
@@ -875,8 +887,9 @@ def _power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _bucket(n: int, limit: int) -> int:
-    return min(limit, max(_TILE, _power_of_two(n)))
+def _bucket(n: int, rows: int) -> int:
+    """The length a ragged graph is built for, for a longest sequence of ``n`` of ``rows`` rows."""
+    return min(_power_of_two(rows), max(_TILE, _power_of_two(n)))
 
 
 def _ragged_applies(q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None, dout: Optional[Tensor] = None) -> bool:
@@ -895,7 +908,27 @@ def _head_dim_rows(t: Tensor) -> Tensor:
     strides): the only layout ragged batches were measured right in. cuDNN 9.19's backward
     indexes its fp32 dQ accumulator from the query offsets as if query rows were so (dQ was
     wrong otherwise, H100); a copy costs less than a call per document."""
-    return t if t.stride(2) == t.shape[3] else t.contiguous()
+    return t if t.stride(2) == t.shape[3] else _padded_copy(t)
+
+
+def _padded_empty(shape, dtype: torch.dtype, device) -> Tensor:
+    """An empty [B, H, n, ...] tensor whose heads are a power of two rows apart (contiguous
+    where n is one). A ragged graph bakes in the head stride (``_layout``): tensors allocated
+    so serve one graph for any n up to that power."""
+    return torch.empty((*shape[:2], _power_of_two(shape[2]), *shape[3:]), dtype=dtype, device=device)[:, :, :shape[2]]
+
+
+def _padded_copy(t: Tensor) -> Tensor:
+    """``t`` copied into rows of its last dim, heads a power of two rows apart (``_padded_empty``)."""
+    return _padded_empty(t.shape, t.dtype, t.device).copy_(t)
+
+
+def _packed_stats(stats: Tensor) -> Tensor:
+    """The backward's [B, H, n, 1] stats with rows packed and heads a power of two rows apart,
+    copied where they are not (cuDNN wants them packed; ``_padded_empty`` says why the heads so)."""
+    if stats.stride()[1:] == (_power_of_two(stats.shape[2]), 1, 1):
+        return stats
+    return _padded_copy(stats)
 
 
 _BANDS: "OrderedDict[int, tuple]" = OrderedDict()
@@ -988,7 +1021,8 @@ class CudnnKernel:
             out, lse = q.new_empty(shape), q.new_empty(lse_shape, dtype=torch.float32)  # one call writes all
             self._forward_call(calls[0], program, q, k, v, out, lse, scale, q_seg, kv_seg)
             return out, lse
-        merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans])
+        merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans],
+                          _empty_for(calls))
         for call in calls:
             if isinstance(call, _Batch):
                 self._forward_batch(call, q, k, v, merged, scale)
@@ -1004,20 +1038,20 @@ class CudnnKernel:
     @staticmethod
     def _calls(program: _Program, runs: List[_Run], *tensors: Tensor) -> Tuple[object, ...]:
         """The block's runs as cuDNN calls: batched where they can be (see ``_Batch``). The
-        exact plan's runs (masks that are no band: packed documents) batch even alone: their
-        shapes follow the documents, and a graph of exact shapes would be built for every new
-        document length (0.1 to 1.5 s each), where ragged graphs are built for a few bucketed sizes."""
-        q, k = tensors[:2]
+        exact plan's runs (masks that are no band: packed documents) batch even alone, and even
+        where one covers the block: their shapes follow the documents (so does the block, where
+        the ring's plan cut it to the rows of a document that straddles two ranks), and a graph
+        of exact shapes would be built for every new length (0.1 to 1.5 s each), where ragged
+        graphs are built for a few sizes (``_Ragged``)."""
         exact = program.mask is not None and _band(program.mask) is None
-        whole = len(runs) == 1 and (runs[0].rows, runs[0].cols) == ((0, q.shape[2]), (0, k.shape[2]))
-        if program.score is not None or (len(runs) < 2 and not exact) or whole or not _ragged_applies(*tensors):
+        if program.score is not None or (len(runs) < 2 and not exact) or not _ragged_applies(*tensors):
             return tuple(runs)
         return _batched(tuple(runs), exact)
 
     def _forward_batch(self, batch: _Batch, q, k, v, merged: RowMerge, scale: float) -> None:
         """The batch's runs in one call, into the result itself where no call wrote their rows yet."""
         (out, lse), parts = merged.targets(batch.row_spans, lambda: (
-            q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)))
+            _padded_empty((*q.shape[:3], v.shape[-1]), q.dtype, q.device), _padded_empty(q.shape[:3], torch.float32, q.device)))
         q, k, v = (_head_dim_rows(t) for t in (q, k, v))
         self._batch_call(False, batch, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
         for span, part in zip(batch.row_spans, parts):
@@ -1045,16 +1079,18 @@ class CudnnKernel:
             stats = torch.nan_to_num(stats, nan=math.nan, posinf=math.inf, neginf=math.inf)
         stats = stats.unsqueeze(-1)
         shared = (program, mods, q, k, v, out, lse, stats, dout, scale, q_seg, kv_seg)
+        calls = self._calls(program, runs, q, k, v, out, dout)
         whole = (0, q.shape[2]), (0, k.shape[2])
-        if len(runs) == 1 and (runs[0].rows, runs[0].cols) == whole:  # one call writes the whole result
-            grads = [torch.empty_like(t) for t in (q, k, v)]
-            self._backward_call(runs[0], *shared, grads)
+        if len(calls) == 1 and isinstance(calls[0], _Run) and (calls[0].rows, calls[0].cols) == whole:
+            grads = [torch.empty_like(t) for t in (q, k, v)]  # one call writes the whole result
+            self._backward_call(calls[0], *shared, grads)
             return tuple(grads)
         # Calls write in place where no earlier call wrote those rows; elsewhere they are
         # summed in fp32, and every gradient is rounded once.
-        calls = self._calls(program, runs, q, k, v, out, dout)
-        dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans])
-        kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [span for c in calls for span in c.col_spans])
+        empty = _empty_for(calls)
+        dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans], empty)
+        kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [span for c in calls for span in c.col_spans],
+                        empty)
         for call in calls:
             if isinstance(call, _Batch):
                 self._backward_batch(call, q, k, v, out, stats, dout, scale, dq_sum, kv_sum)
@@ -1070,10 +1106,11 @@ class CudnnKernel:
     def _backward_batch(self, batch: _Batch, q, k, v, out, stats, dout, scale: float, dq_sum: RowSum,
                         kv_sum: RowSum) -> None:
         """The batch's runs in one call, into the sums themselves where no call wrote their rows yet."""
-        (dq,), dq_parts = dq_sum.targets(batch.row_spans, lambda: [q.new_empty(q.shape)])
-        (dk, dv), kv_parts = kv_sum.targets(batch.col_spans, lambda: [k.new_empty(k.shape), v.new_empty(v.shape)])
+        (dq,), dq_parts = dq_sum.targets(batch.row_spans, lambda: [_padded_empty(q.shape, q.dtype, q.device)])
+        (dk, dv), kv_parts = kv_sum.targets(batch.col_spans, lambda: [_padded_empty(t.shape, t.dtype, t.device)
+                                                                      for t in (k, v)])
         q, k, v, out, dout = (_head_dim_rows(t) for t in (q, k, v, out, dout))
-        tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=stats.contiguous(), dq=dq, dk=dk, dv=dv)
+        tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=_packed_stats(stats), dq=dq, dk=dk, dv=dv)
         self._batch_call(True, batch, tensors, scale)
         for span, part in zip(batch.row_spans, dq_parts):
             dq_sum.add(span, *part)

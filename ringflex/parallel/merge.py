@@ -53,8 +53,9 @@ class _RowParts:
     """
 
     def __init__(self, shapes: Sequence[torch.Size], dtype: torch.dtype, acc_dtype: torch.dtype, device,
-                 expected: Sequence[Rows]):
+                 expected: Sequence[Rows], empty=torch.empty):
         self.shapes, self.dtype, self.acc_dtype, self.device = list(shapes), dtype, acc_dtype, device
+        self.empty = empty  # allocates the buffers: ``empty(shape, dtype=, device=)``
         length = self.shapes[0][2]
         cuts = sorted({0, length, *(b for r in expected for b in r)})
         self.starts = {b: i for i, b in enumerate(cuts)}  # span index by first row
@@ -100,13 +101,13 @@ class _RowParts:
 
     def _buffers(self, final: bool) -> List[Tensor]:
         if self.out is None and (final or self.acc_dtype == self.dtype):
-            self.out = [torch.empty(s, dtype=self.dtype, device=self.device) for s in self.shapes]
+            self.out = [self.empty(s, dtype=self.dtype, device=self.device) for s in self.shapes]
             if self.acc_dtype == self.dtype:
                 self.acc = self.out
         if final:
             return self.out
         if self.acc is None:
-            self.acc = [torch.empty(s, dtype=self.acc_dtype, device=self.device) for s in self.shapes]
+            self.acc = [self.empty(s, dtype=self.acc_dtype, device=self.device) for s in self.shapes]
         return self.acc
 
     def _groups(self, r: Rows):
@@ -243,9 +244,10 @@ class RowMerge(_RowParts):
     merged by LSE with weights in fp32 and rounded once into the output dtype (see ``_RowParts``).
     Rows that see no key have output 0 and lse -inf, never NaN."""
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, acc_dtype: torch.dtype, device, expected: Sequence[Rows]):
-        super().__init__([shape], dtype, acc_dtype, device, expected)
-        self.lse = torch.empty(shape[:3], dtype=acc_dtype, device=device)
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, acc_dtype: torch.dtype, device, expected: Sequence[Rows],
+                 empty=torch.empty):
+        super().__init__([shape], dtype, acc_dtype, device, expected, empty)
+        self.lse = empty(shape[:3], dtype=acc_dtype, device=device)
 
     def destination(self, r: Rows) -> Optional[Tuple[Tensor, Tensor]]:
         """(output rows, lse rows) of the result for a kernel to write into (see ``_RowParts``)."""

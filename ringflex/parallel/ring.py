@@ -1,5 +1,6 @@
 """The ring: K/V blocks travel around the ranks, each step runs the hops of the plan.
-Of each block only the rows that some other rank reads travel (``RingCall.travelling``).
+Of each block only the rows that some other rank reads travel (``RingCall.travelling``),
+widened to a power of two (``widened``).
 
 Results accumulate in fp32 (fp64 for fp64 inputs) and are rounded once into the input dtype
 (``merge.RowMerge`` / ``RowSum``). Backward runs the ring in reverse, from the block forward
@@ -52,7 +53,7 @@ class RingCall:
         """The rows of the block held at (forward) ``step`` that travel on."""
         if self.travelling is None:
             return (0, length)
-        return self.travelling[(self.comm.rank - step) % self.comm.world_size]
+        return widened(self.travelling[(self.comm.rank - step) % self.comm.world_size], length)
 
     def rows_held(self, step: int, length: int) -> Rows:
         """The rows of the block held at (forward) ``step``: the own block whole, others as they travel."""
@@ -85,7 +86,8 @@ class _KVStream:
             if not reverse and call.own_rows_read is not None:
                 # Sliced now: a copy queued after the own block's attention kernel would wait for
                 # the SMs it holds, and the first transfer with it.
-                self.first_send = call.own_rows_read, tuple(rows(t, call.own_rows_read).contiguous() for t in first)
+                sent = widened(call.own_rows_read, self.shapes[0][2])
+                self.first_send = sent, tuple(rows(t, sent).contiguous() for t in first)
             k = first[0]
             if k.is_cuda:
                 self.first_stream = torch.cuda.Stream(k.device)
@@ -144,6 +146,20 @@ class _KVStream:
             transfer.wait()
         elif step + 2 == self.steps and self.last is not None:
             self.current, self.offset = self.last, 0
+
+
+def widened(r: Rows, length: int) -> Rows:
+    """Rows ``r`` of a block of ``length`` rows widened inside it to a power of two (or to the
+    whole block). A received block holds these rows, so its row count, and with it the strides
+    a kernel sees, takes one of a few values whatever the mask: the cuDNN kernel builds a
+    graph for each (0.1 to 1.5 s), and packed documents would otherwise ask for a new one
+    whenever a document straddling the ranks changes length. Costs at most twice the rows."""
+    lo, hi = r
+    if hi <= lo:
+        return r
+    n = min(length, 1 << (hi - lo - 1).bit_length())
+    hi = min(length, lo + n)
+    return hi - n, hi
 
 
 def _leading_rows(buffer: Tensor, n: int) -> Tensor:
