@@ -14,6 +14,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import captured
 from .bounds import block_decider
 from .trace import UnsupportedModError, diagonal_band, trace_mask_mod
 
@@ -328,27 +329,6 @@ def travelling_rows(keys_read_by_rank, steps: int) -> List[Tuple[int, int]]:
             for owner in range(world_size)]
 
 
-def _captured_tensors(fn, depth=0):
-    """Tensors a mod reads from its closure (and from the closures of mods it calls)."""
-    if depth > 8:
-        return
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:
-            continue
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif callable(value):
-            yield from _captured_tensors(value, depth + 1)
-        elif isinstance(value, (tuple, list)):
-            for item in value:
-                if isinstance(item, torch.Tensor):
-                    yield item
-                elif callable(item):
-                    yield from _captured_tensors(item, depth + 1)
-
-
 class PlanCache:
     """Plans by mask and segments, so a training loop classifies its blocks once.
 
@@ -364,7 +344,7 @@ class PlanCache:
 
     def get(self, mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device=None, min_tile=1024,
             kernel=None):
-        tensors = list(_captured_tensors(mask_mod)) if mask_mod is not None else []
+        tensors = [p for p in captured.parts(mask_mod) if isinstance(p, Tensor)]
         args = (mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device, min_tile, kernel)
         try:
             ref = weakref.ref(mask_mod) if mask_mod is not None else (lambda: None)

@@ -10,15 +10,21 @@ the score_mod's derivative) and fingerprinted (kernels cache compiled graphs by 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from types import CodeType
 from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from . import captured
 
 aten = torch.ops.aten
 
@@ -313,47 +319,134 @@ def _topological(out: Node) -> List[Node]:
     return order
 
 
-def _trace(fn: Callable, inputs: Sequence[str], kind: str, device) -> ModGraph:
+class _HostReads(TorchFunctionMode):
+    """Notes whether a mod being traced reads tensor values on the host (``tolist``, ``numpy``,
+    ...): what it computes from them is baked into the trace, which then holds for those
+    values only. (``make_fx`` itself refuses ``item()`` and ``bool()`` of traced values.)"""
+
+    NAMES = frozenset({"tolist", "numpy", "__array__", "item", "__int__", "__float__", "__complex__", "__bool__",
+                       "__index__", "__repr__", "__str__", "__format__", "data_ptr", "storage", "untyped_storage"})
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen = self.seen or getattr(func, "__name__", None) in self.NAMES
+        return func(*args, **(kwargs or {}))
+
+
+def _trace(fn: Callable, inputs: Sequence[str], kind: str, device) -> Tuple[ModGraph, bool]:
+    """The graph of ``fn``, and whether tracing read captured values on the host."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     if not callable(fn):
         raise TypeError(f"{kind} must be callable, got {type(fn).__name__}")
     example = [torch.zeros(1, device=device, dtype=torch.float32 if name == "score" else torch.int32)
                for name in inputs]
+    reads = _HostReads()
+
+    def watched(*args):
+        with reads:
+            return fn(*args)
+
     try:
-        gm = make_fx(fn, tracing_mode="real")(*example)
+        gm = make_fx(watched, tracing_mode="real")(*example)
     except UnsupportedModError:
         raise
     except Exception as e:  # data-dependent Python control flow, wrong arity, ...
         raise UnsupportedModError(f"{kind} could not be traced: {type(e).__name__}: {e}") from e
-    return _convert(gm, inputs, kind)
+    return _convert(gm, inputs, kind), reads.seen
 
 
-_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# A mod made anew with new tensors (``mods.document(ids)`` at every training step) is traced
+# once per signature: later ones take that graph with their own tensors (``_rebound``).
+_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # mod -> {state: graph}
+_TEMPLATES: "OrderedDict[tuple, Tuple[ModGraph, Dict[int, int]]]" = OrderedDict()  # signature -> graph, slots
+_MAX_TEMPLATES = 32
 
 
-def _closure_state(fn) -> tuple:
-    """Identities of what ``fn`` captured: a changed closure invalidates its cached trace."""
-    cells = getattr(fn, "__closure__", None) or ()
-    state = []
-    for cell in cells:
-        try:
-            v = cell.cell_contents
-        except ValueError:
-            v = None
-        state.append(v if isinstance(v, (bool, int, float, str, type(None))) else id(v))
-    return tuple(state)
+def _state(parts) -> tuple:
+    """Identities of what a mod captured: a changed closure invalidates its cached trace."""
+    return tuple(p if isinstance(p, captured.PLAIN + (tuple, CodeType)) else id(p) for p in parts)
+
+
+def _signature(parts) -> Optional[tuple]:
+    """What a trace of a mod depends on: its code, its captured values, and its tensors by
+    shape, dtype, device and which of them are one object. None where it captured an object
+    of another kind, which could hold anything."""
+    first: Dict[int, int] = {}
+    signature = []
+    for p in parts:
+        if isinstance(p, Tensor):
+            signature.append(("tensor", tuple(p.shape), p.dtype, p.device, first.setdefault(id(p), len(first))))
+        elif isinstance(p, captured.PLAIN):
+            signature.append((type(p), p))  # 1, 1.0 and True trace apart
+        elif isinstance(p, (tuple, CodeType)):
+            signature.append(p)
+        else:
+            return None
+    return tuple(signature)
+
+
+def _slots(graph: ModGraph, tensors: List[Tensor]) -> Optional[Dict[int, int]]:
+    """For each captured-tensor node of ``graph``, the index of its tensor among the mod's
+    ``tensors``; None if a node holds another tensor (one computed while tracing)."""
+    index: Dict[int, int] = {}
+    for i, t in enumerate(tensors):
+        index.setdefault(id(t), i)
+    slots = {id(n): index.get(id(n.value)) for n in graph.nodes if n.op == "tensor"}
+    return None if None in slots.values() else slots
+
+
+def _rebound(graph: ModGraph, slots: Dict[int, int], tensors: List[Tensor]) -> ModGraph:
+    """``graph`` with its captured-tensor nodes reading ``tensors`` (by ``slots``)."""
+    new: Dict[int, Node] = {}
+    for n in graph.nodes:
+        if n.op == "tensor":
+            new[id(n)] = Node("tensor", value=tensors[slots[id(n)]], dtype=n.dtype)
+        else:
+            new[id(n)] = dataclasses.replace(n, args=tuple(new[id(a)] for a in n.args))
+    return ModGraph(graph.kind, graph.inputs, [new[id(n)] for n in graph.nodes])
+
+
+def _traced(fn, parts, inputs, kind, device) -> ModGraph:
+    signature = _signature(parts)
+    key = signature and (kind, str(torch.device(device)) if device is not None else "cpu", signature)
+    tensors = [p for p in parts if isinstance(p, Tensor)]
+    if key in _TEMPLATES:
+        _TEMPLATES.move_to_end(key)
+        graph = _rebound(*_TEMPLATES[key], tensors)
+        if debug_enabled():  # the shortcut checked against a trace of this very mod
+            fresh, _ = _trace(fn, inputs, kind, device)
+            if fresh.fingerprint != graph.fingerprint:
+                raise RuntimeError(f"ringflex: a {kind} reused the trace of an earlier one of the same code and "
+                                   "captured values, but its own trace differs; please report this")
+        return graph
+    graph, host_reads = _trace(fn, inputs, kind, device)
+    slots = None if key is None or host_reads else _slots(graph, tensors)
+    if slots is not None:
+        _TEMPLATES[key] = graph, slots
+        while len(_TEMPLATES) > _MAX_TEMPLATES:
+            _TEMPLATES.popitem(last=False)
+    return graph
+
+
+def debug_enabled() -> bool:
+    from .debug import enabled
+    return enabled()
 
 
 def _cached(fn, inputs, kind, device) -> ModGraph:
-    key = (kind, str(torch.device(device)) if device is not None else "cpu", _closure_state(fn))
+    parts = captured.parts(fn)
+    key = (kind, str(torch.device(device)) if device is not None else "cpu", _state(parts))
     try:
         per_fn = _CACHE.setdefault(fn, {})
     except TypeError:  # not weak-referenceable: trace every time
-        return _trace(fn, inputs, kind, device)
+        return _traced(fn, parts, inputs, kind, device)
     if key not in per_fn:
         per_fn.clear()
-        per_fn[key] = _trace(fn, inputs, kind, device)
+        per_fn[key] = _traced(fn, parts, inputs, kind, device)
     return per_fn[key]
 
 

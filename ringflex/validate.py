@@ -17,12 +17,14 @@ import inspect
 import math
 import os
 import struct
+import types
 import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from . import captured
 from .parallel import fault, peer
 from .parallel.layout import LAYOUTS, divisor
 
@@ -113,36 +115,6 @@ def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend
     return None
 
 
-def _feed(h, value, contents: bool, depth=0) -> None:
-    """Hashes ``value`` by content, never by address, so every process agrees."""
-    if depth > 8:
-        return
-    if isinstance(value, torch.Tensor):
-        h.update(repr((tuple(value.shape), value.dtype)).encode())
-        if contents:
-            h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    elif isinstance(value, (type(None), bool, int, float, complex, str, bytes)):
-        h.update(repr(value).encode())
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            _feed(h, item, contents, depth + 1)
-    elif hasattr(value, "co_code"):
-        h.update(value.co_code)
-        h.update(repr(value.co_names).encode())
-        _feed(h, value.co_consts, contents, depth + 1)
-    elif hasattr(value, "__code__"):
-        _feed(h, value.__code__, contents, depth + 1)
-        for cell in value.__closure__ or ():
-            try:
-                _feed(h, cell.cell_contents, contents, depth + 1)
-            except ValueError:  # an empty cell
-                pass
-    elif hasattr(value, "func"):  # functools.partial
-        _feed(h, (value.func, value.args, tuple(sorted(value.keywords.items()))), contents, depth + 1)
-    else:
-        h.update(type(value).__qualname__.encode())
-
-
 def fingerprint(fn, contents: bool = False) -> int:
     """A 63-bit hash of what a mod computes: its code, constants and captured values.
 
@@ -152,7 +124,18 @@ def fingerprint(fn, contents: bool = False) -> int:
     if fn is None:
         return 0
     h = hashlib.sha1()
-    _feed(h, fn, contents)
+    for part in captured.parts(fn):  # by content, never by address, so every process agrees
+        if isinstance(part, torch.Tensor):
+            h.update(repr((tuple(part.shape), part.dtype)).encode())
+            if contents:
+                h.update(part.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(part, types.CodeType):  # the functions defined inside it are parts of their own
+            consts = [c if isinstance(c, captured.PLAIN) else type(c).__qualname__ for c in part.co_consts]
+            h.update(part.co_code + repr((part.co_names, consts)).encode())
+        elif isinstance(part, captured.PLAIN + (tuple,)):  # values and the walk's markers
+            h.update(repr(part).encode())
+        else:
+            h.update(type(part).__qualname__.encode())
     return int.from_bytes(h.digest()[:8], "little") >> 1
 
 

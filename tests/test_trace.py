@@ -125,6 +125,93 @@ def test_trace_is_cached_and_follows_the_closure():
     assert trace_mask_mod(mask).fingerprint != trace_mask_mod(make(4)).fingerprint
 
 
+def _traces(monkeypatch) -> list:
+    """Records every fresh trace (``make_fx``) of a mod from here on."""
+    from ringflex import trace
+    seen, real = [], trace._trace
+    monkeypatch.setattr(trace, "_trace", lambda fn, *args: seen.append(fn) or real(fn, *args))
+    monkeypatch.setattr(trace, "_TEMPLATES", type(trace._TEMPLATES)())
+    return seen
+
+
+def _same_mask(graph, fn, n=24):
+    b, q, kv = torch.tensor(0), torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+    return torch.equal(graph(b, b, q, kv), fn(b, b, q, kv).expand(n, n))
+
+
+def test_a_new_closure_of_the_same_code_reuses_the_trace(monkeypatch):
+    """Packed documents are a new closure over new ids at every training step: traced once,
+    later closures take that graph with their own tensors (10 ms to 0.05 ms per new mask on
+    CPU), alone and inside and_masks; each computes its own mask."""
+    seen = _traces(monkeypatch)
+    for i, make in enumerate([mods.document, lambda ids: mods.and_masks(mods.sliding_window(5), mods.document(ids))]):
+        masks = [make(mods.document_ids([4 + j, 12 - j, 8])) for j in range(4)]
+        graphs = [trace_mask_mod(m) for m in masks]
+        assert len(seen) == i + 1
+        assert len({g.fingerprint for g in graphs}) == 4 and len({g.structure for g in graphs}) == 1
+        assert all(_same_mask(g, m) for g, m in zip(graphs, masks))
+
+
+def _capped(limit: torch.Tensor, window: int):
+    return lambda b, h, q, kv: (q - kv < window) & (kv < limit[0])
+
+
+def _read_on_host(limit: torch.Tensor):
+    return lambda b, h, q, kv: q - kv < int(limit.tolist()[0])  # the value is baked into the trace
+
+
+class _Box:
+    def __init__(self, ids):
+        self.ids = ids
+
+
+def _boxed(box: _Box):
+    return lambda b, h, q, kv: box.ids[q] == box.ids[kv]
+
+
+def _aliased(a: torch.Tensor, b: torch.Tensor):
+    return lambda _, h, q, kv: a[q] == b[kv]
+
+
+def test_a_trace_is_reused_only_where_it_holds_for_the_new_closure(monkeypatch):
+    """Traced anew: other captured numbers, other tensor shapes or dtypes, one captured tensor
+    where there were two, an object of unknown kind, and a mod that read a captured tensor's
+    values on the host while traced (what it computed from them is baked into its trace)."""
+    seen = _traces(monkeypatch)
+    ids, other = mods.document_ids([10, 14]), mods.document_ids([12, 12])
+    pairs = [(_capped(torch.tensor([9]), 3), _capped(torch.tensor([9]), 4)),
+             (_capped(torch.tensor([9]), 3), _capped(torch.tensor([9, 1]), 3)),
+             (_capped(torch.tensor([9]), 3), _capped(torch.tensor([9], dtype=torch.int32), 3)),
+             (_read_on_host(torch.tensor([3])), _read_on_host(torch.tensor([5]))),
+             (_aliased(ids, other), _aliased(ids, ids)),
+             (_boxed(_Box(ids)), _boxed(_Box(other)))]
+    for first, second in pairs:
+        graphs = [trace_mask_mod(first)]
+        before = len(seen)
+        graphs.append(trace_mask_mod(second))
+        assert len(seen) == before + 1, second
+        assert all(_same_mask(g, m) for g, m in zip(graphs, (first, second)))
+    before = len(seen)
+    for same_as_before in (_capped(torch.tensor([5]), 3), _aliased(other, ids)):
+        assert _same_mask(trace_mask_mod(same_as_before), same_as_before)
+    assert len(seen) == before
+
+
+def test_debug_mode_checks_a_reused_trace(monkeypatch):
+    """With RINGFLEX_DEBUG=1 a reused trace is compared with a fresh one of the mod."""
+    from ringflex import trace
+    seen = _traces(monkeypatch)
+    monkeypatch.setenv("RINGFLEX_DEBUG", "1")
+    first, second = (mods.document(mods.document_ids(lengths)) for lengths in ([3, 5], [4, 4]))
+    trace_mask_mod(first)
+    trace_mask_mod(second)
+    assert len(seen) == 2
+    real = trace._rebound
+    monkeypatch.setattr(trace, "_rebound", lambda graph, slots, tensors: real(graph, slots, [t.clone() for t in tensors]))
+    with pytest.raises(RuntimeError, match="reused the trace"):
+        trace_mask_mod(mods.document(mods.document_ids([2, 6])))
+
+
 def test_diagonal_band():
     band = lambda fn: diagonal_band(trace_mask_mod(fn))  # noqa: E731
     assert band(mods.causal) == (0, None)
