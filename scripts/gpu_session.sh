@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md, one stage per argument; logs go to $OUT (or ./out).
 #   bash scripts/gpu_session.sh kernel1 merge1 plans1 shapes1 ragged1   # on 1 GPU
-#   bash scripts/gpu_session.sh check2 transport2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 million   # on 2 (or more) GPUs
+#   bash scripts/gpu_session.sh check2 transport2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash scripts/gpu_session.sh check4 bench4              # on 4 GPUs
 #   bash scripts/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -45,6 +45,8 @@ for stage in "$@"; do
               --doc-len $d --layouts contiguous zigzag --no-cp --singles ringflex-1gpu --iters 5 --warmup 2 \
               --json "$OUT/documents2_$d.json"; done ;;  # ragged batches, against ringflex's own kernel on one GPU
     phases2) run phases2 tr 2 scripts/host_phases.py --seq-len 16384 ;;  # host time of a ring call by phase
+    newdocs2) for n in 16384 65536; do run newdocs2 tr 2 scripts/host_phases.py --seq-len $n --warmup 100 --calls 20 \
+              --cases new_documents:contiguous new_documents:zigzag documents:contiguous; done ;;  # new packed batch every call
     bench4) run bench4 tr 4 scripts/bench.py --seq-lens 32768 131072 --masks none causal documents \
               --iters 5 --warmup 3 --json "$OUT/bench4.json" --plot "$OUT/efficiency_4gpu.png" ;;
     bench8) run bench8 tr 8 scripts/bench.py --seq-lens 65536 262144 1048576 --masks none causal documents \

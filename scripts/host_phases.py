@@ -39,7 +39,7 @@ PHASES = [
     (ring._KVStream, "__init__", "K/V stream set-up"), (ring._KVStream, "start", "transfers issued"),
     (peer.PeerTransport, "exchange", "copy-engine exchanges (K/V, partial sums)"),
     (cudnn.CudnnKernel, "forward", "kernel forward"), (cudnn.CudnnKernel, "backward", "kernel backward"),
-    (cudnn._Graph, "execute", "  cuDNN execute"),
+    (cudnn._Graph, "execute", "  cuDNN execute"), (cudnn, "_build", "  cuDNN graph builds"),
     (merge.RowMerge, "add", "output merges"), (merge.RowSum, "add", "gradient sums"),
     (ring, "ring_forward", "ring forward (all of it)"), (ring, "ring_backward", "ring backward (all of it)"),
 ]
