@@ -1,9 +1,9 @@
 """A ragged batch against a call per document (GPU only): what each costs per block.
 
-For packed documents of several lengths in one block (8192 rows, B=1, H=32, D=128, bf16) it
-measures, forward and backward, the GPU time of the kernels (torch.profiler, per call) and
-the host time per call, once with the block's documents as one ragged batch and once with a
-call per document.
+For packed documents of several lengths in one block (8192 rows, B=1, H=32, D=128, bf16),
+and one document over all of it, it measures, forward and backward, the GPU time of the
+kernels (torch.profiler, per call) and the host time per call, once with the block's
+documents as one ragged batch and once with a call per document.
 
     python scripts/ragged_cost.py
 """
@@ -19,7 +19,7 @@ from ringflex.plan import Segment
 from sdpa_ab import kernels
 
 ROWS = 8192
-LAYOUTS = ([4096, 4096], [2048] * 4, [1024] * 8, [512] * 16, [512, 1536, 768, 2048, 1024, 256, 2048])
+LAYOUTS = ([ROWS], [4096, 4096], [2048] * 4, [1024] * 8, [512] * 16, [512, 1536, 768, 2048, 1024, 256, 2048])
 
 
 def costs(q, k, v, dout, m: Mods, batched: bool):

@@ -194,6 +194,39 @@ def test_graphs_are_reused_across_offsets():
 
 
 @needs_cudnn
+def test_hops_cut_to_a_straddling_document_match_reference_and_reuse_graphs():
+    """A hop as the ring runs it for a document that straddles two ranks: its queries are rows
+    of the rank's block, its keys rows of a received block, which holds a power of two of rows
+    (``ring.widened``). One ragged call each way (a batch of one covering the cut block); new
+    documents whose parts fall in the same size classes build no graph; all match the reference."""
+    from ringflex.kernels import cudnn as module
+    from ringflex.parallel.merge import rows
+    from ringflex.parallel.ring import widened
+
+    n, dev = 1024, "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    make = lambda: torch.randn(1, 4, n, 64, device=dev, generator=g).to(torch.bfloat16)  # noqa: E731
+    q_block, dout_block, k_block, v_block = make(), make(), make(), make()  # this rank's; the previous rank's
+    kernel, ref, graphs, earlier = CudnnKernel(), ReferenceKernel(), [], set(module._GRAPHS)
+    for before, after in ((300, 200), (280, 220), (310, 190)):  # the document's rows on either side
+        m = Mods(None, mods.document(mods.document_ids([n - before, before + after, n - after], device=dev)))
+        lo, hi = widened((n - before, n), n)
+        k, v = (rows(t[:, :, lo:hi].contiguous(), (n - before - lo, hi - lo)) for t in (k_block, v_block))
+        q, dout = rows(q_block, (0, after)), rows(dout_block, (0, after))
+        q_seg, kv_seg = Segment(n, 1, after), Segment(n - before, 1, before)
+        want_out, want_lse = ref.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
+        out, lse = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
+        assert _err(out, want_out) < 2e-2 and (lse - want_lse).abs().max() < 2e-2
+        global_out = want_out.to(q.dtype)
+        grads = kernel.backward(q, k, v, global_out, want_lse, dout, q_seg, kv_seg, m, 0.125, True)
+        for got, want in zip(grads, ref.backward(q, k, v, global_out, want_lse, dout, q_seg, kv_seg, m, 0.125, True)):
+            assert _err(got, want) < 2e-2
+        graphs.append(set(module._GRAPHS))
+    assert graphs[0] == graphs[1] == graphs[2]
+    assert len(graphs[0] - earlier) == 2 and all(key[6] is not None for key in graphs[0] - earlier)  # ragged, fwd and bwd
+
+
+@needs_cudnn
 def test_unavailable_reasons():
     q = torch.zeros(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
     assert cudnn_unavailable_reason(q, q, q, Mods(mods.softcap(2.0), mods.causal)) is None
