@@ -193,37 +193,44 @@ def test_graphs_are_reused_across_offsets():
     assert len(module._GRAPHS) == built
 
 
-@needs_cudnn
-def test_hops_cut_to_a_straddling_document_match_reference_and_reuse_graphs():
+def _check_cut_hops(dev: str, dtype: torch.dtype) -> None:
     """A hop as the ring runs it for a document that straddles two ranks: its queries are rows
     of the rank's block, its keys rows of a received block, which holds a power of two of rows
-    (``ring.widened``). One ragged call each way (a batch of one covering the cut block); new
-    documents whose parts fall in the same size classes build no graph; all match the reference."""
+    (``ring.widened``), and the backward reads rows of the rank's whole output and lse. One
+    ragged call each way (a batch of one over the cut block); new documents whose parts fall
+    in the same size classes build no graph; all match the reference kernel."""
     from ringflex.kernels import cudnn as module
     from ringflex.parallel.merge import rows
     from ringflex.parallel.ring import widened
 
-    n, dev = 1024, "cuda"
+    n = 1024
     g = torch.Generator(device=dev).manual_seed(0)
-    make = lambda: torch.randn(1, 4, n, 64, device=dev, generator=g).to(torch.bfloat16)  # noqa: E731
-    q_block, dout_block, k_block, v_block = make(), make(), make(), make()  # this rank's; the previous rank's
+    make = lambda *shape: torch.randn(*shape, device=dev, generator=g).to(dtype)  # noqa: E731
+    q_block, dout_block, k_block, v_block = (make(1, 4, n, 64) for _ in range(4))  # this rank's; the previous one's
+    out_block, lse_block = make(1, 4, n, 64), make(1, 4, n).float()
     kernel, ref, graphs, earlier = CudnnKernel(), ReferenceKernel(), [], set(module._GRAPHS)
     for before, after in ((300, 200), (280, 220), (310, 190)):  # the document's rows on either side
         m = Mods(None, mods.document(mods.document_ids([n - before, before + after, n - after], device=dev)))
         lo, hi = widened((n - before, n), n)
         k, v = (rows(t[:, :, lo:hi].contiguous(), (n - before - lo, hi - lo)) for t in (k_block, v_block))
-        q, dout = rows(q_block, (0, after)), rows(dout_block, (0, after))
+        q, dout, out, lse = (rows(t, (0, after)) for t in (q_block, dout_block, out_block, lse_block))
         q_seg, kv_seg = Segment(n, 1, after), Segment(n - before, 1, before)
         want_out, want_lse = ref.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
-        out, lse = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
-        assert _err(out, want_out) < 2e-2 and (lse - want_lse).abs().max() < 2e-2
-        global_out = want_out.to(q.dtype)
-        grads = kernel.backward(q, k, v, global_out, want_lse, dout, q_seg, kv_seg, m, 0.125, True)
-        for got, want in zip(grads, ref.backward(q, k, v, global_out, want_lse, dout, q_seg, kv_seg, m, 0.125, True)):
+        got_out, got_lse = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
+        assert _err(got_out, want_out) < 2e-2 and (got_lse - want_lse).abs().max() < 2e-2
+        out.copy_(want_out)
+        lse.copy_(want_lse)
+        grads = kernel.backward(q, k, v, out, lse, dout, q_seg, kv_seg, m, 0.125, True)
+        for got, want in zip(grads, ref.backward(q, k, v, out, lse, dout, q_seg, kv_seg, m, 0.125, True)):
             assert _err(got, want) < 2e-2
         graphs.append(set(module._GRAPHS))
     assert graphs[0] == graphs[1] == graphs[2]
     assert len(graphs[0] - earlier) == 2 and all(key[6] is not None for key in graphs[0] - earlier)  # ragged, fwd and bwd
+
+
+@needs_cudnn
+def test_hops_cut_to_a_straddling_document_match_reference_and_reuse_graphs():
+    _check_cut_hops("cuda", torch.bfloat16)
 
 
 @needs_cudnn
@@ -785,3 +792,8 @@ def test_new_packed_batches_in_the_ring_reuse_graphs_emulated():
     for rank, (per_call, error) in enumerate(run_world(2, _ring_with_new_documents, batches)):
         assert per_call[0] > 0 and per_call[1:] == [0, 0], (rank, per_call)
         assert error < 1e-5, (rank, error)
+
+
+def test_hops_cut_to_a_straddling_document_reuse_graphs_emulated(monkeypatch):
+    _emulated(monkeypatch)
+    _check_cut_hops("cpu", torch.float32)
