@@ -6,7 +6,9 @@ attention kernel can evaluate per score element (arithmetic, comparisons, logic,
 handful of unary functions and lookups of captured tensors). Anything else raises
 ``UnsupportedModError`` naming the op. The graph can be evaluated in torch (to check the
 tracer against the mod itself), differentiated w.r.t. the score (a kernel's backward needs
-the score_mod's derivative) and fingerprinted (kernels cache compiled graphs by it).
+the score_mod's derivative) and fingerprinted (kernels cache compiled graphs by it). A new
+closure of a mod traced before (same code, captured values and tensor shapes) takes that
+graph with its own tensors instead of a new trace (``_traced``).
 """
 from __future__ import annotations
 
@@ -410,14 +412,16 @@ def _rebound(graph: ModGraph, slots: Dict[int, int], tensors: List[Tensor]) -> M
     return ModGraph(graph.kind, graph.inputs, [new[id(n)] for n in graph.nodes])
 
 
-def _traced(fn, parts, inputs, kind, device) -> ModGraph:
+def _traced(fn, parts, inputs, kind, device, where: str) -> ModGraph:
+    """The graph of ``fn``: an earlier mod's of the same signature, with this one's tensors,
+    or a fresh trace, kept to serve later mods where it can (``_slots``)."""
     signature = _signature(parts)
-    key = signature and (kind, str(torch.device(device)) if device is not None else "cpu", signature)
+    key = None if signature is None else (kind, where, signature)
     tensors = [p for p in parts if isinstance(p, Tensor)]
     if key in _TEMPLATES:
         _TEMPLATES.move_to_end(key)
         graph = _rebound(*_TEMPLATES[key], tensors)
-        if debug_enabled():  # the shortcut checked against a trace of this very mod
+        if _debugging():  # the shortcut checked against a trace of this very mod
             fresh, _ = _trace(fn, inputs, kind, device)
             if fresh.fingerprint != graph.fingerprint:
                 raise RuntimeError(f"ringflex: a {kind} reused the trace of an earlier one of the same code and "
@@ -432,21 +436,22 @@ def _traced(fn, parts, inputs, kind, device) -> ModGraph:
     return graph
 
 
-def debug_enabled() -> bool:
-    from .debug import enabled
+def _debugging() -> bool:
+    from .debug import enabled  # debug imports the modules that import this one
     return enabled()
 
 
 def _cached(fn, inputs, kind, device) -> ModGraph:
     parts = captured.parts(fn)
-    key = (kind, str(torch.device(device)) if device is not None else "cpu", _state(parts))
+    where = str(torch.device(device)) if device is not None else "cpu"
+    key = (kind, where, _state(parts))
     try:
         per_fn = _CACHE.setdefault(fn, {})
     except TypeError:  # not weak-referenceable: trace every time
-        return _traced(fn, parts, inputs, kind, device)
+        return _traced(fn, parts, inputs, kind, device, where)
     if key not in per_fn:
         per_fn.clear()
-        per_fn[key] = _traced(fn, parts, inputs, kind, device)
+        per_fn[key] = _traced(fn, parts, inputs, kind, device, where)
     return per_fn[key]
 
 
