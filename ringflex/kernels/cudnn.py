@@ -911,10 +911,12 @@ def _head_dim_rows(t: Tensor) -> Tensor:
     return t if t.stride(2) == t.shape[3] else _padded_copy(t)
 
 
-def _uncut(t: Tensor) -> bool:
-    """Whether ``t`` holds every row of its memory: its rows span its head or batch stride, as
-    they do in a whole block ([B, H, S, D] or [B, S, H, D] memory), not in rows cut from one."""
-    return t.shape[2] * t.stride(2) in (t.stride(0), t.stride(1))
+def _recurring(t: Tensor) -> bool:
+    """Whether ``t``'s row count is one of a few whatever the documents: a power of two (a
+    zigzag chunk, a received block), or all the rows of its memory (its rows span its head or
+    batch stride: a whole block in [B, H, S, D] or [B, S, H, D] memory, not rows cut from one)."""
+    n = t.shape[2]
+    return n == _power_of_two(n) or n * t.stride(2) in (t.stride(0), t.stride(1))
 
 
 def _padded_empty(shape, dtype: torch.dtype, device) -> Tensor:
@@ -1047,14 +1049,14 @@ class CudnnKernel:
         exact plan's runs (masks that are no band: packed documents) batch even alone: their
         shapes follow the documents, and a graph of exact shapes would be built for every new
         length (0.1 to 1.5 s each), where ragged graphs are built for a few sizes (``_Ragged``).
-        So does a run over the whole block where the block is rows cut from a longer one (the
-        ring cuts a hop to a document that straddles two ranks); over whole tensors it stays a
-        plain call, whose shapes recur and which costs less (H100: fwd 0.89 against 0.96 ms,
-        bwd 2.61 against 2.84 ms, one document over 8192 rows, docs/cudnn.md)."""
+        So does a run over the whole block where the block's shape follows the documents (the
+        ring cuts a hop to a document that straddles two ranks); where it recurs (``_recurring``)
+        the run stays a plain call, which costs less (H100: fwd 0.89 against 0.96 ms, bwd 2.61
+        against 2.84 ms, one document over 8192 rows, docs/cudnn.md)."""
         q, k = tensors[:2]
         exact = program.mask is not None and _band(program.mask) is None
         whole = len(runs) == 1 and (runs[0].rows, runs[0].cols) == ((0, q.shape[2]), (0, k.shape[2]))
-        if (program.score is not None or (len(runs) < 2 and not exact) or (whole and _uncut(q) and _uncut(k))
+        if (program.score is not None or (len(runs) < 2 and not exact) or (whole and _recurring(q) and _recurring(k))
                 or not _ragged_applies(*tensors)):
             return tuple(runs)
         return _batched(tuple(runs), exact)
