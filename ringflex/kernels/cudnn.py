@@ -796,9 +796,10 @@ def _area(runs: List[_Run]) -> int:
 @dataclass(frozen=True)
 class _Ragged:
     """What a ragged graph is built for: sequences, their longest rows and columns, and the
-    rows and columns in all, each rounded up to a power of two, so that a few graphs serve
-    every layout of documents (the tensors' heads are a power of two rows apart too:
-    ``_padded_empty``, ``ring.widened``)."""
+    rows and columns in all, rounded up to powers of two, so that a few graphs serve every
+    layout of documents. On the query side both are the rows of the whole block the queries
+    are cut from (``_query_rows``): every cut of one block shares them. The tensors' heads are
+    as many rows apart (``_padded_empty``; keys: ``ring.widened``)."""
 
     count: int
     max_q: int
@@ -835,9 +836,9 @@ class _Batch:
                 step, spans = t.stride(2), self.spans[axis]
                 inputs[f"{name}_offsets"] = self._values(
                     (axis, step, t.device), [b * step for b, _ in spans] + [spans[-1][1] * step] * (padding + 1))
-        longest = {axis: max(e - b for b, e in spans) for axis, spans in self.spans.items()}
-        ragged = _Ragged(len(self.runs) + padding, _bucket(longest["q"], q.shape[2]), _bucket(longest["kv"], k.shape[2]),
-                         _power_of_two(q.shape[2]), _power_of_two(k.shape[2]))
+        longest_kv = max(e - b for b, e in self.spans["kv"])
+        ragged = _Ragged(len(self.runs) + padding, _query_rows(q), _bucket(longest_kv, k.shape[2]),
+                         _query_rows(q), _power_of_two(k.shape[2]))
         return ragged, inputs
 
     def _values(self, key: tuple, values: List[int]) -> Tensor:
@@ -846,10 +847,21 @@ class _Batch:
         return self._int32s[key]
 
 
-def _empty_for(calls) -> Callable:
-    """How a block's results are allocated: heads a power of two rows apart where a ragged
-    batch writes them (see ``_padded_empty``)."""
-    return _padded_empty if any(isinstance(c, _Batch) for c in calls) else torch.empty
+def _empty_for(calls, rows: Optional[int] = None) -> Callable:
+    """How a block's results are allocated: where a ragged batch writes them, with heads
+    ``rows`` (else a power of two) rows apart (see ``_padded_empty``)."""
+    if any(isinstance(c, _Batch) for c in calls):
+        return functools.partial(_padded_empty, rows=rows)
+    return torch.empty
+
+
+def _query_rows(q: Tensor) -> int:
+    """The query rows a ragged graph is built for: those of the block ``q``'s rows are cut
+    from (its head stride in rows; ``q`` itself if it has none), rounded up to a power of two.
+    On an H100 that cost no time against the cut's own rows (``scripts/new_documents_probe.py``),
+    and a ring over packed documents that change every call built 22 graphs where it built 54
+    (16k tokens), and 38 where it built 112 (64k tokens, 100 calls)."""
+    return _power_of_two(max(q.shape[2], q.stride(1) // q.stride(2)))
 
 
 def _joined(spans: List[Tuple[int, int]]) -> Tuple[Tuple[int, int], ...]:
@@ -919,24 +931,23 @@ def _recurring(t: Tensor) -> bool:
     return n == _power_of_two(n) or n * t.stride(2) in (t.stride(0), t.stride(1))
 
 
-def _padded_empty(shape, dtype: torch.dtype, device) -> Tensor:
-    """An empty [B, H, n, ...] tensor whose heads are a power of two rows apart (contiguous
-    where n is one). A ragged graph bakes in the head stride (``_layout``): tensors allocated
-    so serve one graph for any n up to that power."""
-    return torch.empty((*shape[:2], _power_of_two(shape[2]), *shape[3:]), dtype=dtype, device=device)[:, :, :shape[2]]
+def _padded_empty(shape, dtype: torch.dtype, device, rows: Optional[int] = None) -> Tensor:
+    """An empty [B, H, n, ...] tensor whose heads are ``rows`` (>= n; default: n rounded up to
+    a power of two) rows apart. A ragged graph bakes in the head stride (``_layout``): tensors
+    allocated so serve one graph for any n up to ``rows``."""
+    rows = rows or _power_of_two(shape[2])
+    return torch.empty((*shape[:2], rows, *shape[3:]), dtype=dtype, device=device)[:, :, :shape[2]]
 
 
-def _padded_copy(t: Tensor) -> Tensor:
-    """``t`` copied into rows of its last dim, heads a power of two rows apart (``_padded_empty``)."""
-    return _padded_empty(t.shape, t.dtype, t.device).copy_(t)
+def _padded_copy(t: Tensor, rows: Optional[int] = None) -> Tensor:
+    """``t`` copied into rows of its last dims, heads ``rows`` rows apart (``_padded_empty``)."""
+    return _padded_empty(t.shape, t.dtype, t.device, rows).copy_(t)
 
 
-def _packed_stats(stats: Tensor) -> Tensor:
-    """The backward's [B, H, n, 1] stats with rows packed and heads a power of two rows apart,
-    copied where they are not (cuDNN wants them packed; ``_padded_empty`` says why the heads so)."""
-    if stats.stride()[1:] == (_power_of_two(stats.shape[2]), 1, 1):
-        return stats
-    return _padded_copy(stats)
+def _packed_stats(stats: Tensor, rows: int) -> Tensor:
+    """The backward's [B, H, n, 1] stats with rows packed and heads ``rows`` rows apart, copied
+    where they are not (cuDNN wants them packed; ``_padded_empty`` says why the heads so)."""
+    return stats if stats.stride()[1:] == (rows, 1, 1) else _padded_copy(stats, rows)
 
 
 _BANDS: "OrderedDict[int, tuple]" = OrderedDict()
@@ -1030,7 +1041,7 @@ class CudnnKernel:
             self._forward_call(calls[0], program, q, k, v, out, lse, scale, q_seg, kv_seg)
             return out, lse
         merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans],
-                          _empty_for(calls))
+                          _empty_for(calls, _query_rows(q)))
         for call in calls:
             if isinstance(call, _Batch):
                 self._forward_batch(call, q, k, v, merged, scale)
@@ -1063,8 +1074,10 @@ class CudnnKernel:
 
     def _forward_batch(self, batch: _Batch, q, k, v, merged: RowMerge, scale: float) -> None:
         """The batch's runs in one call, into the result itself where no call wrote their rows yet."""
+        q_rows = _query_rows(q)
         (out, lse), parts = merged.targets(batch.row_spans, lambda: (
-            _padded_empty((*q.shape[:3], v.shape[-1]), q.dtype, q.device), _padded_empty(q.shape[:3], torch.float32, q.device)))
+            _padded_empty((*q.shape[:3], v.shape[-1]), q.dtype, q.device, q_rows),
+            _padded_empty(q.shape[:3], torch.float32, q.device, q_rows)))
         q, k, v = (_head_dim_rows(t) for t in (q, k, v))
         self._batch_call(False, batch, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
         for span, part in zip(batch.row_spans, parts):
@@ -1100,10 +1113,10 @@ class CudnnKernel:
             return tuple(grads)
         # Calls write in place where no earlier call wrote those rows; elsewhere they are
         # summed in fp32, and every gradient is rounded once.
-        empty = _empty_for(calls)
-        dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans], empty)
+        dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans],
+                        _empty_for(calls, _query_rows(q)))
         kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [span for c in calls for span in c.col_spans],
-                        empty)
+                        _empty_for(calls))
         for call in calls:
             if isinstance(call, _Batch):
                 self._backward_batch(call, q, k, v, out, stats, dout, scale, dq_sum, kv_sum)
@@ -1119,11 +1132,12 @@ class CudnnKernel:
     def _backward_batch(self, batch: _Batch, q, k, v, out, stats, dout, scale: float, dq_sum: RowSum,
                         kv_sum: RowSum) -> None:
         """The batch's runs in one call, into the sums themselves where no call wrote their rows yet."""
-        (dq,), dq_parts = dq_sum.targets(batch.row_spans, lambda: [_padded_empty(q.shape, q.dtype, q.device)])
+        q_rows = _query_rows(q)
+        (dq,), dq_parts = dq_sum.targets(batch.row_spans, lambda: [_padded_empty(q.shape, q.dtype, q.device, q_rows)])
         (dk, dv), kv_parts = kv_sum.targets(batch.col_spans, lambda: [_padded_empty(t.shape, t.dtype, t.device)
                                                                       for t in (k, v)])
         q, k, v, out, dout = (_head_dim_rows(t) for t in (q, k, v, out, dout))
-        tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=_packed_stats(stats), dq=dq, dk=dk, dv=dv)
+        tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=_packed_stats(stats, q_rows), dq=dq, dk=dk, dv=dv)
         self._batch_call(True, batch, tensors, scale)
         for span, part in zip(batch.row_spans, dq_parts):
             dq_sum.add(span, *part)

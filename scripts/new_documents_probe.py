@@ -1,0 +1,87 @@
+"""Packed documents that change every call, one rank's hops on ONE GPU (no second GPU needed).
+
+Rank 1 of a 2-rank ring over the contiguous layout runs two steps: its own block, and the rows
+of rank 0's block that the document straddling the two ranks reads, received as the ring
+receives them (``ring.widened`` rows, contiguous). This runs those hops with the cuDNN kernel,
+forward and backward, for a new packed batch at every call, and prints the cuDNN graphs built
+so far after so many calls, and the GPU time per call once they are built, beside one mask
+used every call.
+
+    python scripts/new_documents_probe.py --seq-len 16384 --calls 150
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench import make_mods  # scripts/ is on sys.path
+from ringflex.kernels import cudnn
+from ringflex.kernels.base import Mods
+from ringflex.parallel import layout as layouts
+from ringflex.parallel.merge import rows
+from ringflex.parallel.ring import widened
+from ringflex.plan import keys_read, plan_hops
+
+
+def rank_one_hops(mask_mod, seq_len: int, heads: int, kernel, q, dout, own, previous):
+    """Forward and backward of rank 1's hops under ``mask_mod``."""
+    local = seq_len // 2
+    q_segs = layouts.segments("contiguous", seq_len, 2, 1)
+    kv_segs = [layouts.segments("contiguous", seq_len, 2, rank) for rank in (1, 0)]
+    schedule = plan_hops(mask_mod, False, 1, heads, q_segs, kv_segs, q.device, 1024, kernel)
+    lo, hi = widened(keys_read(schedule, 2)[1], local)
+    held = [own, [t[:, :, lo:hi].contiguous() for t in previous]]  # as the ring holds them
+    offsets = [0, lo]
+    m, scale = Mods(None, mask_mod), q.shape[-1] ** -0.5
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:3], -float("inf"), device=q.device)
+    calls = [(hop, [rows(t, (hop.kv_rows[0] - offsets[step], hop.kv_rows[1] - offsets[step])) for t in held[step]])
+             for step, hops in enumerate(schedule) for hop in hops]
+    for hop, (k, v) in calls:
+        o, l = kernel.forward(rows(q, hop.q_rows), k, v, hop.q_seg, hop.kv_seg, m, scale, True)
+        rows(out, hop.q_rows).copy_(o)  # the hops' rows do not overlap here: no merge needed for timing
+        rows(lse, hop.q_rows).copy_(l)
+    for hop, (k, v) in calls:
+        kernel.backward(rows(q, hop.q_rows), k, v, rows(out, hop.q_rows), rows(lse, hop.q_rows),
+                        rows(dout, hop.q_rows), hop.q_seg, hop.kv_seg, m, scale, True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--doc-len", type=int, default=4096)
+    p.add_argument("--calls", type=int, default=150)
+    p.add_argument("--heads", type=int, default=32)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    local = args.seq_len // 2
+    q, dout, k, v, k0, v0 = (torch.randn(1, args.heads, local, 128, device=dev, dtype=torch.bfloat16) for _ in range(6))
+    kernel, built = cudnn.CudnnKernel(), []
+    build = cudnn._build
+    cudnn._build = lambda *a: built.append(1) or build(*a)
+    masks = [make_mods("documents", args.seq_len, dev, 0, args.doc_len, seed=i)[1] for i in range(args.calls)]
+    times, marks = [], {10, 25, 50, 100, 150, 200, 300}
+    for i, mask in enumerate(masks, 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        rank_one_hops(mask, args.seq_len, args.heads, kernel, q, dout, (k, v), (k0, v0))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        if i in marks:
+            print(f"after {i} new batches: {len(built)} cuDNN graphs built; last 10 calls {1e3 * sum(times[-10:]) / 10:.1f} ms "
+                  f"per fwd+bwd (planning included)", flush=True)
+    fixed = masks[-1]
+    for _ in range(3):
+        rank_one_hops(fixed, args.seq_len, args.heads, kernel, q, dout, (k, v), (k0, v0))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        rank_one_hops(fixed, args.seq_len, args.heads, kernel, q, dout, (k, v), (k0, v0))
+    torch.cuda.synchronize()
+    print(f"one mask every call: {1e3 * (time.perf_counter() - start) / 10:.1f} ms per fwd+bwd (planned anew too, "
+          f"from its cached trace and exact plans)")
+
+
+if __name__ == "__main__":
+    main()
