@@ -739,12 +739,12 @@ def _row_extents(allowed: Tensor) -> Tensor:
     first one, and how many keys it sees. The exact plan needs nothing else, so planning a new
     mask waits for the GPU once per block."""
     cols = allowed.shape[1]
-    as_bytes = allowed.to(torch.uint8)  # argmax takes no bools
+    as_bytes = allowed.contiguous().view(torch.uint8)  # argmax takes no bools; a view, not a copy
     visible = allowed.any(1)
     first = torch.where(visible, as_bytes.argmax(1), -1)
     last = torch.where(visible, cols - 1 - as_bytes.flip(1).argmax(1), -1)
     hidden = ~allowed & (torch.arange(cols, device=allowed.device) >= first.unsqueeze(1))
-    run_end = torch.where(hidden.any(1), hidden.to(torch.uint8).argmax(1), cols)
+    run_end = torch.where(hidden.any(1), hidden.view(torch.uint8).argmax(1), cols)
     return torch.stack([first, last, run_end, allowed.sum(1)]).cpu()
 
 
@@ -776,13 +776,17 @@ def _group_runs(extents: Tensor, r0: int) -> List[_Run]:
 def _band_of(ends: Tensor, cols: int) -> Optional[List[_Run]]:
     """Rows that each see keys 0 to ``ends[i]`` of ``cols`` (none where it is negative) as
     native band calls, or None where they form no band."""
-    i = torch.arange(len(ends))
+    n = len(ends)
+    i = torch.arange(n)
     seen = ends >= 0
-    a, b = int((-i)[seen].min()), int((ends - i)[seen].max())  # kept keys lie in [i + a, i + b]
-    lo, hi = (i + a).clamp(min=0), (i + b).clamp(max=cols - 1)
-    if not (torch.equal(lo <= hi, seen) and bool((lo[seen] == 0).all()) and torch.equal(hi[seen], ends[seen])):
+    # The band that keeps keys [i + a, i + b] of row i, from the rows that see keys: each of
+    # them then starts at key 0 and sees some, so the band is theirs where each row's last key
+    # is i + b (or the last column) and the rows that see none are outside it.
+    a, b = -int(torch.where(seen, i, -1).max()), int(torch.where(seen, ends - i, -n - cols).max())
+    hi = (i + b).clamp(max=cols - 1)
+    if not torch.equal(torch.where((i + a).clamp(min=0) <= hi, hi, -1), torch.where(seen, ends, -1)):
         return None
-    return band_runs((-b, -a), Segment(0, 1, len(ends)), Segment(0, 1, cols))
+    return band_runs((-b, -a), Segment(0, 1, n), Segment(0, 1, cols))
 
 
 def _shifted(run: _Run, r0: int, c0: int) -> _Run:
