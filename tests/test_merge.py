@@ -171,15 +171,18 @@ def test_parts_written_in_place_give_the_same_result(ranges):
 def test_one_call_over_several_spans_writes_in_place_until_a_span_has_a_part():
     """``targets``: a call that writes several row spans at once (a ragged batch) gets the
     result's own tensors while none of the spans has a part yet, and fresh tensors after."""
-    spans, fresh = [(0, 4), (8, 12)], lambda: [torch.zeros(2, 3, LENGTH, 5)]
+    spans = [(0, 4), (8, 12)]
     total = RowSum([(2, 3, LENGTH, 5)], torch.float32, torch.float32, "cpu", spans + [(8, 16)])
-    whole, parts = total.targets(spans, fresh)
+    whole, parts = total.targets(spans)
     assert whole is total.out and parts[1][0].data_ptr() == whole[0][:, :, 8].data_ptr()
-    merged = RowMerge((2, 3, LENGTH, 5), torch.float32, torch.float32, "cpu", [(8, 16)] + spans)
+    made = []  # what the merge's allocator handed out
+    allocate = lambda shape, dtype, device: made.append(torch.zeros(shape, dtype=dtype, device=device)) or made[-1]  # noqa: E731
+    merged = RowMerge((2, 3, LENGTH, 5), torch.float32, torch.float32, "cpu", [(8, 16)] + spans, allocate)
     merged.add((8, 16), torch.ones(2, 3, 8, 5), torch.zeros(2, 3, 8))
-    fresh = torch.zeros(2, 3, LENGTH, 5), torch.zeros(2, 3, LENGTH)
-    whole, parts = merged.targets(spans, lambda: fresh)
-    assert whole is fresh and parts[1][1].data_ptr() == fresh[1][:, :, 8].data_ptr()
+    whole, parts = merged.targets(spans)
+    fresh = made[-2:]  # allocated like the result's own, after them
+    assert all(w is f for w, f in zip(whole, fresh)) and whole[0] is not merged.out[0]
+    assert parts[1][1].data_ptr() == fresh[1][:, :, 8].data_ptr()
 
 
 def test_merge_without_triton_says_so_once_and_merges_in_torch(monkeypatch, recwarn):

@@ -841,8 +841,9 @@ class _Batch:
                 inputs[f"{name}_offsets"] = self._values(
                     (axis, step, t.device), [b * step for b, _ in spans] + [spans[-1][1] * step] * (padding + 1))
         longest_kv = max(e - b for b, e in self.spans["kv"])
-        ragged = _Ragged(len(self.runs) + padding, _query_rows(q), _bucket(longest_kv, k.shape[2]),
-                         _query_rows(q), _power_of_two(k.shape[2]))
+        q_rows = _query_rows(q)
+        ragged = _Ragged(len(self.runs) + padding, q_rows, _bucket(longest_kv, k.shape[2]), q_rows,
+                         _power_of_two(k.shape[2]))
         return ragged, inputs
 
     def _values(self, key: tuple, values: List[int]) -> Tensor:
@@ -1078,10 +1079,7 @@ class CudnnKernel:
 
     def _forward_batch(self, batch: _Batch, q, k, v, merged: RowMerge, scale: float) -> None:
         """The batch's runs in one call, into the result itself where no call wrote their rows yet."""
-        q_rows = _query_rows(q)
-        (out, lse), parts = merged.targets(batch.row_spans, lambda: (
-            _padded_empty((*q.shape[:3], v.shape[-1]), q.dtype, q.device, q_rows),
-            _padded_empty(q.shape[:3], torch.float32, q.device, q_rows)))
+        (out, lse), parts = merged.targets(batch.row_spans)
         q, k, v = (_head_dim_rows(t) for t in (q, k, v))
         self._batch_call(False, batch, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
         for span, part in zip(batch.row_spans, parts):
@@ -1136,12 +1134,11 @@ class CudnnKernel:
     def _backward_batch(self, batch: _Batch, q, k, v, out, stats, dout, scale: float, dq_sum: RowSum,
                         kv_sum: RowSum) -> None:
         """The batch's runs in one call, into the sums themselves where no call wrote their rows yet."""
-        q_rows = _query_rows(q)
-        (dq,), dq_parts = dq_sum.targets(batch.row_spans, lambda: [_padded_empty(q.shape, q.dtype, q.device, q_rows)])
-        (dk, dv), kv_parts = kv_sum.targets(batch.col_spans, lambda: [_padded_empty(t.shape, t.dtype, t.device)
-                                                                      for t in (k, v)])
+        (dq,), dq_parts = dq_sum.targets(batch.row_spans)
+        (dk, dv), kv_parts = kv_sum.targets(batch.col_spans)
+        stats = _packed_stats(stats, _query_rows(q))
         q, k, v, out, dout = (_head_dim_rows(t) for t in (q, k, v, out, dout))
-        tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=_packed_stats(stats, q_rows), dq=dq, dk=dk, dv=dv)
+        tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=stats, dq=dq, dk=dk, dv=dv)
         self._batch_call(True, batch, tensors, scale)
         for span, part in zip(batch.row_spans, dq_parts):
             dq_sum.add(span, *part)

@@ -81,18 +81,25 @@ class _RowParts:
         self.handed_out[r] = views
         return views
 
-    def targets(self, spans: Sequence[Rows], fresh) -> Tuple[List[Tensor], List[List[Tensor]]]:
+    def targets(self, spans: Sequence[Rows]) -> Tuple[List[Tensor], List[List[Tensor]]]:
         """Where ONE kernel call writes all of ``spans``: the result's own tensors where no part
-        reached any of their rows yet, else ``fresh()`` tensors of the whole shape; and each
-        span's views of them, to ``add``."""
+        reached any of their rows yet, else new ones like them (``_fresh``); and each span's
+        views of them, to ``add``."""
         parts = [self.destination(r) for r in spans]
         if all(parts):
             return self._whole(), parts
-        whole = fresh()
+        whole = self._fresh()
         return whole, [[rows(t, r) for t in whole] for r in spans]
 
     def _whole(self) -> List[Tensor]:
         return self.out
+
+    def _fresh(self) -> List[Tensor]:
+        """New tensors of the result's shapes and dtype, allocated as its own are."""
+        return self._allocated(self.dtype)
+
+    def _allocated(self, dtype: torch.dtype) -> List[Tensor]:
+        return [self.empty(s, dtype=dtype, device=self.device) for s in self.shapes]
 
     def _spans(self, r: Rows) -> List[_Span]:
         """The spans that make up rows ``r`` (none if ``r`` was not announced)."""
@@ -101,13 +108,13 @@ class _RowParts:
 
     def _buffers(self, final: bool) -> List[Tensor]:
         if self.out is None and (final or self.acc_dtype == self.dtype):
-            self.out = [self.empty(s, dtype=self.dtype, device=self.device) for s in self.shapes]
+            self.out = self._allocated(self.dtype)
             if self.acc_dtype == self.dtype:
                 self.acc = self.out
         if final:
             return self.out
         if self.acc is None:
-            self.acc = [self.empty(s, dtype=self.acc_dtype, device=self.device) for s in self.shapes]
+            self.acc = self._allocated(self.acc_dtype)
         return self.acc
 
     def _groups(self, r: Rows):
@@ -256,6 +263,9 @@ class RowMerge(_RowParts):
 
     def _whole(self) -> List[Tensor]:
         return [self.out[0], self.lse]
+
+    def _fresh(self) -> List[Tensor]:
+        return super()._fresh() + [self.empty(self.lse.shape, dtype=self.lse.dtype, device=self.device)]
 
     def add(self, r: Rows, part_out: Tensor, part_lse: Tensor) -> None:
         self._part_lse = part_lse, r[0]  # read by _first and _merge for the groups of this part
