@@ -10,6 +10,7 @@ the sequence.
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -26,10 +27,38 @@ class Undecided(Exception):
 
 @dataclass(frozen=True)
 class Range:
-    """All values a scalar may take lie in [lo, hi] (bools as False < True)."""
+    """All values a scalar may take lie in [lo, hi] (bools as False < True). ``lo`` and ``hi``
+    are numbers, or broadcastable tensors of them: one range per element (``tile_ranges``)."""
 
-    lo: float
-    hi: float
+    lo: object
+    hi: object
+
+
+# The rules below take numbers or tensors alike; these few helpers are where the two differ.
+def _select(c, x, y):
+    return torch.where(c, x, y) if isinstance(c, torch.Tensor) else (x if c else y)
+
+
+def _map(number_fn, tensor_fn, x):
+    return tensor_fn(x) if isinstance(x, torch.Tensor) else number_fn(x)
+
+
+def _minimum(x, y):
+    return _select(x <= y, x, y)
+
+
+def _maximum(x, y):
+    return _select(x >= y, x, y)
+
+
+def _negate(x):
+    return ~x if isinstance(x, torch.Tensor) else not x
+
+
+def _undecided_if(condition, why: str) -> None:
+    """Give up where ``condition`` holds (for any element)."""
+    if condition.any() if isinstance(condition, torch.Tensor) else condition:
+        raise Undecided(why)
 
 
 def _as_range(x) -> Range:
@@ -44,7 +73,7 @@ def _as_range(x) -> Range:
 
 def _corners(op, a: Range, b: Range) -> Range:
     values = [op(x, y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
-    return Range(min(values), max(values))
+    return Range(functools.reduce(_minimum, values), functools.reduce(_maximum, values))
 
 
 def _add(a, b):
@@ -56,26 +85,20 @@ def _sub(a, b):
 
 
 def _floordiv(a, b):
-    if b.lo <= 0 <= b.hi:
-        raise Undecided("division by a range that holds 0")
-    return _corners(lambda x, y: x // y, a, b)
+    _undecided_if((b.lo <= 0) & (b.hi >= 0), "division by a range that holds 0")
+    return _corners(operator.floordiv, a, b)
 
 
 def _remainder(a, b):
-    if b.lo != b.hi or b.lo <= 0:
-        raise Undecided("remainder by a range")
+    _undecided_if((b.lo != b.hi) | (b.lo <= 0), "remainder by a range")
     m = b.lo
-    if math.floor(a.lo / m) == math.floor(a.hi / m):
-        return Range(a.lo % m, a.hi % m)
-    return Range(0, m - 1) if isinstance(m, int) else Range(0, m)
+    within = a.lo // m == a.hi // m  # no multiple of m between them
+    top = m - 1 if isinstance(m, int) else m
+    return Range(_select(within, a.lo % m, 0), _select(within, a.hi % m, top))
 
 
 def _abs(a):
-    if a.lo >= 0:
-        return a
-    if a.hi <= 0:
-        return Range(-a.hi, -a.lo)
-    return Range(0, max(-a.lo, a.hi))
+    return Range(_select(a.lo >= 0, a.lo, _select(a.hi <= 0, -a.hi, 0)), _maximum(-a.lo, a.hi))
 
 
 def _compare(strict, flip=False):
@@ -84,39 +107,40 @@ def _compare(strict, flip=False):
         if flip:
             a, b = b, a
         less = operator.lt if strict else operator.le
-        return Range(bool(less(a.hi, b.lo)), bool(less(a.lo, b.hi)))
+        return Range(less(a.hi, b.lo), less(a.lo, b.hi))
     return rule
 
 
 def _eq(a, b):
-    if a.lo == a.hi == b.lo == b.hi:
-        return Range(True, True)
-    return Range(False, not (a.hi < b.lo or b.hi < a.lo))
+    return Range((a.lo == a.hi) & (b.lo == b.hi) & (a.lo == b.lo), _negate((a.hi < b.lo) | (b.hi < a.lo)))
 
 
 def _ne(a, b):
     e = _eq(a, b)
-    return Range(not e.hi, not e.lo)
+    return Range(_negate(e.hi), _negate(e.lo))
+
+
+def _truth(x):
+    if isinstance(x, torch.Tensor):
+        return x if x.dtype == torch.bool else x != 0
+    return bool(x)
 
 
 def _and(a, b):
-    return Range(bool(a.lo and b.lo), bool(a.hi and b.hi))
+    return Range(_truth(a.lo) & _truth(b.lo), _truth(a.hi) & _truth(b.hi))
 
 
 def _or(a, b):
-    return Range(bool(a.lo or b.lo), bool(a.hi or b.hi))
+    return Range(_truth(a.lo) | _truth(b.lo), _truth(a.hi) | _truth(b.hi))
 
 
 def _not(a):
-    return Range(not a.hi, not a.lo)
+    return Range(_negate(_truth(a.hi)), _negate(_truth(a.lo)))
 
 
 def _where(c, x, y):
-    if c.lo:
-        return x
-    if not c.hi:
-        return y
-    return Range(min(x.lo, y.lo), max(x.hi, y.hi))
+    either = Range(_minimum(x.lo, y.lo), _maximum(x.hi, y.hi))
+    return Range(_select(c.lo, x.lo, _select(c.hi, either.lo, y.lo)), _select(c.lo, x.hi, _select(c.hi, either.hi, y.hi)))
 
 
 def _index(table, indices):
@@ -124,20 +148,42 @@ def _index(table, indices):
     if not isinstance(table, torch.Tensor) or table.dim() != 1 or len(indices) != 1 or indices[0] is None:
         raise Undecided("lookup other than a 1-D table indexed once")
     i = _as_range(indices[0])
+    if isinstance(i.lo, torch.Tensor) or isinstance(i.hi, torch.Tensor):
+        return _lookups(table, i)
     lo, hi = max(0, int(i.lo)), min(table.numel() - 1, int(i.hi))
     if lo > hi or i.lo < 0:
         raise Undecided("lookup out of range or with negative indices")
-    part = table[lo:hi + 1]
-    both = torch.stack([part.min(), part.max()]).tolist()
-    return Range(*both)
+    return Range(*torch.stack([table[lo:hi + 1].min(), table[lo:hi + 1].max()]).tolist())
 
 
-def _monotone(fn, lowest=-math.inf):
+_MAX_LOOKUPS = 1 << 24  # table entries read at once for ranges held in tensors
+
+
+def _lookups(table: torch.Tensor, i: Range) -> Range:
+    """``_index`` for ranges held in tensors: every entry of each range read (a range of a
+    query's own position is one entry; of a tile of keys, the tile's). A range that reaches
+    outside the table may take any of its values (negative indices count from its end), which
+    spares the GPU a check the host would wait for."""
+    n = table.numel()
+    lo, hi = torch.as_tensor(i.lo).long(), torch.as_tensor(i.hi).long()
+    outside = (lo < 0) | (hi >= n) | (hi < lo)
+    lo, hi = torch.broadcast_tensors(lo.clamp(0, n - 1), hi.clamp(0, n - 1))
+    if i.lo is i.hi:  # one entry per range
+        entries = table[lo].unsqueeze(-1)
+    else:
+        width = int((hi - lo).max()) + 1
+        if lo.numel() * width > _MAX_LOOKUPS:
+            raise Undecided("lookups over ranges too long to read")
+        entries = table[torch.minimum(lo.unsqueeze(-1) + torch.arange(width, device=lo.device), hi.unsqueeze(-1))]
+    return Range(torch.where(outside, table.min(), entries.amin(-1)), torch.where(outside, table.max(), entries.amax(-1)))
+
+
+def _monotone(fn, tensor_fn, lowest=-math.inf):
     """An increasing function, defined above ``lowest``."""
     def rule(a):
-        if a.lo < lowest:
-            raise Undecided(f"{fn.__name__} of a range reaching below its domain")
-        return Range(fn(a.lo), fn(a.hi))
+        _undecided_if(a.lo < lowest, f"{fn.__name__} of a range reaching below its domain")
+        exact = lambda t: tensor_fn(t.double())  # noqa: E731  (positions as large as 2**24 stay exact)
+        return Range(_map(fn, exact, a.lo), _map(fn, exact, a.hi))
     return rule
 
 
@@ -146,28 +192,29 @@ def _cast(a: Range, dtype: torch.dtype) -> Range:
         return _ne(a, Range(0, 0))
     if dtype.is_floating_point:
         return a
-    return Range(math.trunc(a.lo), math.trunc(a.hi))  # truncation is monotone
+    return Range(_map(math.trunc, torch.trunc, a.lo), _map(math.trunc, torch.trunc, a.hi))  # monotone
 
 
 def _div(a, b):
-    if b.lo <= 0 <= b.hi:
-        raise Undecided("division by a range that holds 0")
+    _undecided_if((b.lo <= 0) & (b.hi >= 0), "division by a range that holds 0")
     return _corners(operator.truediv, a, b)
 
 
 _BINARY = {
     "add": _add, "sub": _sub, "mul": lambda a, b: _corners(operator.mul, a, b), "div": _div,
     "floordiv": _floordiv, "mod": _remainder,
-    "minimum": lambda a, b: Range(min(a.lo, b.lo), min(a.hi, b.hi)),
-    "maximum": lambda a, b: Range(max(a.lo, b.lo), max(a.hi, b.hi)),
+    "minimum": lambda a, b: Range(_minimum(a.lo, b.lo), _minimum(a.hi, b.hi)),
+    "maximum": lambda a, b: Range(_maximum(a.lo, b.lo), _maximum(a.hi, b.hi)),
     "lt": _compare(True), "le": _compare(False), "gt": _compare(True, flip=True), "ge": _compare(False, flip=True),
     "eq": _eq, "ne": _ne, "and": _and, "or": _or,
 }
 _UNARY = {
-    "abs": _abs, "neg": lambda a: Range(-a.hi, -a.lo), "not": _not, "floor": _monotone(math.floor),
-    "exp": _monotone(math.exp), "tanh": _monotone(math.tanh),
-    "sigmoid": _monotone(lambda x: 1 / (1 + math.exp(-x)) if x > -700 else 0.0),
-    "sqrt": _monotone(math.sqrt, lowest=0), "log": _monotone(lambda x: math.log(x) if x > 0 else -math.inf, lowest=0),
+    "abs": _abs, "neg": lambda a: Range(-a.hi, -a.lo), "not": _not,
+    "floor": _monotone(math.floor, torch.floor), "exp": _monotone(math.exp, torch.exp),
+    "tanh": _monotone(math.tanh, torch.tanh),
+    "sigmoid": _monotone(lambda x: 1 / (1 + math.exp(-x)) if x > -700 else 0.0, torch.sigmoid),
+    "sqrt": _monotone(math.sqrt, torch.sqrt, lowest=0),
+    "log": _monotone(lambda x: math.log(x) if x > 0 else -math.inf, torch.log, lowest=0),
 }
 
 
@@ -225,3 +272,19 @@ def block_decider(mask_mod: Callable, batch: int, heads: int, device=None) -> Op
         return None
 
     return decide
+
+
+def tile_ranges(graph, q_positions: torch.Tensor, kv_first: torch.Tensor, kv_last: torch.Tensor):
+    """For every query position and every range ``kv_first[j]..kv_last[j]`` of key positions at
+    once: whether the mask holds for all of the keys (``lo``) and for some (``hi``), as
+    [len(q_positions), len(kv_first)] bools; None where the ranges cannot decide an op. For
+    masks that depend on neither batch nor head (both taken as 0)."""
+    q, shape = q_positions.view(-1, 1), (len(q_positions), len(kv_first))
+    env = {"b": Range(0, 0), "h": Range(0, 0), "q_idx": Range(q, q),
+           "kv_idx": Range(kv_first.view(1, -1), kv_last.view(1, -1))}
+    tables = {id(n): n.value for n in graph.nodes if n.op == "tensor"}
+    try:
+        result = _cast(_ranges(graph, env, tables), torch.bool)
+    except Undecided:
+        return None
+    return tuple(torch.as_tensor(x, device=q.device).expand(shape) for x in (result.lo, result.hi))

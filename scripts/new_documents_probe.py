@@ -25,12 +25,17 @@ from ringflex.parallel.ring import widened
 from ringflex.plan import keys_read, plan_hops
 
 
-def rank_one_hops(mask_mod, seq_len: int, heads: int, kernel, q, dout, own, previous):
-    """Forward and backward of rank 1's hops under ``mask_mod``."""
-    local = seq_len // 2
+def rank_one_plan(mask_mod, seq_len: int, heads: int, kernel, device):
+    """Rank 1's hops under ``mask_mod``, planned as the ring plans them (the kernel's exact plans included)."""
     q_segs = layouts.segments("contiguous", seq_len, 2, 1)
     kv_segs = [layouts.segments("contiguous", seq_len, 2, rank) for rank in (1, 0)]
-    schedule = plan_hops(mask_mod, False, 1, heads, q_segs, kv_segs, q.device, 1024, kernel)
+    return plan_hops(mask_mod, False, 1, heads, q_segs, kv_segs, device, 1024, kernel)
+
+
+def rank_one_hops(mask_mod, seq_len: int, heads: int, kernel, q, dout, own, previous, schedule=None):
+    """Forward and backward of rank 1's hops under ``mask_mod``."""
+    local = seq_len // 2
+    schedule = schedule or rank_one_plan(mask_mod, seq_len, heads, kernel, q.device)
     lo, hi = widened(keys_read(schedule, 2)[1], local)
     held = [own, [t[:, :, lo:hi].contiguous() for t in previous]]  # as the ring holds them
     offsets = [0, lo]
@@ -47,12 +52,40 @@ def rank_one_hops(mask_mod, seq_len: int, heads: int, kernel, q, dout, own, prev
                         rows(dout, hop.q_rows), hop.q_seg, hop.kv_seg, m, scale, True)
 
 
+def profile_new_batches(args, kernel, q, dout, own, previous) -> None:
+    """Planning (synchronised) and the hops apart over new batches, then a cProfile of both."""
+    import cProfile
+    import pstats
+    masks = [make_mods("documents", args.seq_len, q.device, 0, args.doc_len, seed=10_000 + i)[1]
+             for i in range(2 * args.profile)]
+    planning = hops = 0.0
+    for mask in masks[:args.profile]:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        schedule = rank_one_plan(mask, args.seq_len, args.heads, kernel, q.device)
+        torch.cuda.synchronize()
+        middle = time.perf_counter()
+        rank_one_hops(mask, args.seq_len, args.heads, kernel, q, dout, own, previous, schedule)
+        torch.cuda.synchronize()
+        planning, hops = planning + middle - start, hops + time.perf_counter() - middle
+    print(f"new batches: planning {1e3 * planning / args.profile:.1f} ms, hops {1e3 * hops / args.profile:.1f} ms "
+          f"per fwd+bwd", flush=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for mask in masks[args.profile:]:
+        rank_one_hops(mask, args.seq_len, args.heads, kernel, q, dout, own, previous)
+        torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--doc-len", type=int, default=4096)
     p.add_argument("--calls", type=int, default=150)
     p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--profile", type=int, default=0, help="then so many more new batches: planning apart, and a cProfile")
     args = p.parse_args()
     dev = torch.device("cuda")
     local = args.seq_len // 2
@@ -71,6 +104,8 @@ def main():
         if i in marks:
             print(f"after {i} new batches: {len(built)} cuDNN graphs built; last 10 calls {1e3 * sum(times[-10:]) / 10:.1f} ms "
                   f"per fwd+bwd (planning included)", flush=True)
+    if args.profile:
+        profile_new_batches(args, kernel, q, dout, (k, v), (k0, v0))
     fixed = masks[-1]
     for _ in range(3):
         rank_one_hops(fixed, args.seq_len, args.heads, kernel, q, dout, (k, v), (k0, v0))

@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from ..parallel.merge import RowMerge, RowSum, rows
-from ..plan import BlockKind, Segment, around, block_kinds, evaluate_mask
+from ..extents import row_extents
+from ..plan import BlockKind, Segment, around, block_kinds
 from ..trace import ModGraph, Node, UnsupportedModError, diagonal_band, evaluate, score_grad, trace_mask_mod, trace_score_mod
 from . import _warn_once
 from .base import Extent, Mods
@@ -721,8 +722,7 @@ def exact_runs(mods: Mods, mask: ModGraph, q_seg: Segment, kv_seg: Segment, devi
     key = _plan_key(mask, "exact", q_seg, kv_seg, str(device))
     if key in _PLANS:
         return _PLANS[key]
-    allowed = evaluate_mask(mods.mask_mod, 1, 1, q_seg.positions(device), kv_seg.positions(device))[0, 0]
-    extents = _row_extents(allowed)
+    extents = row_extents(mods.mask_mod, mask, q_seg, kv_seg, device)
     first = extents[0]
     starts = torch.nonzero(torch.diff(first, prepend=first.new_full((1,), -2))).flatten().tolist()
     runs = None
@@ -733,23 +733,8 @@ def exact_runs(mods: Mods, mask: ModGraph, q_seg: Segment, kv_seg: Segment, devi
     return _remember(_PLANS, key, runs, _MAX_PLANS)
 
 
-def _row_extents(allowed: Tensor) -> Tensor:
-    """Per query row of a block's mask, on the host (one copy, whatever the block): its first
-    and last visible key (-1 where it sees none), the end of the run of keys it sees from its
-    first one, and how many keys it sees. The exact plan needs nothing else, so planning a new
-    mask waits for the GPU once per block."""
-    cols = allowed.shape[1]
-    as_bytes = allowed.contiguous().view(torch.uint8)  # argmax takes no bools; a view, not a copy
-    visible = allowed.any(1)
-    first = torch.where(visible, as_bytes.argmax(1), -1)
-    last = torch.where(visible, cols - 1 - as_bytes.flip(1).argmax(1), -1)
-    hidden = ~allowed & (torch.arange(cols, device=allowed.device) >= first.unsqueeze(1))
-    run_end = torch.where(hidden.any(1), hidden.view(torch.uint8).argmax(1), cols)
-    return torch.stack([first, last, run_end, allowed.sum(1)]).cpu()
-
-
 def _group_runs(extents: Tensor, r0: int) -> List[_Run]:
-    """Runs for the rows from r0 on that ``extents`` (``_row_extents``) describe, which all
+    """Runs for the rows from r0 on that ``extents`` (``extents.row_extents``) describe, which all
     see their first key at the same c0: native band calls where the rows' keys form a band (a
     document that began in an earlier block: every key from c0 to the diagonal, see
     ``band_runs``), else the leading keys all of them see unmasked, then the rest as a native

@@ -1,0 +1,98 @@
+"""Per query row of a block, which keys its mask shows it: what the cuDNN kernel's exact plan
+(``kernels.cudnn.exact_runs``) is made from.
+
+Evaluating a mask on every pair of a block takes a pass over rows x keys per op: on an H100,
+2 ms for an 8192 x 8192 block, and 26 ms per ring call over 64k tokens of packed documents
+that are new at every step. Most of a block lies in tiles of keys that the mask's formula
+settles from ranges (``bounds.tile_ranges``): every key visible to a row, or none. Only the
+tiles it leaves open (a diagonal, a document's edge) are evaluated pair by pair.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .bounds import tile_ranges
+from .plan import Segment, evaluate_mask
+from .trace import ModGraph
+
+TILE = 128  # keys per tile
+_OPEN_SHARE = 4  # beyond 1 / this of the tiles left open, one dense pass over the block costs less
+# Blocks of up to this many pairs are evaluated whole: on a GPU one pass over them costs less
+# than the hundred-odd small kernels of the tiles (H100, packed documents: 8192 x 8192 keys
+# 2.0 ms whole against 2.8 ms in tiles; 16384 x 16384 keys 6.6 against 2.4 ms).
+_DENSE_AREA = 1 << 26
+
+
+def row_extents(mask_mod: Callable, mask: ModGraph, q_seg: Segment, kv_seg: Segment, device) -> Tensor:
+    """Per query row, on the host: its first and last visible key (-1 where it sees none), the
+    end of the run of keys it sees from its first one, and how many keys it sees ([4, rows],
+    local key indices). For masks that depend on neither batch nor head. Planning a new mask
+    waits for the GPU, up to three times."""
+    q = q_seg.positions(device)
+    tiled = _tiled(mask_mod, mask, q, kv_seg) if q_seg.length * kv_seg.length > _DENSE_AREA else None
+    return tiled if tiled is not None else dense_row_extents(evaluate_mask(mask_mod, 1, 1, q, kv_seg.positions(device))[0, 0])
+
+
+def _tiled(mask_mod: Callable, mask: ModGraph, q: Tensor, kv_seg: Segment) -> Optional[Tensor]:
+    """``row_extents`` from tiles of keys, None where too few of them are settled."""
+    cols = kv_seg.length
+    starts = torch.arange(0, cols, TILE, device=q.device)
+    ends = (starts + TILE).clamp(max=cols)
+    settled = tile_ranges(mask, q, _positions(kv_seg, starts), _positions(kv_seg, ends - 1))
+    if settled is None:
+        return None
+    full, some = settled
+    rows, tiles = (some & ~full).nonzero(as_tuple=True)
+    if len(rows) * _OPEN_SHARE > full.numel():
+        return None
+    # the open tiles, pair by pair: key columns past the block's end are neither seen nor hidden
+    open_cols = starts[tiles].view(-1, 1) + torch.arange(TILE, device=q.device)
+    inside = open_cols < cols
+    seen = _pairs(mask_mod, q[rows].view(-1, 1), _positions(kv_seg, open_cols.clamp(max=cols - 1))) & inside
+
+    def per_row(settled_tiles: Tensor, open_tiles: Tensor, reduce: str) -> Tensor:
+        """Per row, ``settled_tiles`` (one value per row) reduced with ``open_tiles`` (one per open tile)."""
+        return settled_tiles.scatter_reduce(0, rows, open_tiles, reduce)
+
+    any_seen, tile_start = seen.any(1), open_cols[:, 0]
+    count = per_row(torch.where(full, ends - starts, 0).sum(1), seen.sum(1), "sum")
+    first = per_row(torch.where(full, starts, cols).amin(1), torch.where(any_seen, tile_start + _first(seen), cols), "amin")
+    first = torch.where(count > 0, first, -1)
+    last = per_row(torch.where(full, ends - 1, -1).amax(1),
+                   torch.where(any_seen, tile_start + TILE - 1 - _first(seen.flip(1)), -1), "amax")
+    # the first key from ``first`` on that the row does not see: in a tile it sees none of, or an open one
+    hidden = ~seen & inside & (open_cols >= first[rows].view(-1, 1))
+    run_end = per_row(torch.where(~some & (starts >= first.view(-1, 1)), starts, cols).amin(1),
+                      torch.where(hidden.any(1), tile_start + _first(hidden), cols), "amin")
+    return torch.stack([first, last, run_end, count]).cpu()
+
+
+def dense_row_extents(allowed: Tensor) -> Tensor:
+    """``row_extents`` from a block's whole [rows, keys] mask."""
+    cols = allowed.shape[1]
+    as_bytes = allowed.contiguous().view(torch.uint8)  # argmax takes no bools; a view, not a copy
+    visible = allowed.any(1)
+    first = torch.where(visible, as_bytes.argmax(1), -1)
+    last = torch.where(visible, cols - 1 - as_bytes.flip(1).argmax(1), -1)
+    hidden = ~allowed & (torch.arange(cols, device=allowed.device) >= first.unsqueeze(1))
+    run_end = torch.where(hidden.any(1), hidden.view(torch.uint8).argmax(1), cols)
+    return torch.stack([first, last, run_end, allowed.sum(1)]).cpu()
+
+
+def _positions(seg: Segment, local: Tensor) -> Tensor:
+    return (seg.start + seg.stride * local).int()
+
+
+def _first(bits: Tensor) -> Tensor:
+    """Index of the first True in each row of ``bits`` (0 where none)."""
+    return bits.view(torch.uint8).argmax(1)
+
+
+def _pairs(mask_mod: Callable, q: Tensor, kv: Tensor) -> Tensor:
+    """The mask at the pairs of broadcastable ``q`` and ``kv`` positions (batch and head 0)."""
+    zero = torch.zeros((), dtype=torch.int32, device=q.device)
+    allowed = torch.as_tensor(mask_mod(zero, zero, q, kv), device=q.device)
+    return (allowed if allowed.dtype == torch.bool else allowed != 0).expand(torch.broadcast_shapes(q.shape, kv.shape))

@@ -1,0 +1,75 @@
+"""Row extents from tiles of keys (``ringflex.extents``) against the whole mask evaluated."""
+import random
+
+import pytest
+import torch
+
+from ringflex import extents, mods
+from ringflex.bounds import tile_ranges
+from ringflex.plan import Segment, evaluate_mask
+from ringflex.trace import trace_mask_mod
+
+IDS = mods.document_ids([5, 11, 3, 13, 300, 1, 200, 90, 400, 2000])
+MASKS = {
+    "causal": mods.causal,
+    "documents": mods.document(IDS),
+    "documents_bidirectional": mods.document(IDS, causal_within=False),
+    "window": mods.sliding_window(7),
+    "wide_window": mods.sliding_window(300),
+    "prefix": mods.prefix_lm(90),
+    "image": mods.image_neighbourhood(16, 32, 2),
+    "late_queries": lambda b, h, q, kv: (q >= 300) & (kv <= q),
+    "sparse_rows": lambda b, h, q, kv: (q % 5 != 0) & (kv <= q),
+    "flamingo": lambda b, h, q, kv: kv // 64 == q // 128,
+    "where": lambda b, h, q, kv: torch.where(q > 200, kv <= q, (q - kv).abs() < 50),
+    "decay": lambda b, h, q, kv: torch.exp((kv - q).abs() * -0.05) > 0.1,
+    "checkerboard": lambda b, h, q, kv: (q + kv) % 2 == 0,  # leaves every tile open: one dense pass
+    "shifted_lookup": lambda b, h, q, kv: IDS[q - 40] == IDS[kv],  # negative indices count from the end
+}
+
+
+@pytest.fixture(autouse=True)
+def tiles_for_every_block(monkeypatch):
+    monkeypatch.setattr(extents, "_DENSE_AREA", 0)
+
+
+def _dense(mask_mod, q_seg, kv_seg):
+    return extents.dense_row_extents(evaluate_mask(mask_mod, 1, 1, q_seg.positions(), kv_seg.positions())[0, 0])
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_row_extents_match_the_whole_mask(name):
+    mask_mod, rng = MASKS[name], random.Random(name)
+    mask = trace_mask_mod(mask_mod)
+    for _ in range(12):
+        stride = rng.choice([1, 1, 2, 3])
+        q_seg = Segment(rng.randrange(0, 500), stride, rng.randrange(1, 400))
+        kv_seg = Segment(rng.randrange(0, 500), stride if rng.random() < 0.7 else 1, rng.randrange(1, 600))
+        assert torch.equal(extents.row_extents(mask_mod, mask, q_seg, kv_seg, "cpu"), _dense(mask_mod, q_seg, kv_seg)), \
+            (q_seg, kv_seg)
+
+
+@pytest.mark.parametrize("name", ["causal", "documents", "wide_window", "prefix", "late_queries"])
+def test_common_masks_are_not_evaluated_on_every_pair(name, monkeypatch):
+    """A long block of the common masks: only the tiles its formula leaves open are evaluated."""
+    mask_mod, q_seg, kv_seg = MASKS[name], Segment(1024, 1, 1024), Segment(0, 1, 2048)
+    expected = _dense(mask_mod, q_seg, kv_seg)
+    evaluated = []
+    monkeypatch.setattr(extents, "evaluate_mask", lambda *a: evaluated.append(a) or evaluate_mask(*a))
+    assert torch.equal(extents.row_extents(mask_mod, trace_mask_mod(mask_mod), q_seg, kv_seg, "cpu"), expected)
+    assert not evaluated
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_tile_ranges_are_sound(name):
+    """Where ``tile_ranges`` says every key of a tile is visible (or none), the mask agrees."""
+    mask_mod = MASKS[name]
+    q = torch.arange(3, 700, 7, dtype=torch.int32)
+    first = torch.arange(0, 690, 23, dtype=torch.int32)
+    last = first + torch.arange(len(first), dtype=torch.int32) % 5 * 4  # tiles of 1 to 17 keys
+    ranges = tile_ranges(trace_mask_mod(mask_mod), q, first, last)
+    assert ranges is not None
+    every, some = ranges
+    for j, (a, b) in enumerate(zip(first.tolist(), last.tolist())):
+        tile = evaluate_mask(mask_mod, 1, 1, q, torch.arange(a, b + 1, dtype=torch.int32))[0, 0]
+        assert not (every[:, j] & ~tile.all(1)).any() and not (~some[:, j] & tile.any(1)).any(), (a, b)
