@@ -24,16 +24,20 @@ _OPEN_SHARE = 4  # beyond 1 / this of the tiles left open, one dense pass over t
 # than the hundred-odd small kernels of the tiles (H100, packed documents: 8192 x 8192 keys
 # 2.0 ms whole against 2.8 ms in tiles; 16384 x 16384 keys 6.6 against 2.4 ms).
 _DENSE_AREA = 1 << 26
+_MAX_DENSE = 1 << 28  # mask elements evaluated at once; a larger block with too few settled tiles has no extents
 
 
-def row_extents(mask_mod: Callable, mask: ModGraph, q_seg: Segment, kv_seg: Segment, device) -> Tensor:
+def row_extents(mask_mod: Callable, mask: ModGraph, q_seg: Segment, kv_seg: Segment, device) -> Optional[Tensor]:
     """Per query row, on the host: its first and last visible key (-1 where it sees none), the
     end of the run of keys it sees from its first one, and how many keys it sees ([4, rows],
-    local key indices). For masks that depend on neither batch nor head. Planning a new mask
-    waits for the GPU, up to three times."""
-    q = q_seg.positions(device)
-    tiled = _tiled(mask_mod, mask, q, kv_seg) if q_seg.length * kv_seg.length > _DENSE_AREA else None
-    return tiled if tiled is not None else dense_row_extents(evaluate_mask(mask_mod, 1, 1, q, kv_seg.positions(device))[0, 0])
+    local key indices), or None for a block too large to evaluate whole whose tiles the mask's
+    formula does not settle. For masks that depend on neither batch nor head. Planning a new
+    mask waits for the GPU, up to three times."""
+    q, area = q_seg.positions(device), q_seg.length * kv_seg.length
+    tiled = _tiled(mask_mod, mask, q, kv_seg) if area > _DENSE_AREA else None
+    if tiled is not None or area > _MAX_DENSE:
+        return tiled
+    return dense_row_extents(evaluate_mask(mask_mod, 1, 1, q, kv_seg.positions(device))[0, 0])
 
 
 def _tiled(mask_mod: Callable, mask: ModGraph, q: Tensor, kv_seg: Segment) -> Optional[Tensor]:

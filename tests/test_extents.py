@@ -73,3 +73,12 @@ def test_tile_ranges_are_sound(name):
     for j, (a, b) in enumerate(zip(first.tolist(), last.tolist())):
         tile = evaluate_mask(mask_mod, 1, 1, q, torch.arange(a, b + 1, dtype=torch.int32))[0, 0]
         assert not (every[:, j] & ~tile.all(1)).any() and not (~some[:, j] & tile.any(1)).any(), (a, b)
+
+
+def test_a_block_too_large_to_evaluate_whole_has_extents_only_from_its_tiles(monkeypatch):
+    monkeypatch.setattr(extents, "_MAX_DENSE", 1024 * 1024 - 1)
+    q_seg = kv_seg = Segment(0, 1, 1024)
+    settled, unsettled = MASKS["causal"], MASKS["checkerboard"]
+    assert torch.equal(extents.row_extents(settled, trace_mask_mod(settled), q_seg, kv_seg, "cpu"),
+                       _dense(settled, q_seg, kv_seg))
+    assert extents.row_extents(unsettled, trace_mask_mod(unsettled), q_seg, kv_seg, "cpu") is None

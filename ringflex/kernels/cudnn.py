@@ -709,28 +709,34 @@ def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segmen
 
 
 _MAX_GROUPS = 16  # beyond this many row groups the exact plan costs more host time than it saves
-_MAX_EXACT = 1 << 28  # mask elements the exact plan may evaluate at once
 
 
 def exact_runs(mods: Mods, mask: ModGraph, q_seg: Segment, kv_seg: Segment, device) -> Optional[List[_Run]]:
     """The block from its exact mask, for masks that are the same for every batch and head:
     query rows grouped by their first visible key (a packed document, say); in each group the
     keys every row sees run unmasked, and the rest with cuDNN's native band mask where the mask
-    is a band there (causal inside a document), else masked. None where that is too fragmented."""
-    if mask.deps & {"b", "h"} or q_seg.length * kv_seg.length > _MAX_EXACT:
+    is a band there (causal inside a document), else masked. None where that is too fragmented
+    (or too large to evaluate: ``extents.row_extents``)."""
+    if mask.deps & {"b", "h"}:
         return None
     key = _plan_key(mask, "exact", q_seg, kv_seg, str(device))
     if key in _PLANS:
         return _PLANS[key]
     extents = row_extents(mods.mask_mod, mask, q_seg, kv_seg, device)
+    return _remember(_PLANS, key, None if extents is None else _grouped_runs(extents), _MAX_PLANS)
+
+
+def _grouped_runs(extents: Tensor) -> Optional[List[_Run]]:
+    """The runs of a block from its ``extents.row_extents``: one group of rows per first
+    visible key, or None beyond ``_MAX_GROUPS`` of them."""
     first = extents[0]
     starts = torch.nonzero(torch.diff(first, prepend=first.new_full((1,), -2))).flatten().tolist()
-    runs = None
-    if len(starts) <= 2 * _MAX_GROUPS:
-        groups = [(r0, r1) for r0, r1 in zip(starts, starts[1:] + [q_seg.length]) if first[r0] >= 0]
-        if len(groups) <= _MAX_GROUPS:
-            runs = [run for r0, r1 in groups for run in _group_runs(extents[:, r0:r1], r0)]
-    return _remember(_PLANS, key, runs, _MAX_PLANS)
+    if len(starts) > 2 * _MAX_GROUPS:
+        return None
+    groups = [(r0, r1) for r0, r1 in zip(starts, starts[1:] + [len(first)]) if first[r0] >= 0]
+    if len(groups) > _MAX_GROUPS:
+        return None
+    return [run for r0, r1 in groups for run in _group_runs(extents[:, r0:r1], r0)]
 
 
 def _group_runs(extents: Tensor, r0: int) -> List[_Run]:
