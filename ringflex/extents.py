@@ -24,7 +24,8 @@ _OPEN_SHARE = 4  # beyond 1 / this of the tiles left open, one dense pass over t
 # than the hundred-odd small kernels of the tiles (H100, packed documents: 8192 x 8192 keys
 # 2.0 ms whole against 2.8 ms in tiles; 16384 x 16384 keys 6.6 against 2.4 ms).
 _DENSE_AREA = 1 << 26
-_MAX_DENSE = 1 << 28  # mask elements evaluated at once; a larger block with too few settled tiles has no extents
+_MAX_DENSE = 1 << 28  # pairs evaluated at once: whole blocks, or open tiles
+_MAX_TILES = 1 << 24  # (query, tile) pairs ranged at once (64k x 32k keys: 2**24)
 
 
 def row_extents(mask_mod: Callable, mask: ModGraph, q_seg: Segment, kv_seg: Segment, device) -> Optional[Tensor]:
@@ -41,8 +42,11 @@ def row_extents(mask_mod: Callable, mask: ModGraph, q_seg: Segment, kv_seg: Segm
 
 
 def _tiled(mask_mod: Callable, mask: ModGraph, q: Tensor, kv_seg: Segment) -> Optional[Tensor]:
-    """``row_extents`` from tiles of keys, None where too few of them are settled."""
+    """``row_extents`` from tiles of keys, None where too few of them are settled (or too many
+    to range at once)."""
     cols = kv_seg.length
+    if len(q) * -(-cols // TILE) > _MAX_TILES:
+        return None
     starts = torch.arange(0, cols, TILE, device=q.device)
     ends = (starts + TILE).clamp(max=cols)
     settled = tile_ranges(mask, q, _positions(kv_seg, starts), _positions(kv_seg, ends - 1))
@@ -50,7 +54,7 @@ def _tiled(mask_mod: Callable, mask: ModGraph, q: Tensor, kv_seg: Segment) -> Op
         return None
     full, some = settled
     rows, tiles = (some & ~full).nonzero(as_tuple=True)
-    if len(rows) * _OPEN_SHARE > full.numel():
+    if len(rows) * _OPEN_SHARE > full.numel() or len(rows) * TILE > _MAX_DENSE:
         return None
     # the open tiles, pair by pair: key columns past the block's end are neither seen nor hidden
     open_cols = starts[tiles].view(-1, 1) + torch.arange(TILE, device=q.device)

@@ -82,3 +82,5 @@ def test_a_block_too_large_to_evaluate_whole_has_extents_only_from_its_tiles(mon
     assert torch.equal(extents.row_extents(settled, trace_mask_mod(settled), q_seg, kv_seg, "cpu"),
                        _dense(settled, q_seg, kv_seg))
     assert extents.row_extents(unsettled, trace_mask_mod(unsettled), q_seg, kv_seg, "cpu") is None
+    monkeypatch.setattr(extents, "_MAX_TILES", 1023 * 8)  # 1024 queries x 8 tiles: too many to range at once
+    assert extents.row_extents(settled, trace_mask_mod(settled), q_seg, kv_seg, "cpu") is None
