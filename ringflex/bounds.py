@@ -7,6 +7,10 @@ the ranges cannot decide (an op without a rule, a range that straddles the answe
 None, and the planner evaluates the block densely, so the answer is always exact. Causal,
 sliding-window, prefix-LM, document and 2-D masks are decided in microseconds however long
 the sequence.
+
+The same rules run on tensors of ranges (``tile_ranges``): every query of a block against
+every tile of its keys at once, which tells the cuDNN kernel's exact plan which tiles it need
+not evaluate pair by pair (``ringflex.extents``).
 """
 from __future__ import annotations
 
@@ -181,7 +185,8 @@ def _lookups(table: torch.Tensor, i: Range) -> Range:
 def _monotone(fn, tensor_fn, lowest=-math.inf):
     """An increasing function, defined above ``lowest``."""
     def rule(a):
-        _undecided_if(a.lo < lowest, f"{fn.__name__} of a range reaching below its domain")
+        if lowest > -math.inf:
+            _undecided_if(a.lo < lowest, f"{fn.__name__} of a range reaching below its domain")
         exact = lambda t: tensor_fn(t.double())  # noqa: E731  (positions as large as 2**24 stay exact)
         return Range(_map(fn, exact, a.lo), _map(fn, exact, a.hi))
     return rule
@@ -284,7 +289,9 @@ def tile_ranges(graph, q_positions: torch.Tensor, kv_first: torch.Tensor, kv_las
            "kv_idx": Range(kv_first.view(1, -1), kv_last.view(1, -1))}
     tables = {id(n): n.value for n in graph.nodes if n.op == "tensor"}
     try:
-        result = _cast(_ranges(graph, env, tables), torch.bool)
+        result = _ranges(graph, env, tables)
+        if not all(isinstance(x, bool) or getattr(x, "dtype", None) == torch.bool for x in (result.lo, result.hi)):
+            result = _cast(result, torch.bool)
     except Undecided:
         return None
     return tuple(torch.as_tensor(x, device=q.device).expand(shape) for x in (result.lo, result.hi))

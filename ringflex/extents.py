@@ -80,13 +80,12 @@ def _tiled(mask_mod: Callable, mask: ModGraph, q: Tensor, kv_seg: Segment) -> Op
 
 def dense_row_extents(allowed: Tensor) -> Tensor:
     """``row_extents`` from a block's whole [rows, keys] mask."""
-    cols = allowed.shape[1]
-    as_bytes = allowed.contiguous().view(torch.uint8)  # argmax takes no bools; a view, not a copy
+    allowed, cols = allowed.contiguous(), allowed.shape[1]
     visible = allowed.any(1)
-    first = torch.where(visible, as_bytes.argmax(1), -1)
-    last = torch.where(visible, cols - 1 - as_bytes.flip(1).argmax(1), -1)
+    first = torch.where(visible, _first(allowed), -1)
+    last = torch.where(visible, cols - 1 - _first(allowed.flip(1)), -1)
     hidden = ~allowed & (torch.arange(cols, device=allowed.device) >= first.unsqueeze(1))
-    run_end = torch.where(hidden.any(1), hidden.view(torch.uint8).argmax(1), cols)
+    run_end = torch.where(hidden.any(1), _first(hidden), cols)
     return torch.stack([first, last, run_end, allowed.sum(1)]).cpu()
 
 
@@ -95,7 +94,8 @@ def _positions(seg: Segment, local: Tensor) -> Tensor:
 
 
 def _first(bits: Tensor) -> Tensor:
-    """Index of the first True in each row of ``bits`` (0 where none)."""
+    """Index of the first True in each row of contiguous ``bits`` (0 where none); argmax takes
+    no bools, so it reads their bytes (a view, not a copy)."""
     return bits.view(torch.uint8).argmax(1)
 
 

@@ -28,8 +28,9 @@ for stage in "$@"; do
     plans1) run plans python3 scripts/plan_probe.py --seq-len 8192 --window 1024 ;;  # every cuDNN plan and knob, timed
     shapes1) run shapes python3 scripts/shape_probe.py ;;  # one rank's calls against the single-GPU call
     ragged1) run ragged python3 scripts/ragged_cost.py ;;  # ragged batch vs a call per document
-    newdocs1) for a in "16384 150" "65536 100"; do set -- $a; run newdocs1 python3 scripts/new_documents_probe.py \
-              --seq-len $1 --calls $2; done ;;  # one rank's hops, a new packed batch every call: graphs built
+    newdocs1) run newdocs1 python3 scripts/extents_cost.py  # planning one block exactly: every pair vs tiles
+              for a in "16384 150" "65536 100"; do set -- $a; run newdocs1 python3 scripts/new_documents_probe.py \
+              --seq-len $1 --calls $2 --profile 10; done ;;  # one rank's hops, a new packed batch every call: graphs built
     ab2) for t in nccl auto; do export RINGFLEX_TRANSPORT=$t; run ab2 tr 2 scripts/bench.py --seq-lens 16384 \
               --masks none causal --no-cp --single-max 0 --iters 10 --warmup 3; done; unset RINGFLEX_TRANSPORT ;;
     check4) run check tr 4 scripts/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;
