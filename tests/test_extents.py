@@ -84,3 +84,37 @@ def test_a_block_too_large_to_evaluate_whole_has_extents_only_from_its_tiles(mon
     assert extents.row_extents(unsettled, trace_mask_mod(unsettled), q_seg, kv_seg, "cpu") is None
     monkeypatch.setattr(extents, "_MAX_TILES", 1023 * 8)  # 1024 queries x 8 tiles: too many to range at once
     assert extents.row_extents(settled, trace_mask_mod(settled), q_seg, kv_seg, "cpu") is None
+
+
+def _random_mask(rng: random.Random):
+    """A mask built at random from the ops the range rules cover: arithmetic on positions,
+    lookups into a table, where, min/max/clamp, abs, floor division, remainder, float math."""
+    table = torch.tensor([rng.randrange(0, 5) for _ in range(2000)])
+    terms = [
+        lambda q, kv: q - kv, lambda q, kv: (q - kv).abs(), lambda q, kv: q // 7 - kv // 5,
+        lambda q, kv: (q + kv) % 128, lambda q, kv: torch.minimum(q, kv + 9) - torch.maximum(kv, q - 30),
+        lambda q, kv: table[kv] - table[q], lambda q, kv: torch.where(q > 300, q - kv, kv - q),
+        lambda q, kv: torch.clamp(q - kv, -20, 40), lambda q, kv: torch.exp((kv - q) * 0.01) * 10,
+    ]
+    compares = {"le": torch.le, "ge": torch.ge, "lt": torch.lt, "eq": torch.eq}
+    picks = [(rng.choice(terms), compares[rng.choice(sorted(compares))], rng.choice([-10, 0, 3, 50])) for _ in range(2)]
+    both = rng.random() < 0.5
+
+    def mask_mod(b, h, q, kv):
+        (t1, c1, v1), (t2, c2, v2) = picks
+        first, second = c1(t1(q, kv), v1), c2(t2(q, kv), v2)
+        return first & second if both else first | second
+    return mask_mod
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_row_extents_of_random_formulas_match_the_whole_mask(seed):
+    rng = random.Random(seed)
+    mask_mod = _random_mask(rng)
+    mask = trace_mask_mod(mask_mod)
+    for _ in range(3):
+        stride = rng.choice([1, 2])
+        q_seg = Segment(rng.randrange(0, 300), stride, rng.randrange(1, 200))
+        kv_seg = Segment(rng.randrange(0, 300), stride, rng.randrange(1, 600))
+        assert torch.equal(extents.row_extents(mask_mod, mask, q_seg, kv_seg, "cpu"), _dense(mask_mod, q_seg, kv_seg)), \
+            (seed, q_seg, kv_seg)
