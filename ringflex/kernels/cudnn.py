@@ -708,7 +708,12 @@ def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segmen
     return _remember(_PLANS, key, runs, _MAX_PLANS)
 
 
-_MAX_GROUPS = 16  # beyond this many row groups the exact plan costs more host time than it saves
+# Row groups and calls of an exact plan. Groups whose runs join one ragged batch (packed
+# documents) cost planning time alone (H100, documents of ~1024 tokens: up to 64 groups made
+# rank 1's hops at 64k tokens 10.9 -> 5.7 ms per fwd+bwd, where 16 left its block to quadrants);
+# calls that stay single (a fragmented mask) cost host time at every call.
+_MAX_GROUPS = 64
+_MAX_SINGLE_CALLS = 16
 
 
 def exact_runs(mods: Mods, mask: ModGraph, q_seg: Segment, kv_seg: Segment, device) -> Optional[List[_Run]]:
@@ -728,7 +733,8 @@ def exact_runs(mods: Mods, mask: ModGraph, q_seg: Segment, kv_seg: Segment, devi
 
 def _grouped_runs(extents: Tensor) -> Optional[List[_Run]]:
     """The runs of a block from its ``extents.row_extents``: one group of rows per first
-    visible key, or None beyond ``_MAX_GROUPS`` of them."""
+    visible key; None beyond ``_MAX_GROUPS`` of them, or ``_MAX_SINGLE_CALLS`` runs that join
+    no batch."""
     first = extents[0]
     starts = torch.nonzero(torch.diff(first, prepend=first.new_full((1,), -2))).flatten().tolist()
     if len(starts) > 2 * _MAX_GROUPS:
@@ -736,7 +742,8 @@ def _grouped_runs(extents: Tensor) -> Optional[List[_Run]]:
     groups = [(r0, r1) for r0, r1 in zip(starts, starts[1:] + [len(first)]) if first[r0] >= 0]
     if len(groups) > _MAX_GROUPS:
         return None
-    return [run for r0, r1 in groups for run in _group_runs(extents[:, r0:r1], r0)]
+    runs = [run for r0, r1 in groups for run in _group_runs(extents[:, r0:r1], r0)]
+    return runs if sum(not _batchable(run) for run in runs) <= _MAX_SINGLE_CALLS else None
 
 
 def _group_runs(extents: Tensor, r0: int) -> List[_Run]:
@@ -871,6 +878,10 @@ def _joined(spans: List[Tuple[int, int]]) -> Tuple[Tuple[int, int], ...]:
 _BATCHED_BANDS = (None, (None, 0))  # unmasked and causal: the ragged forms measured (docs/cudnn.md)
 
 
+def _batchable(run: _Run) -> bool:
+    return not run.masked and run.band in _BATCHED_BANDS and _area([run]) > 1
+
+
 @functools.lru_cache(maxsize=_MAX_PLANS)
 def _batched(runs: Tuple[_Run, ...], alone: bool) -> Tuple[object, ...]:
     """The calls for a block's runs: runs with the same native mask (or none) whose rows
@@ -879,10 +890,10 @@ def _batched(runs: Tuple[_Run, ...], alone: bool) -> Tuple[object, ...]:
     backward rejects it (see ``_backward_call``)."""
     calls, groups = [], {}
     for run in runs:
-        if run.masked or run.band not in _BATCHED_BANDS or _area([run]) == 1:
-            calls.append(run)
-        else:
+        if _batchable(run):
             groups.setdefault(run.band, []).append(run)
+        else:
+            calls.append(run)
     for members in groups.values():
         members.sort(key=lambda r: r.rows)
         apart = all(a.rows[1] <= b.rows[0] and a.cols[1] <= b.cols[0] for a, b in zip(members, members[1:]))

@@ -377,6 +377,17 @@ def test_exact_runs_give_a_document_one_band_call_per_block():
         ((272, 384), (400, 512), (None, 0))]
 
 
+def test_exact_plans_take_many_documents_but_few_calls_outside_a_batch():
+    """Forty documents in a block are one exact plan (their runs join one ragged batch); a
+    2-D neighbourhood, whose fifty row groups would each be a call with a select, is not."""
+    block = Segment(0, 1, 800)
+    documents = mods.document(mods.document_ids([20] * 40))
+    runs = exact_runs(Mods(None, documents), trace_mask_mod(documents), block, block, "cpu")
+    assert len(runs) == 40 and not any(run.masked for run in runs)
+    neighbourhood = mods.image_neighbourhood(50, 16, 1)
+    assert exact_runs(Mods(None, neighbourhood), trace_mask_mod(neighbourhood), block, block, "cpu") is None
+
+
 def test_the_kernel_plans_within_exactly_planned_blocks_only():
     kernel, q_seg, kv_seg = CudnnKernel(), Segment(128, 1, 384), Segment(0, 1, 512)
     neighbourhood = lambda b, h, q, kv: ((q // 32 - kv // 32).abs() <= 1) & ((q % 32 - kv % 32).abs() <= 1)  # noqa: E731
