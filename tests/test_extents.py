@@ -10,6 +10,8 @@ from ringflex.plan import Segment, evaluate_mask
 from ringflex.trace import trace_mask_mod
 
 IDS = mods.document_ids([5, 11, 3, 13, 300, 1, 200, 90, 400, 2000])
+FLAGS = torch.arange(len(IDS)) % 7 < 2
+SCORES = (torch.arange(len(IDS)) * 0.37) % 1
 MASKS = {
     "causal": mods.causal,
     "documents": mods.document(IDS),
@@ -25,6 +27,8 @@ MASKS = {
     "decay": lambda b, h, q, kv: torch.exp((kv - q).abs() * -0.05) > 0.1,
     "checkerboard": lambda b, h, q, kv: (q + kv) % 2 == 0,  # leaves every tile open: one dense pass
     "shifted_lookup": lambda b, h, q, kv: IDS[q - 40] == IDS[kv],  # negative indices count from the end
+    "flagged_keys": lambda b, h, q, kv: FLAGS[kv] | (kv <= q),  # a bool table
+    "scored_keys": lambda b, h, q, kv: (SCORES[kv] > 0.3) & (kv <= q),  # a float table
 }
 
 
