@@ -30,7 +30,9 @@ for stage in "$@"; do
     ragged1) run ragged python3 scripts/ragged_cost.py ;;  # ragged batch vs a call per document
     newdocs1) run newdocs1 python3 scripts/extents_cost.py  # planning one block exactly: every pair vs tiles
               for a in "16384 150" "65536 100"; do set -- $a; run newdocs1 python3 scripts/new_documents_probe.py \
-              --seq-len $1 --calls $2 --profile 10; done ;;  # one rank's hops, a new packed batch every call: graphs built
+              --seq-len $1 --calls $2 --profile 10; done  # one rank's hops, a new packed batch every call: graphs built
+              for d in 4096 1024; do run newdocs1 python3 scripts/new_documents_probe.py --seq-len 65536 --doc-len $d \
+              --heads 1 --check; done ;;  # those hops (whole 32k-row blocks) against the reference kernel
     ab2) for t in nccl auto; do export RINGFLEX_TRANSPORT=$t; run ab2 tr 2 scripts/bench.py --seq-lens 16384 \
               --masks none causal --no-cp --single-max 0 --iters 10 --warmup 3; done; unset RINGFLEX_TRANSPORT ;;
     check4) run check tr 4 scripts/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;

@@ -8,6 +8,7 @@ so far after so many calls, and the GPU time per call once they are built, besid
 used every call.
 
     python scripts/new_documents_probe.py --seq-len 16384 --calls 150
+    python scripts/new_documents_probe.py --seq-len 65536 --heads 1 --check   # numerics of those hops
 """
 from __future__ import annotations
 
@@ -32,17 +33,22 @@ def rank_one_plan(mask_mod, seq_len: int, heads: int, kernel, device):
     return plan_hops(mask_mod, False, 1, heads, q_segs, kv_segs, device, 1024, kernel)
 
 
+def rank_one_calls(schedule, local: int, own, previous):
+    """Each hop of ``schedule`` with the keys and values it reads, held as the ring holds them
+    (rank 0's rows that rank 1 reads, ``ring.widened``, received contiguous)."""
+    lo, hi = widened(keys_read(schedule, 2)[1], local)
+    held = [own, [t[:, :, lo:hi].contiguous() for t in previous]]
+    offsets = [0, lo]
+    return [(hop, [rows(t, (hop.kv_rows[0] - offsets[step], hop.kv_rows[1] - offsets[step])) for t in held[step]])
+            for step, hops in enumerate(schedule) for hop in hops]
+
+
 def rank_one_hops(mask_mod, seq_len: int, heads: int, kernel, q, dout, own, previous, schedule=None):
     """Forward and backward of rank 1's hops under ``mask_mod``."""
-    local = seq_len // 2
     schedule = schedule or rank_one_plan(mask_mod, seq_len, heads, kernel, q.device)
-    lo, hi = widened(keys_read(schedule, 2)[1], local)
-    held = [own, [t[:, :, lo:hi].contiguous() for t in previous]]  # as the ring holds them
-    offsets = [0, lo]
     m, scale = Mods(None, mask_mod), q.shape[-1] ** -0.5
     out, lse = torch.zeros_like(q), torch.full(q.shape[:3], -float("inf"), device=q.device)
-    calls = [(hop, [rows(t, (hop.kv_rows[0] - offsets[step], hop.kv_rows[1] - offsets[step])) for t in held[step]])
-             for step, hops in enumerate(schedule) for hop in hops]
+    calls = rank_one_calls(schedule, seq_len // 2, own, previous)
     for hop, (k, v) in calls:
         o, l = kernel.forward(rows(q, hop.q_rows), k, v, hop.q_seg, hop.kv_seg, m, scale, True)
         rows(out, hop.q_rows).copy_(o)  # the hops' rows do not overlap here: no merge needed for timing
@@ -79,6 +85,36 @@ def profile_new_batches(args, kernel, q, dout, own, previous) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
+def check_hops(args) -> None:
+    """Each of rank 1's hops for one packed batch, on cuDNN in bf16 against the reference kernel
+    in fp32: forward output and LSE, and the gradients from the reference's own forward."""
+    from check_ring import relative_error
+    from ringflex.kernels.reference import ReferenceKernel
+
+    dev, local = torch.device("cuda"), args.seq_len // 2
+    exact = [torch.randn(1, args.heads, local, 128, device=dev) for _ in range(6)]
+    q, dout, own, previous = exact[0], exact[1], exact[2:4], exact[4:6]
+    mask_mod = make_mods("documents", args.seq_len, dev, 0, args.doc_len, seed=1)[1]
+    kernel, reference, m = cudnn.CudnnKernel(), ReferenceKernel(), Mods(None, mask_mod)
+    schedule = rank_one_plan(mask_mod, args.seq_len, args.heads, kernel, dev)
+    worst = 0.0
+    for hop, (k, v) in rank_one_calls(schedule, local, own, previous):
+        ours = [rows(t, hop.q_rows) for t in (q, dout)] + [k, v]
+        low = [t.bfloat16() for t in ours]
+        out, lse = reference.forward(ours[0], k, v, hop.q_seg, hop.kv_seg, m, 128 ** -0.5, True)
+        got_out, got_lse = kernel.forward(low[0], low[2], low[3], hop.q_seg, hop.kv_seg, m, 128 ** -0.5, True)
+        want = reference.backward(ours[0], k, v, out, lse, ours[1], hop.q_seg, hop.kv_seg, m, 128 ** -0.5, True)
+        got = kernel.backward(low[0], low[2], low[3], out.bfloat16(), lse, low[1], hop.q_seg, hop.kv_seg, m,
+                              128 ** -0.5, True)
+        errors = [relative_error(got_out.float(), out), relative_error(torch.where(lse.isinf(), 0, got_lse),
+                                                                       torch.where(lse.isinf(), 0, lse))]
+        errors += [relative_error(g.float(), w) for g, w in zip(got, want)]
+        worst = max(worst, *errors)
+        print(f"hop rows {hop.q_rows} keys {hop.kv_rows}: out, lse, dq, dk, dv relative errors "
+              + ", ".join(f"{e:.1e}" for e in errors), flush=True)
+    print(f"{'within' if worst < 3e-2 else 'NOT within'} 3e-2: worst {worst:.1e}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=16384)
@@ -86,7 +122,11 @@ def main():
     p.add_argument("--calls", type=int, default=150)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--profile", type=int, default=0, help="then so many more new batches: planning apart, and a cProfile")
+    p.add_argument("--check", action="store_true", help="instead: each hop of one batch against the reference kernel "
+                   "in fp32 (use few --heads: it holds a hop's scores)")
     args = p.parse_args()
+    if args.check:
+        return check_hops(args)
     dev = torch.device("cuda")
     local = args.seq_len // 2
     q, dout, k, v, k0, v0 = (torch.randn(1, args.heads, local, 128, device=dev, dtype=torch.bfloat16) for _ in range(6))
