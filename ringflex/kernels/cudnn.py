@@ -733,8 +733,8 @@ def exact_runs(mods: Mods, mask: ModGraph, q_seg: Segment, kv_seg: Segment, devi
 
 def _grouped_runs(extents: Tensor) -> Optional[List[_Run]]:
     """The runs of a block from its ``extents.row_extents``: one group of rows per first
-    visible key; None beyond ``_MAX_GROUPS`` of them, or ``_MAX_SINGLE_CALLS`` runs that join
-    no batch."""
+    visible key; None beyond ``_MAX_GROUPS`` of them, or ``_MAX_SINGLE_CALLS`` calls outside a
+    ragged batch (``_batched``)."""
     first = extents[0]
     starts = torch.nonzero(torch.diff(first, prepend=first.new_full((1,), -2))).flatten().tolist()
     if len(starts) > 2 * _MAX_GROUPS:
@@ -743,7 +743,8 @@ def _grouped_runs(extents: Tensor) -> Optional[List[_Run]]:
     if len(groups) > _MAX_GROUPS:
         return None
     runs = [run for r0, r1 in groups for run in _group_runs(extents[:, r0:r1], r0)]
-    return runs if sum(not _batchable(run) for run in runs) <= _MAX_SINGLE_CALLS else None
+    singles = sum(not isinstance(call, _Batch) for call in _batched(tuple(runs), True))
+    return runs if singles <= _MAX_SINGLE_CALLS else None
 
 
 def _group_runs(extents: Tensor, r0: int) -> List[_Run]:
