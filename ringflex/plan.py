@@ -16,7 +16,7 @@ from torch import Tensor
 
 from . import captured
 from .bounds import block_decider
-from .trace import UnsupportedModError, diagonal_band, trace_mask_mod
+from .trace import UnsupportedModError, diagonal_band, lookup_error, trace_mask_mod
 
 # Mask evaluations per chunk: bounds the planner's memory whatever the segment lengths.
 _CHUNK_ELEMENTS = 1 << 24
@@ -260,6 +260,21 @@ def _local_order_hop(mask_mod, has_score_mod: bool, q_segs, kv_segs, device) -> 
     return Hop((0, length), (0, length), local, local, BlockKind.PARTIAL)
 
 
+def _check_lookups(mask_mod, batch: int, heads: int, q_segs, kv_segs_per_step, device) -> None:
+    """Raises where the mask reads a captured tensor out of bounds at this rank's queries, any
+    key, batch or head (``trace.lookup_error``), before anything evaluates it on the device."""
+    try:
+        graph = trace_mask_mod(mask_mod, device)
+    except UnsupportedModError:  # evaluated as the user wrote it; torch raises its own error
+        return
+    values = {"b": torch.arange(batch, device=device), "h": torch.arange(heads, device=device),
+              "q_idx": torch.cat([seg.positions(device) for seg in q_segs]),
+              "kv_idx": torch.cat([seg.positions(device) for segs in kv_segs_per_step for seg in segs])}
+    error = lookup_error(graph, values)
+    if error:
+        raise ValueError(error)
+
+
 def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_segs_per_step, device=None,
               min_tile: int = 1024, kernel=None):
     """The hops of every ring step: the non-EMPTY (Q segment, KV segment) pairs, sparse
@@ -271,6 +286,8 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
     mask's formula decides are classified on the host; the rest on ``device``, read back to
     the host at once (one synchronisation); only splitting a sparse block reads more.
     """
+    if mask_mod is not None:
+        _check_lookups(mask_mod, batch, heads, q_segs, kv_segs_per_step, device)
     pairs = [(step, qr, q, kr, kv)
              for step, kv_segs in enumerate(kv_segs_per_step)
              for qr, q in zip(_local_ranges(q_segs), q_segs)

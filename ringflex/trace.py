@@ -500,6 +500,29 @@ def evaluate(out: Node, env: Dict[str, Tensor]) -> Tensor:
     return memo[id(out)]
 
 
+def lookup_error(graph: ModGraph, values: Dict[str, Tensor]) -> Optional[str]:
+    """What ``graph`` reads outside a captured tensor, or None. Every lookup whose subscript
+    depends on one input at most is evaluated at all of that input's ``values`` (the positions,
+    batches and heads of a call): on a GPU such a read would end the process's CUDA context
+    with a device-side assert. Subscripts that depend on two inputs are not checked."""
+    for n in graph.nodes:
+        if n.op != "index":
+            continue
+        shape = tuple(n.args[0].value.shape)
+        for size, subscript in zip(shape, n.args[1:]):
+            if len(subscript.deps) > 1 or not subscript.deps <= values.keys():
+                continue
+            at = evaluate(subscript, {name: values[name] for name in subscript.deps}).long().flatten()
+            bad = ((at >= size) | (at < -size)).nonzero().flatten()
+            if len(bad):
+                i = int(bad[0])
+                where = "".join(f" (at {name} = {int(values[name][i])})" for name in subscript.deps)
+                return (f"{graph.kind} reads index {int(at[i])} of a captured tensor of shape {shape}{where}: a "
+                        "tensor a mod indexes by position must cover every position of the global sequence, "
+                        "not one rank's shard")
+    return None
+
+
 # --------------------------------------------------------------------------- derivative
 
 def _zero() -> Node:

@@ -249,3 +249,23 @@ def test_unsupported_lookups():
     graph = trace_mask_mod(lambda b, h, q, kv: table[q % 8, kv % 8] > 20)
     b, h, q, kv = index_grid(1, 1, torch.arange(10, dtype=torch.int32), torch.arange(9, dtype=torch.int32))
     assert torch.equal(graph(b, h, q, kv), table[q % 8, kv % 8] > 20)
+
+
+def test_lookup_error_names_a_read_past_a_captured_tensor():
+    """A captured tensor indexed by position must cover every position; the check evaluates each
+    subscript that depends on one input at all of its values (on a GPU the read itself would end
+    the CUDA context), and reads negative indices as torch does, from the end."""
+    from ringflex.trace import lookup_error, trace_mask_mod
+    values = {"b": torch.arange(1), "h": torch.arange(4), "q_idx": torch.arange(64, 128), "kv_idx": torch.arange(128)}
+    local_ids = mods.document_ids([20, 44])  # one rank's share instead of the whole sequence
+    assert "reads index 64 of a captured tensor of shape (64,) (at q_idx = 64)" in lookup_error(
+        trace_mask_mod(mods.document(local_ids)), values)
+    assert lookup_error(trace_mask_mod(mods.document(mods.document_ids([60, 68]))), values) is None
+    per_head = torch.tensor([1, 2, 3])  # one head short
+    assert "(at h = 3)" in lookup_error(trace_mask_mod(lambda b, h, q, kv: kv <= q + per_head[h]), values)
+    coarse = torch.zeros(2, dtype=torch.bool)  # a flag per 64 keys
+    assert lookup_error(trace_mask_mod(lambda b, h, q, kv: coarse[kv // 64] | (kv <= q)), values) is None
+    shifted = torch.zeros(128, dtype=torch.bool)
+    assert lookup_error(trace_mask_mod(lambda b, h, q, kv: shifted[kv - 100] | (kv <= q)), values) is None
+    both = torch.zeros(200, dtype=torch.bool)  # a subscript of two inputs is not checked
+    assert lookup_error(trace_mask_mod(lambda b, h, q, kv: both[q + kv] | (kv <= q)), values) is None

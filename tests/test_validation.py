@@ -83,8 +83,9 @@ def _mismatches(rank, world_size):
         "bad transport on one rank": with_transport_on_rank_1("ipc"),
         "bad argument on one rank": lambda: attn(q[0] if odd else q, k, v),
         "bad layout name on one rank": lambda: attn(q, k, v, layout="zigzig" if odd else "zigzag"),
-        "mask_mod raising while planning on one rank": lambda: attn(q, k, v, mask_mod=_query_flags(flags),
-                                                                    layout="contiguous"),
+        # rank 0 reports it: it plans what rank 2 reads of its block too
+        "mask_mod reading past a captured tensor": lambda: attn(q, k, v, mask_mod=_query_flags(flags),
+                                                               layout="contiguous"),
     }
     results = {name: _error_text(call) for name, call in calls.items()}
     out = attn(q, k, v, mask_mod=mods.causal)  # the group still works
@@ -117,9 +118,10 @@ EXPECTED = {
                                 "local_seq_len, head_dim], got shape (2, 4, 8)",
     "bad layout name on one rank": "CallRejected: ring_flex_attention: rank 1: layout must be one of "
                                    "('contiguous', 'zigzag', 'striped'), got 'zigzig'",
-    "mask_mod raising while planning on one rank": "CallRejected: ring_flex_attention: rank 2: IndexError: index 10 "
-                                                   "is out of bounds for dimension 0 with size 10 (while planning "
-                                                   "the ring, before any transfer)",
+    "mask_mod reading past a captured tensor": (
+        "CallRejected: ring_flex_attention: rank 0: ValueError: mask_mod reads index 10 of a captured tensor of "
+        "shape (10,) (at q_idx = 10): a tensor a mod indexes by position must cover every position of the global "
+        "sequence, not one rank's shard (while planning the ring, before any transfer)"),
 }
 
 
