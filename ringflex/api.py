@@ -15,7 +15,7 @@ from .kernels.base import Mods
 from .parallel import layout as layouts
 from .parallel.fault import GuardedComm
 from .parallel.ring import RingAttention, RingCall
-from .plan import PlanCache, around, keys_read, plan_hops
+from .plan import PlanCache, around, check_lookups, keys_read, plan_hops
 
 _PLANS = PlanCache()
 
@@ -63,6 +63,8 @@ def ring_flex_attention(
         q_segs = layouts.segments(layout, q_len, world_size, rank)
         kv_segs_per_step = [layouts.segments(layout, kv_len, world_size, (rank - step) % world_size)
                             for step in range(world_size)]
+        if score_mod is not None:  # the mask's lookups are checked where it is planned
+            check_lookups(score_mod, "score_mod", q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device)
         kernel = select_kernel(backend, q, k, v, mods)
         min_tile = int(os.environ.get("RINGFLEX_MIN_TILE", 1024))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -16,7 +17,7 @@ from torch import Tensor
 
 from . import captured
 from .bounds import block_decider
-from .trace import UnsupportedModError, diagonal_band, lookup_error, trace_mask_mod
+from .trace import UnsupportedModError, diagonal_band, lookup_error, trace_mask_mod, trace_score_mod
 
 # Mask evaluations per chunk: bounds the planner's memory whatever the segment lengths.
 _CHUNK_ELEMENTS = 1 << 24
@@ -260,12 +261,21 @@ def _local_order_hop(mask_mod, has_score_mod: bool, q_segs, kv_segs, device) -> 
     return Hop((0, length), (0, length), local, local, BlockKind.PARTIAL)
 
 
-def _check_lookups(mask_mod, batch: int, heads: int, q_segs, kv_segs_per_step, device) -> None:
-    """Raises where the mask reads a captured tensor out of bounds at this rank's queries, any
-    key, batch or head (``trace.lookup_error``), before anything evaluates it on the device."""
+_CHECKED: "OrderedDict[tuple, None]" = OrderedDict()  # mods and segments whose lookups stay in bounds
+
+
+def check_lookups(mod, kind: str, batch: int, heads: int, q_segs, kv_segs_per_step, device) -> None:
+    """Raises where ``mod`` (a ``kind``, "score_mod" or "mask_mod") reads a captured tensor out
+    of bounds at this rank's queries, any key, batch or head (``trace.lookup_error``), before
+    anything evaluates it on the device. Remembered by what the mod computes, the identity and
+    version of its tensors, and the segments: a mod used every call is checked once."""
     try:
-        graph = trace_mask_mod(mask_mod, device)
+        graph = (trace_score_mod if kind == "score_mod" else trace_mask_mod)(mod, device)
     except UnsupportedModError:  # evaluated as the user wrote it; torch raises its own error
+        return
+    key = (graph.fingerprint, tuple((id(t), t._version) for t in graph.tensors()), batch, heads, tuple(q_segs),
+           tuple(map(tuple, kv_segs_per_step)), str(device))
+    if key in _CHECKED:
         return
     values = {"b": torch.arange(batch, device=device), "h": torch.arange(heads, device=device),
               "q_idx": torch.cat([seg.positions(device) for seg in q_segs]),
@@ -273,6 +283,9 @@ def _check_lookups(mask_mod, batch: int, heads: int, q_segs, kv_segs_per_step, d
     error = lookup_error(graph, values)
     if error:
         raise ValueError(error)
+    _CHECKED[key] = None
+    while len(_CHECKED) > 64:
+        _CHECKED.popitem(last=False)
 
 
 def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_segs_per_step, device=None,
@@ -287,7 +300,7 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
     the host at once (one synchronisation); only splitting a sparse block reads more.
     """
     if mask_mod is not None:
-        _check_lookups(mask_mod, batch, heads, q_segs, kv_segs_per_step, device)
+        check_lookups(mask_mod, "mask_mod", batch, heads, q_segs, kv_segs_per_step, device)
     pairs = [(step, qr, q, kr, kv)
              for step, kv_segs in enumerate(kv_segs_per_step)
              for qr, q in zip(_local_ranges(q_segs), q_segs)

@@ -86,6 +86,7 @@ def _mismatches(rank, world_size):
         # rank 0 reports it: it plans what rank 2 reads of its block too
         "mask_mod reading past a captured tensor": lambda: attn(q, k, v, mask_mod=_query_flags(flags),
                                                                layout="contiguous"),
+        "score_mod reading past a captured tensor": lambda: attn(q, k, v, score_mod=mods.alibi(mods.alibi_slopes(1))),
     }
     results = {name: _error_text(call) for name, call in calls.items()}
     out = attn(q, k, v, mask_mod=mods.causal)  # the group still works
@@ -122,6 +123,8 @@ EXPECTED = {
         "CallRejected: ring_flex_attention: rank 0: ValueError: mask_mod reads index 10 of a captured tensor of "
         "shape (10,) (at q_idx = 10): a tensor a mod indexes by position must cover every position of the global "
         "sequence, not one rank's shard (while planning the ring, before any transfer)"),
+    "score_mod reading past a captured tensor": "rank 0: ValueError: score_mod reads index 1 of a captured tensor of "
+                                                "shape (1,) (at h = 1)",
 }
 
 
@@ -276,3 +279,14 @@ def test_check_transfer_names_the_fault():
     three[0][6] = 9
     with pytest.raises(RingDebugError, match="rank 0 received other bytes than rank 1 sent"):
         _check_transfer(three, 3, "backward", reverse=True)
+
+
+def test_lookups_of_a_mod_used_every_call_are_checked_once(monkeypatch):
+    from ringflex import plan
+    checked = []
+    monkeypatch.setattr(plan, "lookup_error", lambda graph, values: checked.append(graph.kind))
+    q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))
+    score_mod, mask_mod = mods.alibi(mods.alibi_slopes(4)), mods.document(mods.document_ids([5, 11]))
+    for _ in range(3):
+        ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    assert sorted(checked) == ["mask_mod", "score_mod"]
