@@ -17,7 +17,8 @@ from torch import Tensor
 
 from . import captured
 from .bounds import block_decider
-from .trace import UnsupportedModError, diagonal_band, lookup_error, trace_mask_mod, trace_score_mod
+from .trace import (UnsupportedModError, diagonal_band, lookup_error, subscripts_read_tensors, trace_mask_mod,
+                    trace_score_mod)
 
 # Mask evaluations per chunk: bounds the planner's memory whatever the segment lengths.
 _CHUNK_ELEMENTS = 1 << 24
@@ -267,14 +268,15 @@ _CHECKED: "OrderedDict[tuple, None]" = OrderedDict()  # mods and segments whose 
 def check_lookups(mod, kind: str, batch: int, heads: int, q_segs, kv_segs_per_step, device) -> None:
     """Raises where ``mod`` (a ``kind``, "score_mod" or "mask_mod") reads a captured tensor out
     of bounds at this rank's queries, any key, batch or head (``trace.lookup_error``), before
-    anything evaluates it on the device. Remembered by what the mod computes, the identity and
-    version of its tensors, and the segments: a mod used every call is checked once."""
+    anything evaluates it on the device. Remembered by what the mod computes with tensors of
+    which shapes (and, where a subscript reads a tensor, which tensors) and by the segments: a
+    mod of the same code used every call is checked once, whatever tensors it captures."""
     try:
         graph = (trace_score_mod if kind == "score_mod" else trace_mask_mod)(mod, device)
     except UnsupportedModError:  # evaluated as the user wrote it; torch raises its own error
         return
-    key = (graph.fingerprint, tuple((id(t), t._version) for t in graph.tensors()), batch, heads, tuple(q_segs),
-           tuple(map(tuple, kv_segs_per_step)), str(device))
+    tables = tuple((id(t), t._version) for t in graph.tensors()) if subscripts_read_tensors(graph) else ()
+    key = (graph.structure, tables, batch, heads, tuple(q_segs), tuple(map(tuple, kv_segs_per_step)), str(device))
     if key in _CHECKED:
         return
     values = {"b": torch.arange(batch, device=device), "h": torch.arange(heads, device=device),

@@ -500,6 +500,12 @@ def evaluate(out: Node, env: Dict[str, Tensor]) -> Tensor:
     return memo[id(out)]
 
 
+def subscripts_read_tensors(graph: ModGraph) -> bool:
+    """Whether a lookup's subscript itself reads a captured tensor (``t[ids[q_idx]]``): then
+    whether the lookups stay in bounds depends on tensor values, not only on their shapes."""
+    return any(m.op == "tensor" for n in graph.nodes if n.op == "index" for a in n.args[1:] for m in _topological(a))
+
+
 def lookup_error(graph: ModGraph, values: Dict[str, Tensor]) -> Optional[str]:
     """What ``graph`` reads outside a captured tensor, or None. Every lookup whose subscript
     depends on one input at most is evaluated at all of that input's ``values`` (the positions,

@@ -286,7 +286,11 @@ def test_lookups_of_a_mod_used_every_call_are_checked_once(monkeypatch):
     checked = []
     monkeypatch.setattr(plan, "lookup_error", lambda graph, values: checked.append(graph.kind))
     q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))
-    score_mod, mask_mod = mods.alibi(mods.alibi_slopes(4)), mods.document(mods.document_ids([5, 11]))
-    for _ in range(3):
+    for _ in range(3):  # new tensors of the same shapes every call: their bounds are the same
+        score_mod, mask_mod = mods.alibi(mods.alibi_slopes(4)), mods.document(mods.document_ids([5, 11]))
         ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
     assert sorted(checked) == ["mask_mod", "score_mod"]
+    nested = torch.tensor([0, 1, 1, 0]), torch.tensor([0, 1])
+    for _ in range(2):  # a subscript that reads a tensor: checked again for new tensors only
+        ringflex.ring_flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + nested[1][nested[0][h]])
+    assert sorted(checked) == ["mask_mod", "score_mod", "score_mod"]
