@@ -157,7 +157,8 @@ def _index(table, indices):
     lo, hi = max(0, int(i.lo)), min(table.numel() - 1, int(i.hi))
     if lo > hi or i.lo < 0:
         raise Undecided("lookup out of range or with negative indices")
-    return Range(*torch.stack([table[lo:hi + 1].min(), table[lo:hi + 1].max()]).tolist())
+    part = table[lo:hi + 1]
+    return Range(*torch.stack([part.min(), part.max()]).tolist())
 
 
 _MAX_LOOKUPS = 1 << 24  # table entries read at once for ranges held in tensors

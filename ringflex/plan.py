@@ -263,6 +263,7 @@ def _local_order_hop(mask_mod, has_score_mod: bool, q_segs, kv_segs, device) -> 
 
 
 _CHECKED: "OrderedDict[tuple, None]" = OrderedDict()  # mods and segments whose lookups stay in bounds
+_MAX_CHECKED = 64
 
 
 def check_lookups(mod, kind: str, batch: int, heads: int, q_segs, kv_segs_per_step, device) -> None:
@@ -286,7 +287,7 @@ def check_lookups(mod, kind: str, batch: int, heads: int, q_segs, kv_segs_per_st
     if error:
         raise ValueError(error)
     _CHECKED[key] = None
-    while len(_CHECKED) > 64:
+    while len(_CHECKED) > _MAX_CHECKED:
         _CHECKED.popitem(last=False)
 
 

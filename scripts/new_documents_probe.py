@@ -95,17 +95,17 @@ def check_hops(args) -> None:
     exact = [torch.randn(1, args.heads, local, 128, device=dev) for _ in range(6)]
     q, dout, own, previous = exact[0], exact[1], exact[2:4], exact[4:6]
     mask_mod = make_mods("documents", args.seq_len, dev, 0, args.doc_len, seed=1)[1]
-    kernel, reference, m = cudnn.CudnnKernel(), ReferenceKernel(), Mods(None, mask_mod)
+    kernel, reference, m, scale = cudnn.CudnnKernel(), ReferenceKernel(), Mods(None, mask_mod), 128 ** -0.5
     schedule = rank_one_plan(mask_mod, args.seq_len, args.heads, kernel, dev)
     worst = 0.0
     for hop, (k, v) in rank_one_calls(schedule, local, own, previous):
         ours = [rows(t, hop.q_rows) for t in (q, dout)] + [k, v]
         low = [t.bfloat16() for t in ours]
-        out, lse = reference.forward(ours[0], k, v, hop.q_seg, hop.kv_seg, m, 128 ** -0.5, True)
-        got_out, got_lse = kernel.forward(low[0], low[2], low[3], hop.q_seg, hop.kv_seg, m, 128 ** -0.5, True)
-        want = reference.backward(ours[0], k, v, out, lse, ours[1], hop.q_seg, hop.kv_seg, m, 128 ** -0.5, True)
-        got = kernel.backward(low[0], low[2], low[3], out.bfloat16(), lse, low[1], hop.q_seg, hop.kv_seg, m,
-                              128 ** -0.5, True)
+        out, lse = reference.forward(ours[0], k, v, hop.q_seg, hop.kv_seg, m, scale, True)
+        got_out, got_lse = kernel.forward(low[0], low[2], low[3], hop.q_seg, hop.kv_seg, m, scale, True)
+        want = reference.backward(ours[0], k, v, out, lse, ours[1], hop.q_seg, hop.kv_seg, m, scale, True)
+        got = kernel.backward(low[0], low[2], low[3], out.bfloat16(), lse, low[1], hop.q_seg, hop.kv_seg, m, scale,
+                              True)
         errors = [relative_error(got_out.float(), out), relative_error(torch.where(lse.isinf(), 0, got_lse),
                                                                        torch.where(lse.isinf(), 0, lse))]
         errors += [relative_error(g.float(), w) for g, w in zip(got, want)]
