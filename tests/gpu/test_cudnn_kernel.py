@@ -388,6 +388,18 @@ def test_exact_plans_take_many_documents_but_few_calls_outside_a_batch():
     assert exact_runs(Mods(None, neighbourhood), trace_mask_mod(neighbourhood), block, block, "cpu") is None
 
 
+def test_a_block_too_large_to_evaluate_whole_is_planned_from_its_tiles():
+    """More pairs than one dense pass may evaluate (2^28): the tiles the mask's formula settles
+    still give the exact plan, one causal band per document."""
+    q_seg, kv_seg = Segment(32768, 1, 16384), Segment(16384, 1, 32768)
+    documents = mods.document(mods.document_ids([20000, 9000, 14000, 6000, 100000]))
+    runs = exact_runs(Mods(None, documents), trace_mask_mod(documents), q_seg, kv_seg, "cpu")
+    assert q_seg.length * kv_seg.length > 1 << 28
+    assert [(r.rows, r.cols, r.band) for r in runs] == [  # documents from positions 29000, 43000 and 49000
+        ((0, 10232), (12616, 16385), None), ((1, 10232), (16385, 26616), (None, 0)),
+        ((10232, 16232), (26616, 32616), (None, 0)), ((16232, 16384), (32616, 32768), (None, 0))]
+
+
 def test_the_kernel_plans_within_exactly_planned_blocks_only():
     kernel, q_seg, kv_seg = CudnnKernel(), Segment(128, 1, 384), Segment(0, 1, 512)
     neighbourhood = lambda b, h, q, kv: ((q // 32 - kv // 32).abs() <= 1) & ((q % 32 - kv % 32).abs() <= 1)  # noqa: E731
