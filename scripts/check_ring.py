@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 scripts/check_ring.py --device cuda --backend cudnn   # GPUs, NCCL
     torchrun --nproc_per_node=3 scripts/check_ring.py --device cpu --local-len 16     # CPU, gloo
+    torchrun --nproc_per_node=2 scripts/check_ring.py --lse-grad    # a loss that reads the LSE too
 
 Each rank compares its shard of the output and of dq/dk/dv with the reference kernel run
 in fp32 on the unsharded sequence; rank 0 prints one line per case and layout, and the
@@ -23,6 +24,7 @@ from ringflex.plan import Segment
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from cases import cases, make_inputs  # noqa: E402
+from oracle import attention  # noqa: E402
 
 
 def reference(q, k, v, dout, case):
@@ -33,6 +35,15 @@ def reference(q, k, v, dout, case):
     out, lse = kernel.forward(q, k, v, whole_q, whole_kv, mods, scale, masked=True)
     grads = kernel.backward(q, k, v, out, lse, dout, whole_q, whole_kv, mods, scale, masked=True)
     return [out, *grads]
+
+
+def reference_through_lse(q, k, v, dout, dlse, case):
+    """Output and input gradients of a loss that reads the output and the LSE: autograd through
+    the definition (tests/oracle.py), fp64 on the CPU (``case`` with its tensors there)."""
+    full = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    out, lse = attention(*full, case.score_mod, case.mask_mod, return_lse=True)
+    torch.autograd.backward([out, lse], [dout.cpu().double(), dlse.cpu().double()])
+    return [t.to(q.device) for t in (out, *(f.grad for f in full))]
 
 
 def relative_error(got, want):
@@ -48,6 +59,7 @@ def main():
     p.add_argument("--layouts", nargs="+", default=list(ringflex.LAYOUTS))
     p.add_argument("--cases", nargs="+", help="only these cases of the matrix (default: all)")
     p.add_argument("--tolerance", type=float, default=None, help="max relative error (default: 3e-2 bf16, 1e-4 fp32)")
+    p.add_argument("--lse-grad", action="store_true", help="the loss reads the LSE too (its gradient flows back)")
     args = p.parse_args()
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -57,17 +69,26 @@ def main():
     tolerance = args.tolerance or (3e-2 if dtype == torch.bfloat16 else 1e-4)
     seq_len = args.local_len * world_size
     failed = 0
+    on_cpu = cases(seq_len, image_width=32) if args.lse_grad else None
     for name, case in cases(seq_len, image_width=32, device=args.device).items():
         if args.cases and name not in args.cases:
             continue
         q, k, v, dout = (t.to(args.device) for t in make_inputs(case, seq_len, batch=1, head_dim=args.head_dim, dtype=dtype))
-        want = reference(q, k, v, dout, case)
+        if args.lse_grad:
+            dlse = torch.randn(dout.shape[:3], generator=torch.Generator().manual_seed(1)).to(args.device)
+            want = reference_through_lse(q, k, v, dout, dlse, on_cpu[name])
+        else:
+            want = reference(q, k, v, dout, case)
         for layout in args.layouts:
             local = [ringflex.shard(t, 2, layout=layout).requires_grad_() for t in (q, k, v)]
             try:
-                out = ringflex.ring_flex_attention(*local, score_mod=case.score_mod, mask_mod=case.mask_mod,
-                                                   layout=layout, enable_gqa=True, backend=args.backend)
-                out.backward(ringflex.shard(dout, 2, layout=layout))
+                out, lse = ringflex.ring_flex_attention(*local, score_mod=case.score_mod, mask_mod=case.mask_mod,
+                                                        layout=layout, enable_gqa=True, backend=args.backend,
+                                                        return_lse=True)
+                grads = [ringflex.shard(dout, 2, layout=layout)]
+                if args.lse_grad:
+                    grads.append(ringflex.shard(dlse, 2, layout=layout))
+                torch.autograd.backward([out, lse][:len(grads)], grads)
             except Exception as e:  # report and go on: one unsupported case must not hide the rest
                 failed += 1
                 if rank == 0:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def attention(q, k, v, score_mod=None, mask_mod=None, scale=None):
-    """flex_attention semantics: q [B, Hq, S, D], k/v [B, Hkv, S_kv, D]; rows that see no key give 0."""
+def attention(q, k, v, score_mod=None, mask_mod=None, scale=None, return_lse=False):
+    """flex_attention semantics: q [B, Hq, S, D], k/v [B, Hkv, S_kv, D]; rows that see no key give
+    0 (and LSE -inf, with no gradient)."""
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
@@ -18,13 +19,15 @@ def attention(q, k, v, score_mod=None, mask_mod=None, scale=None):
     ki = torch.arange(k.shape[2]).view(1, 1, 1, -1)
     if score_mod is not None:
         s = score_mod(s, b, h, qi, ki)
+    sees_any = torch.ones_like(s[..., :1], dtype=torch.bool)
     if mask_mod is not None:
         allowed = torch.broadcast_to(mask_mod(b, h, qi, ki), s.shape)
         sees_any = allowed.any(-1, keepdim=True)
-        s = torch.where(allowed, s, float("-inf"))
-        s = torch.where(sees_any, s, 0.0)
-        return torch.where(sees_any, torch.softmax(s, -1), 0.0) @ v
-    return torch.softmax(s, -1) @ v
+        s = torch.where(sees_any, torch.where(allowed, s, float("-inf")), 0.0)
+    out = torch.where(sees_any, torch.softmax(s, -1), 0.0) @ v
+    if not return_lse:
+        return out
+    return out, torch.where(sees_any[..., 0], torch.logsumexp(s, -1), float("-inf"))
 
 
 def visible_extent(mask_mod, q_seg, kv_seg, batch: int = 1, heads: int = 1, device=None):

@@ -51,6 +51,49 @@ def test_ring_matches_single_process(world_size, layout):
     assert not failures, "\n".join(failures)
 
 
+def _lse_gradient_errors(rank, world_size, layout):
+    """Worst errors of the LSE and of dq/dk/dv when the loss reads the LSE, with the output
+    or alone, per (case, dtype, loss), on this rank."""
+    seq_len = LOCAL_LEN * world_size
+    errors = {}
+    for name, case in cases(seq_len).items():
+        for dtype, lse_only in [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)]:
+            q, k, v, dout = make_inputs(case, seq_len, dtype=dtype)
+            dlse = torch.randn(dout.shape[:3], generator=torch.Generator().manual_seed(1))
+            full = [t.double().requires_grad_() for t in (q, k, v)]
+            expected = attention(*full, case.score_mod, case.mask_mod, return_lse=True)
+            local = [ringflex.shard(t, 2, layout=layout).requires_grad_() for t in (q, k, v)]
+            got = ringflex.ring_flex_attention(*local, score_mod=case.score_mod, mask_mod=case.mask_mod, layout=layout,
+                                               enable_gqa=True, backend="reference", return_lse=True)
+            grads = [dout, dlse]
+            for outputs, upstream in ((expected, [dout.double(), dlse.double()]),
+                                      (got, [ringflex.shard(t, 2, layout=layout) for t in grads])):
+                torch.autograd.backward(outputs[1:] if lse_only else outputs, upstream[1:] if lse_only else upstream)
+            want_lse = ringflex.shard(expected[1], 2, layout=layout)
+            assert torch.equal(got[1].isneginf(), want_lse.isneginf()), name
+            lse_error = (got[1] - want_lse).nan_to_num(0.0).abs().max().item()
+            want = [torch.zeros_like(w) if w.grad is None else w.grad for w in full]  # dv of the LSE alone
+            errors[name, str(dtype), lse_only] = [lse_error] + [
+                (g.grad.double() - ringflex.shard(w, 2, layout=layout)).abs().max().item() / max(1.0, w.abs().max().item())
+                for g, w in zip(local, want)]
+    return errors
+
+
+@pytest.mark.parametrize("layout", ringflex.LAYOUTS)
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_gradients_through_the_lse_match_single_process(world_size, layout):
+    """flex_attention's LSE is differentiable: a loss that reads it (a z-loss, attention sinks,
+    merging with other attention) gets the same gradients from the ring as from one process."""
+    failures = []
+    for rank, errors in enumerate(run_world(world_size, _lse_gradient_errors, layout)):
+        for (name, dtype, lse_only), errs in errors.items():
+            tol = TOLERANCE[getattr(torch, dtype.split(".")[1])]
+            if max(errs) > tol:
+                failures.append(f"rank {rank} {name} {dtype} {'lse only' if lse_only else 'out and lse'}: "
+                                f"lse/dq/dk/dv errors {errs} > {tol}")
+    assert not failures, "\n".join(failures)
+
+
 def test_ring_with_blocks_split_into_small_tiles(monkeypatch):
     """The planner's splitting of sparse blocks (normally >= 1024 tokens) at toy sizes."""
     monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
@@ -239,7 +282,7 @@ def _gradient_storage(rank, world_size):
     kernel, returned = ReferenceKernel(), {}
     kernel_backward, ring_backward = kernel.backward, ring.ring_backward
     kernel.backward = lambda *args: _record(returned, "kernel", kernel_backward(*args))
-    ring.ring_backward = lambda *args: _record(returned, "ring", ring_backward(*args))
+    ring.ring_backward = lambda *args, **kwargs: _record(returned, "ring", ring_backward(*args, **kwargs))
     _with_kernel(kernel)
     q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
     ringflex.ring_flex_attention(q, k, v, layout="contiguous").sum().backward()

@@ -204,7 +204,7 @@ def _compact(received: Tensor) -> Tensor:
     return received
 
 
-def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v):
+def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=None):
     """The ring in reverse. It starts on the block forward ended on (``last_k``, ``last_v``,
     kept for it) and passes blocks to the previous rank, so every block visits the ranks in
     the reverse order and its last stop is its owner, which holds it already (no transfer).
@@ -213,7 +213,9 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v):
     completes it. So the finished gradient never travels: no transfer is left that compute
     could not hide. The first sum is one rank's share and travels in the dtype the kernel
     returned it in (the input dtype for cuDNN: half the bytes of fp32); later ones travel in
-    fp32; the owner rounds once."""
+    fp32; the owner rounds once. ``dlse`` (None where the loss does not read the LSE) adds the
+    LSE's share of dq and dk, a second kernel call per hop (``_lse_as_attention``) that needs
+    no transfer."""
     acc = compute_dtype(q.dtype)
     steps = len(call.schedule)
     sum_dtypes = [acc] * steps  # of the partial sum each step sends; the last step's is the gradient
@@ -222,17 +224,24 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v):
     dq = RowSum([q.shape], q.dtype, acc, q.device, [hop.q_rows for hops in schedule for hop in hops])
     blocks = _KVStream(call, (last_k, last_v), last=(k, v), reverse=True)
     received = None  # the partial sums on their way here: (tensors, transfer)
+    lse_out, lse_dout = _lse_as_attention(dlse, out) if dlse is not None else (None, None)
     for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
+        zero_v = torch.zeros_like(blocks.current[1]) if dlse is not None else None
         arriving = blocks.travelling(step)  # what the partial sum on its way covers
         sums = RowSum([t.shape for t in blocks.current], sum_dtypes[step], acc, k.device,
                       [arriving] * (received is not None and arriving[1] > arriving[0])
                       + [blocks.local(hop.kv_rows) for hop in hops])
         for i, hop in enumerate(hops):
-            hq, hk, hv = call.kernel.backward(
-                rows(q, hop.q_rows), *blocks.keys(hop),
-                rows(out, hop.q_rows), rows(lse, hop.q_rows), rows(dout, hop.q_rows),
-                hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop))
+            hop_q, (hop_k, hop_v) = rows(q, hop.q_rows), blocks.keys(hop)
+            hop_args = hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop)
+            hq, hk, hv = call.kernel.backward(hop_q, hop_k, hop_v, rows(out, hop.q_rows), rows(lse, hop.q_rows),
+                                              rows(dout, hop.q_rows), *hop_args)
+            if dlse is not None:  # added in fp32, before any rounding
+                lq, lk, _ = call.kernel.backward(hop_q, hop_k, rows(zero_v, blocks.local(hop.kv_rows)),
+                                                 rows(lse_out, hop.q_rows), rows(lse, hop.q_rows),
+                                                 rows(lse_dout, hop.q_rows), *hop_args)
+                hq, hk = hq.to(acc) + lq, hk.to(acc) + lk
             dq.add(hop.q_rows, hq)
             if i == 0:  # the first kernel ran while the sum of the ranks before arrived
                 received = _receive(received, sums, arriving)
@@ -247,6 +256,23 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v):
         blocks.advance(step, kv_pending)
     (dq,), (dk, dv) = dq.result(), total
     return dq, dk, dv
+
+
+def _lse_as_attention(dlse: Tensor, out: Tensor):
+    """(out, dout) under which a hop's backward over ZERO values gives the LSE's share of dq
+    and dk. A backward computes dS = P * (dout V^T - rowsum(dout * out)); with V = 0 and
+    rowsum(dout * out) = -dlse that is P * dlse, the LSE's derivative (its softmax weights)
+    times dlse, through the score_mod as any dS. dout holds ones in two columns and out -dlse
+    split over them (the input dtype's rounding of it, then of what that leaves), so dlse
+    keeps about twice the input dtype's precision."""
+    lse_out, lse_dout = torch.zeros_like(out), torch.zeros_like(out)
+    columns = min(2, out.shape[-1])
+    high = dlse.to(out.dtype)
+    lse_out[..., 0] = -high
+    if columns == 2:
+        lse_out[..., 1] = high.to(dlse.dtype) - dlse
+    lse_dout[..., :columns] = 1
+    return lse_out, lse_dout
 
 
 def _receive(received, sums: RowSum, r: Rows):
@@ -268,11 +294,13 @@ class RingAttention(torch.autograd.Function):
             out, lse, (last_k, last_v) = ring_forward(call, q, k, v)
         ctx.call = call
         ctx.save_for_backward(q, k, v, out, lse, last_k, last_v)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # a loss that does not read the LSE costs no LSE backward
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
+        saved = ctx.saved_tensors
+        dout = torch.zeros_like(saved[3]) if dout is None else dout.contiguous()
         with guard(ctx.call.comm, "backward"):
-            dq, dk, dv = ring_backward(ctx.call, dout.contiguous(), *ctx.saved_tensors)
+            dq, dk, dv = ring_backward(ctx.call, dout, *saved, dlse=dlse)
         return dq, dk, dv, None

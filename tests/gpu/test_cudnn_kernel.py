@@ -179,6 +179,28 @@ def test_rows_without_keys_give_zero_not_nan():
 
 
 @needs_cudnn
+@pytest.mark.parametrize("name", sorted(cases(SEQ)))
+def test_gradients_through_the_lse_match_reference(name):
+    """A loss that reads the LSE (one rank): cuDNN's second backward call per hop, over zero
+    values, gives the LSE's share of dq and dk (``ring._lse_as_attention``)."""
+    import ringflex
+
+    case = cases(SEQ, device="cuda")[name]
+    q, k, v, dout = make_inputs(case, SEQ, batch=1, head_dim=64)
+    dlse = torch.randn(dout.shape[:3], generator=torch.Generator().manual_seed(1))
+    results = {}
+    for backend, dtype in (("cudnn", torch.bfloat16), ("reference", torch.float32)):
+        inputs = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = ringflex.ring_flex_attention(*inputs, score_mod=case.score_mod, mask_mod=case.mask_mod,
+                                                enable_gqa=True, return_lse=True, backend=backend)
+        torch.autograd.backward([out, lse], [dout.to("cuda", dtype), dlse.cuda()])
+        results[backend] = [out, lse.where(lse.isfinite(), 0.0)] + [t.grad for t in inputs]
+    errors = [_err(got, want) for got, want in zip(results["cudnn"], results["reference"])]
+    print(f"{name}: out, lse, dq, dk, dv errors " + " ".join(f"{e:.2e}" for e in errors))
+    assert max(errors) < 2e-2, errors
+
+
+@needs_cudnn
 def test_graphs_are_reused_across_offsets():
     from ringflex.kernels import cudnn as module
 
