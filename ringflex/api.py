@@ -47,7 +47,8 @@ def ring_flex_attention(
     sequence in ``layout`` (see ``ringflex.shard``). ``score_mod(score, b, h, q_idx, kv_idx)``
     and ``mask_mod(b, h, q_idx, kv_idx)`` are flex_attention's, and see GLOBAL positions.
     Returns this rank's output [B, Hq, S_local, Dv] (and the fp32 log-sum-exp [B, Hq,
-    S_local] if ``return_lse``). Every rank must make the same call: a bad or mismatched call
+    S_local] if ``return_lse``; differentiable, as flex_attention's: a loss that reads it
+    costs a second backward call per hop). Every rank must make the same call: a bad or mismatched call
     raises the same ``CallRejected`` (a ValueError) on every rank before any transfer, and a
     rank that fails inside the ring makes the ranks waiting for it raise ``RingFailure`` (see
     docs/reliability.md).
