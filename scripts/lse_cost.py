@@ -1,0 +1,55 @@
+"""What a loss that reads the LSE costs: fwd+bwd of ``ring_flex_attention`` on one GPU, the
+loss reading the output alone, then the output and the LSE (a second backward call per hop).
+
+    python scripts/lse_cost.py --seq-len 16384 --masks none causal documents
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import ringflex
+from bench import make_mods  # scripts/ is on sys.path
+
+
+def fwd_bwd_ms(call, iters: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start) / iters
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--masks", nargs="+", default=["none", "causal", "documents"])
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    for mask in args.masks:
+        score_mod, mask_mod = make_mods(mask, args.seq_len, dev, 4096, 4096)
+        q, k, v = (torch.randn(1, args.heads, args.seq_len, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        dout, dlse = torch.randn_like(q), torch.randn(q.shape[:3], device=dev)
+
+        def call(reads_lse: bool):
+            out, lse = ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_lse=True)
+            torch.autograd.backward([out, lse] if reads_lse else [out], [dout, dlse] if reads_lse else [dout])
+
+        times = {reads: [] for reads in (False, True)}
+        for _ in range(args.rounds):
+            for reads in times:
+                times[reads].append(fwd_bwd_ms(lambda: call(reads)))
+        print(f"{mask}: fwd+bwd ms, the loss reads the output {' / '.join(f'{t:.2f}' for t in times[False])}, "
+              f"the output and the LSE {' / '.join(f'{t:.2f}' for t in times[True])}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
