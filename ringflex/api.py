@@ -16,6 +16,7 @@ from .parallel import layout as layouts
 from .parallel.fault import GuardedComm
 from .parallel.ring import RingAttention, RingCall
 from .plan import PlanCache, around, check_lookups, keys_read, plan_hops
+from .trace import tensors_requiring_grad
 
 _PLANS = PlanCache()
 
@@ -48,7 +49,9 @@ def ring_flex_attention(
     and ``mask_mod(b, h, q_idx, kv_idx)`` are flex_attention's, and see GLOBAL positions.
     Returns this rank's output [B, Hq, S_local, Dv] (and the fp32 log-sum-exp [B, Hq,
     S_local] if ``return_lse``; differentiable, as flex_attention's: a loss that reads it
-    costs a second backward call per hop). Every rank must make the same call: a bad or mismatched call
+    costs a second backward call per hop). Tensors the score_mod reads that require grad (a
+    learnable bias) get this rank's share of their gradient, on the reference kernel (cuDNN
+    gives none). Every rank must make the same call: a bad or mismatched call
     raises the same ``CallRejected`` (a ValueError) on every rank before any transfer, and a
     rank that fails inside the ring makes the ranks waiting for it raise ``RingFailure`` (see
     docs/reliability.md).
@@ -66,7 +69,8 @@ def ring_flex_attention(
                             for step in range(world_size)]
         if score_mod is not None:  # the mask's lookups are checked where it is planned
             check_lookups(score_mod, "score_mod", q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device)
-        kernel = select_kernel(backend, q, k, v, mods)
+        tensors = tensors_requiring_grad(score_mod, q.device)
+        kernel = select_kernel(backend, q, k, v, mods, tensor_grads=bool(tensors))
         min_tile = int(os.environ.get("RINGFLEX_MIN_TILE", 1024))
 
         def plan_args(q_segs, kv_segs_per_step):
@@ -82,24 +86,25 @@ def ring_flex_attention(
         own_rows_read = around(
             keys_read(_PLANS.get(*plan_args(layouts.segments(layout, q_len, world_size, other), kv_segs_per_step[:1])), 1)[0]
             for other in range(world_size) if other != rank)
-        return schedule, kernel, own_rows_read
+        return schedule, kernel, own_rows_read, tensors
 
     agreement = validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group, layout=layout,
                                scale=scale, enable_gqa=enable_gqa, backend=backend, debug=debugging, prepare=prepare,
-                               keys_read=lambda result: keys_read(result[0], world_size))
+                               keys_read=lambda result: keys_read(result[0], world_size),
+                               kernel_of=lambda result: result[1].name)
     if agreement.failed_here or debugging:  # raises here (or, debugging, agrees before the checks below)
         agreement.wait()
-    schedule, kernel, own_rows_read = agreement.result
+    schedule, kernel, own_rows_read, tensors = agreement.result
     comm = None
     if world_size > 1:
         comm = debug.DebugComm(group) if debugging else GuardedComm(group)
     call = RingCall(comm=comm, schedule=schedule, kernel=kernel, mods=mods,
                     scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), agreement=agreement,
-                    own_rows_read=own_rows_read)
+                    own_rows_read=own_rows_read, tensors=tensors)
     if debugging:
         debug.check_inputs(group, q, k, v)
         q, k, v = debug.watch_grads(group, q, k, v)
-    out, lse = RingAttention.apply(q, k.contiguous(), v.contiguous(), call)
+    out, lse = RingAttention.apply(q, k.contiguous(), v.contiguous(), call, *tensors)
     if debugging:
         debug.check_outputs(group, out, lse)
     return (out, lse) if return_lse else out

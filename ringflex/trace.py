@@ -463,6 +463,23 @@ def trace_score_mod(score_mod: Callable, device=None) -> ModGraph:
     return graph
 
 
+def tensors_requiring_grad(score_mod: Optional[Callable], device=None) -> Tuple[Tensor, ...]:
+    """The captured tensors ``score_mod`` reads that require grad (a learnable bias table or
+    slopes), where grad mode is on: their gradients flow as flex_attention's do. Found in its
+    graph; a mod that cannot be traced is evaluated at one point, and raises if it reads one."""
+    if score_mod is None or not torch.is_grad_enabled():
+        return ()
+    try:
+        graph = trace_score_mod(score_mod, device)
+    except UnsupportedModError as e:
+        zero = torch.zeros((), dtype=torch.int32, device=device)
+        if torch.as_tensor(score_mod(torch.zeros((), device=device), zero, zero, zero, zero)).requires_grad:
+            raise UnsupportedModError(f"score_mod reads a tensor that requires grad, and ringflex finds such "
+                                      f"tensors only in mods it can trace: {e}") from e
+        return ()
+    return tuple(t for t in graph.tensors() if t.requires_grad)
+
+
 def trace_mask_mod(mask_mod: Callable, device=None) -> ModGraph:
     """The graph of ``mask_mod(b, h, q_idx, kv_idx)``; captured tensors must be on ``device``."""
     return _cached(mask_mod, MASK_INPUTS, "mask_mod", device)

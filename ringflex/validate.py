@@ -196,6 +196,11 @@ def _device_name(code: int) -> str:
     return code.to_bytes(7, "little").rstrip(b"\0").decode(errors="replace")
 
 
+def _kernel_code(name: str) -> int:
+    """A kernel's name as its backend's index (``len(BACKENDS)`` for any other kernel)."""
+    return BACKENDS.index(name) if name in BACKENDS else len(BACKENDS)
+
+
 # What every rank must agree on: (name, value on this rank, how a value reads in a message).
 _Field = Tuple[str, Callable, Callable[[int], str]]
 _FIELDS: Tuple[_Field, ...] = (
@@ -210,6 +215,8 @@ _FIELDS: Tuple[_Field, ...] = (
     ("device type", lambda a: _device_code(a["q"].device), _device_name),
     ("layout", lambda a: LAYOUTS.index(a["layout"]), lambda n: repr(LAYOUTS[n])),
     ("backend", lambda a: BACKENDS.index(a["backend"]), lambda n: repr(BACKENDS[n])),
+    ("kernel", lambda a: _kernel_code(a["kernel"]),  # "auto" may choose differently per rank
+     lambda n: repr(BACKENDS[n]) if n < len(BACKENDS) else "another kernel"),
     ("enable_gqa", lambda a: int(bool(a["enable_gqa"])), lambda n: str(bool(n))),
     ("scale", lambda a: -1 if a["scale"] is None else _bits(float(a["scale"])),
      lambda n: "None" if n == -1 else repr(_from_bits(n))),
@@ -273,13 +280,15 @@ def _pairs(values: Sequence[int]) -> List[Tuple[int, int]]:
 
 def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, backend,
           debug: bool = False, prepare: Optional[Callable] = None,
-          keys_read: Optional[Callable[[Any], List[Tuple[int, int]]]] = None) -> Agreement:
+          keys_read: Optional[Callable[[Any], List[Tuple[int, int]]]] = None,
+          kernel_of: Optional[Callable[[Any], str]] = None) -> Agreement:
     """Checks this rank's arguments, runs ``prepare()`` and starts comparing with the other
     ranks of ``group``. No rank may start a transfer before ``wait()`` on the result returned:
     it raises the same ValueError on every rank if any rank's arguments are bad, ``prepare()``
     raised on any rank, or the ranks disagree. ``keys_read(prepare())``: per ring step, the
     rows of the block held then that this rank's plan reads; the ranks share them, so each
-    knows how far the ring must run and which rows of a block any rank still needs."""
+    knows how far the ring must run and which rows of a block any rank still needs.
+    ``kernel_of(prepare())``: the name of the kernel chosen, which every rank must share."""
     world_size = dist.get_world_size(group) if group is not None else 1
     failed = fault.failure(group)
     if failed:
@@ -297,7 +306,8 @@ def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, bac
         return Agreement(result, error, cause, keys_read=[reads])
     grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     args = dict(q=q, k=k, v=v, layout=layout, backend=backend, enable_gqa=enable_gqa, scale=scale,
-                score_mod=score_mod, mask_mod=mask_mod, grad=grad, debug=debug)
+                score_mod=score_mod, mask_mod=mask_mod, grad=grad, debug=debug,
+                kernel=kernel_of(result) if kernel_of is not None and error is None else "auto")
     values = [0] * len(_FIELDS) if error else [get(args) for _, get, _ in _FIELDS]
     return Agreement(result, error, cause, _Exchange(group, values + [x for span in reads for x in span], error,
                                                      "the argument check", fault.CallRejected))

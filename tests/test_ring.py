@@ -94,6 +94,72 @@ def test_gradients_through_the_lse_match_single_process(world_size, layout):
     assert not failures, "\n".join(failures)
 
 
+def _learnable_mods(seq_len: int):
+    """Score mods that read tensors requiring grad, as a model's learnable biases do: a leaf
+    table of relative-position biases, and per-head slopes computed from one (not a leaf)."""
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(4, 9, dtype=torch.float64, generator=g).requires_grad_()
+    raw = torch.randn(4, dtype=torch.float64, generator=g).requires_grad_()
+    slopes = raw.exp()
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, (q_idx - kv_idx).clamp(-4, 4) + 4]
+
+    def learnable_alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    documents = cases(seq_len)["documents"].mask_mod
+    return [table, raw], {"relative bias": (relative_bias, None), "relative bias, documents": (relative_bias, documents),
+                          "learnable alibi, causal": (learnable_alibi, ringflex.mods.causal)}
+
+
+def _tensor_gradient_errors(rank, world_size, layout):
+    """Per (mod, loss): the worst error of dq/dk/dv and of the gradients of the tensors the
+    score_mod reads (summed over the ranks, as a gradient reduction over them does)."""
+    import torch.distributed as dist
+
+    seq_len = LOCAL_LEN * world_size
+    q, k, v, dout = make_inputs(cases(seq_len)["no_mask"], seq_len, dtype=torch.float64)
+    dlse = torch.randn(dout.shape[:3], dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    errors = {}
+    for reads_lse in (False, True):
+        for name in _learnable_mods(seq_len)[1]:
+            # one process, and the ring, each with its own copies of the same learnable tensors
+            (leaves, named), (ring_leaves, ring_named) = _learnable_mods(seq_len), _learnable_mods(seq_len)
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            want_out, want_lse = attention(*full, *named[name], return_lse=True)
+            torch.autograd.backward([want_out, want_lse][:1 + reads_lse], [dout, dlse][:1 + reads_lse])
+            local = [ringflex.shard(t, 2, layout=layout).requires_grad_() for t in (q, k, v)]
+            score_mod, mask_mod = ring_named[name]
+            out, lse = ringflex.ring_flex_attention(*local, score_mod=score_mod, mask_mod=mask_mod, layout=layout,
+                                                    backend="reference", return_lse=True)
+            upstream = [ringflex.shard(t, 2, layout=layout) for t in (dout, dlse)]
+            torch.autograd.backward([out, lse][:1 + reads_lse], upstream[:1 + reads_lse])
+            got = [t.grad for t in local] + [_grad(t) for t in ring_leaves]
+            for t in got[3:]:
+                dist.all_reduce(t)
+            want = [ringflex.shard(t.grad, 2, layout=layout) for t in full] + [_grad(t) for t in leaves]
+            errors[name, reads_lse] = [(g - w).abs().max().item() / max(1.0, w.abs().max().item())
+                                       for g, w in zip(got, want)]
+    return errors
+
+
+def _grad(t):
+    """``t``'s gradient, zeros where no mod read it."""
+    return torch.zeros_like(t) if t.grad is None else t.grad
+
+
+@pytest.mark.parametrize("layout", ringflex.LAYOUTS)
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_gradients_of_tensors_the_score_mod_reads_match_single_process(world_size, layout):
+    """A learnable bias read by the score_mod gets its gradient, as with flex_attention: each
+    rank its share, which add up to one process's gradient."""
+    failures = [f"rank {rank} {name} (loss reads the LSE: {reads_lse}): dq/dk/dv/tensor errors {errs}"
+                for rank, errors in enumerate(run_world(world_size, _tensor_gradient_errors, layout))
+                for (name, reads_lse), errs in errors.items() if max(errs) > 1e-10]
+    assert not failures, "\n".join(failures)
+
+
 def test_ring_with_blocks_split_into_small_tiles(monkeypatch):
     """The planner's splitting of sparse blocks (normally >= 1024 tokens) at toy sizes."""
     monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
@@ -119,7 +185,7 @@ class _RoundingKernel(ReferenceKernel):
 def _with_kernel(kernel):
     """Makes every ring call of this process use ``kernel``."""
     import ringflex.api
-    ringflex.api.select_kernel = lambda *args: kernel
+    ringflex.api.select_kernel = lambda *args, **kwargs: kernel
 
 
 @contextlib.contextmanager
@@ -290,7 +356,7 @@ def _gradient_storage(rank, world_size):
 
 
 def _record(into: dict, name: str, tensors):
-    into[name] = [t.data_ptr() for t in tensors]
+    into[name] = [t.data_ptr() for t in tensors[:3]]  # dq, dk, dv
     return tensors
 
 

@@ -269,3 +269,15 @@ def test_lookup_error_names_a_read_past_a_captured_tensor():
     assert lookup_error(trace_mask_mod(lambda b, h, q, kv: shifted[kv - 100] | (kv <= q)), values) is None
     both = torch.zeros(200, dtype=torch.bool)  # a subscript of two inputs is not checked
     assert lookup_error(trace_mask_mod(lambda b, h, q, kv: both[q + kv] | (kv <= q)), values) is None
+
+
+def test_tensors_requiring_grad_are_found_where_grad_mode_is_on():
+    from ringflex.trace import tensors_requiring_grad
+
+    table, frozen = torch.zeros(4, requires_grad=True), torch.zeros(4)
+    learnable = lambda score, b, h, q_idx, kv_idx: score + table[h] + frozen[h]  # noqa: E731
+    assert tensors_requiring_grad(learnable) == (table,)
+    assert tensors_requiring_grad(lambda score, b, h, q_idx, kv_idx: score + frozen[h]) == ()
+    assert tensors_requiring_grad(None) == ()
+    with torch.no_grad():
+        assert tensors_requiring_grad(learnable) == ()

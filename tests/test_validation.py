@@ -14,6 +14,7 @@ from harness import run_world
 from oracle import attention
 from ringflex import mods
 from ringflex.debug import RingDebugError
+from ringflex.kernels.reference import ReferenceKernel
 
 WORLD = 3
 L = 4  # local tokens (zigzag: 2 chunks of 2)
@@ -39,6 +40,21 @@ def _query_flags(flags):
     def flagged_queries_mask(b, h, q_idx, kv_idx):
         return ~flags[q_idx] & (kv_idx <= q_idx)
     return flagged_queries_mask
+
+
+def _with_kernel_named(name, call):
+    """``call`` with ``backend="auto"`` choosing a kernel named ``name`` here (a rank whose GPU
+    cuDNN cannot use, say); None: as it chooses."""
+    def run():
+        from ringflex import api
+        chosen = api.select_kernel
+        if name is not None:
+            api.select_kernel = lambda *args, **kwargs: type("Other", (ReferenceKernel,), {"name": name})()
+        try:
+            return call()
+        finally:
+            api.select_kernel = chosen
+    return run
 
 
 def _mismatches(rank, world_size):
@@ -73,6 +89,7 @@ def _mismatches(rank, world_size):
         "dtype": lambda: attn(*(t.bfloat16() if odd else t for t in (q, k, v))),
         "layout": lambda: attn(q, k, v, layout="striped" if odd else "zigzag"),
         "backend": lambda: attn(q, k, v, backend="reference" if odd else "auto"),
+        "kernel": _with_kernel_named("cudnn" if odd else None, lambda: attn(q, k, v)),
         "scale": lambda: attn(q, k, v, scale=0.5 if odd else None),
         "enable_gqa": lambda: attn(q, k, v, enable_gqa=odd),
         "mask_mod fingerprint": lambda: attn(q, k, v, mask_mod=mods.sliding_window(3 if odd else 4)),
@@ -105,6 +122,7 @@ EXPECTED = {
     "dtype": "disagree on the dtype (rank 0: torch.float32, rank 1: torch.bfloat16, rank 2: torch.float32)",
     "layout": "disagree on the layout (rank 0: 'zigzag', rank 1: 'striped', rank 2: 'zigzag')",
     "backend": "disagree on the backend (rank 0: 'auto', rank 1: 'reference', rank 2: 'auto')",
+    "kernel": "disagree on the kernel (rank 0: 'reference', rank 1: 'cudnn', rank 2: 'reference')",
     "scale": "disagree on the scale (rank 0: None, rank 1: 0.5, rank 2: None)",
     "enable_gqa": "disagree on the enable_gqa (rank 0: False, rank 1: True, rank 2: False)",
     "mask_mod fingerprint": "disagree on the mask_mod (rank 0: fingerprint",
@@ -138,6 +156,9 @@ def test_every_rank_raises_the_same_clear_error():
     assert all(r["good call afterwards"] < 1e-5 for r in per_rank)
 
 
+LEARNABLE = torch.zeros(2, requires_grad=True)  # a per-head bias a model learns
+
+
 @pytest.mark.parametrize("call, expected", [
     (lambda q: ringflex.ring_flex_attention(q, q, "v"), "v must be a torch.Tensor, got str"),
     (lambda q: ringflex.ring_flex_attention(q.long(), q.long(), q.long()),
@@ -158,6 +179,13 @@ def test_every_rank_raises_the_same_clear_error():
     (lambda q: ringflex.ring_flex_attention(q, q[:, :1], q[:, :1]), "pass enable_gqa=True"),
     (lambda q: ringflex.ring_flex_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3]),
      "local length of q (3) does not fit layout 'zigzag': it must be a multiple of 2"),
+    (lambda q: ringflex.ring_flex_attention(q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: s + LEARNABLE[h],
+                                            backend="cudnn"),
+     "backend='cudnn' cannot run this call: the score_mod reads a tensor that requires grad, and cuDNN's fused "
+     "backward gives no gradient for it"),
+    (lambda q: ringflex.ring_flex_attention(q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: s + torch.sin(LEARNABLE[h])),
+     "score_mod reads a tensor that requires grad, and ringflex finds such tensors only in mods it can trace: "
+     "operation sin.default is not supported"),
 ])
 def test_bad_arguments_are_rejected_clearly(call, expected):
     q = torch.randn(1, 2, 4, 8)

@@ -8,6 +8,7 @@ from .base import HopKernel, Mods
 from .reference import ReferenceKernel
 
 _WARNED = set()
+_TENSOR_GRADS = "the score_mod reads a tensor that requires grad, and cuDNN's fused backward gives no gradient for it"
 
 
 def _warn_once(message: str) -> None:
@@ -27,11 +28,12 @@ def _cudnn_reason(q, k, v, mods) -> Optional[str]:
     return cudnn_unavailable_reason(q, k, v, mods)
 
 
-def select_kernel(backend: str, q, k, v, mods: Mods) -> HopKernel:
+def select_kernel(backend: str, q, k, v, mods: Mods, tensor_grads: bool = False) -> HopKernel:
     """The kernel for ``backend``; "auto" prefers cuDNN and otherwise takes the reference
-    kernel, saying once why it did not take cuDNN for a GPU call."""
+    kernel, saying once why it did not take cuDNN for a GPU call. ``tensor_grads``: the
+    score_mod reads tensors that require grad (``trace.tensors_requiring_grad``)."""
     if backend in ("cudnn", "auto"):
-        reason = _cudnn_reason(q, k, v, mods)
+        reason = _TENSOR_GRADS if tensor_grads else _cudnn_reason(q, k, v, mods)
         if reason is None:
             from .cudnn import CudnnKernel
             return CudnnKernel()

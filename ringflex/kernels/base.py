@@ -16,7 +16,7 @@ Conventions (the flex_attention ones):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Tuple
+from typing import Callable, Optional, Protocol, Sequence, Tuple
 
 from torch import Tensor
 
@@ -53,12 +53,15 @@ class HopKernel(Protocol):
     def backward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
         q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods, scale: float, masked: bool,
-    ) -> Tuple[Tensor, Tensor, Tensor]:
-        """Returns this hop's (dq, dk, dv); dk/dv have Hkv heads.
+        tensors: Sequence[Tensor] = (),
+    ) -> Tuple[Tensor, ...]:
+        """Returns this hop's (dq, dk, dv, *the gradients of ``tensors``); dk/dv have Hkv heads.
 
         ``out`` and ``lse`` are the GLOBAL (merged over all hops) output and log-sum-exp,
         which makes the per-hop gradients add up to the exact gradient. Rows whose global
-        lse is -inf contribute nothing.
+        lse is -inf contribute nothing. ``tensors``: captured tensors the score_mod reads
+        that require grad (``trace.tensors_requiring_grad``), their gradients in fp32 (fp64
+        for fp64 inputs).
         """
         ...
 

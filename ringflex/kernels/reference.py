@@ -75,7 +75,8 @@ class ReferenceKernel:
             lse[:, :, begin:end] = chunk_lse
         return out, lse
 
-    def backward(self, q, k, v, out, lse, dout, q_seg: Segment, kv_seg: Segment, mods: Mods, scale: float, masked: bool):
+    def backward(self, q, k, v, out, lse, dout, q_seg: Segment, kv_seg: Segment, mods: Mods, scale: float, masked: bool,
+                 tensors=()):
         dtype = compute_dtype(q.dtype)
         groups = q.shape[1] // k.shape[1]
         qf, kf, vf = q.to(dtype), _expand_heads(k, groups, dtype), _expand_heads(v, groups, dtype)
@@ -86,6 +87,7 @@ class ReferenceKernel:
         dq = torch.zeros_like(qf)
         dk = torch.zeros_like(kf)
         dv = torch.zeros_like(vf)
+        d_tensors = [torch.zeros_like(t, dtype=dtype) for t in tensors]
         for begin, end in _row_chunks(q, k.shape[2]):
             with torch.enable_grad():
                 qc = qf[:, :, begin:end].detach().requires_grad_()
@@ -95,7 +97,10 @@ class ReferenceKernel:
             do_c = dof[:, :, begin:end]
             dv += torch.matmul(p.transpose(-1, -2), do_c)
             ds = p * (torch.matmul(do_c, vf.transpose(-1, -2)) - delta[:, :, begin:end].unsqueeze(-1))
-            gq, gk = torch.autograd.grad(s, (qc, kc), ds)
+            gq, gk, *g_tensors = torch.autograd.grad(s, (qc, kc, *tensors), ds, allow_unused=True)
             dq[:, :, begin:end] = gq
             dk += gk
-        return dq, _reduce_heads(dk, groups), _reduce_heads(dv, groups)
+            for total, g in zip(d_tensors, g_tensors):
+                if g is not None:  # None where the mask hid every score that reads it
+                    total += g
+        return (dq, _reduce_heads(dk, groups), _reduce_heads(dv, groups), *d_tensors)

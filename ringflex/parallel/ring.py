@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -37,6 +37,7 @@ class RingCall:
     agreement: Any = None  # the cross-rank argument check under way: ``wait()`` before the first transfer
     travelling: Optional[List[Rows]] = None  # per block (by owner): the rows of it that travel; None: all
     own_rows_read: Optional[Rows] = None  # what the other ranks read of the own block, as planned locally
+    tensors: Tuple[Tensor, ...] = ()  # captured tensors of the score_mod that require grad
 
     def agree(self) -> None:
         """Waits for the argument check. Then the ring runs only the steps some rank needs,
@@ -215,7 +216,8 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
     returned it in (the input dtype for cuDNN: half the bytes of fp32); later ones travel in
     fp32; the owner rounds once. ``dlse`` (None where the loss does not read the LSE) adds the
     LSE's share of dq and dk, a second kernel call per hop (``_lse_as_attention``) that needs
-    no transfer."""
+    no transfer. The gradients of ``call.tensors`` are this rank's share (its queries'
+    scores), summed over its hops: as for any weight, the ranks' shares add up."""
     acc = compute_dtype(q.dtype)
     steps = len(call.schedule)
     sum_dtypes = [acc] * steps  # of the partial sum each step sends; the last step's is the gradient
@@ -225,6 +227,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
     blocks = _KVStream(call, (last_k, last_v), last=(k, v), reverse=True)
     received = None  # the partial sums on their way here: (tensors, transfer)
     lse_out, lse_dout = _lse_as_attention(dlse, out) if dlse is not None else (None, None)
+    d_tensors = [torch.zeros_like(t, dtype=acc) for t in call.tensors]
     for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
         zero_v = torch.zeros_like(blocks.current[1]) if dlse is not None else None
@@ -234,14 +237,16 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
                       + [blocks.local(hop.kv_rows) for hop in hops])
         for i, hop in enumerate(hops):
             hop_q, (hop_k, hop_v) = rows(q, hop.q_rows), blocks.keys(hop)
-            hop_args = hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop)
-            hq, hk, hv = call.kernel.backward(hop_q, hop_k, hop_v, rows(out, hop.q_rows), rows(lse, hop.q_rows),
-                                              rows(dout, hop.q_rows), *hop_args)
+            hop_args = hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop), call.tensors
+            hq, hk, hv, *ht = call.kernel.backward(hop_q, hop_k, hop_v, rows(out, hop.q_rows), rows(lse, hop.q_rows),
+                                                   rows(dout, hop.q_rows), *hop_args)
             if dlse is not None:  # added in fp32, before any rounding
-                lq, lk, _ = call.kernel.backward(hop_q, hop_k, rows(zero_v, blocks.local(hop.kv_rows)),
-                                                 rows(lse_out, hop.q_rows), rows(lse, hop.q_rows),
-                                                 rows(lse_dout, hop.q_rows), *hop_args)
-                hq, hk = hq.to(acc) + lq, hk.to(acc) + lk
+                lq, lk, _, *lt = call.kernel.backward(hop_q, hop_k, rows(zero_v, blocks.local(hop.kv_rows)),
+                                                      rows(lse_out, hop.q_rows), rows(lse, hop.q_rows),
+                                                      rows(lse_dout, hop.q_rows), *hop_args)
+                hq, hk, ht = hq.to(acc) + lq, hk.to(acc) + lk, [a + b for a, b in zip(ht, lt)]
+            for total, g in zip(d_tensors, ht):
+                total += g
             dq.add(hop.q_rows, hq)
             if i == 0:  # the first kernel ran while the sum of the ranks before arrived
                 received = _receive(received, sums, arriving)
@@ -255,7 +260,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
             received = (incoming, call.comm.exchange(total, incoming, reverse=True))
         blocks.advance(step, kv_pending)
     (dq,), (dk, dv) = dq.result(), total
-    return dq, dk, dv
+    return dq, dk, dv, d_tensors
 
 
 def _lse_as_attention(dlse: Tensor, out: Tensor):
@@ -289,7 +294,7 @@ class RingAttention(torch.autograd.Function):
     """Autograd of the ring. ``call`` carries the plan, kernel, mods and scale to backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call: RingCall):
+    def forward(ctx, q, k, v, call: RingCall, *tensors):  # ``tensors``: ``call.tensors``, for autograd
         with guard(call.comm, "forward"):  # a failure here releases the other ranks
             out, lse, (last_k, last_v) = ring_forward(call, q, k, v)
         ctx.call = call
@@ -302,5 +307,5 @@ class RingAttention(torch.autograd.Function):
         saved = ctx.saved_tensors
         dout = torch.zeros_like(saved[3]) if dout is None else dout.contiguous()
         with guard(ctx.call.comm, "backward"):
-            dq, dk, dv = ring_backward(ctx.call, dout, *saved, dlse=dlse)
-        return dq, dk, dv, None
+            dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, *saved, dlse=dlse)
+        return (dq, dk, dv, None, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors)))
