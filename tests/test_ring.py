@@ -160,6 +160,27 @@ def test_gradients_of_tensors_the_score_mod_reads_match_single_process(world_siz
     assert not failures, "\n".join(failures)
 
 
+def _second_derivative(rank, world_size):
+    """First-order gradients with ``create_graph=True``, and what differentiating them raises."""
+    q, k, v = (ringflex.shard(t, 2).requires_grad_() for t in make_inputs(cases(8 * world_size)["causal"], 8 * world_size,
+                                                                          dtype=torch.float64)[:3])
+    mask = ringflex.mods.causal
+    plain = torch.autograd.grad(ringflex.ring_flex_attention(q, k, v, mask_mod=mask).sum(), (q, k, v))
+    graphed = torch.autograd.grad(ringflex.ring_flex_attention(q, k, v, mask_mod=mask).sum(), (q, k, v),
+                                  create_graph=True)
+    with pytest.raises(RuntimeError) as info:
+        sum((g ** 2).sum() for g in graphed).backward()
+    return all(torch.equal(a, b.detach()) for a, b in zip(plain, graphed)), str(info.value)
+
+
+def test_a_second_derivative_raises_instead_of_being_zero():
+    """A gradient penalty differentiates the gradients: the ring has no second derivative, and
+    says so where they are differentiated, instead of treating them as constants."""
+    for same, message in run_world(2, _second_derivative):
+        assert same
+        assert "ring_flex_attention has no second derivative" in message
+
+
 def test_ring_with_blocks_split_into_small_tiles(monkeypatch):
     """The planner's splitting of sparse blocks (normally >= 1024 tokens) at toy sizes."""
     monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")

@@ -16,6 +16,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch._C import _functions as autograd_nodes
 
 from ..kernels.base import HopKernel, Mods
 from ..kernels.reference import compute_dtype
@@ -306,6 +307,11 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         saved = ctx.saved_tensors
         dout = torch.zeros_like(saved[3]) if dout is None else dout.contiguous()
-        with guard(ctx.call.comm, "backward"):
+        with guard(ctx.call.comm, "backward"), torch.no_grad():  # also under create_graph=True
             dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, *saved, dlse=dlse)
-        return (dq, dk, dv, None, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors)))
+        grads = (dq, dk, dv, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors)))
+        if torch.is_grad_enabled():  # create_graph=True: the gradients are values, with no derivative
+            grads = autograd_nodes.DelayedError(b"ring_flex_attention has no second derivative: its gradients "
+                                                b"cannot be differentiated (create_graph=True)", len(grads))(
+                *(g.detach().requires_grad_() for g in grads))  # the node attaches only to what requires grad
+        return (*grads[:3], None, *grads[3:])
