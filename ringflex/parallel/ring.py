@@ -305,12 +305,14 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        saved = ctx.saved_tensors
-        dout = torch.zeros_like(saved[3]) if dout is None else dout.contiguous()
+        q, k, v, out, lse, last_k, last_v = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()  # None: the loss reads the LSE alone
         with guard(ctx.call.comm, "backward"), torch.no_grad():  # also under create_graph=True
-            dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, *saved, dlse=dlse)
+            dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, last_k, last_v, dlse=dlse)
         grads = (dq, dk, dv, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors)))
         if torch.is_grad_enabled():  # create_graph=True: the gradients are values, with no derivative
+            # (torch's ``once_differentiable`` does this only where the incoming gradients
+            # require grad; here q, k and v make the gradients depend on them too)
             grads = autograd_nodes.DelayedError(b"ring_flex_attention has no second derivative: its gradients "
                                                 b"cannot be differentiated (create_graph=True)", len(grads))(
                 *(g.detach().requires_grad_() for g in grads))  # the node attaches only to what requires grad
