@@ -6,23 +6,11 @@ loss reading the output alone, then the output and the LSE (a second backward ca
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import ringflex
-from bench import make_mods  # scripts/ is on sys.path
-
-
-def fwd_bwd_ms(call, iters: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        call()
-    torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - start) / iters
+from bench import make_mods, timed  # scripts/ is on sys.path
 
 
 def main():
@@ -46,7 +34,7 @@ def main():
         times = {reads: [] for reads in (False, True)}
         for _ in range(args.rounds):
             for reads in times:
-                times[reads].append(fwd_bwd_ms(lambda: call(reads)))
+                times[reads].append(1e3 * timed(lambda: call(reads), 10, 3, dev))
         print(f"{mask}: fwd+bwd ms, the loss reads the output {' / '.join(f'{t:.2f}' for t in times[False])}, "
               f"the output and the LSE {' / '.join(f'{t:.2f}' for t in times[True])}", flush=True)
 
