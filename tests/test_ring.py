@@ -94,6 +94,20 @@ def test_gradients_through_the_lse_match_single_process(world_size, layout):
     assert not failures, "\n".join(failures)
 
 
+def test_rows_that_see_no_key_take_no_lse_gradient():
+    """Whatever a loss makes of the LSE of a row that sees nothing (-inf), that row adds
+    nothing to the gradients (an infinite dlse there would spread NaN to every key)."""
+    case = cases(8)["late_queries"]
+    q, k, v, _ = make_inputs(case, 8, dtype=torch.float64)
+    grads = []
+    for at_empty_rows in (0.0, float("-inf")):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        _, lse = ringflex.ring_flex_attention(*inputs, mask_mod=case.mask_mod, return_lse=True)
+        lse.backward(torch.where(lse.isneginf(), at_empty_rows, 1.0))
+        grads.append([t.grad for t in inputs])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def _learnable_mods(seq_len: int):
     """Score mods that read tensors requiring grad, as a model's learnable biases do: a leaf
     table of relative-position biases, and per-head slopes computed from one (not a leaf)."""

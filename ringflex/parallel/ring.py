@@ -227,7 +227,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
     dq = RowSum([q.shape], q.dtype, acc, q.device, [hop.q_rows for hops in schedule for hop in hops])
     blocks = _KVStream(call, (last_k, last_v), last=(k, v), reverse=True)
     received = None  # the partial sums on their way here: (tensors, transfer)
-    lse_out, lse_dout = _lse_as_attention(dlse, out) if dlse is not None else (None, None)
+    lse_out, lse_dout = _lse_as_attention(dlse, out, lse) if dlse is not None else (None, None)
     d_tensors = [torch.zeros_like(t, dtype=acc) for t in call.tensors]
     for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
@@ -264,13 +264,15 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
     return dq, dk, dv, d_tensors
 
 
-def _lse_as_attention(dlse: Tensor, out: Tensor):
+def _lse_as_attention(dlse: Tensor, out: Tensor, lse: Tensor):
     """(out, dout) under which a hop's backward over ZERO values gives the LSE's share of dq
     and dk. A backward computes dS = P * (dout V^T - rowsum(dout * out)); with V = 0 and
     rowsum(dout * out) = -dlse that is P * dlse, the LSE's derivative (its softmax weights)
     times dlse, through the score_mod as any dS. dout holds ones in two columns and out -dlse
     split over them (the input dtype's rounding of it, then of what that leaves), so dlse
-    keeps about twice the input dtype's precision."""
+    keeps about twice the input dtype's precision. Rows that see no key (LSE -inf) take none,
+    whatever the loss made of their LSE (an infinite dlse would spread NaN to every key)."""
+    dlse = torch.where(lse.isneginf(), 0.0, dlse)
     lse_out, lse_dout = torch.zeros_like(out), torch.zeros_like(out)
     columns = min(2, out.shape[-1])
     high = dlse.to(out.dtype)

@@ -179,13 +179,14 @@ def test_rows_without_keys_give_zero_not_nan():
 
 
 @needs_cudnn
-@pytest.mark.parametrize("name", sorted(cases(SEQ)))
+@pytest.mark.parametrize("name", sorted(cases(SEQ)) + ["packed"])
 def test_gradients_through_the_lse_match_reference(name):
     """A loss that reads the LSE (one rank): cuDNN's second backward call per hop, over zero
-    values, gives the LSE's share of dq and dk (``ring._lse_as_attention``)."""
+    values, gives the LSE's share of dq and dk (``ring._lse_as_attention``); "packed": its
+    documents in ragged batches."""
     import ringflex
 
-    case = cases(SEQ, device="cuda")[name]
+    case = _packed("cuda") if name == "packed" else cases(SEQ, device="cuda")[name]
     q, k, v, dout = make_inputs(case, SEQ, batch=1, head_dim=64)
     dlse = torch.randn(dout.shape[:3], generator=torch.Generator().manual_seed(1))
     results = {}
