@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import types
 from typing import Callable, Optional
 
 import torch
@@ -10,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import debug, validate
-from .kernels import select_kernel
+from .kernels import _warn_once, select_kernel
 from .kernels.base import Mods
 from .parallel import layout as layouts
 from .parallel.fault import GuardedComm
@@ -57,6 +58,12 @@ def ring_flex_attention(
     docs/reliability.md).
     """
     group = _ring_group(group)
+    for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if isinstance(mod, types.MethodType):
+            _warn_once(f"ringflex: the {name} is a bound method ({mod.__qualname__}), a new object at every "
+                       "access, and ringflex keeps traces and plans by the mod object: it is traced anew at every "
+                       "call (about 10 ms of host time). Pass a function or a closure built once (docs/guide.md, "
+                       "'Writing mods')")
     mods = Mods(score_mod, mask_mod)
     world_size = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0

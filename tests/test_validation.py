@@ -322,3 +322,21 @@ def test_lookups_of_a_mod_used_every_call_are_checked_once(monkeypatch):
     for _ in range(2):  # a subscript that reads a tensor: checked again for new tensors only
         ringflex.ring_flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + nested[1][nested[0][h]])
     assert sorted(checked) == ["mask_mod", "score_mod", "score_mod"]
+
+
+def test_a_bound_method_as_mod_is_named_once(monkeypatch, recwarn):
+    """``self.score_mod`` is a new object at every access, and traces and plans are kept by the
+    mod object: ringflex says once that such a mod is traced at every call."""
+    from ringflex import kernels
+
+    monkeypatch.setattr(kernels, "_WARNED", set())
+
+    class Halved(torch.nn.Module):
+        def score_mod(self, score, b, h, q_idx, kv_idx):
+            return score * 0.5
+
+    model, q = Halved(), torch.randn(1, 2, 4, 8)
+    for _ in range(2):
+        ringflex.ring_flex_attention(q, q, q, score_mod=model.score_mod)
+    messages = [str(w.message) for w in recwarn if "bound method" in str(w.message)]
+    assert len(messages) == 1 and "Halved.score_mod), a new object at every access" in messages[0]
