@@ -290,6 +290,20 @@ def test_ring_with_a_kernel_that_rounds_its_results(world_size):
             assert max(errs) <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (rank, name, dtype, errs)
 
 
+def _rounding_kernel_lse_errors(rank, world_size, layout):
+    _with_kernel(_RoundingKernel())
+    return _lse_gradient_errors(rank, world_size, layout)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_lse_gradients_with_a_kernel_that_rounds_its_results(world_size):
+    """The LSE's share joins the hop's dq and dk in fp32 before the first partial sum, sent in
+    the input dtype as cuDNN returns it: the ring still matches."""
+    for rank, errors in enumerate(run_world(world_size, _rounding_kernel_lse_errors, "zigzag")):
+        for (name, dtype, lse_only), errs in errors.items():
+            assert max(errs) <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (rank, name, dtype, lse_only, errs)
+
+
 class _WholeBlockKernel(ReferenceKernel):
     """The reference kernel, claiming to skip the empty parts of any block itself: each block
     reaches it whole, trimmed to the rows and keys where the mask holds somewhere."""
