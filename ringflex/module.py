@@ -67,12 +67,12 @@ def _is_torch_flex(value) -> bool:
     return type(value) is types.FunctionType and value.__dict__.get("_torchdynamo_orig_callable") is _TORCH_FLEX
 
 
-def attention(query, key, value, *, score_mod=None, mask_mod=None, scale=None, enable_gqa=False):
+def attention(query, key, value, *, score_mod=None, mask_mod=None, scale=None, enable_gqa=False, return_lse=False):
     """Attention over the sharded sequence of the active ``RingFlexMode`` (its group, layout,
     backend and extra mask). For integrations that call attention directly (Hugging Face)."""
     if has_torch_function((query, key, value)):
         return handle_torch_function(attention, (query, key, value), query, key, value, score_mod=score_mod,
-                                     mask_mod=mask_mod, scale=scale, enable_gqa=enable_gqa)
+                                     mask_mod=mask_mod, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse)
     raise RuntimeError("ringflex attention was called outside RingFlexAttention / RingFlexMode: wrap the model "
                        "(RingFlexAttention(model, group=...)) or run it inside `with RingFlexMode(group=...)`")
 
