@@ -42,6 +42,7 @@ def ring_flex_attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     backend: str = "auto",
+    sinks: Optional[Tensor] = None,
 ):
     """Attention over a sequence sharded across the ranks of ``group``.
 
@@ -52,7 +53,9 @@ def ring_flex_attention(
     S_local] if ``return_lse``; differentiable, as flex_attention's: a loss that reads it
     costs a second backward call per hop). Tensors the score_mod reads that require grad (a
     learnable bias) get this rank's share of their gradient, on the reference kernel (cuDNN
-    gives none). Every rank must make the same call: a bad or mismatched call
+    gives none). ``sinks``: attention sinks as gpt-oss has them, one logit per query head [Hq]
+    in every softmax's denominator with no value (differentiable; the LSE then includes them).
+    Every rank must make the same call: a bad or mismatched call
     raises the same ``CallRejected`` (a ValueError) on every rank before any transfer, and a
     rank that fails inside the ring makes the ranks waiting for it raise ``RingFailure`` (see
     docs/reliability.md).
@@ -96,7 +99,8 @@ def ring_flex_attention(
         return schedule, kernel, own_rows_read, tensors
 
     agreement = validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group, layout=layout,
-                               scale=scale, enable_gqa=enable_gqa, backend=backend, debug=debugging, prepare=prepare,
+                               scale=scale, enable_gqa=enable_gqa, backend=backend, sinks=sinks, debug=debugging,
+                               prepare=prepare,
                                keys_read=lambda result: keys_read(result[0], world_size),
                                kernel_of=lambda result: result[1].name)
     if agreement.failed_here or debugging:  # raises here (or, debugging, agrees before the checks below)
@@ -111,7 +115,7 @@ def ring_flex_attention(
     if debugging:
         debug.check_inputs(group, q, k, v)
         q, k, v = debug.watch_grads(group, q, k, v)
-    out, lse = RingAttention.apply(q, k.contiguous(), v.contiguous(), call, *tensors)
+    out, lse = RingAttention.apply(q, k.contiguous(), v.contiguous(), call, sinks, *tensors)
     if debugging:
         debug.check_outputs(group, out, lse)
     return (out, lse) if return_lse else out

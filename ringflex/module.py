@@ -67,12 +67,12 @@ def _is_torch_flex(value) -> bool:
     return type(value) is types.FunctionType and value.__dict__.get("_torchdynamo_orig_callable") is _TORCH_FLEX
 
 
-def attention(query, key, value, *, score_mod=None, mask_mod=None, scale=None, enable_gqa=False, return_lse=False):
+def attention(query, key, value, *, score_mod=None, mask_mod=None, scale=None, enable_gqa=False, sinks=None):
     """Attention over the sharded sequence of the active ``RingFlexMode`` (its group, layout,
     backend and extra mask). For integrations that call attention directly (Hugging Face)."""
     if has_torch_function((query, key, value)):
         return handle_torch_function(attention, (query, key, value), query, key, value, score_mod=score_mod,
-                                     mask_mod=mask_mod, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse)
+                                     mask_mod=mask_mod, scale=scale, enable_gqa=enable_gqa, sinks=sinks)
     raise RuntimeError("ringflex attention was called outside RingFlexAttention / RingFlexMode: wrap the model "
                        "(RingFlexAttention(model, group=...)) or run it inside `with RingFlexMode(group=...)`")
 
@@ -226,7 +226,7 @@ class RingFlexMode(TorchFunctionMode):
         return dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
 
     def _ring(self, query, key, value, *, score_mod=None, mask_mod=None, scale=None, enable_gqa=False,
-              return_lse=False):
+              return_lse=False, sinks=None):
         device_type = query.device.type
         autocast = torch.is_autocast_enabled(device_type)
         if autocast:  # as SDPA does under autocast: run in the autocast dtype, kernels unchanged
@@ -236,7 +236,7 @@ class RingFlexMode(TorchFunctionMode):
             return ring_flex_attention(query, key, value, score_mod=score_mod,
                                        mask_mod=self._combine(mask_mod, self.mask_mod), group=self.group,
                                        layout=self.layout, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
-                                       backend=self.backend)
+                                       backend=self.backend, sinks=sinks)
 
     def _sdpa(self, query, key, value, *args, **kwargs):
         attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_arguments(query, key, value, *args, **kwargs)

@@ -69,7 +69,8 @@ def _tensor_error(name, t) -> Optional[str]:
     return None
 
 
-def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, world_size) -> Optional[str]:
+def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, world_size,
+                sinks=None) -> Optional[str]:
     """What is wrong with this rank's arguments, or None."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         error = _tensor_error(name, t)
@@ -103,6 +104,11 @@ def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend
                     f"multiple of {per_rank}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
         return f"scale must be a finite number or None, got {scale!r}"
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point()
+                              or tuple(sinks.shape) != (q.shape[1],) or sinks.device != q.device):
+        got = (f"{type(sinks).__name__}" if not isinstance(sinks, torch.Tensor)
+               else f"{sinks.dtype} of shape {tuple(sinks.shape)} on {sinks.device}")
+        return f"sinks must be a floating-point tensor of one logit per query head, [{q.shape[1]}] on {q.device}, got {got}"
     for name, fn, arity, sig in (("score_mod", score_mod, 5, "(score, b, h, q_idx, kv_idx)"),
                                  ("mask_mod", mask_mod, 4, "(b, h, q_idx, kv_idx)")):
         if fn is None:
@@ -218,6 +224,7 @@ _FIELDS: Tuple[_Field, ...] = (
     ("kernel", lambda a: _kernel_code(a["kernel"]),  # "auto" may choose differently per rank
      lambda n: repr(BACKENDS[n]) if n < len(BACKENDS) else "another kernel"),
     ("enable_gqa", lambda a: int(bool(a["enable_gqa"])), lambda n: str(bool(n))),
+    ("sinks", lambda a: int(a["sinks"] is not None), lambda n: "given" if n else "None"),
     ("scale", lambda a: -1 if a["scale"] is None else _bits(float(a["scale"])),
      lambda n: "None" if n == -1 else repr(_from_bits(n))),
     ("score_mod", lambda a: fingerprint(a["score_mod"], a["debug"]), lambda n: f"fingerprint {n:016x}"),
@@ -278,7 +285,7 @@ def _pairs(values: Sequence[int]) -> List[Tuple[int, int]]:
     return [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
 
 
-def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, backend,
+def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, backend, sinks=None,
           debug: bool = False, prepare: Optional[Callable] = None,
           keys_read: Optional[Callable[[Any], List[Tuple[int, int]]]] = None,
           kernel_of: Optional[Callable[[Any], str]] = None) -> Agreement:
@@ -294,7 +301,7 @@ def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, bac
     if failed:
         raise fault.RingFailure(f"ringflex: the ring on this process group failed earlier ({failed}); "
                                 "create a new process group")
-    error = local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, world_size)
+    error = local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, world_size, sinks)
     result, cause = None, None
     if error is None and prepare is not None:
         try:
@@ -306,7 +313,7 @@ def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, bac
         return Agreement(result, error, cause, keys_read=[reads])
     grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     args = dict(q=q, k=k, v=v, layout=layout, backend=backend, enable_gqa=enable_gqa, scale=scale,
-                score_mod=score_mod, mask_mod=mask_mod, grad=grad, debug=debug,
+                score_mod=score_mod, mask_mod=mask_mod, sinks=sinks, grad=grad, debug=debug,
                 kernel=kernel_of(result) if kernel_of is not None and error is None else "auto")
     values = [0] * len(_FIELDS) if error else [get(args) for _, get, _ in _FIELDS]
     return Agreement(result, error, cause, _Exchange(group, values + [x for span in reads for x in span], error,

@@ -1,5 +1,6 @@
-"""What a loss that reads the LSE costs: fwd+bwd of ``ring_flex_attention`` on one GPU, the
-loss reading the output alone, then the output and the LSE (a second backward call per hop).
+"""What a loss that reads the LSE costs, and attention sinks: fwd+bwd of ``ring_flex_attention``
+on one GPU, the loss reading the output alone, the output and the LSE (a second backward call
+per hop), and the output with sinks (none).
 
     python scripts/lse_cost.py --seq-len 16384 --masks none causal documents
 """
@@ -27,16 +28,20 @@ def main():
                    for _ in range(3))
         dout, dlse = torch.randn_like(q), torch.randn(q.shape[:3], device=dev)
 
-        def call(reads_lse: bool):
-            out, lse = ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_lse=True)
+        sinks = torch.zeros(args.heads, device=dev, requires_grad=True)
+
+        def call(case: str):
+            out, lse = ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_lse=True,
+                                                    sinks=sinks if case == "sinks" else None)
+            reads_lse = case == "the output and the LSE"
             torch.autograd.backward([out, lse] if reads_lse else [out], [dout, dlse] if reads_lse else [dout])
 
-        times = {reads: [] for reads in (False, True)}
+        times = {case: [] for case in ("the output", "the output and the LSE", "sinks")}
         for _ in range(args.rounds):
-            for reads in times:
-                times[reads].append(1e3 * timed(lambda: call(reads), 10, 3, dev))
-        print(f"{mask}: fwd+bwd ms, the loss reads the output {' / '.join(f'{t:.2f}' for t in times[False])}, "
-              f"the output and the LSE {' / '.join(f'{t:.2f}' for t in times[True])}", flush=True)
+            for case in times:
+                times[case].append(1e3 * timed(lambda: call(case), 10, 3, dev))
+        print(f"{mask}: fwd+bwd ms, " + ", ".join(f"{case} {' / '.join(f'{t:.2f}' for t in ms)}"
+                                                  for case, ms in times.items()), flush=True)
 
 
 if __name__ == "__main__":

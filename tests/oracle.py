@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 
-def attention(q, k, v, score_mod=None, mask_mod=None, scale=None, return_lse=False):
+def attention(q, k, v, score_mod=None, mask_mod=None, scale=None, return_lse=False, sinks=None):
     """flex_attention semantics: q [B, Hq, S, D], k/v [B, Hkv, S_kv, D]; rows that see no key give
-    0 (and LSE -inf, with no gradient)."""
+    0 (and LSE -inf, with no gradient). ``sinks`` [Hq]: a logit per head in every softmax's
+    denominator, with no value (gpt-oss)."""
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
@@ -23,8 +24,12 @@ def attention(q, k, v, score_mod=None, mask_mod=None, scale=None, return_lse=Fal
     if mask_mod is not None:
         allowed = torch.broadcast_to(mask_mod(b, h, qi, ki), s.shape)
         sees_any = allowed.any(-1, keepdim=True)
-        s = torch.where(sees_any, torch.where(allowed, s, float("-inf")), 0.0)
-    out = torch.where(sees_any, torch.softmax(s, -1), 0.0) @ v
+        s = torch.where(allowed, s, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
+        sees_any = torch.ones_like(sees_any)  # the sink
+    s = torch.where(sees_any, s, 0.0)
+    out = torch.where(sees_any, torch.softmax(s, -1), 0.0)[..., :k.shape[2]] @ v
     if not return_lse:
         return out
     return out, torch.where(sees_any[..., 0], torch.logsumexp(s, -1), float("-inf"))

@@ -92,6 +92,7 @@ def _mismatches(rank, world_size):
         "kernel": _with_kernel_named("cudnn" if odd else None, lambda: attn(q, k, v)),
         "scale": lambda: attn(q, k, v, scale=0.5 if odd else None),
         "enable_gqa": lambda: attn(q, k, v, enable_gqa=odd),
+        "sinks": lambda: attn(q, k, v, sinks=torch.zeros(2) if odd else None),
         "mask_mod fingerprint": lambda: attn(q, k, v, mask_mod=mods.sliding_window(3 if odd else 4)),
         "score_mod on one rank": lambda: attn(q, k, v, score_mod=mods.softcap(5.0) if odd else None),
         "gradient tracking": lambda: attn(q.detach().requires_grad_(odd), k, v),
@@ -125,6 +126,7 @@ EXPECTED = {
     "kernel": "disagree on the kernel (rank 0: 'reference', rank 1: 'cudnn', rank 2: 'reference')",
     "scale": "disagree on the scale (rank 0: None, rank 1: 0.5, rank 2: None)",
     "enable_gqa": "disagree on the enable_gqa (rank 0: False, rank 1: True, rank 2: False)",
+    "sinks": "disagree on the sinks (rank 0: None, rank 1: given, rank 2: None)",
     "mask_mod fingerprint": "disagree on the mask_mod (rank 0: fingerprint",
     "score_mod on one rank": "disagree on the score_mod (rank 0: fingerprint 0000000000000000, rank 1: fingerprint",
     "gradient tracking": "disagree on the gradient tracking (whether backward will run the ring) "
@@ -179,6 +181,11 @@ LEARNABLE = torch.zeros(2, requires_grad=True)  # a per-head bias a model learns
     (lambda q: ringflex.ring_flex_attention(q, q[:, :1], q[:, :1]), "pass enable_gqa=True"),
     (lambda q: ringflex.ring_flex_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3]),
      "local length of q (3) does not fit layout 'zigzag': it must be a multiple of 2"),
+    (lambda q: ringflex.ring_flex_attention(q, q, q, sinks=torch.zeros(3)),
+     "sinks must be a floating-point tensor of one logit per query head, [2] on cpu, got torch.float32 of shape "
+     "(3,) on cpu"),
+    (lambda q: ringflex.ring_flex_attention(q, q, q, sinks=[0.0, 0.0]),
+     "sinks must be a floating-point tensor of one logit per query head, [2] on cpu, got list"),
     (lambda q: ringflex.ring_flex_attention(q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: s + LEARNABLE[h],
                                             backend="cudnn"),
      "backend='cudnn' cannot run this call: the score_mod reads a tensor that requires grad, and cuDNN's fused "

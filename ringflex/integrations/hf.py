@@ -10,15 +10,12 @@ The model sees this rank's tokens and their GLOBAL position ids (``ringflex.trai
 attention layer's causal / sliding-window mask and logit softcap become mods evaluated at global
 positions by ``ring_flex_attention`` on the wrapper's group and layout. Packed documents: give
 the wrapper ``mask_mod=PackedSequences(...).mask_mod()`` (restarting position ids alone are not
-read). Attention sinks (gpt-oss's ``s_aux``) scale each row by its LSE (differentiable, for the
-sinks' own gradient too). What cannot be routed raises: padding masks, custom 4-D masks,
-dropout, position biases.
+read). Attention sinks (gpt-oss's ``s_aux``) are ``ring_flex_attention``'s ``sinks``. What
+cannot be routed raises: padding masks, custom 4-D masks, dropout, position biases.
 """
 from __future__ import annotations
 
 import functools
-
-import torch
 
 try:
     from transformers import AttentionInterface
@@ -53,20 +50,9 @@ def ringflex_attention_forward(module, query, key, value, attention_mask, dropou
     if sliding_window and not causal:
         raise ValueError("ringflex attention supports sliding_window only for causal attention")
     mask_mod = _sliding_window(int(sliding_window)) if sliding_window else mods.causal if causal else None
-    sinks = kwargs.get("s_aux")
     out = attention(query, key, value, score_mod=_softcap(float(softcap)) if softcap else None, mask_mod=mask_mod,
-                    scale=scaling, enable_gqa=query.shape[1] != key.shape[1], return_lse=sinks is not None)
-    if sinks is not None:
-        out = _with_sinks(*out, sinks)
+                    scale=scaling, enable_gqa=query.shape[1] != key.shape[1], sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
-
-
-def _with_sinks(out, lse, sinks):
-    """``out`` of a softmax whose denominators also hold exp(sink) per head (gpt-oss): each row
-    scaled by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink); a row that sees no key
-    stays 0."""
-    weight = torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1))
-    return (out.to(lse.dtype) * weight.unsqueeze(-1)).to(out.dtype)
 
 
 def ringflex_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,

@@ -293,29 +293,54 @@ def _receive(received, sums: RowSum, r: Rows):
     return None
 
 
+def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor):
+    """Attention with a sink per head (a logit in every softmax's denominator, with no value),
+    from attention without: the LSE grows to logaddexp(lse, sink) and each row shrinks by
+    exp(lse - that), in fp32. A row that sees no key keeps output 0, its LSE the sink's.
+    Backward needs nothing more: given this output and LSE, a hop's backward computes the
+    softmax over the keys and the sink (``_sink_grad`` gives the sink's own gradient)."""
+    with_sink = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    return (out.to(lse.dtype) * torch.exp(lse - with_sink).unsqueeze(-1)).to(out.dtype), with_sink
+
+
+def _sink_grad(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor], sinks: Tensor) -> Tensor:
+    """The sinks' gradient from this rank's rows: per row, the sink's softmax weight times
+    (dlse - rowsum(dout * out)), as for a key whose value is 0; summed over batches and rows."""
+    weight = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    return (weight * (-delta if dlse is None else dlse - delta)).sum((0, 2)).to(sinks.dtype)
+
+
 class RingAttention(torch.autograd.Function):
-    """Autograd of the ring. ``call`` carries the plan, kernel, mods and scale to backward."""
+    """Autograd of the ring. ``call`` carries the plan, kernel, mods and scale to backward;
+    ``sinks`` (or None) and ``call.tensors`` are inputs for their gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call: RingCall, *tensors):  # ``tensors``: ``call.tensors``, for autograd
+    def forward(ctx, q, k, v, call: RingCall, sinks, *tensors):
         with guard(call.comm, "forward"):  # a failure here releases the other ranks
             out, lse, (last_k, last_v) = ring_forward(call, q, k, v)
+        if sinks is not None:
+            out, lse = _with_sinks(out, lse, sinks)
         ctx.call = call
-        ctx.save_for_backward(q, k, v, out, lse, last_k, last_v)
+        ctx.save_for_backward(q, k, v, out, lse, last_k, last_v, sinks)
         ctx.set_materialize_grads(False)  # a loss that does not read the LSE costs no LSE backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, last_k, last_v = ctx.saved_tensors
+        q, k, v, out, lse, last_k, last_v, sinks = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()  # None: the loss reads the LSE alone
         with guard(ctx.call.comm, "backward"), torch.no_grad():  # also under create_graph=True
             dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, last_k, last_v, dlse=dlse)
-        grads = (dq, dk, dv, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors)))
+            d_sinks = None if sinks is None else _sink_grad(out, lse, dout, dlse, sinks)
+        grads = [dq, dk, dv, d_sinks, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors))]
         if torch.is_grad_enabled():  # create_graph=True: the gradients are values, with no derivative
             # (torch's ``once_differentiable`` does this only where the incoming gradients
             # require grad; here q, k and v make the gradients depend on them too)
-            grads = autograd_nodes.DelayedError(b"ring_flex_attention has no second derivative: its gradients "
-                                                b"cannot be differentiated (create_graph=True)", len(grads))(
-                *(g.detach().requires_grad_() for g in grads))  # the node attaches only to what requires grad
+            given = [i for i, g in enumerate(grads) if g is not None]
+            wrapped = autograd_nodes.DelayedError(b"ring_flex_attention has no second derivative: its gradients "
+                                                  b"cannot be differentiated (create_graph=True)", len(given))(
+                *(grads[i].detach().requires_grad_() for i in given))  # the node attaches only to what requires grad
+            for i, g in zip(given, wrapped):
+                grads[i] = g
         return (*grads[:3], None, *grads[3:])

@@ -202,6 +202,28 @@ def test_gradients_through_the_lse_match_reference(name):
 
 
 @needs_cudnn
+@pytest.mark.parametrize("name", sorted(cases(SEQ)) + ["packed"])
+def test_attention_sinks_match_reference(name):
+    """Sinks on cuDNN (one rank): the hops' backward over the output and LSE that include the
+    sink, and the sinks' gradient, against the reference kernel."""
+    import ringflex
+
+    case = _packed("cuda") if name == "packed" else cases(SEQ, device="cuda")[name]
+    q, k, v, dout = make_inputs(case, SEQ, batch=1, head_dim=64)
+    sinks = torch.randn(case.q_heads, generator=torch.Generator().manual_seed(2))
+    results = {}
+    for backend, dtype in (("cudnn", torch.bfloat16), ("reference", torch.float32)):
+        inputs = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)] + [sinks.cuda().requires_grad_()]
+        out, lse = ringflex.ring_flex_attention(*inputs[:3], score_mod=case.score_mod, mask_mod=case.mask_mod,
+                                                enable_gqa=True, return_lse=True, backend=backend, sinks=inputs[3])
+        out.backward(dout.to("cuda", dtype))
+        results[backend] = [out, lse] + [t.grad for t in inputs]
+    errors = [_err(got, want) for got, want in zip(results["cudnn"], results["reference"])]
+    print(f"{name}: out, lse, dq, dk, dv, dsinks errors " + " ".join(f"{e:.2e}" for e in errors))
+    assert max(errors) < 2e-2, errors
+
+
+@needs_cudnn
 def test_a_learnable_bias_runs_on_the_reference_kernel_with_its_gradient():
     """cuDNN gives no gradient for a tensor the score_mod reads: ``auto`` says so and takes the
     reference kernel, whose gradients match autograd through the definition."""
