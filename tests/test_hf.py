@@ -1,7 +1,7 @@
 """attn_implementation="ringflex" in Hugging Face transformers (skipped without transformers): a tiny
-Llama (GQA, RoPE at global position ids) on a real ring gives the logits and summed parameter
-gradients of the same model with SDPA attention in one process (fp64); sliding windows and
-softcap map to mods; padding masks raise."""
+Llama (GQA, RoPE at global position ids) and a tiny gpt-oss (attention sinks, sliding-window
+layers) on a real ring give the logits and summed parameter gradients of the same model in one
+process (fp64); sliding windows and softcap map to mods; padding masks raise."""
 import pytest
 import torch
 
