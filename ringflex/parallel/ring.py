@@ -332,7 +332,7 @@ class RingAttention(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()  # None: the loss reads the LSE alone
         with guard(ctx.call.comm, "backward"), torch.no_grad():  # also under create_graph=True
             dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, last_k, last_v, dlse=dlse)
-            d_sinks = None if sinks is None else _sink_grad(out, lse, dout, dlse, sinks)
+            d_sinks = _sink_grad(out, lse, dout, dlse, sinks) if ctx.needs_input_grad[4] else None
         grads = [dq, dk, dv, d_sinks, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors))]
         if torch.is_grad_enabled():  # create_graph=True: the gradients are values, with no derivative
             # (torch's ``once_differentiable`` does this only where the incoming gradients
