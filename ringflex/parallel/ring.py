@@ -217,7 +217,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
     returned it in (the input dtype for cuDNN: half the bytes of fp32); later ones travel in
     fp32; the owner rounds once. ``dlse`` (None where the loss does not read the LSE) adds the
     LSE's share of dq and dk, a second kernel call per hop (``_lse_as_attention``) that needs
-    no transfer. The gradients of ``call.tensors`` are this rank's share (its queries'
+    no transfer; ``dout`` is None where the loss reads the LSE alone. The gradients of ``call.tensors`` are this rank's share (its queries'
     scores), summed over its hops: as for any weight, the ranks' shares add up."""
     acc = compute_dtype(q.dtype)
     steps = len(call.schedule)
@@ -239,13 +239,17 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
         for i, hop in enumerate(hops):
             hop_q, (hop_k, hop_v) = rows(q, hop.q_rows), blocks.keys(hop)
             hop_args = hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop), call.tensors
-            hq, hk, hv, *ht = call.kernel.backward(hop_q, hop_k, hop_v, rows(out, hop.q_rows), rows(lse, hop.q_rows),
-                                                   rows(dout, hop.q_rows), *hop_args)
-            if dlse is not None:  # added in fp32, before any rounding
-                lq, lk, _, *lt = call.kernel.backward(hop_q, hop_k, rows(zero_v, blocks.local(hop.kv_rows)),
-                                                      rows(lse_out, hop.q_rows), rows(lse, hop.q_rows),
-                                                      rows(lse_dout, hop.q_rows), *hop_args)
-                hq, hk, ht = hq.to(acc) + lq, hk.to(acc) + lk, [a + b for a, b in zip(ht, lt)]
+            if dout is not None:
+                hq, hk, hv, *ht = call.kernel.backward(hop_q, hop_k, hop_v, rows(out, hop.q_rows),
+                                                       rows(lse, hop.q_rows), rows(dout, hop.q_rows), *hop_args)
+            if dlse is not None:
+                lq, lk, lv, *lt = call.kernel.backward(hop_q, hop_k, rows(zero_v, blocks.local(hop.kv_rows)),
+                                                       rows(lse_out, hop.q_rows), rows(lse, hop.q_rows),
+                                                       rows(lse_dout, hop.q_rows), *hop_args)
+                if dout is None:  # the loss reads the LSE alone, which the values do not change
+                    hq, hk, hv, ht = lq, lk, torch.zeros_like(lv), lt
+                else:  # added in fp32, before any rounding
+                    hq, hk, ht = hq.to(acc) + lq, hk.to(acc) + lk, [a + b for a, b in zip(ht, lt)]
             for total, g in zip(d_tensors, ht):
                 total += g
             dq.add(hop.q_rows, hq)
@@ -303,12 +307,12 @@ def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor):
     return (out.to(lse.dtype) * torch.exp(lse - with_sink).unsqueeze(-1)).to(out.dtype), with_sink
 
 
-def _sink_grad(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor], sinks: Tensor) -> Tensor:
+def _sink_grad(out: Tensor, lse: Tensor, dout: Optional[Tensor], dlse: Optional[Tensor], sinks: Tensor) -> Tensor:
     """The sinks' gradient from this rank's rows: per row, the sink's softmax weight times
     (dlse - rowsum(dout * out)), as for a key whose value is 0; summed over batches and rows."""
     weight = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
-    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
-    return (weight * (-delta if dlse is None else dlse - delta)).sum((0, 2)).to(sinks.dtype)
+    delta = 0.0 if dout is None else (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    return (weight * ((0.0 if dlse is None else dlse) - delta)).sum((0, 2)).to(sinks.dtype)
 
 
 class RingAttention(torch.autograd.Function):
@@ -329,7 +333,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, last_k, last_v, sinks = ctx.saved_tensors
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()  # None: the loss reads the LSE alone
+        dout = None if dout is None else dout.contiguous()  # None: the loss reads the LSE alone
         with guard(ctx.call.comm, "backward"), torch.no_grad():  # also under create_graph=True
             dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, last_k, last_v, dlse=dlse)
             d_sinks = _sink_grad(out, lse, dout, dlse, sinks) if ctx.needs_input_grad[4] else None
