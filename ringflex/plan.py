@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from . import captured
+from .cache import remember
 from .bounds import block_decider
 from .trace import (UnsupportedModError, diagonal_band, lookup_error, subscripts_read_tensors, trace_mask_mod,
                     trace_score_mod)
@@ -286,9 +287,7 @@ def check_lookups(mod, kind: str, batch: int, heads: int, q_segs, kv_segs_per_st
     error = lookup_error(graph, values)
     if error:
         raise ValueError(error)
-    _CHECKED[key] = None
-    while len(_CHECKED) > _MAX_CHECKED:
-        _CHECKED.popitem(last=False)
+    remember(_CHECKED, key, None, _MAX_CHECKED)
 
 
 def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_segs_per_step, device=None,

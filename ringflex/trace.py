@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from . import captured
+from .cache import remember
 
 aten = torch.ops.aten
 
@@ -430,9 +431,7 @@ def _traced(fn, parts, inputs, kind, device, where: str) -> ModGraph:
     graph, host_reads = _trace(fn, inputs, kind, device)
     slots = None if key is None or host_reads else _slots(graph, tensors)
     if slots is not None:
-        _TEMPLATES[key] = graph, slots
-        while len(_TEMPLATES) > _MAX_TEMPLATES:
-            _TEMPLATES.popitem(last=False)
+        remember(_TEMPLATES, key, (graph, slots), _MAX_TEMPLATES)
     return graph
 
 

@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..cache import remember
 from ..parallel.merge import RowMerge, RowSum, rows
 from ..extents import row_extents
 from ..plan import BlockKind, Segment, around, block_kinds
@@ -90,13 +91,6 @@ def _handle(device: torch.device):
     handle = _HANDLES[index]
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(index).cuda_stream)
     return handle
-
-
-def _remember(cache: OrderedDict, key, value, limit: int):
-    cache[key] = value
-    while len(cache) > limit:
-        cache.popitem(last=False)
-    return value
 
 
 # --------------------------------------------------------------------------- what a call computes
@@ -511,7 +505,7 @@ def _graph(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
         _warn_once(f"ringflex: the cuDNN graph cache is full ({_MAX_GRAPHS} graphs): older graphs are dropped and "
                    "rebuilt when needed again (0.1 to 1.5 s each); raise RINGFLEX_CUDNN_GRAPHS if this "
                    "workload has that many call shapes")
-    return _remember(_GRAPHS, key, _build(backward, tensors, scale, band, lowering, strided, ragged), _MAX_GRAPHS)
+    return remember(_GRAPHS, key, _build(backward, tensors, scale, band, lowering, strided, ragged), _MAX_GRAPHS)
 
 
 def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lowering: Optional[_Lowering],
@@ -705,7 +699,7 @@ def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segmen
             runs.append(_Run((i * block_q, min(q_seg.length, (i + 1) * block_q)),
                              (tiles[0] * block_kv, min(kv_seg.length, (tiles[-1] + 1) * block_kv)),
                              masked=any(kind != BlockKind.FULL for kind in span)))
-    return _remember(_PLANS, key, runs, _MAX_PLANS)
+    return remember(_PLANS, key, runs, _MAX_PLANS)
 
 
 # Row groups and calls of an exact plan. Groups whose runs join one ragged batch (packed
@@ -728,7 +722,7 @@ def exact_runs(mods: Mods, mask: ModGraph, q_seg: Segment, kv_seg: Segment, devi
     if key in _PLANS:
         return _PLANS[key]
     extents = row_extents(mods.mask_mod, mask, q_seg, kv_seg, device)
-    return _remember(_PLANS, key, None if extents is None else _grouped_runs(extents), _MAX_PLANS)
+    return remember(_PLANS, key, None if extents is None else _grouped_runs(extents), _MAX_PLANS)
 
 
 def _grouped_runs(extents: Tensor) -> Optional[List[_Run]]:
@@ -964,7 +958,7 @@ _BANDS: "OrderedDict[int, tuple]" = OrderedDict()
 def _band(mask: ModGraph):
     cached = _BANDS.get(id(mask))
     if cached is None or cached[0] is not mask:
-        cached = _remember(_BANDS, id(mask), (mask, diagonal_band(mask)), _MAX_PLANS)
+        cached = remember(_BANDS, id(mask), (mask, diagonal_band(mask)), _MAX_PLANS)
     return cached[1]
 
 
@@ -1172,7 +1166,7 @@ def _lowering(score: Optional[ModGraph], mask: Optional[ModGraph], backward: boo
     key = (id(score), id(mask), backward)
     cached = _LOWERINGS.get(key)
     if cached is None or cached.score is not score or cached.mask is not mask:
-        cached = _remember(_LOWERINGS, key, _Lowering(score, mask, backward), _MAX_PLANS)
+        cached = remember(_LOWERINGS, key, _Lowering(score, mask, backward), _MAX_PLANS)
     return cached
 
 
