@@ -127,11 +127,12 @@ def _values(nested: Tensor) -> Tensor:
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, packed: PackedSequences, *, causal: bool = True,
                      score_mod=None, scale: Optional[float] = None, enable_gqa: bool = False,
-                     backend: str = "auto") -> Tensor:
+                     backend: str = "auto", sinks: Optional[Tensor] = None) -> Tensor:
     """Attention within each packed sequence, in flash-attention's varlen layout.
 
     q: [S_local, Hq, D], k/v: [S_local, Hkv, D]: this rank's shard (``packed.shard``) of the
-    packed tokens. Returns [S_local, Hq, Dv]. ``score_mod`` sees global packed positions.
+    packed tokens. Returns [S_local, Hq, Dv]. ``score_mod`` sees global packed positions;
+    ``sinks`` [Hq]: attention sinks, as ``ring_flex_attention``'s.
     """
     local = packed.padded_len // packed.world_size
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -140,5 +141,5 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, packed: PackedSequences, *
                              f"packed tokens), got shape {tuple(t.shape)}")
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out = ring_flex_attention(q4, k4, v4, score_mod=score_mod, mask_mod=packed.mask_mod(causal), group=packed.group,
-                              layout=packed.layout, scale=scale, enable_gqa=enable_gqa, backend=backend)
+                              layout=packed.layout, scale=scale, enable_gqa=enable_gqa, backend=backend, sinks=sinks)
     return out.squeeze(0).transpose(0, 1)

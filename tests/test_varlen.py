@@ -56,37 +56,47 @@ def _softcap(score, b, h, q_idx, kv_idx):
     return 3.0 * torch.tanh(score / 3.0)
 
 
-def _per_sequence(q, k, v, dout, causal):
-    """Each sequence attended alone: outputs and gradients as packed values [total, H, D]."""
+def _per_sequence(q, k, v, dout, causal, sinks=None):
+    """Each sequence attended alone: outputs and gradients as packed values [total, H, D] (and
+    the sinks' gradient)."""
     leaves = [t.values().detach().requires_grad_() for t in (q, k, v)]
+    sinks = None if sinks is None else sinks.clone().requires_grad_()
     outs = []
     for begin, end in zip(q.offsets()[:-1].tolist(), q.offsets()[1:].tolist()):
         qi, ki, vi = (t[begin:end].transpose(0, 1).unsqueeze(0) for t in leaves)
-        outs.append(oracle(qi, ki, vi, _softcap, mods.causal if causal else None).squeeze(0).transpose(0, 1))
+        outs.append(oracle(qi, ki, vi, _softcap, mods.causal if causal else None, sinks=sinks).squeeze(0).transpose(0, 1))
     out = torch.cat(outs)
     out.backward(dout.values())
-    return [out.detach()] + [t.grad for t in leaves]
+    return [out.detach()] + [t.grad for t in leaves] + ([] if sinks is None else [sinks.grad])
 
 
-def _ring(rank, world_size, layout, causal):
+def _ring(rank, world_size, layout, causal, with_sinks):
+    import torch.distributed as dist
+
     q = _nested(LENGTHS, HEADS, HEAD_DIM, seed=1)
     k, v = (_nested(LENGTHS, KV_HEADS, HEAD_DIM, seed=s) for s in (2, 3))
     dout = _nested(LENGTHS, HEADS, HEAD_DIM, seed=4)
-    want = _per_sequence(q, k, v, dout, causal)
+    sinks = torch.randn(HEADS, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) if with_sinks else None
+    want = _per_sequence(q, k, v, dout, causal, sinks)
     packed = PackedSequences.from_nested(q, layout=layout)
     local = [packed.shard(t).requires_grad_() for t in (q, k, v)]
-    out = varlen_attention(*local, packed, causal=causal, score_mod=_softcap, enable_gqa=True, backend="reference")
+    local_sinks = None if sinks is None else sinks.clone().requires_grad_()
+    out = varlen_attention(*local, packed, causal=causal, score_mod=_softcap, enable_gqa=True, backend="reference",
+                           sinks=local_sinks)
     out.backward(packed.shard(dout))
     errors = [(packed.unshard(out.detach()) - want[0]).abs().max().item()]
     # local gradients, padding rows included (they must be 0), and the gathered real tokens
-    errors += [(t.grad - packed.shard(w)).abs().max().item() for t, w in zip(local, want[1:])]
-    errors += [(packed.unshard(t.grad) - w).abs().max().item() for t, w in zip(local, want[1:])]
+    errors += [(t.grad - packed.shard(w)).abs().max().item() for t, w in zip(local, want[1:4])]
+    errors += [(packed.unshard(t.grad) - w).abs().max().item() for t, w in zip(local, want[1:4])]
+    if with_sinks:  # the padding's rows, which no loss reads, add nothing to it
+        dist.all_reduce(local_sinks.grad)
+        errors.append((local_sinks.grad - want[4]).abs().max().item())
     return packed.padded_len, errors
 
 
-@pytest.mark.parametrize("world_size,layout,causal,padded_len", [
-    (2, "zigzag", True, 28), (3, "contiguous", False, 27)])
-def test_varlen_ring_matches_each_sequence_alone(world_size, layout, causal, padded_len):
-    for rank, (got_len, errors) in enumerate(run_world(world_size, _ring, layout, causal)):
+@pytest.mark.parametrize("world_size,layout,causal,padded_len,with_sinks", [
+    (2, "zigzag", True, 28, False), (3, "contiguous", False, 27, False), (2, "zigzag", True, 28, True)])
+def test_varlen_ring_matches_each_sequence_alone(world_size, layout, causal, padded_len, with_sinks):
+    for rank, (got_len, errors) in enumerate(run_world(world_size, _ring, layout, causal, with_sinks)):
         assert got_len == padded_len
         assert max(errors) < 1e-12, (rank, errors)
