@@ -217,8 +217,9 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
     returned it in (the input dtype for cuDNN: half the bytes of fp32); later ones travel in
     fp32; the owner rounds once. ``dlse`` (None where the loss does not read the LSE) adds the
     LSE's share of dq and dk, a second kernel call per hop (``_lse_as_attention``) that needs
-    no transfer; ``dout`` is None where the loss reads the LSE alone. The gradients of ``call.tensors`` are this rank's share (its queries'
-    scores), summed over its hops: as for any weight, the ranks' shares add up."""
+    no transfer; ``dout`` is None where the loss reads the LSE alone. The gradients of
+    ``call.tensors`` are this rank's share (its queries' scores), summed over its hops: as for
+    any weight, the ranks' shares add up."""
     acc = compute_dtype(q.dtype)
     steps = len(call.schedule)
     sum_dtypes = [acc] * steps  # of the partial sum each step sends; the last step's is the gradient
