@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from . import __version__
 from .kernels import _cudnn_reason
+from .kernels.flex import flex_unavailable_reason
 from .kernels.base import Mods
 from .parallel import peer
 
@@ -55,9 +56,9 @@ def backends() -> Dict[str, Optional[str]]:
     """Kernel name -> None if it can run a plain bf16 call here, else the reason it cannot."""
     if not torch.cuda.is_available():
         no_gpu = "no CUDA device (torch.cuda.is_available() is False)"
-        return {"reference": None, "cudnn": no_gpu}
+        return {"reference": None, "cudnn": no_gpu, "flex": no_gpu}
     q = torch.zeros(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
-    return {"reference": None, "cudnn": _cudnn_reason(q, q, q, Mods())}
+    return {"reference": None, "cudnn": _cudnn_reason(q, q, q, Mods()), "flex": flex_unavailable_reason(q)}
 
 
 def report() -> str:

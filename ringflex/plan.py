@@ -361,34 +361,38 @@ def travelling_rows(keys_read_by_rank, steps: int) -> List[Tuple[int, int]]:
             for owner in range(world_size)]
 
 
-class PlanCache:
-    """Plans by mask and segments, so a training loop classifies its blocks once.
-
-    An entry is only reused while the mod object and every tensor it captured are the very
-    same objects, unmodified (same version counter), so new document ids always replan.
-    """
+class MaskCache:
+    """Values computed from a mask_mod (plans, a kernel's block masks), kept so a training
+    loop computes them once. An entry is only reused while the mod object and every tensor
+    it captured are the very same objects, unmodified (same version counter), so new
+    document ids always recompute."""
 
     def __init__(self, size: int = 64):
         from .validate import fingerprint  # content hash of code and captured values
         self._fingerprint = fingerprint
         self.size = size
-        self.entries = {}
+        self.entries: OrderedDict = OrderedDict()
 
-    def get(self, mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device=None, min_tile=1024,
-            kernel=None):
+    def lookup(self, mask_mod, key: tuple, compute: Callable):
+        """The value of ``compute()`` for ``mask_mod`` and the hashable rest of its inputs ``key``."""
         tensors = [p for p in captured.parts(mask_mod) if isinstance(p, Tensor)]
-        args = (mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device, min_tile, kernel)
         try:
             ref = weakref.ref(mask_mod) if mask_mod is not None else (lambda: None)
         except TypeError:  # cannot tell whether the object lives on: do not cache
-            return plan_hops(*args)
-        key = (id(mask_mod), self._fingerprint(mask_mod), min_tile, tuple((id(t), t._version) for t in tensors), has_score_mod, batch, heads,
-               tuple(q_segs), tuple(map(tuple, kv_segs_per_step)), str(device), kernel and kernel.name)
+            return compute()
+        key = (id(mask_mod), self._fingerprint(mask_mod), tuple((id(t), t._version) for t in tensors)) + key
         entry = self.entries.get(key)
         if entry is not None and entry[0]() is mask_mod and all(r() is t for r, t in zip(entry[1], tensors)):
             return entry[2]
-        plan = plan_hops(*args)
-        if len(self.entries) >= self.size:
-            self.entries.pop(next(iter(self.entries)))
-        self.entries[key] = (ref, [weakref.ref(t) for t in tensors], plan)
-        return plan
+        return remember(self.entries, key, (ref, [weakref.ref(t) for t in tensors], compute()), self.size)[2]
+
+
+class PlanCache(MaskCache):
+    """Plans by mask and segments, so a training loop classifies its blocks once."""
+
+    def get(self, mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device=None, min_tile=1024,
+            kernel=None):
+        key = (min_tile, has_score_mod, batch, heads, tuple(q_segs), tuple(map(tuple, kv_segs_per_step)), str(device),
+               kernel and kernel.name)
+        return self.lookup(mask_mod, key, lambda: plan_hops(mask_mod, has_score_mod, batch, heads, q_segs,
+                                                            kv_segs_per_step, device, min_tile, kernel))

@@ -28,7 +28,7 @@ from . import captured
 from .parallel import fault, peer
 from .parallel.layout import LAYOUTS, divisor
 
-BACKENDS = ("auto", "cudnn", "reference")
+BACKENDS = ("auto", "cudnn", "reference", "flex")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MESSAGE_BYTES = 400
 

@@ -28,10 +28,16 @@ def _cudnn_reason(q, k, v, mods) -> Optional[str]:
     return cudnn_unavailable_reason(q, k, v, mods)
 
 
+def _flex_reason(q) -> Optional[str]:
+    from .flex import flex_unavailable_reason
+    return flex_unavailable_reason(q)
+
+
 def select_kernel(backend: str, q, k, v, mods: Mods, tensor_grads: bool = False) -> HopKernel:
-    """The kernel for ``backend``; "auto" prefers cuDNN and otherwise takes the reference
-    kernel, saying once why it did not take cuDNN for a GPU call. ``tensor_grads``: the
-    score_mod reads tensors that require grad (``trace.tensors_requiring_grad``)."""
+    """The kernel for ``backend``. "auto" prefers cuDNN; on a GPU where cuDNN cannot run the
+    call it takes flex_attention, else the reference kernel, and says once why.
+    ``tensor_grads``: the score_mod reads tensors that require grad
+    (``trace.tensors_requiring_grad``)."""
     if backend in ("cudnn", "auto"):
         reason = _TENSOR_GRADS if tensor_grads else _cudnn_reason(q, k, v, mods)
         if reason is None:
@@ -39,6 +45,18 @@ def select_kernel(backend: str, q, k, v, mods: Mods, tensor_grads: bool = False)
             return CudnnKernel()
         if backend == "cudnn":
             raise ValueError(f"backend='cudnn' cannot run this call: {reason}")
-        if q.is_cuda:
-            _warn_once(f"ringflex: using the slow reference kernel, not cuDNN: {reason}")
+        if not q.is_cuda:
+            return ReferenceKernel()
+        flex_reason = _flex_reason(q)
+        if flex_reason is None:
+            _warn_once(f"ringflex: using flex_attention (compiled at its first call), not cuDNN: {reason}")
+            from .flex import FlexKernel
+            return FlexKernel()
+        _warn_once(f"ringflex: using the slow reference kernel, not cuDNN: {reason}; nor flex_attention: {flex_reason}")
+    if backend == "flex":
+        flex_reason = _flex_reason(q)
+        if flex_reason is not None:
+            raise ValueError(f"backend='flex' cannot run this call: {flex_reason}")
+        from .flex import FlexKernel
+        return FlexKernel()
     return ReferenceKernel()

@@ -1,0 +1,179 @@
+"""The flex_attention hop kernel: torch's own fused kernels, generated from the mods, for
+what cuDNN cannot run on a GPU.
+
+cuDNN's graphs take mods built from a fixed set of ops on positions and tables indexed by
+one position (``cudnn.py``). A mod that gathers from a table indexed by a difference of
+positions (a relative-position bias), a tensor that requires grad (a learnable bias),
+fp32 inputs: these run here, as Triton kernels that ``torch.compile`` generates from the
+mod itself, instead of on the reference kernel (50 to 100x slower on a GPU).
+
+- Positions reach the mods as 0-dim tensors (``_positions``), so a new hop offset is a new
+  input value, not a recompilation.
+- The block mask's tiles come from ringflex's own tile classifier (``plan.block_kinds``:
+  bounded memory, every batch and head at once), kept per mask and block (``MaskCache``):
+  empty tiles are skipped, full ones run without the mask.
+- Backward: flex_attention differentiates its own output and LSE, while a hop's backward
+  is given the GLOBAL ones (``base.HopKernel.backward``). The hop's forward is recomputed
+  and its (out_i, lse_i) take the gradients the merge gives them: with
+  w = exp(lse_i - lse), dout_i = w * dout and dlse_i = w * <dout, out_i - out>, which makes
+  dS = P (dout . v - <dout, out>) with P under the global LSE. One extra forward per hop.
+"""
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..cache import remember
+from ..plan import BlockKind, MaskCache, Segment, block_kinds
+from ..trace import UnsupportedModError, trace_mask_mod
+from .base import Mods
+from .reference import compute_dtype
+
+TILE = 128  # flex_attention's block size
+_BLOCK_MASKS = MaskCache(size=256)
+_POSITIONS: "OrderedDict[tuple, Tuple[Tensor, Tensor, Tensor]]" = OrderedDict()
+
+
+def flex_unavailable_reason(q: Tensor) -> Optional[str]:
+    """Why the flex kernel cannot run a call on ``q``'s device, or None if it can."""
+    if not q.is_cuda:
+        return "inputs are not on a CUDA device (torch's flex_attention has no backward on CPU)"
+    from torch.utils._triton import has_triton
+    if not has_triton():
+        return "Triton is not installed (torch.compile generates flex_attention's kernels with it)"
+    return None
+
+
+def _flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa):
+    from torch.nn.attention import flex_attention as flex
+    if "return_aux" in inspect.signature(flex.flex_attention).parameters:
+        out, aux = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                       enable_gqa=enable_gqa, return_aux=flex.AuxRequest(lse=True))
+        return out, aux.lse
+    return flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                               enable_gqa=enable_gqa, return_lse=True)
+
+
+_COMPILED: Optional[Callable] = None
+
+
+def compiled_flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa) -> Tuple[Tensor, Tensor]:
+    """(out, natural-log LSE) of torch's flex_attention, compiled once per process."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(_flex_attention)
+    return _COMPILED(q, k, v, score_mod, block_mask, scale, enable_gqa)
+
+
+def _positions(seg: Segment, device) -> Tuple[Tensor, Tensor, Tensor]:
+    """(start, stride, last local index) of ``seg`` as 0-dim int32 tensors on ``device``."""
+    key = (seg.start, seg.stride, seg.length, str(device))
+    if key not in _POSITIONS:
+        values = torch.tensor([seg.start, seg.stride, seg.length - 1], dtype=torch.int32, device=device)
+        remember(_POSITIONS, key, tuple(values.unbind()), 1024)
+    return _POSITIONS[key]
+
+
+def _global_index(seg: Segment, device) -> Callable[[Tensor], Tensor]:
+    """Local index -> global position. flex_attention also evaluates the mods past the end of
+    a block (its last tile's padding): those indices are clamped, so a lookup in a table of
+    the global sequence's length stays inside it."""
+    start, stride, last = _positions(seg, device)
+    return lambda i: start + stride * torch.minimum(i, last)
+
+
+def _score_mod(mods: Mods, q_seg: Segment, kv_seg: Segment, device):
+    q_pos, kv_pos = _global_index(q_seg, device), _global_index(kv_seg, device)
+    return lambda score, b, h, q_idx, kv_idx: mods.score_mod(score, b, h, q_pos(q_idx), kv_pos(kv_idx))
+
+
+def _mask_mod(mods: Mods, q_seg: Segment, kv_seg: Segment, device):
+    q_pos, kv_pos = _global_index(q_seg, device), _global_index(kv_seg, device)
+    return lambda b, h, q_idx, kv_idx: mods.mask_mod(b, h, q_pos(q_idx), kv_pos(kv_idx))
+
+
+def _ordered(tiles: Tensor) -> Tuple[Tensor, Tensor]:
+    """flex_attention's (counts [1, 1, nq], indices [1, 1, nq, nk]) of the True ``tiles``."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    indices = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return counts[None, None], indices[None, None]
+
+
+def _tile_kinds(mods: Mods, batch: int, heads: int, q_seg: Segment, kv_seg: Segment, tile: int, device) -> Tensor:
+    key = ("tiles", batch, heads, q_seg, kv_seg, tile, str(device))
+    return _BLOCK_MASKS.lookup(mods.mask_mod, key, lambda: block_kinds(
+        mods.mask_mod, batch, heads, q_seg, kv_seg, tile, tile, device))
+
+
+def _block_mask(mods: Mods, batch: int, heads: int, q_seg: Segment, kv_seg: Segment, tile: int, device):
+    def build():
+        from torch.nn.attention.flex_attention import BlockMask
+        kinds = _tile_kinds(mods, batch, heads, q_seg, kv_seg, tile, device)
+        return BlockMask.from_kv_blocks(*_ordered(kinds == BlockKind.PARTIAL), *_ordered(kinds == BlockKind.FULL),
+                                        BLOCK_SIZE=tile, mask_mod=_mask_mod(mods, q_seg, kv_seg, device),
+                                        seq_lengths=(q_seg.length, kv_seg.length))
+    key = ("block mask", batch, heads, q_seg, kv_seg, tile, str(device))
+    return _BLOCK_MASKS.lookup(mods.mask_mod, key, build)
+
+
+class FlexKernel:
+    """HopKernel on torch's flex_attention (see the module docstring).
+
+    ``attend(q, k, v, score_mod, block_mask, scale, enable_gqa) -> (out, lse)`` is the
+    differentiable attention it calls: compiled flex_attention unless given (the CPU tests
+    give a dense one with flex_attention's semantics: flex_attention has no CPU backward).
+    """
+
+    name = "flex"
+
+    def __init__(self, attend: Callable = compiled_flex_attention, tile: int = TILE):
+        self.attend, self.tile = attend, tile
+
+    def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype  # flex_attention returns dk/dv in the input dtype
+
+    def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment, device):
+        # The block mask skips empty tiles: a block stays one call, over the tiles' rows and
+        # keys where the mask holds somewhere. Masks that differ by batch or head (or that
+        # ringflex cannot trace to tell) are left to the planner's split.
+        try:
+            if trace_mask_mod(mask_mod, device).deps & {"b", "h"}:
+                return None
+        except UnsupportedModError:
+            return None
+        visible = _tile_kinds(Mods(None, mask_mod), 1, 1, q_seg, kv_seg, self.tile, device) != BlockKind.EMPTY
+        rows, keys = visible.any(1).nonzero(), visible.any(0).nonzero()
+        if rows.numel() == 0:
+            return None
+        (r0, r1), (c0, c1) = (int(rows[0]), int(rows[-1]) + 1), (int(keys[0]), int(keys[-1]) + 1)
+        return ((r0 * self.tile, min(q_seg.length, r1 * self.tile)),
+                (c0 * self.tile, min(kv_seg.length, c1 * self.tile)))
+
+    def _attend(self, q, k, v, q_seg, kv_seg, mods: Mods, scale: float, masked: bool):
+        score_mod = None if mods.score_mod is None else _score_mod(mods, q_seg, kv_seg, q.device)
+        block_mask = None
+        if masked and mods.mask_mod is not None:
+            block_mask = _block_mask(mods, q.shape[0], q.shape[1], q_seg, kv_seg, self.tile, q.device)
+        return self.attend(q, k, v, score_mod, block_mask, scale, q.shape[1] != k.shape[1])
+
+    def forward(self, q, k, v, q_seg, kv_seg, mods: Mods, scale: float, masked: bool):
+        with torch.no_grad():
+            return self._attend(q, k, v, q_seg, kv_seg, mods, scale, masked)
+
+    def backward(self, q, k, v, out, lse, dout, q_seg, kv_seg, mods: Mods, scale: float, masked: bool, tensors=()):
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():
+            hop_out, hop_lse = self._attend(*inputs, q_seg, kv_seg, mods, scale, masked)
+        dtype = compute_dtype(q.dtype)
+        # The merge's weight of this hop per row; 0 where the hop sees no key (lse_i -inf).
+        weight = torch.where(hop_lse.isneginf(), 0.0, torch.exp(hop_lse.to(dtype) - lse.to(dtype)))
+        dout = dout.to(dtype)
+        d_out = (weight.unsqueeze(-1) * dout).to(hop_out.dtype)
+        d_lse = (weight * (dout * (hop_out.to(dtype) - out.to(dtype))).sum(-1)).to(hop_lse.dtype)
+        grads = torch.autograd.grad((hop_out, hop_lse), (*inputs, *tensors), (d_out, d_lse), allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (*inputs, *tensors))]
+        return (*grads[:3], *(g.to(dtype) for g in grads[3:]))

@@ -1,0 +1,136 @@
+"""The flex_attention kernel on CPU. torch's flex_attention has no CPU backward, so the ring
+tests give the kernel a dense attention with flex_attention's semantics (block mask tiles
+included); torch's own flex_attention runs the forward, uncompiled. The compiled kernel is
+tested on a GPU (tests/gpu)."""
+import pytest
+import torch
+
+import ringflex
+from cases import cases, make_inputs
+from harness import run_world
+from oracle import attention
+from ringflex.kernels import select_kernel
+from ringflex.kernels.base import Mods
+from ringflex.kernels.flex import FlexKernel, _flex_attention
+from ringflex.plan import Segment
+from test_ring import TOLERANCE, _lse_gradient_errors, _max_errors, _tensor_gradient_errors, _with_kernel
+
+TILE = 4  # small tiles: the toy blocks of the ring tests hold several
+
+
+def _visible_tiles(counts: torch.Tensor, indices: torch.Tensor, num_kv: int) -> torch.Tensor:
+    """[B, H, nq, nk] bool from flex_attention's (counts, indices) of one kind of tile."""
+    picked = torch.arange(indices.shape[-1]) < counts.unsqueeze(-1)
+    tiles = torch.zeros(*indices.shape[:-1], num_kv, dtype=torch.bool)
+    return tiles.scatter_(-1, indices.long(), picked) if picked.any() else tiles
+
+
+def dense_flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa):
+    """flex_attention from its definition, differentiable on CPU: the score_mod on every pair,
+    the mask_mod only in partial tiles, nothing in empty ones; (out in q's dtype, fp32 LSE)."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1).to(dtype), v.repeat_interleave(groups, 1).to(dtype)
+    s = q.to(dtype) @ k.transpose(-1, -2) * scale
+    index = lambda n, dim: torch.arange(n, dtype=torch.int32).view([-1 if d == dim else 1 for d in range(4)])
+    b, h, qi, ki = index(q.shape[0], 0), index(q.shape[1], 1), index(q.shape[2], 2), index(k.shape[2], 3)
+    if score_mod is not None:
+        s = score_mod(s, b, h, qi, ki)
+    if block_mask is not None:
+        tile_q, tile_kv = block_mask.BLOCK_SIZE
+        num_kv = -(-k.shape[2] // tile_kv)
+        partial = _visible_tiles(block_mask.kv_num_blocks, block_mask.kv_indices, num_kv)
+        full = _visible_tiles(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, num_kv)
+        per_pair = lambda tiles: tiles.repeat_interleave(tile_q, 2)[:, :, :q.shape[2]].repeat_interleave(
+            tile_kv, 3)[..., :k.shape[2]]
+        visible = per_pair(full) | (per_pair(partial) & block_mask.mask_mod(b, h, qi, ki))
+        s = torch.where(visible, s, float("-inf"))
+    sees_any = (s > float("-inf")).any(-1, keepdim=True)
+    s = torch.where(sees_any, s, 0.0)
+    lse = torch.where(sees_any[..., 0], torch.logsumexp(s, -1), float("-inf"))
+    out = torch.where(sees_any, torch.softmax(s, -1), 0.0) @ v
+    return out.to(q.dtype), lse.float() if dtype == torch.float32 else lse
+
+
+def _kernel():
+    return FlexKernel(attend=dense_flex_attention, tile=TILE)
+
+
+def _flex_errors(rank, world_size, layout):
+    _with_kernel(_kernel())
+    return _max_errors(rank, world_size, layout)
+
+
+@pytest.mark.parametrize("world_size, layout", [(1, "zigzag"), (2, "zigzag"), (2, "contiguous"), (3, "striped"),
+                                               (3, "contiguous")])
+def test_ring_on_the_flex_kernel_matches_single_process(world_size, layout):
+    """Every case of the matrix, forward and backward (the backward recomputes each hop and
+    weights its output and LSE gradients by the merge): global positions through tensors,
+    block masks from ringflex's tiles, blocks kept whole where the mask allows."""
+    failures = [f"rank {rank} {name} {dtype}: out/dq/dk/dv errors {errs}"
+                for rank, errors in enumerate(run_world(world_size, _flex_errors, layout))
+                for (name, dtype), errs in errors.items()
+                if max(errs) > TOLERANCE[getattr(torch, dtype.split(".")[1])]]
+    assert not failures, "\n".join(failures)
+
+
+def _flex_lse_errors(rank, world_size, layout):
+    _with_kernel(_kernel())
+    return _lse_gradient_errors(rank, world_size, layout)
+
+
+def test_lse_gradients_on_the_flex_kernel():
+    failures = [f"rank {rank} {name} {dtype} lse only {lse_only}: errors {errs}"
+                for rank, errors in enumerate(run_world(2, _flex_lse_errors, "zigzag"))
+                for (name, dtype, lse_only), errs in errors.items()
+                if max(errs) > TOLERANCE[getattr(torch, dtype.split(".")[1])]]
+    assert not failures, "\n".join(failures)
+
+
+def _flex_tensor_errors(rank, world_size, layout):
+    _with_kernel(_kernel())
+    return _tensor_gradient_errors(rank, world_size, layout)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_learnable_tensors_get_their_gradients_on_the_flex_kernel(world_size):
+    """What cuDNN cannot give: gradients of tensors the score_mod reads (learnable biases)."""
+    failures = [f"rank {rank} {name} (reads the LSE: {reads_lse}): errors {errs}"
+                for rank, errors in enumerate(run_world(world_size, _flex_tensor_errors, "zigzag"))
+                for (name, reads_lse), errs in errors.items() if max(errs) > 1e-10]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("tile", [4, 128])
+@pytest.mark.parametrize("name", ["causal", "documents", "alibi", "image_2d", "head_dependent", "gqa_softcap_alibi",
+                                  "late_queries"])
+def test_torchs_flex_attention_runs_a_hop_at_global_positions(name, tile):
+    """torch's flex_attention itself (uncompiled, forward) on a hop in the middle of the
+    sequence, against the definition on the whole sequence's rows and keys of that hop."""
+    seq_len, q_seg, kv_seg = 40, Segment(17, 1, 13), Segment(3, 2, 15)
+    case = cases(seq_len)[name]
+    q, k, v, _ = make_inputs(case, seq_len, dtype=torch.float64)
+    rows, keys = q_seg.positions().long(), kv_seg.positions().long()
+    q, k, v = q[:, :, rows], k[:, :, keys], v[:, :, keys]
+    out, lse = FlexKernel(attend=_flex_attention, tile=tile).forward(
+        q, k, v, q_seg, kv_seg, Mods(case.score_mod, case.mask_mod), q.shape[-1] ** -0.5, masked=True)
+    score_mod = case.score_mod and (lambda s, b, h, qi, ki: case.score_mod(s, b, h, rows[qi], keys[ki]))
+    mask_mod = case.mask_mod and (lambda b, h, qi, ki: case.mask_mod(b, h, rows[qi], keys[ki]))
+    want_out, want_lse = attention(q, k, v, score_mod, mask_mod, return_lse=True)
+    assert torch.equal(lse.isneginf(), want_lse.isneginf())
+    torch.testing.assert_close(lse.nan_to_num(0.0, neginf=0.0), want_lse.nan_to_num(0.0, neginf=0.0))
+    torch.testing.assert_close(out, want_out)
+
+
+def test_choosing_the_flex_kernel():
+    q = torch.zeros(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="backend='flex' cannot run this call: inputs are not on a CUDA device"):
+        select_kernel("flex", q, q, q, Mods())
+    assert select_kernel("auto", q, q, q, Mods()).name == "reference"  # on CPU, silently: nothing faster exists
+
+
+def test_backend_flex_is_rejected_on_cpu_by_every_rank():
+    q = torch.zeros(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="backend='flex'"):
+        ringflex.ring_flex_attention(q, q, q, backend="flex")
