@@ -12,6 +12,7 @@ from oracle import attention
 from ringflex.kernels import select_kernel
 from ringflex.kernels.base import Mods
 from ringflex.kernels.flex import FlexKernel, _flex_attention
+from ringflex.kernels.reference import ReferenceKernel
 from ringflex.plan import Segment
 from test_ring import TOLERANCE, _lse_gradient_errors, _max_errors, _tensor_gradient_errors, _with_kernel
 
@@ -25,7 +26,7 @@ def _visible_tiles(counts: torch.Tensor, indices: torch.Tensor, num_kv: int) -> 
     return tiles.scatter_(-1, indices.long(), picked) if picked.any() else tiles
 
 
-def dense_flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa):
+def dense_flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options=None):
     """flex_attention from its definition, differentiable on CPU: the score_mod on every pair,
     the mask_mod only in partial tiles, nothing in empty ones; (out in q's dtype, fp32 LSE)."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -134,3 +135,32 @@ def test_backend_flex_is_rejected_on_cpu_by_every_rank():
     q = torch.zeros(1, 1, 8, 16)
     with pytest.raises(ValueError, match="backend='flex'"):
         ringflex.ring_flex_attention(q, q, q, backend="flex")
+
+
+def test_each_pair_of_mod_codes_compiles_a_function_of_its_own(monkeypatch):
+    """torch keeps compiled graphs per code object: mods of one code (new tables, new hop
+    offsets) share a compiled function, mods of another code get their own copy of it."""
+    from ringflex.kernels import flex
+
+    compiled = []
+    real_compile = torch.compile
+
+    def compile(fn, **kwargs):  # ringflex's functions are recorded and run as they are
+        if fn.__module__ != flex.__name__:
+            return real_compile(fn, **kwargs)  # torch's own uses inside flex_attention
+        compiled.append(fn)
+        return fn
+    monkeypatch.setattr(torch, "compile", compile)
+    monkeypatch.setattr(flex, "_COMPILED", type(flex._COMPILED)())
+    q = torch.randn(1, 2, 8, 16)
+    kernel = FlexKernel(tile=4)
+    seg, later = Segment(0, 1, 8), Segment(8, 1, 8)
+    alibi = [ringflex.mods.alibi(torch.rand(2)) for _ in range(2)]
+    with torch.no_grad(), pytest.warns(UserWarning, match="without torch.compile"):
+        for score_mod, mask_mod, q_seg in [(alibi[0], ringflex.mods.causal, seg), (alibi[1], ringflex.mods.causal, later),
+                                           (ringflex.mods.softcap(2.0), ringflex.mods.causal, seg),
+                                           (ringflex.mods.softcap(3.0), None, seg)]:
+            out, lse = kernel.forward(q, q, q, q_seg, seg, Mods(score_mod, mask_mod), 0.25, masked=True)
+            want_out, want_lse = ReferenceKernel().forward(q, q, q, q_seg, seg, Mods(score_mod, mask_mod), 0.25, True)
+            torch.testing.assert_close(out, want_out)
+    assert len(compiled) == 3 and len({fn.__code__ for fn in compiled}) == 3

@@ -21,6 +21,7 @@ mod itself, instead of on the reference kernel (50 to 100x slower on a GPU).
 from __future__ import annotations
 
 import inspect
+import types
 from collections import OrderedDict
 from typing import Callable, Optional, Tuple
 
@@ -48,25 +49,53 @@ def flex_unavailable_reason(q: Tensor) -> Optional[str]:
     return None
 
 
-def _flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa):
+# Gradients of tensors the score_mod reads take shared memory in flex_attention's backward:
+# with its default pipeline a head dim of 128 needed 233512 bytes of an H100's 232448 (torch 2.11).
+TENSOR_GRAD_OPTIONS = {"bwd_num_stages": 1}
+
+
+def _flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options=None):
     from torch.nn.attention import flex_attention as flex
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                  kernel_options=kernel_options)
     if "return_aux" in inspect.signature(flex.flex_attention).parameters:
-        out, aux = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                                       enable_gqa=enable_gqa, return_aux=flex.AuxRequest(lse=True))
+        out, aux = flex.flex_attention(q, k, v, **kwargs, return_aux=flex.AuxRequest(lse=True))
         return out, aux.lse
-    return flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                               enable_gqa=enable_gqa, return_lse=True)
+    return flex.flex_attention(q, k, v, **kwargs, return_lse=True)
 
 
-_COMPILED: Optional[Callable] = None
+# - Floats a mod captures (a softcap's cap) stay constants: traced as symbolic inputs, they
+#   failed flex_attention's lowering (torch 2.11, H100). Lengths still turn dynamic after the
+#   first new shape, so hops of any length share the compiled kernels.
+# - Every head dim and grad mode (forward, and the backward's recompute) is a compilation: a
+#   higher limit than torch's 8, and an error instead of torch's fallback past it, which runs
+#   flex_attention uncompiled, materializing every score.
+_COMPILE_CONFIG = dict(specialize_float=True, recompile_limit=64, fail_on_recompile_limit_hit=True)
+_COMPILED: "OrderedDict[tuple, Callable]" = OrderedDict()
 
 
-def compiled_flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa) -> Tuple[Tensor, Tensor]:
-    """(out, natural-log LSE) of torch's flex_attention, compiled once per process."""
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(_flex_attention)
-    return _COMPILED(q, k, v, score_mod, block_mask, scale, enable_gqa)
+def _code(mod) -> object:
+    mod = getattr(mod, "user_mod", mod)  # the user's mod inside ringflex's position wrapper
+    return getattr(mod, "__code__", type(mod))
+
+
+def compiled_flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa,
+                            kernel_options=None) -> Tuple[Tensor, Tensor]:
+    """(out, natural-log LSE) of torch's flex_attention, compiled.
+
+    torch keeps compiled graphs per code object. With one function for every mod, switching
+    from a mod that captures a table to a softcap failed inside torch's own recompilation
+    check (an IndexError in torch 2.11's aliasing-guard reason, H100): each pair of mod codes
+    gets a function of its own (a copy of the code object), so its graphs only ever see
+    closures of one shape."""
+    family = (_code(score_mod), _code(block_mask.mask_mod) if block_mask is not None else None)
+    compiled = _COMPILED.get(family)
+    if compiled is None:
+        code = _flex_attention.__code__.replace(co_name=f"_flex_attention_{len(_COMPILED)}")
+        function = types.FunctionType(code, _flex_attention.__globals__, code.co_name, _flex_attention.__defaults__)
+        compiled = remember(_COMPILED, family, torch.compile(function), 64)
+    with torch._dynamo.config.patch(**_COMPILE_CONFIG):
+        return compiled(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options)
 
 
 def _positions(seg: Segment, device) -> Tuple[Tensor, Tensor, Tensor]:
@@ -88,12 +117,20 @@ def _global_index(seg: Segment, device) -> Callable[[Tensor], Tensor]:
 
 def _score_mod(mods: Mods, q_seg: Segment, kv_seg: Segment, device):
     q_pos, kv_pos = _global_index(q_seg, device), _global_index(kv_seg, device)
-    return lambda score, b, h, q_idx, kv_idx: mods.score_mod(score, b, h, q_pos(q_idx), kv_pos(kv_idx))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return mods.score_mod(score, b, h, q_pos(q_idx), kv_pos(kv_idx))
+    score_mod.user_mod = mods.score_mod
+    return score_mod
 
 
 def _mask_mod(mods: Mods, q_seg: Segment, kv_seg: Segment, device):
     q_pos, kv_pos = _global_index(q_seg, device), _global_index(kv_seg, device)
-    return lambda b, h, q_idx, kv_idx: mods.mask_mod(b, h, q_pos(q_idx), kv_pos(kv_idx))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mods.mask_mod(b, h, q_pos(q_idx), kv_pos(kv_idx))
+    mask_mod.user_mod = mods.mask_mod
+    return mask_mod
 
 
 def _ordered(tiles: Tensor) -> Tuple[Tensor, Tensor]:
@@ -123,7 +160,7 @@ def _block_mask(mods: Mods, batch: int, heads: int, q_seg: Segment, kv_seg: Segm
 class FlexKernel:
     """HopKernel on torch's flex_attention (see the module docstring).
 
-    ``attend(q, k, v, score_mod, block_mask, scale, enable_gqa) -> (out, lse)`` is the
+    ``attend(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options) -> (out, lse)`` is the
     differentiable attention it calls: compiled flex_attention unless given (the CPU tests
     give a dense one with flex_attention's semantics: flex_attention has no CPU backward).
     """
@@ -153,12 +190,12 @@ class FlexKernel:
         return ((r0 * self.tile, min(q_seg.length, r1 * self.tile)),
                 (c0 * self.tile, min(kv_seg.length, c1 * self.tile)))
 
-    def _attend(self, q, k, v, q_seg, kv_seg, mods: Mods, scale: float, masked: bool):
+    def _attend(self, q, k, v, q_seg, kv_seg, mods: Mods, scale: float, masked: bool, kernel_options=None):
         score_mod = None if mods.score_mod is None else _score_mod(mods, q_seg, kv_seg, q.device)
         block_mask = None
         if masked and mods.mask_mod is not None:
             block_mask = _block_mask(mods, q.shape[0], q.shape[1], q_seg, kv_seg, self.tile, q.device)
-        return self.attend(q, k, v, score_mod, block_mask, scale, q.shape[1] != k.shape[1])
+        return self.attend(q, k, v, score_mod, block_mask, scale, q.shape[1] != k.shape[1], kernel_options)
 
     def forward(self, q, k, v, q_seg, kv_seg, mods: Mods, scale: float, masked: bool):
         with torch.no_grad():
@@ -167,7 +204,8 @@ class FlexKernel:
     def backward(self, q, k, v, out, lse, dout, q_seg, kv_seg, mods: Mods, scale: float, masked: bool, tensors=()):
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
         with torch.enable_grad():
-            hop_out, hop_lse = self._attend(*inputs, q_seg, kv_seg, mods, scale, masked)
+            hop_out, hop_lse = self._attend(*inputs, q_seg, kv_seg, mods, scale, masked,
+                                            TENSOR_GRAD_OPTIONS if tensors else None)
         dtype = compute_dtype(q.dtype)
         # The merge's weight of this hop per row; 0 where the hop sees no key (lse_i -inf).
         weight = torch.where(hop_lse.isneginf(), 0.0, torch.exp(hop_lse.to(dtype) - lse.to(dtype)))
