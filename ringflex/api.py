@@ -52,8 +52,9 @@ def ring_flex_attention(
     Returns this rank's output [B, Hq, S_local, Dv] (and the fp32 log-sum-exp [B, Hq,
     S_local] if ``return_lse``; differentiable, as flex_attention's: a loss that reads it
     costs a second backward call per hop). Tensors the score_mod reads that require grad (a
-    learnable bias) get this rank's share of their gradient, on the reference kernel (cuDNN
-    gives none). ``sinks``: attention sinks as gpt-oss has them, one logit per query head [Hq]
+    learnable bias) get this rank's share of their gradient (cuDNN gives none: such calls run
+    on flex_attention on a GPU). ``backend``: "auto", "cudnn", "flex" or "reference"
+    (docs/guide.md, "Backends"). ``sinks``: attention sinks as gpt-oss has them, one logit per query head [Hq]
     in every softmax's denominator with no value (differentiable; the LSE then includes them).
     Every rank must make the same call: a bad or mismatched call
     raises the same ``CallRejected`` (a ValueError) on every rank before any transfer, and a

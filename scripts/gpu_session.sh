@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md, one stage per argument; logs go to $OUT (or ./out).
-#   bash scripts/gpu_session.sh kernel1 merge1 plans1 shapes1 ragged1 newdocs1 lse1 learnable1 capture1   # on 1 GPU
-#   bash scripts/gpu_session.sh check2 check2lse transport2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
+#   bash scripts/gpu_session.sh kernel1 merge1 plans1 shapes1 ragged1 newdocs1 lse1 learnable1 flex1 capture1   # on 1 GPU
+#   bash scripts/gpu_session.sh check2 check2flex check2lse transport2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash scripts/gpu_session.sh check4 bench4              # on 4 GPUs
 #   bash scripts/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -20,9 +20,11 @@ for stage in "$@"; do
   case $stage in
     env) run env python3 -m ringflex.env ;;
     check2) run check tr 2 scripts/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;
+    check2flex) run check tr 2 scripts/check_ring.py --device cuda --backend flex --local-len 1024 ;;  # the ring on flex_attention
     check2lse) run check tr 2 scripts/check_ring.py --device cuda --backend cudnn --local-len 1024 --lse-grad ;;  # a loss reading the LSE
     lse1) run lse python3 scripts/lse_cost.py --seq-len 16384 ;;  # what reading the LSE costs, one GPU
-    learnable1) run learnable python3 scripts/learnable_bias_cost.py ;;  # a learnable bias on the reference kernel
+    learnable1) run learnable python3 scripts/learnable_bias_cost.py ;;  # a gathered / learnable bias: flex vs reference
+    flex1) run flex python3 -m pytest -q tests/gpu/test_flex_kernel.py ;;  # the flex kernel vs the reference kernel
     capture1) run capture python3 scripts/capture_probe.py ;;  # what CUDA-graph capture accepts today
     check2big) run check tr 2 scripts/check_ring.py --device cuda --backend cudnn --local-len 4096 \
               --cases sliding_window documents prefix_lm combined_masks sparse_rows late_queries ;;  # blocks kept whole
