@@ -5,7 +5,8 @@ cuDNN's graphs take mods built from a fixed set of ops on positions and tables i
 one position (``cudnn.py``). A mod that gathers from a table indexed by a difference of
 positions (a relative-position bias), a tensor that requires grad (a learnable bias),
 fp32 inputs: these run here, as Triton kernels that ``torch.compile`` generates from the
-mod itself, instead of on the reference kernel (50 to 100x slower on a GPU).
+mod itself, instead of on the reference kernel (14 to 24x slower for a relative-position
+bias on an H100, docs/benchmarks.md).
 
 - Positions reach the mods as 0-dim tensors (``_positions``), so a new hop offset is a new
   input value, not a recompilation.
