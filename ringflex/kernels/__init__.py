@@ -28,11 +28,6 @@ def _cudnn_reason(q, k, v, mods) -> Optional[str]:
     return cudnn_unavailable_reason(q, k, v, mods)
 
 
-def _flex_reason(q) -> Optional[str]:
-    from .flex import flex_unavailable_reason
-    return flex_unavailable_reason(q)
-
-
 def select_kernel(backend: str, q, k, v, mods: Mods, tensor_grads: bool = False) -> HopKernel:
     """The kernel for ``backend``. "auto" prefers cuDNN; on a GPU where cuDNN cannot run the
     call it takes flex_attention, else the reference kernel, and says once why.
@@ -47,16 +42,14 @@ def select_kernel(backend: str, q, k, v, mods: Mods, tensor_grads: bool = False)
             raise ValueError(f"backend='cudnn' cannot run this call: {reason}")
         if not q.is_cuda:
             return ReferenceKernel()
-        flex_reason = _flex_reason(q)
+    if backend in ("flex", "auto"):
+        from .flex import FlexKernel, flex_unavailable_reason
+        flex_reason = flex_unavailable_reason(q)
         if flex_reason is None:
-            _warn_once(f"ringflex: using flex_attention (compiled at its first call), not cuDNN: {reason}")
-            from .flex import FlexKernel
+            if backend == "auto":
+                _warn_once(f"ringflex: using flex_attention (compiled at its first call), not cuDNN: {reason}")
             return FlexKernel()
-        _warn_once(f"ringflex: using the slow reference kernel, not cuDNN: {reason}; nor flex_attention: {flex_reason}")
-    if backend == "flex":
-        flex_reason = _flex_reason(q)
-        if flex_reason is not None:
+        if backend == "flex":
             raise ValueError(f"backend='flex' cannot run this call: {flex_reason}")
-        from .flex import FlexKernel
-        return FlexKernel()
+        _warn_once(f"ringflex: using the slow reference kernel, not cuDNN: {reason}; nor flex_attention: {flex_reason}")
     return ReferenceKernel()
