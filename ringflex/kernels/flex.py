@@ -141,6 +141,15 @@ def _ordered(tiles: Tensor) -> Tuple[Tensor, Tensor]:
     return counts[None, None], indices[None, None]
 
 
+def _same_for_every_batch_and_head(mask_mod, device) -> bool:
+    """Whether ``mask_mod`` reads neither b nor h (False where ringflex cannot trace it to tell):
+    its tiles are then classified once for all, and the planner's and the block mask's are one."""
+    try:
+        return not trace_mask_mod(mask_mod, device).deps & {"b", "h"}
+    except UnsupportedModError:
+        return False
+
+
 def _tile_kinds(mods: Mods, batch: int, heads: int, q_seg: Segment, kv_seg: Segment, tile: int, device) -> Tensor:
     key = ("tiles", batch, heads, q_seg, kv_seg, tile, str(device))
     return _BLOCK_MASKS.lookup(mods.mask_mod, key, lambda: block_kinds(
@@ -148,6 +157,9 @@ def _tile_kinds(mods: Mods, batch: int, heads: int, q_seg: Segment, kv_seg: Segm
 
 
 def _block_mask(mods: Mods, batch: int, heads: int, q_seg: Segment, kv_seg: Segment, tile: int, device):
+    if _same_for_every_batch_and_head(mods.mask_mod, device):
+        batch, heads = 1, 1
+
     def build():
         from torch.nn.attention.flex_attention import BlockMask
         kinds = _tile_kinds(mods, batch, heads, q_seg, kv_seg, tile, device)
@@ -178,10 +190,7 @@ class FlexKernel:
         # The block mask skips empty tiles: a block stays one call, over the tiles' rows and
         # keys where the mask holds somewhere. Masks that differ by batch or head (or that
         # ringflex cannot trace to tell) are left to the planner's split.
-        try:
-            if trace_mask_mod(mask_mod, device).deps & {"b", "h"}:
-                return None
-        except UnsupportedModError:
+        if not _same_for_every_batch_and_head(mask_mod, device):
             return None
         visible = _tile_kinds(Mods(None, mask_mod), 1, 1, q_seg, kv_seg, self.tile, device) != BlockKind.EMPTY
         rows, keys = visible.any(1).nonzero(), visible.any(0).nonzero()
