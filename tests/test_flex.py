@@ -165,3 +165,46 @@ def test_each_pair_of_mod_codes_compiles_a_function_of_its_own(monkeypatch):
             want_out, want_lse = ReferenceKernel().forward(q, q, q, q_seg, seg, Mods(score_mod, mask_mod), 0.25, True)
             torch.testing.assert_close(out, want_out)
     assert len(compiled) == 3 and len({fn.__code__ for fn in compiled}) == 3
+
+
+def test_kernels_short_of_shared_memory_compile_with_fewer_pipeline_stages(monkeypatch):
+    """A GPU whose shared memory holds only 2 stages of the forward and 1 of the backward:
+    each pass steps down torch's default pipeline once, says so once, and later calls start
+    at the depth that fitted. Numbers are the same; other compilation errors pass through."""
+    from ringflex import kernels
+    from ringflex.kernels import flex
+
+    options_seen = []
+
+    def tight(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options=None):
+        options = kernel_options or {}
+        options_seen.append((torch.is_grad_enabled(), dict(options)))
+        depth = options.get("bwd_num_stages" if torch.is_grad_enabled() else "fwd_num_stages", 3)
+        if depth > (1 if torch.is_grad_enabled() else 2):
+            raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource: triton_tem_fused_flex_"
+                               "attention_0 Required: 245760 Hardware limit:232448")
+        return dense_flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options)
+
+    monkeypatch.setattr(flex, "_FITTING_STAGES", {})
+    monkeypatch.setattr(kernels, "_WARNED", set())
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.float64) for _ in range(3))
+    seg, mods = Segment(0, 1, 8), Mods(ringflex.mods.softcap(2.0), ringflex.mods.causal)
+    want = FlexKernel(attend=dense_flex_attention, tile=4)
+    want_out, want_lse = want.forward(q, k, v, seg, seg, mods, 0.25, True)
+    want_grads = want.backward(q, k, v, want_out, want_lse, q, seg, seg, mods, 0.25, True)
+    with pytest.warns(UserWarning) as warned:
+        for _ in range(2):
+            kernel = FlexKernel(attend=tight, tile=4)  # a new kernel each call, as select_kernel gives
+            out, lse = kernel.forward(q, k, v, seg, seg, mods, 0.25, True)
+            grads = kernel.backward(q, k, v, out, lse, q, seg, seg, mods, 0.25, True)
+            torch.testing.assert_close((out, lse, *grads), (want_out, want_lse, *want_grads))
+    assert [str(w.message).split(" kernels")[0] for w in warned] == [
+        "ringflex: flex_attention's forward", "ringflex: flex_attention's backward"]
+    depths = [(grad, options.get("fwd_num_stages"), options.get("bwd_num_stages")) for grad, options in options_seen]
+    first_call = [(False, None, None), (False, 2, 2), (True, None, None), (True, 2, 2), (True, 1, 1)]
+    assert depths == first_call + [(False, 2, 2), (True, 1, 1)]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an unsupported op in the score_mod")
+    with pytest.raises(RuntimeError, match="unsupported op"):
+        FlexKernel(attend=broken, tile=4).forward(q, k, v, seg, seg, mods, 0.25, True)

@@ -53,6 +53,20 @@ def flex_unavailable_reason(q: Tensor) -> Optional[str]:
 # Gradients of tensors the score_mod reads take shared memory in flex_attention's backward:
 # with its default pipeline a head dim of 128 needed 233512 bytes of an H100's 232448 (torch 2.11).
 TENSOR_GRAD_OPTIONS = {"bwd_num_stages": 1}
+# Pipeline depths tried in turn when a compilation runs out of shared memory: torch's default
+# (None), then shallower ones. torch's H100 tiles for bf16 at head dim 64 (128 x 128, 3 stages)
+# need 245760 bytes of 232448 under a relative-position gather (torch 2.11).
+STAGES = (None, 2, 1)
+_FITTING_STAGES = {}  # (pass, mod codes, dtype, head dim, device) -> the depth that fits
+
+
+def _with_stages(options: Optional[dict], stages: Optional[int]) -> Optional[dict]:
+    if stages is None:
+        return options
+    options = dict(options or {})
+    for name in ("fwd_num_stages", "bwd_num_stages"):
+        options[name] = min(options.get(name, stages), stages)
+    return options
 
 
 def _flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options=None):
@@ -183,6 +197,24 @@ class FlexKernel:
     def __init__(self, attend: Callable = compiled_flex_attention, tile: int = TILE):
         self.attend, self.tile = attend, tile
 
+    def _fitting(self, run: Callable, phase: str, q: Tensor, mods: Mods, options: Optional[dict]):
+        """``run(options)`` at the deepest pipeline (``STAGES``) whose kernels fit the GPU's
+        shared memory for this pass, mods, dtype and head dim; saying once when it is shallower."""
+        key = (phase, _code(mods.score_mod), _code(mods.mask_mod), q.dtype, q.shape[-1], str(q.device))
+        for stages in STAGES[STAGES.index(_FITTING_STAGES.get(key)):]:
+            try:
+                result = run(_with_stages(options, stages))
+            except Exception as error:  # torch wraps Triton's OutOfResources in its compiler's errors
+                if stages == STAGES[-1] or "out of resource" not in str(error):
+                    raise
+                from . import _warn_once
+                _warn_once(f"ringflex: flex_attention's {phase} kernels for this mod at {q.dtype}, head dim "
+                           f"{q.shape[-1]} need more shared memory than the GPU has: compiling them "
+                           f"with fewer pipeline stages (slower)")
+                continue
+            _FITTING_STAGES[key] = stages
+            return result
+
     def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype  # flex_attention returns dk/dv in the input dtype
 
@@ -209,19 +241,22 @@ class FlexKernel:
 
     def forward(self, q, k, v, q_seg, kv_seg, mods: Mods, scale: float, masked: bool):
         with torch.no_grad():
-            return self._attend(q, k, v, q_seg, kv_seg, mods, scale, masked)
+            return self._fitting(lambda options: self._attend(q, k, v, q_seg, kv_seg, mods, scale, masked, options),
+                                 "forward", q, mods, None)
 
     def backward(self, q, k, v, out, lse, dout, q_seg, kv_seg, mods: Mods, scale: float, masked: bool, tensors=()):
-        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        with torch.enable_grad():
-            hop_out, hop_lse = self._attend(*inputs, q_seg, kv_seg, mods, scale, masked,
-                                            TENSOR_GRAD_OPTIONS if tensors else None)
         dtype = compute_dtype(q.dtype)
-        # The merge's weight of this hop per row; 0 where the hop sees no key (lse_i -inf).
-        weight = torch.where(hop_lse.isneginf(), 0.0, torch.exp(hop_lse.to(dtype) - lse.to(dtype)))
         dout = dout.to(dtype)
-        d_out = (weight.unsqueeze(-1) * dout).to(hop_out.dtype)
-        d_lse = (weight * (dout * (hop_out.to(dtype) - out.to(dtype))).sum(-1)).to(hop_lse.dtype)
-        grads = torch.autograd.grad((hop_out, hop_lse), (*inputs, *tensors), (d_out, d_lse), allow_unused=True)
-        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (*inputs, *tensors))]
+
+        def gradients(options):
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            with torch.enable_grad():
+                hop_out, hop_lse = self._attend(*inputs, q_seg, kv_seg, mods, scale, masked, options)
+            # The merge's weight of this hop per row; 0 where the hop sees no key (lse_i -inf).
+            weight = torch.where(hop_lse.isneginf(), 0.0, torch.exp(hop_lse.to(dtype) - lse.to(dtype)))
+            d_out = (weight.unsqueeze(-1) * dout).to(hop_out.dtype)
+            d_lse = (weight * (dout * (hop_out.to(dtype) - out.to(dtype))).sum(-1)).to(hop_lse.dtype)
+            grads = torch.autograd.grad((hop_out, hop_lse), (*inputs, *tensors), (d_out, d_lse), allow_unused=True)
+            return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (*inputs, *tensors))]
+        grads = self._fitting(gradients, "backward", q, mods, TENSOR_GRAD_OPTIONS if tensors else None)
         return (*grads[:3], *(g.to(dtype) for g in grads[3:]))
