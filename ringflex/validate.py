@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from . import captured
 from .parallel import fault, peer
+from .parallel.comm import capture_error
 from .parallel.layout import LAYOUTS, divisor
 
 BACKENDS = ("auto", "cudnn", "reference", "flex")
@@ -95,6 +96,9 @@ def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend
         return f"layout must be one of {LAYOUTS}, got {layout!r}"
     if backend not in BACKENDS:
         return f"backend must be one of {BACKENDS}, got {backend!r}"
+    capture = capture_error(q, world_size)
+    if capture:
+        return capture
     if _transport() == len(peer.CHOICES):
         return f"RINGFLEX_TRANSPORT must be one of {peer.CHOICES}, got {os.environ['RINGFLEX_TRANSPORT']!r}"
     per_rank = divisor(layout, world_size) // world_size

@@ -25,7 +25,8 @@ for stage in "$@"; do
     lse1) run lse python3 scripts/lse_cost.py --seq-len 16384 ;;  # what reading the LSE costs, one GPU
     learnable1) run learnable python3 scripts/learnable_bias_cost.py ;;  # a gathered / learnable bias: flex vs reference
     flex1) run flex python3 -m pytest -q tests/gpu/test_flex_kernel.py ;;  # the flex kernel vs the reference kernel
-    capture1) run capture python3 scripts/capture_probe.py ;;  # what CUDA-graph capture accepts today
+    capture1) run capture python3 scripts/capture_probe.py  # what CUDA-graph capture accepts today
+              run capture python3 -m pytest -q tests/gpu/test_capture.py ;;  # a one-rank call replays to its values
     check2big) run check tr 2 scripts/check_ring.py --device cuda --backend cudnn --local-len 4096 \
               --cases sliding_window documents prefix_lm combined_masks sparse_rows late_queries ;;  # blocks kept whole
     transport2) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py ;;  # copy engines vs NCCL, failures

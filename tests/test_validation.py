@@ -347,3 +347,27 @@ def test_a_bound_method_as_mod_is_named_once(monkeypatch, recwarn):
         ringflex.ring_flex_attention(q, q, q, score_mod=model.score_mod)
     messages = [str(w.message) for w in recwarn if "bound method" in str(w.message)]
     assert len(messages) == 1 and "Halved.score_mod), a new object at every access" in messages[0]
+
+
+def _capture_errors(rank, world_size):
+    """The errors of a call, then of a backward, made while a CUDA graph is being captured
+    (simulated: the check's own test of capture answers yes)."""
+    from ringflex.parallel import comm
+    _, (q, k, v) = _inputs(heads=2)
+    q.requires_grad_()
+    comm.capturing = lambda t: True
+    called = _error_text(lambda: ringflex.ring_flex_attention(q, k, v))
+    comm.capturing = lambda t: False
+    out = ringflex.ring_flex_attention(q, k, v)
+    comm.capturing = lambda t: True
+    backward = _error_text(lambda: out.sum().backward())
+    return called, backward
+
+
+def test_a_ring_over_several_ranks_refuses_cuda_graph_capture():
+    """A replay would repeat transfers counted on the host: every rank says so before any transfer."""
+    for called, backward in run_world(2, _capture_errors, timeout=TIMEOUT):
+        assert called.startswith("CallRejected: ring_flex_attention: rank 0: a ring call over several ranks "
+                                 "cannot be captured in a CUDA graph"), called
+        assert backward.startswith("RuntimeError: ring_flex_attention backward: a ring call over several ranks "
+                                   "cannot be captured"), backward

@@ -4,12 +4,29 @@ Between the GPUs of one host the copy engines carry it (``peer``); elsewhere the
 group's batched P2P ops (NCCL, gloo)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from . import peer
+
+
+def capturing(t: Tensor) -> bool:
+    """Whether work on ``t``'s device is being captured into a CUDA graph now."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def capture_error(t: Tensor, world_size: int) -> Optional[str]:
+    """Why a ring call on ``t`` cannot run now, where it is being captured into a CUDA graph
+    over several ranks; None otherwise. The copy-engine transport counts its flags'
+    generations on the host, so a replay would wait for flags that are already raised and
+    read stale mailboxes. One rank makes no transfer and captures (docs/cudnn.md)."""
+    if world_size > 1 and capturing(t):
+        return ("a ring call over several ranks cannot be captured in a CUDA graph (its transfers are "
+                "counted on the host, and a replay would not repeat them); run it eagerly, or on one rank")
+    return None
 
 
 class RingComm:

@@ -21,7 +21,7 @@ from torch._C import _functions as autograd_nodes
 from ..kernels.base import HopKernel, Mods
 from ..kernels.reference import compute_dtype
 from ..plan import Hop, steps_needed, travelling_rows
-from .comm import RingComm
+from .comm import RingComm, capture_error
 from .fault import guard
 from .merge import RowMerge, RowSum, Rows, rows
 
@@ -334,6 +334,9 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, last_k, last_v, sinks = ctx.saved_tensors
+        capture = ctx.call.comm is not None and capture_error(q, ctx.call.comm.world_size)
+        if capture:  # every rank captures its backward alike, so none is left waiting in a transfer
+            raise RuntimeError(f"ring_flex_attention backward: {capture}")
         dout = None if dout is None else dout.contiguous()  # None: the loss reads the LSE alone
         with guard(ctx.call.comm, "backward"), torch.no_grad():  # also under create_graph=True
             dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, last_k, last_v, dlse=dlse)
