@@ -27,6 +27,9 @@ def test_layout_is_a_permutation(layout, world_size):
 
 def test_layout_shapes():
     assert layouts.positions("zigzag", 8, 2, 0).tolist() == [0, 1, 6, 7]
+    # the last rank's chunks (W-1 and W) are neighbours: one run, planned as one block
+    assert layouts.segments("zigzag", 12, 3, 2) == [Segment(4, 1, 4)]
+    assert layouts.segments("zigzag", 12, 3, 1) == [Segment(2, 1, 2), Segment(8, 1, 2)]
     assert layouts.positions("striped", 8, 2, 1).tolist() == [1, 3, 5, 7]
     assert layouts.positions("contiguous", 8, 2, 1).tolist() == [4, 5, 6, 7]
 
@@ -78,11 +81,16 @@ def test_plan_skips_empty_and_joins_full_blocks():
     window = plan_hops(mods.sliding_window(5), False, 1, 1, q, steps)
     assert [(h.q_rows, h.kv_rows, h.kind) for h in window[0]] == [
         ((0, 4), (0, 4), BlockKind.PARTIAL), ((4, 8), (4, 8), BlockKind.PARTIAL)]
-    # step 1 holds chunks 1 and 2: only chunk 3 of the queries sees them, fully, as one call
-    assert [(h.q_rows, h.kv_rows, h.kind, h.q_seg) for h in plan[1]] == [((4, 8), (0, 8), BlockKind.FULL, None)]
-    # with a score_mod positions matter: blocks join only where their positions stay one run
-    # (chunks 1 and 2 are neighbours), and the run is kept
-    assert [(h.q_rows, h.kv_rows, h.kv_seg) for h in plan_hops(mods.causal, True, 1, 1, q, steps)[1]] == [
+    # step 1 holds chunks 1 and 2, one run (the last rank's chunks are neighbours): only chunk 3
+    # of the queries sees them, fully, as one call
+    assert steps[1] == [Segment(4, 1, 8)]
+    assert [(h.q_rows, h.kv_rows, h.kind) for h in plan[1]] == [((4, 8), (0, 8), BlockKind.FULL)]
+    # blocks of neighbouring segments join into one call; with a score_mod positions matter, so
+    # they join only where their positions stay one run, and the run is kept
+    halves = [steps[0], [Segment(4, 1, 4), Segment(8, 1, 4)]]
+    assert [(h.q_rows, h.kv_rows, h.kind, h.q_seg) for h in plan_hops(mods.causal, False, 1, 1, q, halves)[1]] == [
+        ((4, 8), (0, 8), BlockKind.FULL, None)]
+    assert [(h.q_rows, h.kv_rows, h.kv_seg) for h in plan_hops(mods.causal, True, 1, 1, q, halves)[1]] == [
         ((4, 8), (0, 8), Segment(4, 1, 8))]
     three = [layouts.segments("zigzag", 24, 3, src) for src in (0, 1)]  # rank 1: chunks 1 and 4, apart
     assert len(plan_hops(None, True, 1, 1, layouts.segments("zigzag", 24, 3, 0), three)[1]) == 4
