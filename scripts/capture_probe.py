@@ -59,13 +59,14 @@ def hop(mask_mod, seq_len: int, dev) -> str:
     return f"max diff out, lse, dq, dk, dv {max_diffs(got, want)}"
 
 
-def ring_call(mask_mod, seq_len: int, dev) -> str:
+def capture_ring_call(mask_mod, seq_len: int, heads: int, dev):
     """A one-rank ring call, fwd+bwd, captured with torch's recipe (leaves made and warm-up
-    calls run on a side stream, gradients set to None before capture); 20 calls each way."""
+    calls run on a side stream, gradients set to None before capture): (the graph, what it
+    writes [out, dq, dk, dv], the eager call, the eager call's values)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        q, k, v = (torch.randn(1, 8, seq_len, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        q, k, v = (torch.randn(1, heads, seq_len, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         dout = torch.randn_like(q)
 
@@ -84,9 +85,15 @@ def ring_call(mask_mod, seq_len: int, dev) -> str:
     with torch.cuda.graph(graph):
         out = ringflex.ring_flex_attention(q, k, v, mask_mod=mask_mod)
         out.backward(dout)
+    return graph, [out, q.grad, k.grad, v.grad], run, want
+
+
+def ring_call(mask_mod, seq_len: int, dev) -> str:
+    """The captured one-rank call against eager calls; 20 calls each way."""
+    graph, got, run, want = capture_ring_call(mask_mod, seq_len, 8, dev)
     graph.replay()
     torch.cuda.synchronize()
-    diffs = max_diffs([out, q.grad, k.grad, v.grad], want)
+    diffs = max_diffs(got, want)
     times = []
     for fn in (run, graph.replay):
         torch.cuda.synchronize()

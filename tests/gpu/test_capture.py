@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from bench import make_mods  # noqa: E402
-import ringflex
+from capture_probe import capture_ring_call  # noqa: E402
 from ringflex import mods
 from ringflex.parallel import comm
 
@@ -17,39 +17,24 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SEQ = 4096
 
 
-def _masks():
-    return {"causal": mods.causal, "documents": make_mods("documents", SEQ, torch.device("cuda"), 0, 512, seed=1)[1]}
-
-
 @needs_cuda
 @pytest.mark.parametrize("name", ["causal", "documents"])
 def test_a_one_rank_call_replays_to_its_eager_values(name):
-    mask_mod = _masks()[name]
-    side = torch.cuda.Stream()  # torch's recipe: leaves and warm-up calls on a side stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        q, k, v = (torch.randn(1, 4, SEQ, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
-        dout = torch.randn_like(q)
-
-        def run():
-            q.grad = k.grad = v.grad = None
-            out = ringflex.ring_flex_attention(q, k, v, mask_mod=mask_mod)
-            out.backward(dout)
-            return [out.detach().clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
-        for _ in range(2):
-            want = run()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    q.grad = k.grad = v.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        assert comm.capturing(q)
-        out = ringflex.ring_flex_attention(q, k, v, mask_mod=mask_mod)
-        out.backward(dout)
+    dev = torch.device("cuda")
+    mask_mod = mods.causal if name == "causal" else make_mods("documents", SEQ, dev, 0, 512, seed=1)[1]
+    graph, got, _, want = capture_ring_call(mask_mod, SEQ, 4, dev)
     for _ in range(2):
         graph.replay()
         torch.cuda.synchronize()
-        for got, expected in zip([out, q.grad, k.grad, v.grad], want):
-            torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-2)  # dq accumulates in any order
-    assert not comm.capturing(q)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=2e-3, rtol=2e-2)  # dq accumulates in any order
+
+
+@needs_cuda
+def test_the_capture_check_sees_a_capture():
+    x = torch.zeros(1, device="cuda")
+    assert not comm.capturing(x)
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        assert comm.capturing(x)
+        x.add_(1)
+    assert not comm.capturing(x)
