@@ -173,7 +173,7 @@ def lowering_error(mods: Mods, device=None) -> Optional[str]:
     """Why the cuDNN kernel cannot compile these mods, or None."""
     try:
         program = _program(mods, True, device)
-        _Lowering(program.score, program.mask, backward=True)
+        _lowering(program.score, program.mask, backward=True)
     except UnsupportedModError as e:
         return str(e)
     return None
