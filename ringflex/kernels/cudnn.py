@@ -1093,7 +1093,7 @@ class CudnnKernel:
 
     def backward(self, q, k, v, out, lse, dout, q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods,
                  scale: float, masked: bool, tensors=()) -> Tuple[Tensor, Tensor, Tensor]:
-        if tensors:  # ``select_kernel`` takes the reference kernel for such calls
+        if tensors:  # ``select_kernel`` takes flex_attention (or the reference kernel) for such calls
             raise ValueError("the cuDNN kernel gives no gradient for the tensors a score_mod reads")
         q, k, v, out, dout = (_inner_contiguous(t) for t in (q, k, v, out, dout))
         program = _program(mods, masked, q.device)
