@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import captured
-from .parallel import fault, peer
-from .parallel.comm import capture_error
+from .parallel import comm, fault, peer
 from .parallel.layout import LAYOUTS, divisor
 
 BACKENDS = ("auto", "cudnn", "reference", "flex")
@@ -70,9 +69,10 @@ def _tensor_error(name, t) -> Optional[str]:
     return None
 
 
-def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, world_size,
+def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, group,
                 sinks=None) -> Optional[str]:
-    """What is wrong with this rank's arguments, or None."""
+    """What is wrong with this rank's arguments on ``group`` (None: one rank), or None."""
+    world_size = dist.get_world_size(group) if group is not None else 1
     for name, t in (("q", q), ("k", k), ("v", v)):
         error = _tensor_error(name, t)
         if error:
@@ -96,7 +96,7 @@ def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend
         return f"layout must be one of {LAYOUTS}, got {layout!r}"
     if backend not in BACKENDS:
         return f"backend must be one of {BACKENDS}, got {backend!r}"
-    capture = capture_error(q, world_size)
+    capture = comm.capture_error(q, group)
     if capture:
         return capture
     if _transport() == len(peer.CHOICES):
@@ -236,6 +236,7 @@ _FIELDS: Tuple[_Field, ...] = (
     ("gradient tracking (whether backward will run the ring)", lambda a: int(a["grad"]), lambda n: str(bool(n))),
     ("RINGFLEX_DEBUG mode", lambda a: int(a["debug"]), lambda n: str(bool(n))),
     ("RINGFLEX_TRANSPORT", lambda a: _transport(), lambda n: repr((*peer.CHOICES, "invalid")[n])),
+    ("CUDA-graph capture", lambda a: int(comm.capturing(a["q"])), lambda n: "capturing" if n else "not capturing"),
 )
 
 
@@ -305,7 +306,7 @@ def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, bac
     if failed:
         raise fault.RingFailure(f"ringflex: the ring on this process group failed earlier ({failed}); "
                                 "create a new process group")
-    error = local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, world_size, sinks)
+    error = local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, group, sinks)
     result, cause = None, None
     if error is None and prepare is not None:
         try:

@@ -7,8 +7,10 @@ For every total sequence length and mask it times forward and forward+backward o
 (a) the best single-GPU kernel on the whole sequence (torch SDPA on cuDNN where it applies,
 torch flex_attention compiled, and ringflex's own kernel on one GPU), (b) PyTorch
 context_parallel (no mask and causal), (c) ringflex on the ring, in each layout of
-``--layouts`` (one row each); and reports ringflex's efficiency t_single / (world_size *
-t_ring) and its peak memory per rank. The implementations are timed in turn, in rounds
+``--layouts`` (one row each), and with ``--graph`` also captured in CUDA graphs by torch's
+``make_graphed_callables`` (a row "<layout>+graph": each forward and backward one graph
+launch, no host time); and reports ringflex's efficiency t_single / (world_size * t_ring)
+and its peak memory per rank. The implementations are timed in turn, in rounds
 (``--rounds``), and each reports its median round.
 On CPU (gloo, reference kernel) it runs the same code at toy sizes as a smoke test.
 """
@@ -183,8 +185,14 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
     cp = context_parallel_attention(mask, world_size, device) if not args.no_cp else None
     if cp is not None:
         timers["context_parallel"] = functools.partial(cp, q, k, v)
-    for layout, local in shards.items():
-        timers[f"ringflex/{layout}"] = functools.partial(fwd_and_fwdbwd, ring(layout), *local, device=device)
+    variants = {layout: (layout, local) for layout, local in shards.items()}  # row label -> (layout, shards)
+    if args.graph:
+        variants.update({f"{layout}+graph": (layout, local) for layout, local in shards.items()})
+    for label, (layout, local) in variants.items():
+        attn = ring(layout)
+        if label.endswith("+graph"):
+            attn = torch.cuda.make_graphed_callables(attn, tuple(t.detach().requires_grad_() for t in local))
+        timers[f"ringflex/{label}"] = functools.partial(fwd_and_fwdbwd, attn, *local, device=device)
 
     results, samples = {}, {name: [] for name in timers}
     for _ in range(args.rounds):
@@ -205,11 +213,11 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
             results[name] = {"fwd": max_over_ranks(fwd), "fwd_bwd": max_over_ranks(both)}
         log(f"  {name}: {results[name]}")
     rows = []
-    for layout, local in shards.items():
-        row = {"seq_len": seq_len, "mask": mask, "layout": layout, "world_size": world_size,
+    for label, (layout, local) in variants.items():
+        row = {"seq_len": seq_len, "mask": mask, "layout": label, "world_size": world_size,
                **{n: r for n, r in results.items() if not n.startswith("ringflex/")},
-               "ringflex": dict(results[f"ringflex/{layout}"])}
-        if device.type == "cuda":
+               "ringflex": dict(results[f"ringflex/{label}"])}
+        if device.type == "cuda" and label == layout:
             row["ringflex"]["peak_mem_gib"] = max_over_ranks(ring_peak_memory(ring(layout), local) / 2**30)
         singles = {n: row[n] for n in SINGLES if "fwd" in row.get(n, {})}
         if singles:
@@ -219,7 +227,7 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
                 row["ringflex"][f"efficiency_{phase}"] = singles[best][phase] / (world_size * row["ringflex"][phase])
         if "fwd" in row.get("context_parallel", {}):
             row["ringflex"]["speedup_vs_cp_fwd_bwd"] = row["context_parallel"]["fwd_bwd"] / row["ringflex"]["fwd_bwd"]
-        log(f"  ringflex ({layout}): {row['ringflex']}")
+        log(f"  ringflex ({label}): {row['ringflex']}")
         rows.append(row)
     return rows
 
@@ -288,6 +296,8 @@ def parse_args(argv=None):
     p.add_argument("--layouts", nargs="+", default=["zigzag"], choices=ringflex.LAYOUTS,
                    help="time the ring in each of these layouts (one row each)")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--graph", action="store_true",
+                   help="also time each layout captured in CUDA graphs (make_graphed_callables; GPUs only)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed calls before each round of an implementation (the memory cache is emptied between "
@@ -300,7 +310,10 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--plot", help="write the efficiency plot here (needs matplotlib)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.graph and args.device != "cuda":
+        p.error("--graph captures CUDA graphs: it needs --device cuda")
+    return args
 
 
 def run(args):

@@ -1,15 +1,19 @@
-"""What CUDA-graph capture accepts today, on one GPU (capture is not supported by ringflex):
-the copy-engine transport's stream memory operations, a cuDNN hop's forward and backward, and
-a one-rank ``ring_flex_attention`` fwd+bwd (causal, then packed documents), each replayed and
-compared with eager calls.
+"""What CUDA-graph capture gives: the copy-engine transport's stream memory operations, a
+cuDNN hop's forward and backward, and a ``ring_flex_attention`` fwd+bwd (causal, then packed
+documents, 8192 tokens in all), each replayed, compared with eager calls and timed.
 
-    python scripts/capture_probe.py
+    python scripts/capture_probe.py                             # one GPU, one rank
+    torchrun --nproc_per_node=2 scripts/capture_probe.py        # a ring of two ranks (gloo for the
+                                                                # argument check; they share GPU 0
+                                                                # where there is only one)
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
+import torch.distributed as dist
 
 import ringflex
 from bench import make_mods  # scripts/ is on sys.path
@@ -59,10 +63,11 @@ def hop(mask_mod, seq_len: int, dev) -> str:
     return f"max diff out, lse, dq, dk, dv {max_diffs(got, want)}"
 
 
-def capture_ring_call(mask_mod, seq_len: int, heads: int, dev):
-    """A one-rank ring call, fwd+bwd, captured with torch's recipe (leaves made and warm-up
-    calls run on a side stream, gradients set to None before capture): (the graph, what it
-    writes [out, dq, dk, dv], the eager call, the eager call's values)."""
+def capture_ring_call(mask_mod, seq_len: int, heads: int, dev, group=None):
+    """A ring call, fwd+bwd, over ``group`` (None: one rank) with ``seq_len`` tokens per
+    rank, captured with torch's recipe (leaves made and warm-up calls run on a side stream,
+    gradients set to None before capture): (the graph, what it writes [out, dq, dk, dv], the
+    eager call, the eager call's values)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -72,7 +77,7 @@ def capture_ring_call(mask_mod, seq_len: int, heads: int, dev):
 
         def run():
             q.grad = k.grad = v.grad = None
-            out = ringflex.ring_flex_attention(q, k, v, mask_mod=mask_mod)
+            out = ringflex.ring_flex_attention(q, k, v, mask_mod=mask_mod, group=group)
             out.backward(dout)
             return [out.detach(), q.grad, k.grad, v.grad]
 
@@ -83,14 +88,15 @@ def capture_ring_call(mask_mod, seq_len: int, heads: int, dev):
     q.grad = k.grad = v.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ringflex.ring_flex_attention(q, k, v, mask_mod=mask_mod)
+        out = ringflex.ring_flex_attention(q, k, v, mask_mod=mask_mod, group=group)
         out.backward(dout)
     return graph, [out, q.grad, k.grad, v.grad], run, want
 
 
-def ring_call(mask_mod, seq_len: int, dev) -> str:
-    """The captured one-rank call against eager calls; 20 calls each way."""
-    graph, got, run, want = capture_ring_call(mask_mod, seq_len, 8, dev)
+def ring_call(mask_mod, seq_len: int, dev, group=None) -> str:
+    """The captured call against eager calls; 20 calls each way (the slowest rank's times)."""
+    world_size = dist.get_world_size(group) if group is not None else 1
+    graph, got, run, want = capture_ring_call(mask_mod, seq_len // world_size, 8, dev, group)
     graph.replay()
     torch.cuda.synchronize()
     diffs = max_diffs(got, want)
@@ -102,22 +108,36 @@ def ring_call(mask_mod, seq_len: int, dev) -> str:
             fn()
         torch.cuda.synchronize()
         times.append(1e3 * (time.perf_counter() - start) / 20)
+    if group is not None:
+        times = torch.tensor(times)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return f"max diff out, dq, dk, dv {diffs}; eager {times[0]:.2f} ms, replay {times[1]:.2f} ms"
 
 
 def main():
+    group = None
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        dist.init_process_group("gloo")
+        group = dist.group.WORLD
     dev = torch.device("cuda", torch.cuda.current_device())
     documents = make_mods("documents", 8192, dev, 0, 1024, seed=1)[1]
-    probes = {"stream memory operations": lambda: stream_memops(dev),
-              "cuDNN hop, causal, 4096 tokens": lambda: hop(mods.causal, 4096, dev),
-              "cuDNN hop, packed documents, 8192 tokens": lambda: hop(documents, 8192, dev),
-              "one-rank ring call, causal, 8192 tokens": lambda: ring_call(mods.causal, 8192, dev),
-              "one-rank ring call, packed documents, 8192 tokens": lambda: ring_call(documents, 8192, dev)}
+    ranks = f"{dist.get_world_size(group)}-rank" if group is not None else "one-rank"
+    probes = {f"{ranks} ring call, causal, 8192 tokens": lambda: ring_call(mods.causal, 8192, dev, group),
+              f"{ranks} ring call, packed documents, 8192 tokens": lambda: ring_call(documents, 8192, dev, group)}
+    if group is None:
+        probes = {"stream memory operations": lambda: stream_memops(dev),
+                  "cuDNN hop, causal, 4096 tokens": lambda: hop(mods.causal, 4096, dev),
+                  "cuDNN hop, packed documents, 8192 tokens": lambda: hop(documents, 8192, dev), **probes}
     for name, probe in probes.items():
         try:
-            print(f"{name}: {probe()}", flush=True)
+            result = probe()
         except Exception as e:  # report and go on: what fails to capture is what this probe is for
-            print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+            result = f"FAILED {type(e).__name__}: {e}"
+        if group is None or dist.get_rank(group) == 0:
+            print(f"{name}: {result}", flush=True)
+    if group is not None:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -68,3 +68,11 @@ def run_world(world_size: int, fn, *args, timeout: float = 240.0, allow_errors: 
                 if p.is_alive():
                     p.kill()
     return [out[r] for r in range(world_size)]
+
+
+def on_a_gpu(rank: int) -> torch.device:
+    """Sets and returns rank r's GPU in a gloo world: GPU r, or with fewer GPUs than ranks one
+    they share (the copy-engine transport then keeps its mailboxes in that GPU's memory)."""
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device

@@ -13,10 +13,14 @@ def test_chunks_cover_a_transfer_in_slots():
     assert spans == [(0, peer.SLOT_BYTES), (peer.SLOT_BYTES, 2 * peer.SLOT_BYTES), (2 * peer.SLOT_BYTES, n)]
 
 
-def test_slots_are_reused_in_turn_with_a_new_generation():
+def test_slots_are_reused_in_turn_with_alternating_marks():
     seen = [peer.slot_of(c) for c in range(2 * peer.SLOTS + 1)]
+    first, second = peer.MARKS
     assert [s for s, _ in seen] == list(range(peer.SLOTS)) * 2 + [0]
-    assert [g for _, g in seen] == [1] * peer.SLOTS + [2] * peer.SLOTS + [3]
+    assert [m for _, m in seen] == [first] * peer.SLOTS + [second] * peer.SLOTS + [first]
+    assert peer.other(first) == second and peer.other(second) == first
+    assert peer.odd_slots(0) == [] and peer.odd_slots(2 * peer.SLOTS) == []
+    assert peer.odd_slots(peer.SLOTS + 1) == list(range(1, peer.SLOTS))
 
 
 def test_transport_choice_is_checked(monkeypatch):
@@ -30,8 +34,9 @@ def test_transport_choice_is_checked(monkeypatch):
 
 
 class _Flags:
-    """The driver's flag operations on a dict: a wait must already hold when it is issued
-    (the simulation below runs every rank's operations in an order where it should)."""
+    """The driver's flag operations on a dict (every flag starts as the mailbox's does): a
+    wait must already hold when it is issued (the simulation below runs every rank's
+    operations in an order where it should)."""
 
     def __init__(self):
         self.values = {}
@@ -39,9 +44,8 @@ class _Flags:
     def write(self, stream: int, address: int, value: int) -> None:
         self.values[address] = value
 
-    def wait(self, stream: int, address: int, value: int) -> None:
-        # as the driver compares: (int32)(flag - value) >= 0
-        assert ((self.values.get(address, 0) - value + (1 << 31)) % (1 << 32)) >= 1 << 31, (address, value)
+    def wait(self, stream: int, address: int, mark: int) -> None:
+        assert self.values.get(address, peer.MARKS[1]) & mark, (address, mark)  # as the driver's AND wait
 
 
 def _ranks(world_size: int):
@@ -62,39 +66,72 @@ def _ranks(world_size: int):
     return ranks
 
 
+def _exchange_all(ranks, reverse: bool, sizes, g):
+    """Every rank sends chunks of ``sizes`` bytes, then every rank receives; returns whether
+    each received what its source sent."""
+    direction = int(reverse)
+    sends = [[torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes] for _ in ranks]
+    recvs = [[torch.empty(n, dtype=torch.uint8) for n in sizes] for _ in ranks]
+    for t, send in zip(ranks, sends):
+        for data in send:
+            t._send(0, direction, data)
+    for t, recv in zip(ranks, recvs):
+        for data in recv:
+            t._receive(0, direction, data)
+    world_size = len(ranks)
+    return [all(torch.equal(got, sent) for got, sent in zip(recv, sends[(r + 1) % world_size if reverse else (r - 1) % world_size]))
+            for r, recv in enumerate(recvs)]
+
+
+def _end_pass(ranks) -> None:
+    """``end_pass`` without CUDA: each rank's uses without data, senders first."""
+    for count, chunk in (("sent", "_send_chunk"), ("received", "_receive_chunk")):
+        for t in ranks:
+            for direction in (0, 1):
+                for slot in peer.odd_slots(getattr(t, count)[direction]):
+                    getattr(t, chunk)(0, direction, slot, peer.MARKS[1])
+                getattr(t, count)[direction] = 0
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_chunks_reach_the_right_neighbour_through_the_slots(world_size, monkeypatch):
     """The mailbox protocol: each byte lands where the receiver reads it, in both directions,
-    over several generations of every slot. Here every rank's sends run before the receives,
-    so an exchange takes at most SLOTS chunks (a larger one needs both ends at once, as on the
+    over several uses of every slot. Here every rank's sends run before the receives, so an
+    exchange takes at most SLOTS chunks (a larger one needs both ends at once, as on the
     GPUs: tests/gpu/test_peer_transport.py moves 9 slots' worth)."""
     monkeypatch.setattr(peer, "SLOT_BYTES", 64)
     ranks = _ranks(world_size)
     g = torch.Generator().manual_seed(0)
-    for exchange, (reverse, sizes) in enumerate([(False, [100, 28]), (True, [256]), (False, [1, 64, 120]),
-                                                  (True, [65]), (False, [256]), (True, [190, 3])]):
-        direction = int(reverse)
-        sends = [[torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes] for _ in ranks]
-        recvs = [[torch.empty(n, dtype=torch.uint8) for n in sizes] for _ in ranks]
-        for t, send in zip(ranks, sends):
-            for data in send:
-                t._send(0, direction, data)
-        for t, recv in zip(ranks, recvs):
-            for data in recv:
-                t._receive(0, direction, data)
-        for r, recv in enumerate(recvs):
-            source = (r + 1) % world_size if reverse else (r - 1) % world_size
-            for got, sent in zip(recv, sends[source]):
-                assert torch.equal(got, sent), (exchange, r)
+    for reverse, sizes in [(False, [100, 28]), (True, [256]), (False, [1, 64, 120]),
+                           (True, [65]), (False, [256]), (True, [190, 3])]:
+        assert _exchange_all(ranks, reverse, sizes, g) == [True] * world_size
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 4, 5, 8])
+def test_a_pass_leaves_the_flags_as_it_found_them(chunks, monkeypatch):
+    """What makes a captured pass replayable: after ``end_pass`` every flag holds what it did
+    before the pass, so the same operations with the same marks run again (a replay), and
+    so does the next eager pass, which counts from 0 too."""
+    monkeypatch.setattr(peer, "SLOT_BYTES", 64)
+    ranks = _ranks(2)
+    flags, g = ranks[0].driver, torch.Generator().manual_seed(1)
+    for reverse in (False, True, False):
+        before = dict(flags.values)
+        for _ in range(2):  # the pass, then its replay: the same chunks in the same slots
+            for step in range(chunks):
+                assert _exchange_all(ranks, reverse, [64], g) == [True, True], step
+            _end_pass(ranks)
+            after = {a: v for a, v in flags.values.items() if before.get(a, peer.MARKS[1]) != v}
+            assert after == {}, after
+            assert all(t.sent == t.received == [0, 0] for t in ranks)
 
 
 def test_released_flags_pass_every_wait():
-    """release() writes a value the driver's cyclic comparison puts ahead of any generation
-    (0xFFFFFFFF would read as -1: behind all of them)."""
+    """release() writes a value that passes a wait for either mark."""
     flags = _Flags()
     flags.write(0, 0, peer._RELEASED)
-    for generation in (1, 2, 1000, 1 << 29):
-        flags.wait(0, 0, generation)
-    flags.write(0, 0, 0xFFFFFFFF)
+    for mark in peer.MARKS:
+        flags.wait(0, 0, mark)
+    flags.write(0, 0, 0)
     with pytest.raises(AssertionError):
-        flags.wait(0, 0, 1)
+        flags.wait(0, 0, peer.MARKS[0])

@@ -350,24 +350,44 @@ def test_a_bound_method_as_mod_is_named_once(monkeypatch, recwarn):
 
 
 def _capture_errors(rank, world_size):
-    """The errors of a call, then of a backward, made while a CUDA graph is being captured
-    (simulated: the check's own test of capture answers yes)."""
-    from ringflex.parallel import comm
+    """The errors of calls and a backward made while a CUDA graph is being captured (simulated:
+    the check's own test of capture answers yes), before and after the ring's transport was
+    chosen, and where one rank captures and the other does not."""
+    from ringflex.parallel import comm, peer
     _, (q, k, v) = _inputs(heads=2)
     q.requires_grad_()
+    group = dist.group.WORLD
+    errors = {}
     comm.capturing = lambda t: True
-    called = _error_text(lambda: ringflex.ring_flex_attention(q, k, v))
+    errors["before an eager call"] = _error_text(lambda: ringflex.ring_flex_attention(q, k, v))
+    peer._TRANSPORTS[group] = None  # an eager call chose the process group's P2P
+    errors["over the process group"] = _error_text(lambda: ringflex.ring_flex_attention(q, k, v))
     comm.capturing = lambda t: False
     out = ringflex.ring_flex_attention(q, k, v)
     comm.capturing = lambda t: True
-    backward = _error_text(lambda: out.sum().backward())
-    return called, backward
+    errors["backward"] = _error_text(lambda: out.sum().backward())
+    peer._TRANSPORTS[group] = object()  # the copy engines, which capture
+    comm.capturing = lambda t: rank == 0
+    errors["one rank captures"] = _error_text(lambda: ringflex.ring_flex_attention(q, k, v))
+    comm.capturing = lambda t: False
+    del peer._TRANSPORTS[group]
+    errors["eager again"] = _error_text(lambda: ringflex.ring_flex_attention(q, k, v))
+    return errors
 
 
-def test_a_ring_over_several_ranks_refuses_cuda_graph_capture():
-    """A replay would repeat transfers counted on the host: every rank says so before any transfer."""
-    for called, backward in run_world(2, _capture_errors, timeout=TIMEOUT):
-        assert called.startswith("CallRejected: ring_flex_attention: rank 0: a ring call over several ranks "
-                                 "cannot be captured in a CUDA graph"), called
-        assert backward.startswith("RuntimeError: ring_flex_attention backward: a ring call over several ranks "
-                                   "cannot be captured"), backward
+def test_a_ring_over_several_ranks_captures_only_on_the_copy_engines():
+    """Where a replay could not repeat the transfers, every rank says why before any transfer."""
+    for errors in run_world(2, _capture_errors, timeout=TIMEOUT):
+        assert errors["before an eager call"].startswith(
+            "CallRejected: ring_flex_attention: rank 0: a ring call over several ranks is captured in a CUDA graph "
+            "only after an eager call on the same process group"), errors
+        assert errors["over the process group"].startswith(
+            "CallRejected: ring_flex_attention: rank 0: the ring's transfers go through the process group's P2P "
+            "(gloo), which ringflex does not capture"), errors
+        assert errors["backward"].startswith(
+            "RuntimeError: ring_flex_attention backward: the ring's transfers go through the process group's P2P "
+            "(gloo)"), errors
+        assert errors["one rank captures"] == (
+            "CallRejected: ring_flex_attention: the ranks disagree on the CUDA-graph capture (rank 0: capturing, "
+            "rank 1: not capturing); every rank of the ring must make the same call"), errors
+        assert errors["eager again"] is None

@@ -18,14 +18,21 @@ def capturing(t: Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def capture_error(t: Tensor, world_size: int) -> Optional[str]:
-    """Why a ring call on ``t`` cannot run now, where it is being captured into a CUDA graph
-    over several ranks; None otherwise. The copy-engine transport counts its flags'
-    generations on the host, so a replay would wait for flags that are already raised and
-    read stale mailboxes. One rank makes no transfer and captures (docs/cudnn.md)."""
-    if world_size > 1 and capturing(t):
-        return ("a ring call over several ranks cannot be captured in a CUDA graph (its transfers are "
-                "counted on the host, and a replay would not repeat them); run it eagerly, or on one rank")
+def capture_error(t: Tensor, group) -> Optional[str]:
+    """Why a ring call on ``t`` over ``group`` cannot run now, where it is being captured into
+    a CUDA graph; None otherwise. One rank makes no transfer. Over several ranks the
+    copy-engine transport's passes replay (``peer``), once an eager call has built it
+    (capture cannot allocate its mailbox or rendezvous); the process group's P2P is not
+    captured by ringflex."""
+    if group is None or dist.get_world_size(group) == 1 or not capturing(t):
+        return None
+    if not peer.built(group):
+        return ("a ring call over several ranks is captured in a CUDA graph only after an eager call on the "
+                "same process group (it sets up the transfers, which capture cannot); run one before capturing")
+    if peer.transport(group, t.device) is None:
+        return (f"the ring's transfers go through the process group's P2P ({dist.get_backend(group)}), which "
+                "ringflex does not capture in a CUDA graph; capture needs the copy-engine transport (every rank "
+                "on one host, RINGFLEX_TRANSPORT=auto or copy-engine)")
     return None
 
 
@@ -63,6 +70,13 @@ class RingComm:
         transport = peer.transport(self.group, device) if device.type == "cuda" else None
         if transport is not None:
             transport.join_sends()
+
+    def end_pass(self, device) -> None:
+        """Ends a pass of the ring (a forward or a backward): the copy-engine transport leaves
+        its flags as the pass found them, so that a CUDA graph can replay the pass (``peer``)."""
+        transport = peer.transport(self.group, device) if device.type == "cuda" else None
+        if transport is not None:
+            transport.end_pass()
 
 
 class _Pending:

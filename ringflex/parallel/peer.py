@@ -6,17 +6,23 @@ then sits on the critical path. A copy engine needs no SM. Measured on two H200s
 a 128 MiB K/V transfer beside a 1.66 ms attention kernel added 0.03 to 0.1 ms to it through
 the copy engines, 0.55 ms through NCCL.
 
-Each rank owns a mailbox in symmetric memory (``torch.distributed._symmetric_memory``): for
-each direction of the ring, ``SLOTS`` slots of ``SLOT_BYTES`` and their flags. A transfer
+Each rank owns a mailbox in symmetric memory (``torch.distributed._symmetric_memory``; where
+ranks share a GPU, which it refuses, one mapped by CUDA IPC): for each direction of the ring, ``SLOTS`` slots of ``SLOT_BYTES`` and their flags. A transfer
 moves in chunks of at most a slot. The sender waits until the slot is FREE, copies the chunk
 into the receiver's mailbox and raises the slot's READY flag there; the receiver waits for
 READY, copies the chunk out into its own tensor and raises FREE at the sender. Flags are
 written and awaited by CUDA stream memory operations (the driver's cuStreamWriteValue32 and
 cuStreamWaitValue32), so no host thread and no SM takes part, and a rank waits only on
 flags in its own memory. Every rank makes the same transfers in the same order, so both
-ends of a link count the chunks alike: chunk ``c`` uses slot ``c % SLOTS`` and its flags
-carry the slot's generation ``c // SLOTS + 1``. These waits have no timeout, so a rank that
-marks the ring failed (``fault.fail``) releases them (``release``).
+ends of a link count the chunks of a pass of the ring (a forward or a backward) alike:
+chunk ``c`` uses slot ``c % SLOTS``, and its flags carry the mark of the slot's use in the
+pass, ``MARKS[(c // SLOTS) % 2]``: a wait looks for that mark, so it is passed by the flag
+of this use and not of the one before. A pass ends (``end_pass``) by using once more, with
+no data, each slot it used an odd number of times, which leaves every flag as the pass
+found it: a CUDA graph that captured a pass replays the very same marks on flags in the
+state they expect, and eager calls and replays can follow each other in any order. These
+waits have no timeout, so a rank that marks the ring failed (``fault.fail``) releases them
+(``release``).
 
 An arrival orders the compute stream after the receive only. A send completes when the
 peer has copied the chunks out of its mailbox, which its device-local copies do only once
@@ -24,7 +30,9 @@ its own kernel releases the SMs; ordering after it too would make each rank wait
 neighbour's kernel. So a sent tensor's memory is kept from reuse by ``record_stream`` on
 the send stream, a receive into memory that a send still reads waits for that send, and
 ``join_sends`` orders the compute stream after every send where the caller's own tensors
-went out (the end of a forward, whose first send is the caller's K/V).
+went out (the end of a forward, whose first send is the caller's K/V). Under CUDA-graph
+capture ``end_pass`` also joins the transport's streams into the capturing one, as a graph
+must join every stream it forked.
 
 ``RINGFLEX_TRANSPORT`` chooses: ``auto`` (default; copy engines when every rank of the
 group is on one host with CUDA tensors and symmetric memory, else the process group's P2P
@@ -48,7 +56,8 @@ SLOT_BYTES = 32 << 20
 SLOTS = 4  # per direction: 256 MiB of mailbox per rank in all
 _FLAGS_BYTES = 4096
 _READY, _FREE = 0, 1
-_RELEASED = 1 << 30  # a flag value ahead of every generation (see ``release``)
+MARKS = (1, 2)  # a slot's flag after its even / odd uses in a pass; it starts as after an odd one
+_RELEASED = MARKS[0] | MARKS[1]  # passes every wait (see ``release``)
 CHOICES = ("auto", "copy-engine", "nccl")
 _TRANSPORTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> PeerTransport or None
 
@@ -67,14 +76,24 @@ def chunks(nbytes: int) -> List[Tuple[int, int]]:
 
 
 def slot_of(chunk: int) -> Tuple[int, int]:
-    """The slot of the ``chunk``-th chunk of a direction, and the generation its flags carry."""
-    return chunk % SLOTS, chunk // SLOTS + 1
+    """The slot of the ``chunk``-th chunk of a pass in one direction, and the mark its flags carry."""
+    return chunk % SLOTS, MARKS[(chunk // SLOTS) % 2]
+
+
+def other(mark: int) -> int:
+    """The mark of a slot's previous use: the FREE flag a sender waits for."""
+    return MARKS[mark == MARKS[0]]
+
+
+def odd_slots(chunks: int) -> List[int]:
+    """The slots that ``chunks`` chunks of a pass used an odd number of times."""
+    return [s for s in range(SLOTS) if len(range(s, chunks, SLOTS)) % 2]
 
 
 class _Driver:
     """The two CUDA driver calls torch does not expose: write / await a 32-bit flag on a stream."""
 
-    _GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+    _AND = 0x2  # CU_STREAM_WAIT_VALUE_AND: until (flag & value) != 0
 
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
@@ -92,9 +111,9 @@ class _Driver:
         """On ``stream`` (a raw CUDA stream handle): set the flag at ``address`` to ``value``."""
         self._check(self._write(stream, address, value, 0), "cuStreamWriteValue32")
 
-    def wait(self, stream: int, address: int, value: int) -> None:
-        """On ``stream``: wait until the flag at ``address`` reaches ``value``."""
-        self._check(self._wait(stream, address, value, self._GEQ), "cuStreamWaitValue32")
+    def wait(self, stream: int, address: int, mark: int) -> None:
+        """On ``stream``: wait until the flag at ``address`` has a bit of ``mark`` set."""
+        self._check(self._wait(stream, address, mark, self._AND), "cuStreamWaitValue32")
 
     @staticmethod
     def _check(status: int, name: str) -> None:
@@ -103,29 +122,39 @@ class _Driver:
 
 
 class PeerTransport:
-    """The ring's exchange over copy engines and a mailbox in symmetric memory (see module)."""
+    """The ring's exchange over copy engines and a mailbox per rank that its neighbours map
+    (see module). ``shared_gpu``: some ranks share a GPU, where torch's symmetric memory
+    refuses to map the mailboxes; CUDA IPC maps them instead (``_ipc_mailboxes``)."""
 
-    def __init__(self, group, device: torch.device):
-        import torch.distributed._symmetric_memory as symm_mem
-
+    def __init__(self, group, device: torch.device, shared_gpu: bool = False):
         self.device, self.driver = device, _Driver()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        total = _FLAGS_BYTES + 2 * SLOTS * SLOT_BYTES
-        self.mailbox = symm_mem.empty(total, dtype=torch.uint8, device=device)
-        self.mailbox[:_FLAGS_BYTES].zero_()
-        handle = symm_mem.rendezvous(self.mailbox, group.group_name)
-        torch.cuda.synchronize(device)
-        _gather(group, None)  # no rank raises a flag in a mailbox before its owner has cleared them
-        self._handle = handle  # keeps the peers' mailboxes mapped
         # direction 0 sends to the next rank and receives from the previous one; 1 the reverse
         self.to = [(rank + 1) % size, (rank - 1) % size]
         self.source = [self.to[1], self.to[0]]
-        self.peer_mailbox = {r: handle.get_buffer(r, (total,), torch.uint8) for r in set(self.to)}
-        self.flag_base = {r: handle.buffer_ptrs[r] for r in set(self.to) | {rank}}
+        total = _FLAGS_BYTES + 2 * SLOTS * SLOT_BYTES
+        if shared_gpu:
+            self.mailbox = torch.empty(total, dtype=torch.uint8, device=device)
+            self._clear_flags()
+            self.peer_mailbox = _ipc_mailboxes(group, self.mailbox, set(self.to))
+        else:
+            import torch.distributed._symmetric_memory as symm_mem
+            self.mailbox = symm_mem.empty(total, dtype=torch.uint8, device=device)
+            self._clear_flags()
+            self._handle = symm_mem.rendezvous(self.mailbox, group.group_name)  # keeps the peers' mailboxes mapped
+            self.peer_mailbox = {r: self._handle.get_buffer(r, (total,), torch.uint8) for r in set(self.to)}
+        _gather(group, None)  # no rank raises a flag in a mailbox before its owner has cleared them
+        self.flag_base = {r: mailbox.data_ptr() for r, mailbox in (*self.peer_mailbox.items(), (rank, self.mailbox))}
         self.rank = rank
         self.streams = [(torch.cuda.Stream(device), torch.cuda.Stream(device)) for _ in range(2)]  # (send, recv)
-        self.sent, self.received = [0, 0], [0, 0]
-        self.sending = {}  # storage address -> the event of the last send that reads it
+        self.sent, self.received = [0, 0], [0, 0]  # chunks of the pass, per direction
+        # storage address -> the event of the last send that reads it; eager sends, and those
+        # of the pass being captured (its events mean nothing outside the graph)
+        self.sending, self.sending_captured = {}, {}
+
+    def _clear_flags(self) -> None:
+        self.mailbox[:_FLAGS_BYTES].view(torch.int32).fill_(MARKS[1])  # as after an odd use
+        torch.cuda.synchronize(self.device)
 
     def _slot(self, mailbox: Tensor, direction: int, slot: int) -> Tensor:
         start = _FLAGS_BYTES + (direction * SLOTS + slot) * SLOT_BYTES
@@ -143,11 +172,12 @@ class PeerTransport:
         recv = [t for t in recv if t.numel()]
         if any(not t.is_contiguous() for t in recv):
             raise ValueError("ringflex: a receive buffer of the copy-engine transport must be contiguous")
+        sending = self._sending()
         queued = torch.cuda.current_stream(self.device).record_event()
         send_stream, recv_stream = self.streams[direction]
         with torch.cuda.stream(recv_stream):
             recv_stream.wait_event(queued)
-            for event in self._still_sending(recv):
+            for event in self._still_sending(sending, recv):
                 recv_stream.wait_event(event)
             for t in recv:
                 self._receive(recv_stream.cuda_stream, direction, _bytes(t))
@@ -159,47 +189,86 @@ class PeerTransport:
             sent = send_stream.record_event()
         for t in send:
             t.record_stream(send_stream)  # its memory is not reused before the send has read it
-            self.sending[_storage(t)] = sent
+            sending[_storage(t)] = sent
         return _Arrival(self.device, received, sent)
 
-    def _still_sending(self, tensors: Sequence[Tensor]) -> List[torch.cuda.Event]:
-        """The sends still reading the memory of ``tensors`` (forgetting finished ones)."""
-        for address in [a for a, event in self.sending.items() if event.query()]:
-            del self.sending[address]
-        return [self.sending[a] for a in {_storage(t) for t in tensors} if a in self.sending]
+    def _sending(self) -> dict:
+        """The sends that memory may still be read by, as the current stream sees them."""
+        return self.sending_captured if torch.cuda.is_current_stream_capturing() else self.sending
+
+    def _still_sending(self, sending: dict, tensors: Sequence[Tensor]) -> List[torch.cuda.Event]:
+        """The sends still reading the memory of ``tensors`` (forgetting finished eager ones:
+        a captured event cannot be queried, and its pass joins it anyway)."""
+        if sending is self.sending:
+            for address in [a for a, event in sending.items() if event.query()]:
+                del sending[address]
+        return [sending[a] for a in {_storage(t) for t in tensors} if a in sending]
 
     def join_sends(self) -> None:
         """Orders the current stream after every send issued so far."""
         stream = torch.cuda.current_stream(self.device)
-        for event in set(self.sending.values()):
+        for event in set(self._sending().values()):
             stream.wait_event(event)
 
+    def end_pass(self) -> None:
+        """Ends a pass of the ring: each slot used an odd number of times is used once more,
+        with no data, so every flag is back as the pass found it, and the next pass counts
+        its chunks from 0 (see the module). Under capture the current stream then waits for
+        the transport's streams, which the graph must join."""
+        capturing = torch.cuda.is_current_stream_capturing()
+        for direction, (send_stream, recv_stream) in enumerate(self.streams):
+            for stream, count, chunk in ((send_stream, self.sent, self._send_chunk),
+                                         (recv_stream, self.received, self._receive_chunk)):
+                if count[direction] == 0:
+                    continue  # this pass left the direction's streams alone
+                for slot in odd_slots(count[direction]):
+                    chunk(stream.cuda_stream, direction, slot, MARKS[1])  # an odd use of the slot
+                count[direction] = 0
+                if capturing:
+                    torch.cuda.current_stream(self.device).wait_stream(stream)
+        if capturing:
+            self.sending_captured.clear()
+
     def _send(self, stream: int, direction: int, data: Tensor) -> None:
-        to = self.to[direction]
         for start, end in chunks(data.numel()):
-            slot, gen = slot_of(self.sent[direction])
+            self._send_chunk(stream, direction, *slot_of(self.sent[direction]), data[start:end])
             self.sent[direction] += 1
-            if gen > 1:  # the receiver has copied out what this slot held before
-                self.driver.wait(stream, self._flag(self.rank, _FREE, direction, slot), gen - 1)
-            self._slot(self.peer_mailbox[to], direction, slot)[:end - start].copy_(data[start:end])
-            self.driver.write(stream, self._flag(to, _READY, direction, slot), gen)
 
     def _receive(self, stream: int, direction: int, data: Tensor) -> None:
-        source = self.source[direction]
         for start, end in chunks(data.numel()):
-            slot, gen = slot_of(self.received[direction])
+            self._receive_chunk(stream, direction, *slot_of(self.received[direction]), data[start:end])
             self.received[direction] += 1
-            self.driver.wait(stream, self._flag(self.rank, _READY, direction, slot), gen)
-            data[start:end].copy_(self._slot(self.mailbox, direction, slot)[:end - start])
-            self.driver.write(stream, self._flag(source, _FREE, direction, slot), gen)
+
+    def _send_chunk(self, stream: int, direction: int, slot: int, mark: int, data: Optional[Tensor] = None) -> None:
+        """Waits until the receiver has copied out the slot's previous use, fills it with
+        ``data`` (None: a use without data) and raises READY at the receiver."""
+        to = self.to[direction]
+        self.driver.wait(stream, self._flag(self.rank, _FREE, direction, slot), other(mark))
+        if data is not None:
+            self._slot(self.peer_mailbox[to], direction, slot)[:data.numel()].copy_(data)
+        self.driver.write(stream, self._flag(to, _READY, direction, slot), mark)
+
+    def _receive_chunk(self, stream: int, direction: int, slot: int, mark: int, data: Optional[Tensor] = None) -> None:
+        """Waits for READY, copies the slot out into ``data`` (if any) and raises FREE at the sender."""
+        self.driver.wait(stream, self._flag(self.rank, _READY, direction, slot), mark)
+        if data is not None:
+            data.copy_(self._slot(self.mailbox, direction, slot)[:data.numel()])
+        self.driver.write(stream, self._flag(self.source[direction], _FREE, direction, slot), mark)
 
     def release(self) -> None:
         """Raises every flag this rank's and its neighbours' streams may wait on (see ``release``)."""
-        # The driver compares flags cyclically ((int32)(flag - expected) >= 0), so the value
-        # that passes every wait is one far ahead of any generation, not 0xFFFFFFFF.
         with torch.cuda.stream(torch.cuda.Stream(self.device)):  # the transport's streams may be blocked
             for mailbox in (self.mailbox, *self.peer_mailbox.values()):
                 mailbox[:_FLAGS_BYTES].view(torch.int32).fill_(_RELEASED)
+
+
+def _ipc_mailboxes(group, mailbox: Tensor, ranks) -> dict:
+    """The mailboxes of ``ranks`` mapped into this process by CUDA IPC (torch's own sharing of
+    CUDA tensors between processes), which serves ranks that share a GPU."""
+    from torch.multiprocessing.reductions import reduce_tensor
+    rebuild, mine = reduce_tensor(mailbox)
+    shared = _gather(group, mine)
+    return {r: rebuild(*shared[r]) for r in ranks}
 
 
 def release(group) -> None:
@@ -238,19 +307,25 @@ def transport(group, device: torch.device) -> Optional[PeerTransport]:
     found = None
     if wanted != "nccl":
         with torch.cuda.device(device):
-            why = _why_not(group, device)
+            ranks = _gather(group, (socket.gethostname(), local_reason(device), _uuid(device)))
+            why = _why_not(group, device, ranks)
             if why is None:
                 try:
-                    found = PeerTransport(group, device)
+                    found = PeerTransport(group, device, shared_gpu=len({uuid for *_, uuid in ranks}) < len(ranks))
                 except (RuntimeError, TypeError, AttributeError) as e:  # an older torch fails alike on every rank
-                    why = f"symmetric memory could not be set up ({e})"
+                    why = f"the ranks' mailboxes could not be mapped ({e})"
         if why is not None and wanted == "copy-engine":
             raise RuntimeError(f"ringflex: RINGFLEX_TRANSPORT=copy-engine cannot be used: {why}")
         if why is not None:
-            _warn_once(f"ringflex: the ring's transfers go through the process group's P2P (NCCL), "
-                       f"not the copy engines: {why}")
+            _warn_once(f"ringflex: the ring's transfers go through the process group's P2P "
+                       f"({dist.get_backend(group)}), not the copy engines: {why}")
     _TRANSPORTS[group] = found
     return found
+
+
+def built(group) -> bool:
+    """Whether ``transport`` has decided, for ``group``, what carries its ring."""
+    return group in _TRANSPORTS
 
 
 def in_use(group, device: torch.device) -> str:
@@ -260,9 +335,9 @@ def in_use(group, device: torch.device) -> str:
     return str(dist.get_backend(group))
 
 
-def _why_not(group, device: torch.device) -> Optional[str]:
-    """Why the copy engines cannot carry this group's ring (the same answer on every rank), or None."""
-    ranks = _gather(group, (socket.gethostname(), local_reason(device), _uuid(device)))
+def _why_not(group, device: torch.device, ranks) -> Optional[str]:
+    """Why the copy engines cannot carry this group's ring (the same answer on every rank), or
+    None; ``ranks``: every rank's (host, ``local_reason``, GPU uuid)."""
     if len({host for host, _, _ in ranks}) > 1:
         return "the ranks are on more than one host"
     for r, (_, reason, _) in enumerate(ranks):

@@ -142,6 +142,14 @@ class _KVStream:
             recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
             return self.call.comm.exchange(send, recv, reverse=self.reverse), send, recv, lo
 
+    def close(self) -> None:
+        """Ends the stream's pass: the current stream joins the first transfer's stream (a CUDA
+        graph being captured must join every stream it forked) and the transport ends its pass."""
+        if self.first_stream is not None:
+            torch.cuda.current_stream(self.first_stream.device).wait_stream(self.first_stream)
+        if self.call.comm is not None:
+            self.call.comm.end_pass(self.current[0].device)
+
     def advance(self, step: int, pending) -> None:
         if pending is not None:
             transfer, _, self.current, self.offset = pending  # ``send`` stays referenced until here
@@ -191,6 +199,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
         blocks.advance(step, pending)
     if call.comm is not None:
         call.comm.join_sends(q.device)  # the caller's K/V left first: it may change them once this returns
+    blocks.close()
     # The block of the last step: backward starts on it, so it is saved until then.
     last = blocks.current if blocks.current[0] is k else tuple(_compact(t) for t in blocks.current)
     return (*merged.result(), last)
@@ -265,6 +274,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
                         for t in total]  # every rank sends the same dtype at a step
             received = (incoming, call.comm.exchange(total, incoming, reverse=True))
         blocks.advance(step, kv_pending)
+    blocks.close()
     (dq,), (dk, dv) = dq.result(), total
     return dq, dk, dv, d_tensors
 
@@ -334,8 +344,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, last_k, last_v, sinks = ctx.saved_tensors
-        capture = ctx.call.comm is not None and capture_error(q, ctx.call.comm.world_size)
-        if capture:  # every rank captures its backward alike, so none is left waiting in a transfer
+        capture = ctx.call.comm is not None and capture_error(q, ctx.call.comm.group)
+        if capture:  # raised before any transfer: the same on every rank, none is left waiting
             raise RuntimeError(f"ring_flex_attention backward: {capture}")
         dout = None if dout is None else dout.contiguous()  # None: the loss reads the LSE alone
         with guard(ctx.call.comm, "backward"), torch.no_grad():  # also under create_graph=True

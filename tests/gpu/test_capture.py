@@ -1,33 +1,95 @@
-"""A one-rank ring call, forward and backward, captured in a CUDA graph replays to the eager
-call's values (the cuDNN hops of a causal and a packed-documents mask); the check that
-refuses capture over several ranks sees the capture."""
+"""A ring call, forward and backward, captured in a CUDA graph replays to the eager call's
+values (the cuDNN hops of a causal and a packed-documents mask): on one rank, and on two
+over the copy engines (two ranks that share one GPU where there is only one), where eager
+calls and replays follow each other; torch's ``make_graphed_callables`` captures one too;
+the capture check sees a capture."""
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import make_mods  # noqa: E402
 from capture_probe import capture_ring_call  # noqa: E402
-from ringflex import mods
-from ringflex.parallel import comm
+from harness import on_a_gpu, run_world  # noqa: E402
+import ringflex  # noqa: E402
+from ringflex import mods  # noqa: E402
+from ringflex.parallel import comm, peer  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SEQ = 4096
+
+
+def _mask(name: str, seq_len: int, dev):
+    return mods.causal if name == "causal" else make_mods("documents", seq_len, dev, 0, 512, seed=1)[1]
+
+
+def _assert_values(got, want):
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-3, rtol=2e-2)  # dq accumulates in any order
 
 
 @needs_cuda
 @pytest.mark.parametrize("name", ["causal", "documents"])
 def test_a_one_rank_call_replays_to_its_eager_values(name):
     dev = torch.device("cuda")
-    mask_mod = mods.causal if name == "causal" else make_mods("documents", SEQ, dev, 0, 512, seed=1)[1]
-    graph, got, _, want = capture_ring_call(mask_mod, SEQ, 4, dev)
+    graph, got, _, want = capture_ring_call(_mask(name, SEQ, dev), SEQ, 4, dev)
     for _ in range(2):
         graph.replay()
         torch.cuda.synchronize()
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, atol=2e-3, rtol=2e-2)  # dq accumulates in any order
+        _assert_values(got, want)
+
+
+def _two_rank_replays(rank, world_size, name):
+    os.environ["RINGFLEX_TRANSPORT"] = "copy-engine"
+    dev = on_a_gpu(rank)
+    torch.manual_seed(rank)
+    graph, got, run, want = capture_ring_call(_mask(name, SEQ, dev), SEQ // world_size, 4, dev, dist.group.WORLD)
+    assert peer.in_use(dist.group.WORLD, dev) == "copy-engine"
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_values(got, want)
+    _assert_values(run(), want)  # eager after replays, then a replay after eager calls
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_values(got, want)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["causal", "documents"])
+def test_a_two_rank_call_over_the_copy_engines_replays_to_its_eager_values(name):
+    run_world(2, _two_rank_replays, name, timeout=300)
+
+
+def _graphed_callable(rank, world_size):
+    os.environ["RINGFLEX_TRANSPORT"] = "copy-engine"
+    dev = on_a_gpu(rank)
+    torch.manual_seed(rank)
+    q, k, v = (torch.randn(1, 4, SEQ // world_size, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+
+    def attn(q, k, v):
+        return ringflex.ring_flex_attention(q, k, v, mask_mod=mods.causal)
+
+    graphed = torch.cuda.make_graphed_callables(attn, (q, k, v))  # before any eager backward on these leaves
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = attn(*leaves)
+    want = [out.detach(), *torch.autograd.grad(out, leaves, torch.ones_like(out))]
+    for _ in range(2):
+        out = graphed(q, k, v)
+        got = [out.detach(), *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))]
+        torch.cuda.synchronize()
+        _assert_values(got, want)
+
+
+@needs_cuda
+def test_torch_make_graphed_callables_captures_a_two_rank_call():
+    run_world(2, _graphed_callable, timeout=300)
 
 
 @needs_cuda

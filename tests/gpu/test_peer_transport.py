@@ -1,10 +1,13 @@
-"""The copy-engine transport (``ringflex.parallel.peer``) on two GPUs: every byte arrives, in
-both directions, for transfers smaller and larger than its mailbox, several in flight; an
-arrival does not wait for the rank's own send; and a ring over it computes bit for bit what
-the same ring computes over NCCL."""
+"""The copy-engine transport (``ringflex.parallel.peer``): every byte arrives, in both
+directions, for transfers smaller and larger than its mailbox, several in flight, over
+passes that each end as ``end_pass`` leaves them; a failing rank releases the others' waits
+(these on two ranks that share one GPU where there is only one); an arrival does not wait
+for the rank's own send; and a ring over it computes bit for bit what the same ring
+computes over NCCL (these two need two GPUs)."""
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -12,13 +15,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness import run_world  # noqa: E402
+from harness import on_a_gpu, run_world  # noqa: E402
 from ringflex import ring_flex_attention
+from ringflex.kernels.reference import ReferenceKernel
 from ringflex.parallel import peer
 from ringflex.parallel.comm import RingComm
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                reason="needs two GPUs")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 _SIZES = [1000, peer.SLOT_BYTES // 2, peer.SLOT_BYTES, 3 * peer.SLOT_BYTES + 12_345, 9 * peer.SLOT_BYTES]
 
@@ -31,9 +35,9 @@ def _payload(rank: int, index: int, nbytes: int) -> torch.Tensor:
 def _exchanges(rank, world_size):
     os.environ["RINGFLEX_TRANSPORT"] = "copy-engine"
     comm = RingComm(dist.group.WORLD)
-    assert peer.transport(comm.group, torch.device("cuda", rank)) is not None
+    assert peer.transport(comm.group, on_a_gpu(rank)) is not None
     wrong = []
-    for reverse in (False, True, False):
+    for reverse in (False, True, False, True):  # a pass per direction, as forward and backward make
         source = (rank + (1 if reverse else -1)) % world_size
         sends = [_payload(rank, i, n) for i, n in enumerate(_SIZES)]
         recvs = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in _SIZES]
@@ -44,12 +48,13 @@ def _exchanges(rank, world_size):
         for i, n in enumerate(_SIZES):
             if not torch.equal(recvs[i], _payload(source, i, n)):
                 wrong.append((reverse, n))
+        comm.end_pass(torch.device("cuda"))
     torch.cuda.synchronize()
     return wrong
 
 
 def test_every_byte_arrives_in_both_directions():
-    assert run_world(2, _exchanges, backend="nccl") == [[], []]
+    assert run_world(2, _exchanges) == [[], []]
 
 
 def _arrival_before_send(rank, world_size):
@@ -81,6 +86,7 @@ def _arrival_before_send(rank, world_size):
     return None, torch.equal(got, _payload(0, 0, big))
 
 
+@needs_two_gpus
 def test_an_arrival_does_not_wait_for_the_own_send():
     (ordered, small_ok), (_, big_ok) = run_world(2, _arrival_before_send, backend="nccl", timeout=120)
     assert ordered == (True, False)  # the work after the arrival ran; the send was still waiting
@@ -105,6 +111,7 @@ def _ring(rank, world_size):
     return all(torch.equal(a, b) for a, b in zip(results["nccl"], results["copy-engine"]))
 
 
+@needs_two_gpus
 def test_ring_over_copy_engines_matches_nccl_bit_for_bit():
     assert run_world(2, _ring, backend="nccl") == [True, True]
 
@@ -112,21 +119,28 @@ def test_ring_over_copy_engines_matches_nccl_bit_for_bit():
 _L = 256  # local tokens
 
 
-def _raise_on_rank_1(phase: str):
-    """A score_mod that raises on rank 1 in ``phase`` while it holds rank 0's block (contiguous
-    layout): at forward step 1, or at backward step 0 before its first partial sum leaves."""
-    def score_mod(score, b, h, q_idx, kv_idx):
-        forward = not torch.is_grad_enabled()
-        if dist.get_rank() == 1 and forward == (phase == "forward") and int(kv_idx.max()) < _L:
+@contextmanager
+def _raising_on_rank_1(phase: str):
+    """Rank 1's reference kernel raises in ``phase`` ("forward" or "backward") at its hop
+    against rank 0's block (contiguous layout): at forward step 1, or at backward step 0,
+    before its first partial sum leaves."""
+    method = getattr(ReferenceKernel, phase)
+
+    def failing(self, *args):
+        if dist.get_rank() == 1 and args[7 if phase == "backward" else 4].start < _L:  # the K/V segment
             raise RuntimeError("injected fault")
-        return score
-    return score_mod
+        return method(self, *args)
+    setattr(ReferenceKernel, phase, failing)
+    try:
+        yield
+    finally:
+        setattr(ReferenceKernel, phase, method)
 
 
-def _call(score_mod, group):
+def _call(group):
     q, k, v = (torch.randn(1, 2, _L, 64, device="cuda", requires_grad=True) for _ in range(3))
     try:
-        out = ring_flex_attention(q, k, v, score_mod=score_mod, layout="contiguous", group=group, backend="reference")
+        out = ring_flex_attention(q, k, v, layout="contiguous", group=group, backend="reference")
         out.sum().backward()
     except Exception as e:  # noqa: BLE001 (the test inspects the text)
         return f"{type(e).__name__}: {e}"
@@ -135,18 +149,20 @@ def _call(score_mod, group):
 
 def _faults(rank, world_size):
     os.environ["RINGFLEX_TRANSPORT"] = "copy-engine"
+    on_a_gpu(rank)
     results = {}
     for phase in ("forward", "backward"):
         group = dist.new_group([0, 1])
-        _call(None, group)  # the transport is built and used
-        results[phase] = _call(_raise_on_rank_1(phase), group)
-        results[phase + ", called again"] = _call(None, group)
+        _call(group)  # the transport is built and used
+        with _raising_on_rank_1(phase):
+            results[phase] = _call(group)
+        results[phase + ", called again"] = _call(group)
         torch.cuda.synchronize()  # no stream of this GPU is left waiting for a flag
     return results
 
 
 def test_a_failing_rank_releases_the_copy_engine_waits():
-    per_rank = run_world(2, _faults, backend="nccl", timeout=180)
+    per_rank = run_world(2, _faults, timeout=180)
     for phase in ("forward", "backward"):
         assert per_rank[1][phase] == "RuntimeError: injected fault"
         assert per_rank[1][phase + ", called again"].startswith(
