@@ -332,7 +332,7 @@ def run(args):
     rows = []
     for seq_len in args.seq_lens:
         for mask in args.masks:
-            done = len(rows) // len(args.layouts)
+            done = len(rows) // (len(args.layouts) * (1 + args.graph))  # rows per length and mask
             log(f"[{done + 1}/{len(args.seq_lens) * len(args.masks)}] {seq_len} tokens, mask {mask}")
             rows += bench_one(args, seq_len, mask, device, dtype, rank, world_size, log)
     transport = peer.in_use(dist.group.WORLD, device)

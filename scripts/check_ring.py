@@ -1,6 +1,7 @@
 """Checks the ring against one device computing the whole sequence, for the whole test matrix.
 
     torchrun --nproc_per_node=2 scripts/check_ring.py --device cuda --backend cudnn   # GPUs, NCCL
+                                          # (fewer GPUs than ranks: they share them, over gloo)
     torchrun --nproc_per_node=3 scripts/check_ring.py --device cpu --local-len 16     # CPU, gloo
     torchrun --nproc_per_node=2 scripts/check_ring.py --lse-grad    # a loss that reads the LSE too
 
@@ -61,9 +62,10 @@ def main():
     p.add_argument("--tolerance", type=float, default=None, help="max relative error (default: 3e-2 bf16, 1e-4 fp32)")
     p.add_argument("--lse-grad", action="store_true", help="the loss reads the LSE too (its gradient flows back)")
     args = p.parse_args()
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    shared = args.device == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
+    if args.device == "cuda":  # NCCL refuses ranks that share a GPU; the copy engines carry their ring
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    dist.init_process_group("nccl" if args.device == "cuda" and not shared else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     tolerance = args.tolerance or (3e-2 if dtype == torch.bfloat16 else 1e-4)
@@ -96,7 +98,7 @@ def main():
                 continue
             got = [out] + [t.grad for t in local]
             errs = torch.tensor([relative_error(g, ringflex.shard(w, 2, layout=layout)) for g, w in zip(got, want)],
-                                dtype=torch.float64, device=args.device)
+                                dtype=torch.float64, device="cpu" if dist.get_backend() == "gloo" else args.device)
             dist.all_reduce(errs, op=dist.ReduceOp.MAX)
             ok = bool(errs.max() <= tolerance) and not any(torch.isnan(g).any() for g in got)
             failed += not ok

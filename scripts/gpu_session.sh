@@ -28,7 +28,10 @@ for stage in "$@"; do
     capture1) run capture python3 scripts/capture_probe.py  # what CUDA-graph capture gives, one rank
               run capture tr 2 scripts/capture_probe.py  # two ranks (sharing the GPU where there is one)
               run capture python3 -m pytest -q tests/gpu/test_capture.py ;;  # one- and two-rank calls replay to their values
-    transport1) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py ;;  # two ranks share one GPU
+    transport1) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py  # two ranks share one GPU
+                run check tr 2 scripts/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;  # the ring over it
+    graph1) run graph1 tr 1 scripts/bench.py --seq-lens 8192 16384 --masks causal documents --graph --no-cp \
+              --iters 5 --warmup 2 --singles sdpa-cudnn ringflex-1gpu ;;  # one rank: eager vs graphs
     graph2) run graph2 tr 2 scripts/bench.py --seq-lens 16384 32768 --masks none causal window documents --graph \
               --iters 5 --warmup 2 --singles sdpa-cudnn ringflex-1gpu --json "$OUT/bench_graph.json" ;;  # eager vs graphs
     check2big) run check tr 2 scripts/check_ring.py --device cuda --backend cudnn --local-len 4096 \
