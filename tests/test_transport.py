@@ -126,6 +126,20 @@ def test_a_pass_leaves_the_flags_as_it_found_them(chunks, monkeypatch):
             assert all(t.sent == t.received == [0, 0] for t in ranks)
 
 
+def test_a_slot_used_oddly_holds_the_first_mark_until_the_pass_ends(monkeypatch):
+    """Why an eager pass orders the compute stream after its receives' uses without data once
+    a pass was captured: until then READY holds the mark a next pass's first chunk waits for,
+    and a replay (on streams of its own) would read the stale slot."""
+    monkeypatch.setattr(peer, "SLOT_BYTES", 64)
+    ranks = _ranks(2)
+    flags, g = ranks[0].driver, torch.Generator().manual_seed(2)
+    assert _exchange_all(ranks, False, [64], g) == [True, True]  # slot 0 used once
+    ready = ranks[1]._flag(1, peer._READY, 0, 0)
+    assert flags.values[ready] == peer.slot_of(0)[1]
+    _end_pass(ranks)
+    assert flags.values[ready] == peer.MARKS[1] != peer.slot_of(0)[1]
+
+
 def test_released_flags_pass_every_wait():
     """release() writes a value that passes a wait for either mark."""
     flags = _Flags()

@@ -151,6 +151,7 @@ class PeerTransport:
         # storage address -> the event of the last send that reads it; eager sends, and those
         # of the pass being captured (its events mean nothing outside the graph)
         self.sending, self.sending_captured = {}, {}
+        self.captured = False  # whether a pass was captured in a CUDA graph (see ``end_pass``)
 
     def _clear_flags(self) -> None:
         self.mailbox[:_FLAGS_BYTES].view(torch.int32).fill_(MARKS[1])  # as after an odd use
@@ -214,8 +215,12 @@ class PeerTransport:
         """Ends a pass of the ring: each slot used an odd number of times is used once more,
         with no data, so every flag is back as the pass found it, and the next pass counts
         its chunks from 0 (see the module). Under capture the current stream then waits for
-        the transport's streams, which the graph must join."""
+        the transport's streams, which the graph must join. Once a pass was captured, an
+        eager pass also orders the current stream after its receives' uses without data: a
+        slot's READY flag holds its first use's mark until then, which a replay, running on
+        other streams than the transport's, would take for its own first chunk."""
         capturing = torch.cuda.is_current_stream_capturing()
+        self.captured |= capturing
         for direction, (send_stream, recv_stream) in enumerate(self.streams):
             for stream, count, chunk in ((send_stream, self.sent, self._send_chunk),
                                          (recv_stream, self.received, self._receive_chunk)):
@@ -224,7 +229,7 @@ class PeerTransport:
                 for slot in odd_slots(count[direction]):
                     chunk(stream.cuda_stream, direction, slot, MARKS[1])  # an odd use of the slot
                 count[direction] = 0
-                if capturing:
+                if capturing or (self.captured and stream is recv_stream):
                     torch.cuda.current_stream(self.device).wait_stream(stream)
         if capturing:
             self.sending_captured.clear()
