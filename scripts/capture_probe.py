@@ -3,9 +3,8 @@ cuDNN hop's forward and backward, and a ``ring_flex_attention`` fwd+bwd (causal,
 documents, 8192 tokens in all), each replayed, compared with eager calls and timed.
 
     python scripts/capture_probe.py                             # one GPU, one rank
-    torchrun --nproc_per_node=2 scripts/capture_probe.py        # a ring of two ranks (gloo for the
-                                                                # argument check; they share GPU 0
-                                                                # where there is only one)
+    torchrun --nproc_per_node=2 scripts/capture_probe.py        # a ring of two ranks (they share
+                                                                # GPU 0 where there is only one)
 """
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import ringflex
+import ranks
 from bench import make_mods  # scripts/ is on sys.path
 from ringflex import mods
 from ringflex.kernels import cudnn
@@ -119,8 +119,7 @@ def ring_call(mask_mod, seq_len: int, dev, group=None) -> str:
 def main():
     group = None
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        dist.init_process_group("gloo")
+        ranks.init()
         group = dist.group.WORLD
     dev = torch.device("cuda", torch.cuda.current_device())
     documents = make_mods("documents", 8192, dev, 0, 1024, seed=1)[1]

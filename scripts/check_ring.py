@@ -1,7 +1,7 @@
 """Checks the ring against one device computing the whole sequence, for the whole test matrix.
 
     torchrun --nproc_per_node=2 scripts/check_ring.py --device cuda --backend cudnn   # GPUs, NCCL
-                                          # (fewer GPUs than ranks: they share them, over gloo)
+                                          # (fewer GPUs than ranks: they share them, scripts/ranks.py)
     torchrun --nproc_per_node=3 scripts/check_ring.py --device cpu --local-len 16     # CPU, gloo
     torchrun --nproc_per_node=2 scripts/check_ring.py --lse-grad    # a loss that reads the LSE too
 
@@ -10,7 +10,6 @@ in fp32 on the unsharded sequence; rank 0 prints one line per case and layout, a
 script exits non-zero if any error exceeds the tolerance.
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from ringflex.parallel import peer
 from ringflex.plan import Segment
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import ranks  # noqa: E402
 from cases import cases, make_inputs  # noqa: E402
 from oracle import attention  # noqa: E402
 
@@ -62,10 +62,7 @@ def main():
     p.add_argument("--tolerance", type=float, default=None, help="max relative error (default: 3e-2 bf16, 1e-4 fp32)")
     p.add_argument("--lse-grad", action="store_true", help="the loss reads the LSE too (its gradient flows back)")
     args = p.parse_args()
-    shared = args.device == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
-    if args.device == "cuda":  # NCCL refuses ranks that share a GPU; the copy engines carry their ring
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    dist.init_process_group("nccl" if args.device == "cuda" and not shared else "gloo")
+    ranks.init(args.device)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     tolerance = args.tolerance or (3e-2 if dtype == torch.bfloat16 else 1e-4)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 import ringflex
+import ranks
 from bench import make_mods  # scripts/ is on sys.path when this runs as a script
 from ringflex import api, plan, trace, validate
 from ringflex.kernels import cudnn
@@ -67,9 +67,7 @@ def main():
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="untimed calls first (new_documents: each with new documents)")
     args = p.parse_args()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl")
-    device, world = torch.device("cuda", torch.cuda.current_device()), dist.get_world_size()
+    device, world = ranks.init(), dist.get_world_size()
     for owner, name, label in PHASES:
         _timed(owner, name, label)
     for case in args.cases:
