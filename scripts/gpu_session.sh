@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md, one stage per argument; logs go to $OUT (or ./out).
-#   bash scripts/gpu_session.sh kernel1 merge1 plans1 shapes1 ragged1 newdocs1 lse1 learnable1 flex1 capture1 transport1   # on 1 GPU
+#   bash scripts/gpu_session.sh kernel1 merge1 plans1 shapes1 ragged1 newdocs1 lse1 learnable1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash scripts/gpu_session.sh check2 check2flex check2lse transport2 graph2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash scripts/gpu_session.sh check4 bench4              # on 4 GPUs
 #   bash scripts/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
@@ -30,6 +30,7 @@ for stage in "$@"; do
               run capture python3 -m pytest -q tests/gpu/test_capture.py ;;  # one- and two-rank calls replay to their values
     transport1) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py  # two ranks share one GPU
                 run check tr 2 scripts/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;  # the ring over it
+    exchange1) run exchange tr 2 scripts/exchange_cost.py ;;  # host time of one copy-engine exchange (ranks share the GPU)
     graph1) run graph1 tr 1 scripts/bench.py --seq-lens 8192 16384 --masks causal documents --graph --no-cp \
               --iters 5 --warmup 2 --singles sdpa-cudnn ringflex-1gpu ;;  # one rank: eager vs graphs
     graph2) run graph2 tr 2 scripts/bench.py --seq-lens 16384 32768 --masks none causal window documents --graph \

@@ -1,4 +1,6 @@
 """The copy-engine transport's bookkeeping, on CPU (tests/gpu/test_peer_transport.py moves bytes)."""
+import ctypes
+
 import pytest
 import torch
 
@@ -47,6 +49,9 @@ class _Flags:
     def wait(self, stream: int, address: int, mark: int) -> None:
         assert self.values.get(address, peer.MARKS[1]) & mark, (address, mark)  # as the driver's AND wait
 
+    def copy(self, stream: int, destination: int, source: int, nbytes: int) -> None:
+        ctypes.memmove(destination, source, nbytes)  # the mailboxes are CPU tensors here
+
 
 def _ranks(world_size: int):
     """One PeerTransport per simulated rank, their mailboxes plain CPU tensors they share."""
@@ -60,7 +65,7 @@ def _ranks(world_size: int):
         t.to = [(r + 1) % world_size, (r - 1) % world_size]
         t.source = [t.to[1], t.to[0]]
         t.peer_mailbox = {p: mailboxes[p] for p in t.to}
-        t.flag_base = {p: p << 32 for p in range(world_size)}
+        t.base = {p: mailboxes[p].data_ptr() for p in range(world_size)}
         t.sent, t.received = [0, 0], [0, 0]
         ranks.append(t)
     return ranks

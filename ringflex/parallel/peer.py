@@ -91,7 +91,10 @@ def odd_slots(chunks: int) -> List[int]:
 
 
 class _Driver:
-    """The two CUDA driver calls torch does not expose: write / await a 32-bit flag on a stream."""
+    """The CUDA driver calls the transport makes on its streams: write / await a 32-bit flag
+    (which torch does not expose), and copy between addresses (7 us of host time per chunk on
+    an H100's host, against 23 for torch's ``copy_`` between slices of byte views, and no
+    stream context to enter: 14 us each)."""
 
     _AND = 0x2  # CU_STREAM_WAIT_VALUE_AND: until (flag & value) != 0
 
@@ -99,6 +102,9 @@ class _Driver:
         lib = ctypes.CDLL("libcuda.so.1")
         self._wait = self._function(lib, "cuStreamWaitValue32")
         self._write = self._function(lib, "cuStreamWriteValue32")
+        self._copy = lib.cuMemcpyAsync
+        self._copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self._copy.restype = ctypes.c_int
 
     @staticmethod
     def _function(lib, name: str):
@@ -114,6 +120,10 @@ class _Driver:
     def wait(self, stream: int, address: int, mark: int) -> None:
         """On ``stream``: wait until the flag at ``address`` has a bit of ``mark`` set."""
         self._check(self._wait(stream, address, mark, self._AND), "cuStreamWaitValue32")
+
+    def copy(self, stream: int, destination: int, source: int, nbytes: int) -> None:
+        """On ``stream``: copy ``nbytes`` from address ``source`` to ``destination``."""
+        self._check(self._copy(destination, source, nbytes, stream), "cuMemcpyAsync")
 
     @staticmethod
     def _check(status: int, name: str) -> None:
@@ -144,7 +154,7 @@ class PeerTransport:
             self._handle = symm_mem.rendezvous(self.mailbox, group.group_name)  # keeps the peers' mailboxes mapped
             self.peer_mailbox = {r: self._handle.get_buffer(r, (total,), torch.uint8) for r in set(self.to)}
         _gather(group, None)  # no rank raises a flag in a mailbox before its owner has cleared them
-        self.flag_base = {r: mailbox.data_ptr() for r, mailbox in (*self.peer_mailbox.items(), (rank, self.mailbox))}
+        self.base = {r: mailbox.data_ptr() for r, mailbox in (*self.peer_mailbox.items(), (rank, self.mailbox))}
         self.rank = rank
         self.streams = [(torch.cuda.Stream(device), torch.cuda.Stream(device)) for _ in range(2)]  # (send, recv)
         self.sent, self.received = [0, 0], [0, 0]  # chunks of the pass, per direction
@@ -157,12 +167,12 @@ class PeerTransport:
         self.mailbox[:_FLAGS_BYTES].view(torch.int32).fill_(MARKS[1])  # as after an odd use
         torch.cuda.synchronize(self.device)
 
-    def _slot(self, mailbox: Tensor, direction: int, slot: int) -> Tensor:
-        start = _FLAGS_BYTES + (direction * SLOTS + slot) * SLOT_BYTES
-        return mailbox[start:start + SLOT_BYTES]
+    def _slot(self, owner: int, direction: int, slot: int) -> int:
+        """The address of a slot of ``owner``'s mailbox."""
+        return self.base[owner] + _FLAGS_BYTES + (direction * SLOTS + slot) * SLOT_BYTES
 
     def _flag(self, owner: int, kind: int, direction: int, slot: int) -> int:
-        return self.flag_base[owner] + 4 * ((kind * 2 + direction) * SLOTS + slot)
+        return self.base[owner] + 4 * ((kind * 2 + direction) * SLOTS + slot)
 
     def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], reverse: bool = False):
         """Sends ``send`` to the next rank (previous if ``reverse``) while ``recv`` is filled from
@@ -176,18 +186,16 @@ class PeerTransport:
         sending = self._sending()
         queued = torch.cuda.current_stream(self.device).record_event()
         send_stream, recv_stream = self.streams[direction]
-        with torch.cuda.stream(recv_stream):
-            recv_stream.wait_event(queued)
-            for event in self._still_sending(sending, recv):
-                recv_stream.wait_event(event)
-            for t in recv:
-                self._receive(recv_stream.cuda_stream, direction, _bytes(t))
-            received = recv_stream.record_event()
-        with torch.cuda.stream(send_stream):
-            send_stream.wait_event(queued)
-            for t in send:
-                self._send(send_stream.cuda_stream, direction, _bytes(t))
-            sent = send_stream.record_event()
+        recv_stream.wait_event(queued)
+        for event in self._still_sending(sending, recv):
+            recv_stream.wait_event(event)
+        for t in recv:
+            self._receive(recv_stream.cuda_stream, direction, t)
+        received = recv_stream.record_event()
+        send_stream.wait_event(queued)
+        for t in send:
+            self._send(send_stream.cuda_stream, direction, t)
+        sent = send_stream.record_event()
         for t in send:
             t.record_stream(send_stream)  # its memory is not reused before the send has read it
             sending[_storage(t)] = sent
@@ -235,29 +243,34 @@ class PeerTransport:
             self.sending_captured.clear()
 
     def _send(self, stream: int, direction: int, data: Tensor) -> None:
-        for start, end in chunks(data.numel()):
-            self._send_chunk(stream, direction, *slot_of(self.sent[direction]), data[start:end])
+        address = data.data_ptr()
+        for start, end in chunks(data.numel() * data.element_size()):
+            self._send_chunk(stream, direction, *slot_of(self.sent[direction]), address + start, end - start)
             self.sent[direction] += 1
 
     def _receive(self, stream: int, direction: int, data: Tensor) -> None:
-        for start, end in chunks(data.numel()):
-            self._receive_chunk(stream, direction, *slot_of(self.received[direction]), data[start:end])
+        address = data.data_ptr()
+        for start, end in chunks(data.numel() * data.element_size()):
+            self._receive_chunk(stream, direction, *slot_of(self.received[direction]), address + start, end - start)
             self.received[direction] += 1
 
-    def _send_chunk(self, stream: int, direction: int, slot: int, mark: int, data: Optional[Tensor] = None) -> None:
+    def _send_chunk(self, stream: int, direction: int, slot: int, mark: int, source: int = 0, nbytes: int = 0) -> None:
         """Waits until the receiver has copied out the slot's previous use, fills it with
-        ``data`` (None: a use without data) and raises READY at the receiver."""
+        ``nbytes`` from address ``source`` (none: a use without data) and raises READY at the
+        receiver."""
         to = self.to[direction]
         self.driver.wait(stream, self._flag(self.rank, _FREE, direction, slot), other(mark))
-        if data is not None:
-            self._slot(self.peer_mailbox[to], direction, slot)[:data.numel()].copy_(data)
+        if nbytes:
+            self.driver.copy(stream, self._slot(to, direction, slot), source, nbytes)
         self.driver.write(stream, self._flag(to, _READY, direction, slot), mark)
 
-    def _receive_chunk(self, stream: int, direction: int, slot: int, mark: int, data: Optional[Tensor] = None) -> None:
-        """Waits for READY, copies the slot out into ``data`` (if any) and raises FREE at the sender."""
+    def _receive_chunk(self, stream: int, direction: int, slot: int, mark: int, destination: int = 0,
+                       nbytes: int = 0) -> None:
+        """Waits for READY, copies ``nbytes`` of the slot out to address ``destination`` (if any)
+        and raises FREE at the sender."""
         self.driver.wait(stream, self._flag(self.rank, _READY, direction, slot), mark)
-        if data is not None:
-            data.copy_(self._slot(self.mailbox, direction, slot)[:data.numel()])
+        if nbytes:
+            self.driver.copy(stream, destination, self._slot(self.rank, direction, slot), nbytes)
         self.driver.write(stream, self._flag(self.source[direction], _FREE, direction, slot), mark)
 
     def release(self) -> None:
@@ -284,10 +297,6 @@ def release(group) -> None:
     transport = _TRANSPORTS.get(group)
     if transport is not None:
         transport.release()
-
-
-def _bytes(t: Tensor) -> Tensor:
-    return t.reshape(-1).view(torch.uint8)
 
 
 def _storage(t: Tensor) -> int:
