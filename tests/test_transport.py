@@ -83,9 +83,9 @@ def _exchange_all(ranks, reverse: bool, sizes, g):
     for t, recv in zip(ranks, recvs):
         for data in recv:
             t._receive(0, direction, data)
-    world_size = len(ranks)
-    return [all(torch.equal(got, sent) for got, sent in zip(recv, sends[(r + 1) % world_size if reverse else (r - 1) % world_size]))
-            for r, recv in enumerate(recvs)]
+    sources = [(r + (1 if reverse else -1)) % len(ranks) for r in range(len(ranks))]
+    return [all(torch.equal(got, sent) for got, sent in zip(recv, sends[source]))
+            for recv, source in zip(recvs, sources)]
 
 
 def _end_pass(ranks) -> None:
