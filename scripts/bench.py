@@ -297,7 +297,9 @@ def parse_args(argv=None):
                    help="time the ring in each of these layouts (one row each)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--graph", action="store_true",
-                   help="also time each layout captured in CUDA graphs (make_graphed_callables; GPUs only)")
+                   help="also time each layout captured in CUDA graphs (make_graphed_callables; GPUs only). "
+                        "Once a pass was captured, eager passes end after the neighbour's end (peer.end_pass): "
+                        "compare eager rows with a run without --graph too")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed calls before each round of an implementation (the memory cache is emptied between "
