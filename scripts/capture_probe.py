@@ -123,9 +123,9 @@ def main():
         group = dist.group.WORLD
     dev = torch.device("cuda", torch.cuda.current_device())
     documents = make_mods("documents", 8192, dev, 0, 1024, seed=1)[1]
-    ranks = f"{dist.get_world_size(group)}-rank" if group is not None else "one-rank"
-    probes = {f"{ranks} ring call, causal, 8192 tokens": lambda: ring_call(mods.causal, 8192, dev, group),
-              f"{ranks} ring call, packed documents, 8192 tokens": lambda: ring_call(documents, 8192, dev, group)}
+    world = f"{dist.get_world_size(group)}-rank" if group is not None else "one-rank"
+    probes = {f"{world} ring call, causal, 8192 tokens": lambda: ring_call(mods.causal, 8192, dev, group),
+              f"{world} ring call, packed documents, 8192 tokens": lambda: ring_call(documents, 8192, dev, group)}
     if group is None:
         probes = {"stream memory operations": lambda: stream_memops(dev),
                   "cuDNN hop, causal, 4096 tokens": lambda: hop(mods.causal, 4096, dev),
