@@ -70,9 +70,15 @@ def run_world(world_size: int, fn, *args, timeout: float = 240.0, allow_errors: 
     return [out[r] for r in range(world_size)]
 
 
+def gpu_backend(world_size: int) -> str:
+    """The backend of a world of GPU ranks: NCCL where each rank has a GPU of its own, else
+    gloo (NCCL refuses ranks that share a GPU; ``on_a_gpu``)."""
+    return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+
+
 def on_a_gpu(rank: int) -> torch.device:
-    """Sets and returns rank r's GPU in a gloo world: GPU r, or with fewer GPUs than ranks one
-    they share (the copy-engine transport then keeps its mailboxes in that GPU's memory)."""
+    """Sets and returns rank r's GPU: GPU r, or with fewer GPUs than ranks one they share (in
+    a gloo world, ``gpu_backend``; the copy-engine transport then maps mailboxes by CUDA IPC)."""
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import make_mods  # noqa: E402
 from capture_probe import capture_ring_call  # noqa: E402
-from harness import on_a_gpu, run_world  # noqa: E402
+from harness import gpu_backend, on_a_gpu, run_world  # noqa: E402
 import ringflex  # noqa: E402
 from ringflex import mods  # noqa: E402
 from ringflex.parallel import comm, peer  # noqa: E402
@@ -78,7 +78,7 @@ def _two_rank_replays(rank, world_size, name):
 @needs_cuda
 @pytest.mark.parametrize("name", ["causal", "documents"])
 def test_a_two_rank_call_over_the_copy_engines_replays_to_its_eager_values(name):
-    run_world(2, _two_rank_replays, name, timeout=300)
+    run_world(2, _two_rank_replays, name, timeout=300, backend=gpu_backend(2))
 
 
 def _graphed_callable(rank, world_size):
@@ -104,7 +104,7 @@ def _graphed_callable(rank, world_size):
 
 @needs_cuda
 def test_torch_make_graphed_callables_captures_a_two_rank_call():
-    run_world(2, _graphed_callable, timeout=300)
+    run_world(2, _graphed_callable, timeout=300, backend=gpu_backend(2))
 
 
 class _CausalLayer(torch.nn.Module):
@@ -140,7 +140,7 @@ def _graphed_module(rank, world_size):
 
 @needs_cuda
 def test_a_wrapped_model_over_two_ranks_captures_whole():
-    run_world(2, _graphed_module, timeout=300)
+    run_world(2, _graphed_module, timeout=300, backend=gpu_backend(2))
 
 
 @needs_cuda

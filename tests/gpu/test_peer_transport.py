@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness import on_a_gpu, run_world  # noqa: E402
+from harness import gpu_backend, on_a_gpu, run_world  # noqa: E402
 from ringflex import ring_flex_attention
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.parallel import peer
@@ -54,7 +54,7 @@ def _exchanges(rank, world_size):
 
 
 def test_every_byte_arrives_in_both_directions():
-    assert run_world(2, _exchanges) == [[], []]
+    assert run_world(2, _exchanges, backend=gpu_backend(2)) == [[], []]
 
 
 def _arrival_before_send(rank, world_size):
@@ -162,7 +162,7 @@ def _faults(rank, world_size):
 
 
 def test_a_failing_rank_releases_the_copy_engine_waits():
-    per_rank = run_world(2, _faults, timeout=180)
+    per_rank = run_world(2, _faults, timeout=180, backend=gpu_backend(2))
     for phase in ("forward", "backward"):
         assert per_rank[1][phase] == "RuntimeError: injected fault"
         assert per_rank[1][phase + ", called again"].startswith(
