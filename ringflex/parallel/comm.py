@@ -55,26 +55,29 @@ class RingComm:
         It runs beside the compute launched meanwhile (NCCL and the copy engines use their own
         streams).
         """
-        if send[0].is_cuda:
-            transport = peer.transport(self.group, send[0].device)
-            if transport is not None:
-                return transport.exchange(send, recv, reverse)
+        transport = self._copy_engines(send[0].device)
+        if transport is not None:
+            return transport.exchange(send, recv, reverse)
         to, source = (self.prev, self.next) if reverse else (self.next, self.prev)
         ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send if t.numel()]
         ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv if t.numel()]
         return _Pending(dist.batch_isend_irecv(ops) if ops else [])
 
+    def _copy_engines(self, device) -> Optional[peer.PeerTransport]:
+        """The copy-engine transport where it carries this ring's transfers on ``device``, else None."""
+        return peer.transport(self.group, device) if device.type == "cuda" else None
+
     def join_sends(self, device) -> None:
         """Orders the current stream after every send issued so far: ``wait()`` orders it after
         the receive alone over the copy engines (the process group's P2P waits for both)."""
-        transport = peer.transport(self.group, device) if device.type == "cuda" else None
+        transport = self._copy_engines(device)
         if transport is not None:
             transport.join_sends()
 
     def end_pass(self, device) -> None:
         """Ends a pass of the ring (a forward or a backward): the copy-engine transport leaves
         its flags as the pass found them, so that a CUDA graph can replay the pass (``peer``)."""
-        transport = peer.transport(self.group, device) if device.type == "cuda" else None
+        transport = self._copy_engines(device)
         if transport is not None:
             transport.end_pass()
 

@@ -9,9 +9,10 @@ the copy engines, 0.55 ms through NCCL.
 Each rank owns a mailbox in symmetric memory (``torch.distributed._symmetric_memory``; where
 ranks share a GPU, which it refuses, one mapped by CUDA IPC): for each direction of the
 ring, ``SLOTS`` slots of ``SLOT_BYTES`` and their flags. A transfer moves in chunks of at
-most a slot, copied by the driver's ``cuMemcpyAsync``. The sender waits until the slot is FREE, copies the chunk
-into the receiver's mailbox and raises the slot's READY flag there; the receiver waits for
-READY, copies the chunk out into its own tensor and raises FREE at the sender. Flags are
+most a slot, copied by the driver's ``cuMemcpyAsync``. The sender waits until the slot is
+FREE, copies the chunk into the receiver's mailbox and raises the slot's READY flag there;
+the receiver waits for READY, copies the chunk out into its own tensor and raises FREE at
+the sender. Flags are
 written and awaited by CUDA stream memory operations (the driver's cuStreamWriteValue32 and
 cuStreamWaitValue32), so no host thread and no SM takes part, and a rank waits only on
 flags in its own memory. Every rank makes the same transfers in the same order, so both
@@ -146,15 +147,15 @@ class PeerTransport:
         total = _FLAGS_BYTES + 2 * SLOTS * SLOT_BYTES
         if shared_gpu:
             self.mailbox = torch.empty(total, dtype=torch.uint8, device=device)
-            self._clear_flags()
             self.peer_mailbox = _ipc_mailboxes(group, self.mailbox, set(self.to))
         else:
             import torch.distributed._symmetric_memory as symm_mem
             self.mailbox = symm_mem.empty(total, dtype=torch.uint8, device=device)
-            self._clear_flags()
             self._handle = symm_mem.rendezvous(self.mailbox, group.group_name)  # keeps the peers' mailboxes mapped
             self.peer_mailbox = {r: self._handle.get_buffer(r, (total,), torch.uint8) for r in set(self.to)}
-        _gather(group, None)  # no rank raises a flag in a mailbox before its owner has cleared them
+        self.mailbox[:_FLAGS_BYTES].view(torch.int32).fill_(MARKS[1])  # as after an odd use
+        torch.cuda.synchronize(device)
+        _gather(group, None)  # no rank raises a flag in a mailbox before its owner has set them
         self.base = {r: mailbox.data_ptr() for r, mailbox in (*self.peer_mailbox.items(), (rank, self.mailbox))}
         self.rank = rank
         self.streams = [(torch.cuda.Stream(device), torch.cuda.Stream(device)) for _ in range(2)]  # (send, recv)
@@ -163,10 +164,6 @@ class PeerTransport:
         # of the pass being captured (its events mean nothing outside the graph)
         self.sending, self.sending_captured = {}, {}
         self.captured = False  # whether a pass was captured in a CUDA graph (see ``end_pass``)
-
-    def _clear_flags(self) -> None:
-        self.mailbox[:_FLAGS_BYTES].view(torch.int32).fill_(MARKS[1])  # as after an odd use
-        torch.cuda.synchronize(self.device)
 
     def _slot(self, owner: int, direction: int, slot: int) -> int:
         """The address of a slot of ``owner``'s mailbox."""
