@@ -1,5 +1,5 @@
 """Per query row of a block, which keys its mask shows it: what the cuDNN kernel's exact plan
-(``kernels.cudnn.exact_runs``) is made from.
+(``kernels.cudnn.blocks.exact_runs``) is made from.
 
 Evaluating a mask on every pair of a block takes a pass over rows x keys per op: on an H100,
 2 ms for an 8192 x 8192 block, and 26 ms per ring call over 64k tokens of packed documents

@@ -17,7 +17,8 @@ import torch
 import bench  # scripts/ is on sys.path when this runs as a script
 from ringflex import mods
 from ringflex.kernels.base import Mods
-from ringflex.kernels.cudnn import CudnnKernel, _Run
+from ringflex.kernels.cudnn import CudnnKernel
+from ringflex.kernels.cudnn.blocks import Run
 from ringflex.plan import Segment, evaluate_mask
 
 
@@ -83,7 +84,7 @@ def main() -> None:
     q_seg, kv_seg = Segment(2 * n, 1, n), Segment(n, 1, 2 * n)
     probe("document begun earlier, one band", late, q_seg, kv_seg)
     probe("same, full keys + causal band", late, q_seg, kv_seg,
-          [_Run((0, n), (904, n)), _Run((0, n), (n, 2 * n), band=(None, 0))])
+          [Run((0, n), (904, n)), Run((0, n), (n, 2 * n), band=(None, 0))])
     probe("causal 16k", mods.causal, Segment(0, 1, 4 * n), Segment(0, 1, 4 * n))
     probe("window 16k", window, Segment(0, 1, 4 * n), Segment(0, 1, 4 * n))
 

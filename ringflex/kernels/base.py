@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence, Tuple
 
+import torch
 from torch import Tensor
 
 from ..plan import Segment
@@ -73,7 +74,7 @@ class HopKernel(Protocol):
         which would only add calls and merges, and the ring merges and sums only its rows."""
         ...
 
-    def grad_dtype(self, dtype) -> "torch.dtype":
+    def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype of the dk/dv ``backward`` returns for inputs of ``dtype``. A ring's first
         partial dK/dV sum (one rank's share) travels in it: no wider than needed, never rounded."""
         ...

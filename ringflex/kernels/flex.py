@@ -2,7 +2,7 @@
 what cuDNN cannot run on a GPU.
 
 cuDNN's graphs take mods built from a fixed set of ops on positions and tables indexed by
-one position (``cudnn.py``). A mod that gathers from a table indexed by a difference of
+one position (``kernels.cudnn``). A mod that gathers from a table indexed by a difference of
 positions (a relative-position bias), a tensor that requires grad (a learnable bias),
 fp32 inputs: these run here, as Triton kernels that ``torch.compile`` generates from the
 mod itself, instead of on the reference kernel (14 to 24x slower for a relative-position
@@ -131,6 +131,8 @@ def _global_index(seg: Segment, device) -> Callable[[Tensor], Tensor]:
 
 
 def _score_mod(mods: Mods, q_seg: Segment, kv_seg: Segment, device):
+    """The user's score_mod at the hop's global positions. flex_attention tells a score_mod
+    from a mask_mod by its number of parameters, so each gets a closure of its own signature."""
     q_pos, kv_pos = _global_index(q_seg, device), _global_index(kv_seg, device)
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -140,6 +142,7 @@ def _score_mod(mods: Mods, q_seg: Segment, kv_seg: Segment, device):
 
 
 def _mask_mod(mods: Mods, q_seg: Segment, kv_seg: Segment, device):
+    """The user's mask_mod at the hop's global positions (see ``_score_mod``)."""
     q_pos, kv_pos = _global_index(q_seg, device), _global_index(kv_seg, device)
 
     def mask_mod(b, h, q_idx, kv_idx):

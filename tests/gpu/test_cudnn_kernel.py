@@ -15,7 +15,9 @@ from oracle import visible_extent  # noqa: E402
 from test_trace import EXTRA_SCORE_MODS  # noqa: E402
 from ringflex import mods
 from ringflex.kernels.base import Mods
-from ringflex.kernels.cudnn import CudnnKernel, _Run, _program, band_runs, cudnn_unavailable_reason, exact_runs, split_runs
+from ringflex.kernels.cudnn import CudnnKernel, cudnn_unavailable_reason
+from ringflex.kernels.cudnn.blocks import Run, band_runs, exact_runs, split_runs
+from ringflex.kernels.cudnn.lowering import traced
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.plan import Segment, evaluate_mask
 from ringflex.trace import diagonal_band, trace_mask_mod
@@ -139,7 +141,7 @@ def test_bands_split_off_the_diagonal_match_reference(mask_mod, q_seg, kv_seg):
     make = lambda n: torch.randn(1, 4, n, 64, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
     q, k, v, dout = make(q_seg.length), make(kv_seg.length), make(kv_seg.length), make(q_seg.length)
     m, kernel, ref = Mods(None, mask_mod), CudnnKernel(), ReferenceKernel()
-    assert len(kernel._runs(_program(m, True, "cuda"), m, q, k, q_seg, kv_seg)) == 2
+    assert len(kernel._runs(traced(m, True, "cuda"), m, q, k, q_seg, kv_seg)) == 2
     want_out, want_lse = ref.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
     out, lse = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
     assert _err(out, want_out) < 2e-2 and (lse - want_lse).abs()[want_lse.isfinite()].max() < 2e-2
@@ -232,10 +234,10 @@ def test_graphs_are_reused_across_offsets():
     q, k, v, _ = _case_inputs(case, torch.bfloat16)
     m = Mods(case.score_mod, case.mask_mod)
     kernel.forward(q, k, v, Segment(0, 1, L), Segment(0, 1, L), m, 0.125, True)
-    built = len(module._GRAPHS)
+    built = len(module.graphs._GRAPHS)
     for start in (L, 3 * L, 17):
         kernel.forward(q, k, v, Segment(start, 1, L), Segment(0, 1, L), m, 0.125, True)
-    assert len(module._GRAPHS) == built
+    assert len(module.graphs._GRAPHS) == built
 
 
 def _check_cut_hops(dev: str, dtype: torch.dtype) -> None:
@@ -253,7 +255,7 @@ def _check_cut_hops(dev: str, dtype: torch.dtype) -> None:
     make = lambda *shape: torch.randn(*shape, device=dev, generator=g).to(dtype)  # noqa: E731
     q_block, dout_block, k_block, v_block = (make(1, 4, n, 64) for _ in range(4))  # this rank's; the previous one's
     out_block, lse_block = make(1, 4, n, 64), make(1, 4, n).float()
-    kernel, ref, graphs, earlier = CudnnKernel(), ReferenceKernel(), [], set(module._GRAPHS)
+    kernel, ref, graphs, earlier = CudnnKernel(), ReferenceKernel(), [], set(module.graphs._GRAPHS)
     for before, after in ((300, 200), (280, 220), (310, 190)):  # the document's rows on either side
         m = Mods(None, mods.document(mods.document_ids([n - before, before + after, n - after], device=dev)))
         lo, hi = widened((n - before, n), n)
@@ -268,7 +270,7 @@ def _check_cut_hops(dev: str, dtype: torch.dtype) -> None:
         grads = kernel.backward(q, k, v, out, lse, dout, q_seg, kv_seg, m, 0.125, True)
         for got, want in zip(grads, ref.backward(q, k, v, out, lse, dout, q_seg, kv_seg, m, 0.125, True)):
             assert _err(got, want) < 2e-2
-        graphs.append(set(module._GRAPHS))
+        graphs.append(set(module.graphs._GRAPHS))
     assert graphs[0] == graphs[1] == graphs[2]
     assert len(graphs[0] - earlier) == 2 and all(key[6] is not None for key in graphs[0] - earlier)  # ragged, fwd and bwd
 
@@ -363,11 +365,11 @@ def test_a_window_over_two_blocks_runs_as_two_one_sided_bands():
     of keys) as two calls whose right bound is the diagonal or absent."""
     window = diagonal_band(trace_mask_mod(mods.sliding_window(4096)))
     runs = band_runs(window, Segment(8192, 1, 4096), Segment(4096, 1, 8192))
-    assert runs == [_Run((0, 4096), (1, 4097), band=(1, None)), _Run((1, 4096), (4097, 8192), band=(None, 0))]
+    assert runs == [Run((0, 4096), (1, 4097), band=(1, None)), Run((1, 4096), (4097, 8192), band=(None, 0))]
     whole = band_runs(window, Segment(0, 1, 16384), Segment(0, 1, 16384))  # the diagonal: one call
-    assert whole == [_Run((0, 16384), (0, 16384), band=(4096, 0))]
+    assert whole == [Run((0, 16384), (0, 16384), band=(4096, 0))]
     longer = band_runs(window, Segment(16384, 1, 8192), Segment(8192, 1, 16384))  # blocks longer than the window
-    assert longer == [_Run((0, 4096), (4097, 8193), band=(1, None)), _Run((1, 8192), (8193, 16384), band=(4096, 0))]
+    assert longer == [Run((0, 4096), (4097, 8193), band=(1, None)), Run((1, 8192), (8193, 16384), band=(4096, 0))]
 
 
 def _coverage(runs, shape):
@@ -635,8 +637,8 @@ class _FakeCudnn:
 def _emulated(monkeypatch):
     from ringflex.kernels import cudnn as module
 
-    monkeypatch.setattr(module, "_cudnn", lambda: _FakeCudnn)
-    monkeypatch.setattr(module, "_handle", lambda device: None)
+    monkeypatch.setattr(module.frontend, "cudnn", lambda: _FakeCudnn)
+    monkeypatch.setattr(module.frontend, "handle", lambda device: None)
     module.clear_cache()
     return module
 
@@ -709,13 +711,13 @@ def test_backward_converts_lse_only_where_a_row_may_see_no_key_emulated(mods_, c
 def _count_calls(module, monkeypatch, q, k, v, dout, q_seg, kv_seg) -> Tuple[int, int]:
     """cuDNN calls of the forward and of the backward of one block."""
     calls = []
-    real = module._Graph.execute
-    monkeypatch.setattr(module._Graph, "execute", lambda self, *a: calls.append(1) or real(self, *a))
+    real = module.graphs.Graph.execute
+    monkeypatch.setattr(module.graphs.Graph, "execute", lambda self, *a: calls.append(1) or real(self, *a))
     m = Mods(None, PACKED.mask_mod)
     out, lse = module.CudnnKernel().forward(q, k, v, q_seg, kv_seg, m, 0.25, True)
     forward_calls = len(calls)
     module.CudnnKernel().backward(q, k, v, out, lse, dout, q_seg, kv_seg, m, 0.25, True)
-    monkeypatch.setattr(module._Graph, "execute", real)
+    monkeypatch.setattr(module.graphs.Graph, "execute", real)
     return forward_calls, len(calls) - forward_calls
 
 
@@ -740,14 +742,14 @@ def test_packed_batches_of_any_size_share_graphs_emulated(monkeypatch):
     for lengths in ((96, 96, 64), (128, 64, 32, 32)):  # the longest document in one bucket (128)
         case = Case(mask_mod=mods.document(mods.document_ids(list(lengths) + [SEQ - L])), q_heads=4, kv_heads=4)
         _check_emulated(case, {"diagonal": (seg, seg)}, depths=(2,), batch=1)
-        graphs.append(set(module._GRAPHS))
+        graphs.append(set(module.graphs._GRAPHS))
     assert graphs[0] == graphs[1] and len(graphs[0]) == 2  # forward and backward
     module.clear_cache()
     graphs = []  # a document begun in the block of keys before: one run alone, of its length
     for first in (L + 70, L + 100):  # both in the bucket of 128 rows
         case = Case(mask_mod=mods.document(mods.document_ids([first, SEQ - first])), q_heads=4, kv_heads=4)
         _check_emulated(case, {"earlier": (Segment(L, 1, L), Segment(0, 1, L))}, depths=(2,), batch=1)
-        graphs.append(set(module._GRAPHS))
+        graphs.append(set(module.graphs._GRAPHS))
     assert graphs[0] == graphs[1] and len(graphs[0]) == 2
     module.clear_cache()
 
@@ -764,8 +766,8 @@ def test_ragged_batches_only_where_cudnn_computes_them_right_emulated(monkeypatc
     assert _count_calls(module, monkeypatch, q, k[:, :2], v[:, :2], dout, q_seg, kv_seg) == (1, 2)
     bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout)]
     seen = []
-    real = module._Batch.inputs
-    monkeypatch.setattr(module._Batch, "inputs", lambda self, tensors: seen.append(tensors) or real(self, tensors))
+    real = module.batches.Batch.inputs
+    monkeypatch.setattr(module.batches.Batch, "inputs", lambda self, tensors: seen.append(tensors) or real(self, tensors))
     assert _count_calls(module, monkeypatch, *bshd, q_seg, kv_seg) == (1, 1)
     assert all(t.stride(2) == t.shape[3] for tensors in seen for t in tensors.values() if t.dim() == 4)
     m, results = Mods(None, PACKED.mask_mod), []
@@ -781,7 +783,7 @@ def test_ragged_batches_only_where_cudnn_computes_them_right_emulated(monkeypatc
 def test_full_graph_cache_says_so_once_emulated(monkeypatch):
     """More call shapes than the cache holds: graphs are rebuilt (slow), and the user is told once."""
     module = _emulated(monkeypatch)
-    monkeypatch.setattr(module, "_MAX_GRAPHS", 2)
+    monkeypatch.setattr(module.graphs, "_MAX_GRAPHS", 2)
     monkeypatch.setattr("ringflex.kernels._WARNED", set())
     kernel = module.CudnnKernel()
     with pytest.warns(UserWarning) as record:
@@ -791,7 +793,7 @@ def test_full_graph_cache_says_so_once_emulated(monkeypatch):
     assert [str(w.message) for w in record if "graph cache is full" in str(w.message)] == [
         "ringflex: the cuDNN graph cache is full (2 graphs): older graphs are dropped and rebuilt when needed "
         "again (0.1 to 1.5 s each); raise RINGFLEX_CUDNN_GRAPHS if this workload has that many call shapes"]
-    assert len(module._GRAPHS) == 2
+    assert len(module.graphs._GRAPHS) == 2
 
 
 def test_dropped_graphs_are_freed_emulated(monkeypatch):
@@ -810,9 +812,9 @@ def test_dropped_graphs_are_freed_emulated(monkeypatch):
         kernel = module.CudnnKernel()
         out, lse = kernel.forward(q, q, q, seg, seg, m, 1.0, True)
         kernel.backward(q, q, q, out, lse, torch.ones_like(out), seg, seg, m, 1.0, True)
-        graphs = [weakref.ref(g.graph) for g in module._GRAPHS.values()]
+        graphs = [weakref.ref(g.graph) for g in module.graphs._GRAPHS.values()]
         assert len(graphs) >= 2 and all(r() is not None for r in graphs)
-        module._GRAPHS.clear()
+        module.graphs._GRAPHS.clear()
         assert all(r() is None for r in graphs)
     finally:
         gc.enable()
@@ -826,10 +828,10 @@ def _ring_with_new_documents(rank, world_size, batches):
     from ringflex.kernels import cudnn as module
     from oracle import attention
 
-    module._cudnn, module._handle = (lambda: _FakeCudnn), (lambda device: None)
+    module.frontend.cudnn, module.frontend.handle = (lambda: _FakeCudnn), (lambda device: None)
     api.select_kernel = lambda *args, **kwargs: module.CudnnKernel()
-    built, build = [], module._build
-    module._build = lambda *args: built.append(args[0]) or build(*args)
+    built, build = [], module.graphs._build
+    module.graphs._build = lambda *args: built.append(args[0]) or build(*args)
     per_call, errors = [], []
     for lengths in batches:
         mask = mods.document(mods.document_ids(lengths))

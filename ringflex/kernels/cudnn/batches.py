@@ -1,0 +1,182 @@
+"""Runs of a block batched into one ragged cuDNN call (packed documents: one call per hop
+instead of one per document), and the padded memory that lets a few ragged graphs serve any
+documents."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .frontend import MAX_PLANS, TILE
+
+if TYPE_CHECKING:
+    from .blocks import Run
+
+# The row axis of each tensor of a call: its sequences' offsets follow the queries' or the keys' spans.
+RAGGED_AXIS = {**dict.fromkeys(("q", "out", "lse", "dout", "dq"), "q"), **dict.fromkeys(("k", "v", "dk", "dv"), "kv")}
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """What a ragged graph is built for: sequences, their longest rows and columns, and the
+    rows and columns in all, rounded up to powers of two, so that a few graphs serve every
+    layout of documents. On the query side both are the rows of the whole block the queries
+    are cut from (``query_rows``): every cut of one block shares them. The tensors' heads are
+    as many rows apart (``padded_empty``; keys: ``ring.widened``)."""
+
+    count: int
+    max_q: int
+    max_kv: int
+    total_q: int
+    total_kv: int
+
+
+class Batch:
+    """Runs of a block computed by one cuDNN call, as the sequences of a ragged batch: each
+    starts at its own offset into the block's tensors and has its own lengths (cuDNN's padding
+    mask). They share one native mask and no rows or columns, so every output and gradient row
+    has one writer. Packed documents: one call per hop instead of one per document. Its rows
+    and columns are merged as the spans they form (``row_spans``, ``col_spans``), not per run."""
+
+    def __init__(self, runs: Tuple[Run, ...]):
+        self.runs, self.band = runs, runs[0].band
+        self.spans = {"q": [r.rows for r in runs], "kv": [r.cols for r in runs]}
+        self.row_spans, self.col_spans = _joined(self.spans["q"]), _joined(self.spans["kv"])
+        self._int32s: Dict[tuple, Tensor] = {}
+
+    def inputs(self, tensors: Dict[str, Tensor]) -> Tuple[Ragged, Dict[str, Tensor]]:
+        """The ragged description over these tensors, and its int32 inputs: per tensor the
+        element offset of each sequence, and the sequences' lengths (made once per layout).
+        The batch is padded with empty sequences to a power of two, so that packed batches
+        with any number of documents share a few graphs (each new one takes 0.1 to 1.5 s)."""
+        q, k = tensors["q"], tensors["k"]
+        padding = power_of_two(len(self.runs)) - len(self.runs)
+        inputs = {f"seq_{axis}": self._values((axis, q.device), [e - b for b, e in spans] + [0] * padding)
+                  for axis, spans in self.spans.items()}
+        for name, t in tensors.items():
+            axis = RAGGED_AXIS.get(name)
+            if axis is not None:
+                step, spans = t.stride(2), self.spans[axis]
+                inputs[f"{name}_offsets"] = self._values(
+                    (axis, step, t.device), [b * step for b, _ in spans] + [spans[-1][1] * step] * (padding + 1))
+        longest_kv = max(e - b for b, e in self.spans["kv"])
+        q_rows = query_rows(q)
+        ragged = Ragged(len(self.runs) + padding, q_rows, _bucket(longest_kv, k.shape[2]), q_rows,
+                         power_of_two(k.shape[2]))
+        return ragged, inputs
+
+    def _values(self, key: tuple, values: List[int]) -> Tensor:
+        if key not in self._int32s:
+            self._int32s[key] = torch.tensor(values, dtype=torch.int32).view(-1, 1, 1, 1).to(key[-1])
+        return self._int32s[key]
+
+
+def empty_for(calls, rows: Optional[int] = None) -> Callable:
+    """How a block's results are allocated: where a ragged batch writes them, with heads
+    ``rows`` (else a power of two) rows apart (see ``padded_empty``)."""
+    if any(isinstance(c, Batch) for c in calls):
+        return functools.partial(padded_empty, rows=rows)
+    return torch.empty
+
+
+def query_rows(q: Tensor) -> int:
+    """The query rows a ragged graph is built for: those of the block ``q``'s rows are cut
+    from (its head stride in rows; ``q`` itself if it has none), rounded up to a power of two.
+    On an H100 that cost no time against the cut's own rows (``scripts/new_documents_probe.py``),
+    and a ring over packed documents that change every call built 22 graphs where it built 54
+    (16k tokens), and 38 where it built 112 (64k tokens, 100 calls)."""
+    return power_of_two(max(q.shape[2], q.stride(1) // q.stride(2)))
+
+
+def _joined(spans: List[Tuple[int, int]]) -> Tuple[Tuple[int, int], ...]:
+    """Ascending spans with each run of adjoining ones joined into one."""
+    joined = [spans[0]]
+    for begin, end in spans[1:]:
+        joined[-1:] = [(joined[-1][0], end)] if begin == joined[-1][1] else [joined[-1], (begin, end)]
+    return tuple(joined)
+
+
+_BATCHED_BANDS = (None, (None, 0))  # unmasked and causal: the ragged forms measured (docs/cudnn.md)
+
+
+def _batchable(run: Run) -> bool:
+    one_pair = run.rows[1] - run.rows[0] == 1 and run.cols[1] - run.cols[0] == 1
+    return not run.masked and run.band in _BATCHED_BANDS and not one_pair
+
+
+@functools.lru_cache(maxsize=MAX_PLANS)
+def batched(runs: Tuple[Run, ...], alone: bool) -> Tuple[object, ...]:
+    """The calls for a block's runs: runs with the same native mask (or none) whose rows
+    and columns both follow one another become one ``Batch`` (with ``alone``, a run with no
+    such neighbour too); the rest stay single calls. A one-pair run stays single: cuDNN's
+    backward rejects it (see ``CudnnKernel._backward_call``)."""
+    calls, groups = [], {}
+    for run in runs:
+        if _batchable(run):
+            groups.setdefault(run.band, []).append(run)
+        else:
+            calls.append(run)
+    for members in groups.values():
+        members.sort(key=lambda r: r.rows)
+        apart = all(a.rows[1] <= b.rows[0] and a.cols[1] <= b.cols[0] for a, b in zip(members, members[1:]))
+        calls += [Batch(tuple(members))] if apart and (alone or len(members) > 1) else members
+    return tuple(calls)
+
+
+def power_of_two(n: int) -> int:
+    """The least power of two >= n (n > 0)."""
+    return 1 << (n - 1).bit_length()
+
+
+def _bucket(n: int, rows: int) -> int:
+    """The length a ragged graph is built for, for a longest sequence of ``n`` of ``rows`` rows."""
+    return min(power_of_two(rows), max(TILE, power_of_two(n)))
+
+
+def ragged_applies(q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None, dout: Optional[Tensor] = None) -> bool:
+    """Whether a ragged batch computes right over these tensors (the forward's, or with ``out``
+    and ``dout`` the backward's): one batch (the runs are per batch), int32 offsets over rows of
+    ``head_dim`` elements (``head_dim_rows``), and in the backward no grouped key/value heads,
+    with which cuDNN 9.19 got dK/dV wrong (H100, docs/cudnn.md)."""
+    tensors = [t for t in (q, k, v, out, dout) if t is not None]
+    if not all(t.shape[0] == 1 and t.shape[2] * t.shape[3] < 2 ** 31 for t in tensors):
+        return False
+    return out is None or k.shape[1] == q.shape[1]
+
+
+def head_dim_rows(t: Tensor) -> Tensor:
+    """``t`` with its rows ``head_dim`` elements apart, copied where they are not ([B, S, H, D]
+    strides): the only layout ragged batches were measured right in. cuDNN 9.19's backward
+    indexes its fp32 dQ accumulator from the query offsets as if query rows were so (dQ was
+    wrong otherwise, H100); a copy costs less than a call per document."""
+    return t if t.stride(2) == t.shape[3] else _padded_copy(t)
+
+
+def recurring(t: Tensor) -> bool:
+    """Whether ``t``'s row count is one of a few whatever the documents: a power of two (a
+    zigzag chunk, a received block), or all the rows of its memory (its rows span its head or
+    batch stride: a whole block in [B, H, S, D] or [B, S, H, D] memory, not rows cut from one)."""
+    n = t.shape[2]
+    return n == power_of_two(n) or n * t.stride(2) in (t.stride(0), t.stride(1))
+
+
+def padded_empty(shape, dtype: torch.dtype, device, rows: Optional[int] = None) -> Tensor:
+    """An empty [B, H, n, ...] tensor whose heads are ``rows`` (>= n; default: n rounded up to
+    a power of two) rows apart. A ragged graph bakes in the head stride (``graphs._layout``): tensors
+    allocated so serve one graph for any n up to ``rows``."""
+    rows = rows or power_of_two(shape[2])
+    return torch.empty((*shape[:2], rows, *shape[3:]), dtype=dtype, device=device)[:, :, :shape[2]]
+
+
+def _padded_copy(t: Tensor, rows: Optional[int] = None) -> Tensor:
+    """``t`` copied into rows of its last dims, heads ``rows`` rows apart (``padded_empty``)."""
+    return padded_empty(t.shape, t.dtype, t.device, rows).copy_(t)
+
+
+def packed_stats(stats: Tensor, rows: int) -> Tensor:
+    """The backward's [B, H, n, 1] stats with rows packed and heads ``rows`` rows apart, copied
+    where they are not (cuDNN wants them packed; ``padded_empty`` says why the heads so)."""
+    return stats if stats.stride()[1:] == (rows, 1, 1) else _padded_copy(stats, rows)

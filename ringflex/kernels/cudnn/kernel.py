@@ -1,0 +1,248 @@
+"""``CudnnKernel``: a hop as cuDNN calls. The block is planned (``blocks``), its calls batched
+where they can be (``batches``), each run by a built graph (``graphs``) with the mods lowered
+into it (``lowering``); partial results of one block merge by log-sum-exp."""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ...parallel.merge import RowMerge, RowSum, rows
+from ...plan import Segment, around
+from ..base import Extent, Mods
+from ..reference import ReferenceKernel
+from . import batches, blocks, frontend, graphs
+from .lowering import Program, lowered, lowering_error, traced
+
+# A masked block with a score_mod runs as 2**SPLIT_DEPTH row chunks (measured best: docs/cudnn.md).
+SPLIT_DEPTH = 2
+_MIN_CUDNN = 90600  # score_mod arrived in cuDNN 9.6
+
+
+def _sub(seg: Optional[Segment], r: Tuple[int, int]) -> Optional[Segment]:
+    return None if seg is None else seg.slice(*r)
+
+
+class CudnnKernel:
+    """HopKernel on cuDNN's fused SDPA (see ``ringflex.kernels.cudnn``)."""
+
+    name = "cudnn"
+
+    def __init__(self, split_depth: int = SPLIT_DEPTH):
+        self.split_depth = split_depth
+
+    def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        # cuDNN writes dk/dv in the input dtype; calls of one hop that share key rows are
+        # summed in fp32 and rounded once into it
+        return dtype
+
+    def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment,
+                     device) -> Optional[Extent]:
+        # Native band calls (see ``_runs``) skip the tiles outside the band (a window of 4096
+        # over 16k tokens: 80 us per million pairs in the backward, causal 76; H200,
+        # scripts/band_probe.py); the exact plan's calls are unmasked or native bands over
+        # visible keys only.
+        if has_score_mod or mask_mod is None:
+            return None
+        masked = Mods(None, mask_mod)
+        mask = traced(masked, True, device).mask
+        band = blocks.native_band(mask)
+        if band is not None:
+            runs = blocks.band_runs(band, q_seg, kv_seg)
+        else:
+            runs = blocks.exact_runs(masked, mask, q_seg, kv_seg, device)
+        if not runs:
+            return None
+        return around(r.rows for r in runs), around(r.cols for r in runs)
+
+    def _runs(self, program: Program, mods: Mods, q: Tensor, k: Tensor, q_seg, kv_seg) -> List[blocks.Run]:
+        full = blocks.Run((0, q.shape[2]), (0, k.shape[2]))
+        if program.mask is None:
+            return [full]
+        if q_seg is None or kv_seg is None:
+            raise ValueError("a masked block needs its q_seg and kv_seg")
+        band = blocks.native_band(program.mask)
+        if band is not None and program.score is None:
+            runs = blocks.band_runs(band, q_seg, kv_seg)
+            if runs is not None:
+                return runs
+        exact = blocks.exact_runs(mods, program.mask, q_seg, kv_seg, q.device)
+        if exact is not None and program.score is None:  # unmasked and native-band calls: no per-element mask
+            return exact
+        split = [blocks.Run(full.rows, full.cols, masked=True)]
+        if self.split_depth > 0:
+            split = blocks.split_runs(mods, program.mask, q.shape[0], q.shape[1], q_seg, kv_seg, self.split_depth, q.device)
+        if exact is not None and blocks.area(exact) < blocks.area(split):
+            # With a score_mod every call pays per element alike, and cuDNN takes no native
+            # mask beside a score_mod: the plan that computes less wins, its bands as selects.
+            return [blocks.Run(r.rows, r.cols, masked=r.masked or r.band is not None) for r in exact]
+        return split
+
+    def _call(self, backward: bool, run: blocks.Run, program: Program, tensors: Dict[str, Tensor], scale: float,
+              q_seg, kv_seg) -> None:
+        mask = program.mask if run.masked else None
+        lowering = None
+        q_seg, kv_seg = _sub(q_seg, run.rows), _sub(kv_seg, run.cols)
+        if program.score is not None or mask is not None:
+            if q_seg is None or kv_seg is None:
+                raise ValueError("a score_mod needs the block's q_seg and kv_seg")
+            lowering = lowered(program.score, mask, backward)
+        strided = {"q_idx": q_seg is not None and q_seg.stride != 1, "kv_idx": kv_seg is not None and kv_seg.stride != 1}
+        graphs.graph(backward, tensors, scale, run.band, lowering, strided).execute(tensors, q_seg, kv_seg, lowering)
+
+    def forward(self, q, k, v, q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods, scale: float,
+                masked: bool) -> Tuple[Tensor, Tensor]:
+        q, k, v = (_inner_contiguous(t) for t in (q, k, v))
+        program = traced(mods, masked, q.device)
+        calls = self._calls(program, self._runs(program, mods, q, k, q_seg, kv_seg), q, k, v)
+        shape, lse_shape = (*q.shape[:3], v.shape[-1]), q.shape[:3]
+        if len(calls) == 1 and isinstance(calls[0], blocks.Run) and calls[0].rows == (0, q.shape[2]):
+            out, lse = q.new_empty(shape), q.new_empty(lse_shape, dtype=torch.float32)  # one call writes all
+            self._forward_call(calls[0], program, q, k, v, out, lse, scale, q_seg, kv_seg)
+            return out, lse
+        merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans],
+                          batches.empty_for(calls, batches.query_rows(q)))
+        for call in calls:
+            if isinstance(call, batches.Batch):
+                self._forward_batch(call, q, k, v, merged, scale)
+                continue
+            # The result's own rows where no call wrote yet; else computed aside, then merged.
+            n = call.rows[1] - call.rows[0]
+            o, lse = merged.destination(call.rows) or (q.new_empty(*shape[:2], n, shape[3]),
+                                                       q.new_empty(*shape[:2], n, dtype=torch.float32))
+            self._forward_call(call, program, q, k, v, o, lse, scale, q_seg, kv_seg)
+            merged.add(call.rows, o, lse)
+        return merged.result()
+
+    @staticmethod
+    def _calls(program: Program, runs: List[blocks.Run], *tensors: Tensor) -> Tuple[object, ...]:
+        """The block's runs as cuDNN calls: batched where they can be (see ``batches.Batch``). The
+        exact plan's runs (masks that are no band: packed documents) batch even alone: their
+        shapes follow the documents, and a graph of exact shapes would be built for every new
+        length (0.1 to 1.5 s each), where ragged graphs are built for a few sizes (``batches.Ragged``).
+        So does a run over the whole block where the block's shape follows the documents (the
+        ring cuts a hop to a document that straddles two ranks); where it recurs (``batches.recurring``)
+        the run stays a plain call, which costs less (H100: fwd 0.89 against 0.96 ms, bwd 2.61
+        against 2.84 ms, one document over 8192 rows, docs/cudnn.md)."""
+        q, k = tensors[:2]
+        exact = program.mask is not None and blocks.native_band(program.mask) is None
+        whole = len(runs) == 1 and (runs[0].rows, runs[0].cols) == ((0, q.shape[2]), (0, k.shape[2]))
+        recurring = whole and batches.recurring(q) and batches.recurring(k)
+        if program.score is not None or (len(runs) < 2 and not exact) or recurring or not batches.ragged_applies(*tensors):
+            return tuple(runs)
+        return batches.batched(tuple(runs), exact)
+
+    def _forward_batch(self, batch: batches.Batch, q, k, v, merged: RowMerge, scale: float) -> None:
+        """The batch's runs in one call, into the result itself where no call wrote their rows yet."""
+        (out, lse), parts = merged.targets(batch.row_spans)
+        q, k, v = (batches.head_dim_rows(t) for t in (q, k, v))
+        self._batch_call(False, batch, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
+        for span, part in zip(batch.row_spans, parts):
+            merged.add(span, *part)
+
+    def _batch_call(self, backward: bool, batch: batches.Batch, tensors: Dict[str, Tensor], scale: float) -> None:
+        ragged, inputs = batch.inputs(tensors)
+        tensors = {**tensors, **inputs}
+        graphs.graph(backward, tensors, scale, batch.band, None, {}, ragged).execute(tensors, None, None, None)
+
+    def _forward_call(self, run: blocks.Run, program: Program, q, k, v, out, lse, scale, q_seg, kv_seg) -> None:
+        tensors = dict(q=rows(q, run.rows), k=rows(k, run.cols), v=rows(v, run.cols), out=out, lse=lse.unsqueeze(-1))
+        self._call(False, run, program, tensors, scale, q_seg, kv_seg)
+
+    def backward(self, q, k, v, out, lse, dout, q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods,
+                 scale: float, masked: bool, tensors=()) -> Tuple[Tensor, Tensor, Tensor]:
+        if tensors:  # ``select_kernel`` takes flex_attention (or the reference kernel) for such calls
+            raise ValueError("the cuDNN kernel gives no gradient for the tensors a score_mod reads")
+        q, k, v, out, dout = (_inner_contiguous(t) for t in (q, k, v, out, dout))
+        program = traced(mods, masked, q.device)
+        runs = self._runs(program, mods, q, k, q_seg, kv_seg)
+        stats = lse.float()
+        if program.score is not None or any(run.masked for run in runs):
+            # A row that sees no key anywhere has lse -inf, which cuDNN's backward turns into NaN;
+            # +inf makes its probabilities exp(s - inf) = 0. Only a per-element mask or a score_mod
+            # can hide every key of a row: each row of an unmasked or native-band call sees a key.
+            stats = torch.nan_to_num(stats, nan=math.nan, posinf=math.inf, neginf=math.inf)
+        stats = stats.unsqueeze(-1)
+        shared = (program, mods, q, k, v, out, lse, stats, dout, scale, q_seg, kv_seg)
+        calls = self._calls(program, runs, q, k, v, out, dout)
+        whole = (0, q.shape[2]), (0, k.shape[2])
+        if len(calls) == 1 and isinstance(calls[0], blocks.Run) and (calls[0].rows, calls[0].cols) == whole:
+            grads = [torch.empty_like(t) for t in (q, k, v)]  # one call writes the whole result
+            self._backward_call(calls[0], *shared, grads)
+            return tuple(grads)
+        # Calls write in place where no earlier call wrote those rows; elsewhere they are
+        # summed in fp32, and every gradient is rounded once.
+        dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans],
+                        batches.empty_for(calls, batches.query_rows(q)))
+        kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [span for c in calls for span in c.col_spans],
+                        batches.empty_for(calls))
+        for call in calls:
+            if isinstance(call, batches.Batch):
+                self._backward_batch(call, q, k, v, out, stats, dout, scale, dq_sum, kv_sum)
+                continue
+            grads = (dq_sum.destination(call.rows) or [q.new_empty(rows(q, call.rows).shape)]) + (
+                kv_sum.destination(call.cols) or [k.new_empty(rows(k, call.cols).shape), v.new_empty(rows(v, call.cols).shape)])
+            self._backward_call(call, *shared, grads)
+            dq_sum.add(call.rows, grads[0])
+            kv_sum.add(call.cols, *grads[1:])
+        (dq,), (dk, dv) = dq_sum.result(), kv_sum.result()
+        return dq, dk, dv
+
+    def _backward_batch(self, batch: batches.Batch, q, k, v, out, stats, dout, scale: float, dq_sum: RowSum,
+                        kv_sum: RowSum) -> None:
+        """The batch's runs in one call, into the sums themselves where no call wrote their rows yet."""
+        (dq,), dq_parts = dq_sum.targets(batch.row_spans)
+        (dk, dv), kv_parts = kv_sum.targets(batch.col_spans)
+        stats = batches.packed_stats(stats, batches.query_rows(q))
+        q, k, v, out, dout = (batches.head_dim_rows(t) for t in (q, k, v, out, dout))
+        tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=stats, dq=dq, dk=dk, dv=dv)
+        self._batch_call(True, batch, tensors, scale)
+        for span, part in zip(batch.row_spans, dq_parts):
+            dq_sum.add(span, *part)
+        for span, part in zip(batch.col_spans, kv_parts):
+            kv_sum.add(span, *part)
+
+    def _backward_call(self, run: blocks.Run, program: Program, mods: Mods, q, k, v, out, lse, stats, dout, scale,
+                       q_seg, kv_seg, grads: List[Tensor]) -> None:
+        """One call's dq, dk, dv into ``grads``."""
+        tensors = dict(q=rows(q, run.rows), k=rows(k, run.cols), v=rows(v, run.cols), out=rows(out, run.rows),
+                       dout=rows(dout, run.rows), lse=rows(stats, run.rows).contiguous(),  # cuDNN wants it packed
+                       dq=grads[0], dk=grads[1], dv=grads[2])
+        if run.rows[1] - run.rows[0] == 1 and run.cols[1] - run.cols[0] == 1:
+            # cuDNN's backward rejects s_q = s_kv = 1 (a one-token document, say)
+            tensors["lse"] = rows(lse, run.rows)
+            got = ReferenceKernel().backward(*(tensors[n] for n in ("q", "k", "v", "out", "lse", "dout")),
+                                             _sub(q_seg, run.rows), _sub(kv_seg, run.cols), mods, scale,
+                                             run.masked or run.band is not None)
+            for grad, value in zip(grads, got):
+                grad.copy_(value)
+        else:
+            self._call(True, run, program, tensors, scale, q_seg, kv_seg)
+
+
+def _inner_contiguous(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def cudnn_unavailable_reason(q: Tensor, k: Tensor, v: Tensor, mods: Mods) -> Optional[str]:
+    """Why ``CudnnKernel`` cannot run this call, or None if it can."""
+    if not q.is_cuda:
+        return "inputs are not on a CUDA device"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"the cuDNN kernel needs float16 or bfloat16 inputs, got {q.dtype}"
+    try:
+        cudnn = frontend.cudnn()
+    except ImportError as e:
+        return f"nvidia-cudnn-frontend is not installed ({e}); pip install 'ringflex[cudnn]'"
+    if cudnn.backend_version() < _MIN_CUDNN:
+        return f"cuDNN {cudnn.backend_version_string()} is too old: score_mod needs cuDNN 9.6 or newer"
+    if torch.cuda.get_device_capability(q.device) < (9, 0):
+        return "the cuDNN kernel needs a Hopper (sm_90) or newer GPU"
+    for name, dim in (("q/k", q.shape[-1]), ("v", v.shape[-1])):
+        if dim % 8 or dim > 128:
+            return f"the {name} head dim must be a multiple of 8 and at most 128 for cuDNN, got {dim}"
+    if q.shape[1] % k.shape[1]:
+        return f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+    return lowering_error(mods, q.device)
