@@ -13,7 +13,6 @@ import argparse
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from harness import run_world  # noqa: E402
 from numerics import measure  # noqa: E402
