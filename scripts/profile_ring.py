@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+import ranks
 import ringflex
 from bench import make_mods, timed  # scripts/ is on sys.path when this runs as a script
 from ringflex import validate
@@ -64,7 +65,8 @@ def host_profile(fn, calls: int, top: int = 30) -> str:
 
 
 def gpu_time_by_family(prof, calls: int) -> dict:
-    """Milliseconds of GPU time per call, by family, and the five largest 'other' kernels."""
+    """Milliseconds of GPU time per call, by family, and the five largest 'other' kernels (with
+    how many of each run per call)."""
     totals, others = {"attention": 0.0, "nccl": 0.0, "copy engines": 0.0, "other": 0.0}, {}
     for event in prof.key_averages():
         us = event.self_device_time_total
@@ -73,9 +75,10 @@ def gpu_time_by_family(prof, calls: int) -> dict:
         family = _family(event.key)
         totals[family] += us / 1e3 / calls
         if family == "other":
-            others[event.key[:70]] = us / 1e3 / calls
-    top = dict(sorted(others.items(), key=lambda kv: -kv[1])[:5])
-    return {**{k: round(v, 3) for k, v in totals.items()}, "top_other": {k: round(v, 3) for k, v in top.items()}}
+            others[event.key[:70]] = (us / 1e3 / calls, event.count / calls)
+    top = sorted(others.items(), key=lambda kv: -kv[1][0])[:5]
+    return {**{k: round(v, 3) for k, v in totals.items()},
+            "top_other": {k: f"{ms:.3f} ms in {count:g} calls" for k, (ms, count) in top}}
 
 
 def gpu_idle(trace: dict, calls: int, top: int = 3) -> dict:
@@ -133,10 +136,8 @@ def main():
     p.add_argument("--trace", help="write a chrome trace (gzip) of rank 0's first workload here, or, if the "
                                    "name has a {} (filled with tokens_mask_rank), of every workload and rank")
     args = p.parse_args()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl")
+    device = ranks.init()
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device())
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     trace = args.trace
     for seq_len in args.seq_lens:
@@ -175,7 +176,7 @@ def main():
                 for _ in range(calls):
                     forward_backward()
                 torch.cuda.synchronize()
-            row["gpu_ms_per_fwd_bwd"] = gpu_time_by_family(prof, calls)
+            gpu_ms = gpu_time_by_family(prof, calls)
             with tempfile.TemporaryDirectory() as tmp:
                 plain = os.path.join(tmp, "trace.json")
                 prof.export_chrome_trace(plain)  # a profile exports once
@@ -188,7 +189,8 @@ def main():
             log(f"== {seq_len} tokens ({seq_len // world}/GPU), mask {mask}: argument check {check_ms:.3f} ms host")
             for name, value in row.items():
                 log(f"   {name}: {value}")
-            for r, value in enumerate(_gathered(idle, world)):  # every rank: the slowest sets the pace
+            for r, (ms, value) in enumerate(_gathered((gpu_ms, idle), world)):  # every rank: the slowest sets the pace
+                log(f"   rank {r} GPU ms per fwd_bwd: {ms}")
                 log(f"   rank {r} GPU computing nothing, per fwd_bwd: {value}")
             if args.host_profile:
                 log(host_profile(forward_backward, args.host_profile))
