@@ -7,13 +7,15 @@ and ``reduce_gradients`` sums them over the group.
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional
+import zlib
+from typing import Iterable, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import validate
 from .parallel import layout as layouts
 from .parallel.shard import shard
 
@@ -105,15 +107,37 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group=None) -> No
 
     Call after ``loss.backward()`` when the loss came from ``sharded_cross_entropy``. A DDP or
     FSDP over the same ranks AVERAGES instead: scale the loss by the group size for it.
+    A parameter that got no gradient on some ranks (a branch their tokens skipped) gets the
+    sum of the others' (zero where it had none); one that got none anywhere keeps none. Every
+    rank must pass the same parameters: checked first, so that a mismatch raises the same
+    ValueError on every rank instead of hanging the all-reduce.
     """
     if _group_size(group) == 1:
         return
+    group = group if group is not None else dist.group.WORLD
     buckets = {}
-    for p in parameters:
-        if p.grad is not None:
-            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for p in _with_grad_on_any_rank(list(parameters), group):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
     for grads in buckets.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
+
+
+def _with_grad_on_any_rank(params: List[torch.nn.Parameter], group) -> List[torch.nn.Parameter]:
+    """The parameters that have a gradient on at least one rank, once every rank is known to
+    have passed as many, of the same shapes and dtypes (over the group's CPU side, as the
+    ring's argument check)."""
+    layout = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
+    records = validate.exchange(group, [len(params), layout], None, "reduce_gradients")
+    if any(r != records[0] for r in records):
+        raise ValueError("reduce_gradients: the ranks passed different parameters ("
+                         + ", ".join(f"rank {r}: {n} parameters, shapes and dtypes {crc:08x}"
+                                     for r, (n, crc) in enumerate(records))
+                         + "); pass the same model's parameters on every rank")
+    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=validate.control_group(group))
+    return [p for p, anywhere in zip(params, has_grad.tolist()) if anywhere]

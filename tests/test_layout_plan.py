@@ -244,14 +244,20 @@ def test_untraceable_mask_falls_back_to_dense():
 
 
 def _unshard_unequal(rank, world_size):
-    x = torch.zeros(1, 2, 4 + 2 * rank)
-    try:
-        ringflex.unshard(x, 2, layout="contiguous")
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    messages = []
+    for x in (torch.zeros(1, 2, 4 + 2 * rank), torch.zeros(1, 2, 4, dtype=torch.float64 if rank else torch.float32)):
+        try:
+            ringflex.unshard(x, 2, layout="contiguous")
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
 
 
 def test_unshard_of_unequal_shards_raises_on_every_rank():
+    """Shards that differ in shape or dtype: the same error on every rank, no hang."""
     messages = run_world(2, _unshard_unequal, timeout=60)
-    assert messages[0] == messages[1] and "rank 0: (1, 2, 4), rank 1: (1, 2, 6)" in messages[0]
+    assert messages[0] == messages[1]
+    shapes, dtypes = messages[0]
+    assert "rank 0: (1, 2, 4) float32, rank 1: (1, 2, 6) float32" in shapes
+    assert "rank 0: (1, 2, 4) float32, rank 1: (1, 2, 4) float64" in dtypes

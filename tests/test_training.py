@@ -89,3 +89,38 @@ def test_sharded_loss_and_gradients_match_single_process(world_size, layout):
     for loss_error, grad_error, _, shape in results:
         assert loss_error < 1e-12 and grad_error < 1e-12, (loss_error, grad_error)
         assert shape == (2, 8 * world_size, VOCAB)
+
+
+def _reduce_partly_used(rank, world_size):
+    """Rank 1's tokens skip a branch: its ``skipped`` weight gets no gradient there."""
+    torch.manual_seed(0)
+    used, skipped, unused = (nn.Parameter(torch.randn(3, dtype=torch.float64)) for _ in range(3))
+    x = torch.full((3,), float(rank + 1), dtype=torch.float64)
+    loss = (used * x).sum() + ((skipped * x).sum() if rank == 0 else 0.0)
+    loss.backward()
+    reduce_gradients([used, skipped, unused])
+    return used.grad.tolist(), skipped.grad.tolist(), unused.grad
+
+
+def test_reduce_gradients_sums_grads_a_rank_did_not_make():
+    for used, skipped, unused in run_world(2, _reduce_partly_used):
+        assert used == [3.0] * 3  # 1 + 2
+        assert skipped == [1.0] * 3  # rank 0's alone
+        assert unused is None  # no gradient anywhere: still none
+
+
+def _reduce_different_models(rank, world_size):
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(2 + rank)]
+    for p in params:
+        p.grad = torch.ones(2)
+    try:
+        reduce_gradients(params)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_reduce_gradients_of_different_parameters_raises_on_every_rank():
+    messages = run_world(2, _reduce_different_models, timeout=60)
+    assert messages[0] == messages[1]
+    assert "rank 0: 2 parameters" in messages[0] and "rank 1: 3 parameters" in messages[0]

@@ -1,6 +1,8 @@
 """Moving whole sequences in and out of a layout: ``shard`` splits, ``unshard`` gathers."""
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -27,25 +29,31 @@ def shard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
 _MAX_DIMS = 8
 
 
-def _check_same_shape(x: Tensor, group, world_size: int) -> None:
-    """Raises the same error on every rank if the shards' shapes differ (an all_gather of
-    unequal tensors would hang or kill a rank)."""
+def _dtype_code(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode())  # the same in every process
+
+
+def _check_same_shards(x: Tensor, group, world_size: int) -> None:
+    """Raises the same error on every rank if the shards differ in shape or dtype (an
+    all_gather of unequal tensors would hang or kill a rank)."""
     if x.dim() > _MAX_DIMS:
         raise ValueError(f"unshard supports tensors of at most {_MAX_DIMS} dims, got {x.dim()}")
-    mine = torch.tensor([x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim()), dtype=torch.int64, device=x.device)
-    shapes = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(shapes, mine, group=group)
-    shapes = [tuple(s[1:1 + int(s[0])].tolist()) for s in shapes]
-    if len(set(shapes)) > 1:
-        raise ValueError("unshard: the ranks' shards differ in shape ("
-                         + ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes)) + ")")
+    mine = torch.tensor([_dtype_code(x.dtype), x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim()), dtype=torch.int64,
+                        device=x.device)
+    records = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(records, mine, group=group)
+    names = {_dtype_code(d): str(d).replace("torch.", "") for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    shards = [(tuple(r[2:2 + int(r[1])].tolist()), names.get(int(r[0]), "?")) for r in records]
+    if len(set(shards)) > 1:
+        raise ValueError("unshard: the ranks' shards differ ("
+                         + ", ".join(f"rank {r}: {shape} {dtype}" for r, (shape, dtype) in enumerate(shards)) + ")")
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, layout):
         rank, world_size = _rank_and_size(group)
-        _check_same_shape(x, group, world_size)
+        _check_same_shards(x, group, world_size)
         parts = [torch.empty_like(x) for _ in range(world_size)]
         dist.all_gather(parts, x.contiguous(), group=group)
         full_len = x.shape[dim] * world_size
