@@ -71,7 +71,8 @@ def graph(backward: bool, tensors: Dict[str, Tensor], scale: float, band, loweri
            strided: Dict[str, bool], ragged: Optional[Ragged] = None) -> Graph:
     """The built graph for this call's layouts and mods, from the cache when it was built before."""
     q = tensors["q"]
-    key = (backward, q.device, scale, band, lowering and lowering.key,
+    deterministic = backward and torch.are_deterministic_algorithms_enabled()
+    key = (backward, deterministic, q.device, scale, band, lowering and lowering.key,
            tuple(sorted(strided.items())) if lowering and lowering.indices else None, ragged,
            tuple((name, _layout(t, ragged is not None)) for name, t in sorted(tensors.items())))
     if key in _GRAPHS:
@@ -81,11 +82,12 @@ def graph(backward: bool, tensors: Dict[str, Tensor], scale: float, band, loweri
         _warn_once(f"ringflex: the cuDNN graph cache is full ({_MAX_GRAPHS} graphs): older graphs are dropped and "
                    "rebuilt when needed again (0.1 to 1.5 s each); raise RINGFLEX_CUDNN_GRAPHS if this "
                    "workload has that many call shapes")
-    return remember(_GRAPHS, key, _build(backward, tensors, scale, band, lowering, strided, ragged), _MAX_GRAPHS)
+    built = _build(backward, tensors, scale, band, lowering, strided, ragged, deterministic)
+    return remember(_GRAPHS, key, built, _MAX_GRAPHS)
 
 
 def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lowering: Optional[Lowering],
-           strided: Dict[str, bool], ragged: Optional[Ragged]) -> Graph:
+           strided: Dict[str, bool], ragged: Optional[Ragged], deterministic: bool = False) -> Graph:
     cudnn = frontend.cudnn()
     F = cudnn.data_type.FLOAT
     q = tensors["q"]
@@ -126,6 +128,8 @@ def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
         if backward:
             callbacks.append(_Callback(emitter.backward))
             kwargs["score_mod_bprop"] = callbacks[-1]
+    if deterministic:  # torch.use_deterministic_algorithms(True): dQ summed without atomics
+        kwargs["use_deterministic_algorithm"] = True
     if backward:
         outs = g.sdpa_backward(q=io["q"], k=io["k"], v=io["v"], o=io["out"], dO=io["dout"], stats=io["lse"],
                                name="sdpa_backward", **kwargs)
