@@ -888,3 +888,26 @@ def test_new_packed_batches_in_the_ring_reuse_graphs_emulated():
 def test_hops_cut_to_a_straddling_document_reuse_graphs_emulated(monkeypatch):
     _emulated(monkeypatch)
     _check_cut_hops("cpu", torch.float32)
+
+
+def test_deterministic_algorithms_build_a_backward_of_their_own_emulated(monkeypatch):
+    """With ``torch.use_deterministic_algorithms(True)`` the backward is built with cuDNN's
+    ``use_deterministic_algorithm`` as a graph of its own; the forward is shared, and turning
+    the flag off again takes the first backward graph from the cache."""
+    module = _emulated(monkeypatch)
+    built = []
+    build = module.graphs._build
+    monkeypatch.setattr(module.graphs, "_build", lambda *a: built.append(a[0]) or build(*a))
+    q, k, v, dout = (torch.randn(1, 2, L, 16) for _ in range(4))
+    seg, m, kernel = Segment(0, 1, L), Mods(mods.softcap(5.0), None), module.CudnnKernel()  # one call each way
+    attention = {}
+    for deterministic in (False, True, False):
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+        out, lse = kernel.forward(q, k, v, seg, seg, m, 0.25, True)
+        kernel.backward(q, k, v, out, lse, dout, seg, seg, m, 0.25, True)
+        for key, g in module.graphs._GRAPHS.items():
+            attention[key[:2]] = g.graph.attention
+    assert built == [False, True, True]  # forward; backward; deterministic backward
+    assert attention[(True, True)]["use_deterministic_algorithm"] is True
+    assert "use_deterministic_algorithm" not in attention[(True, False)]
+    module.clear_cache()
