@@ -129,6 +129,8 @@ def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
             callbacks.append(_Callback(emitter.backward))
             kwargs["score_mod_bprop"] = callbacks[-1]
     if deterministic:  # torch.use_deterministic_algorithms(True): dQ summed without atomics
+        _warn_once("ringflex: torch.use_deterministic_algorithms(True) is on, so cuDNN's attention backward runs "
+                   "its deterministic algorithm (1.2x to 2.1x slower on an H100, docs/reliability.md)")
         kwargs["use_deterministic_algorithm"] = True
     if backward:
         outs = g.sdpa_backward(q=io["q"], k=io["k"], v=io["v"], o=io["out"], dO=io["dout"], stats=io["lse"],
