@@ -145,6 +145,31 @@ def test_deterministic_algorithms_make_the_backward_repeat_bitwise(name, monkeyp
 
 
 @needs_cudnn
+@pytest.mark.parametrize("dims", [(160, 160), (192, 128), (256, 256), (256, 128), (224, 128), (64, 256)],
+                         ids=lambda d: f"{d[0]}x{d[1]}")
+@pytest.mark.parametrize("name", ["no_mask", "causal", "sliding_window", "documents", "causal_softcap"])
+def test_head_dims_up_to_256_match_reference(name, dims):
+    """Query / key and value head dims up to 256, equal or not (an H100 runs them all). The
+    ragged batch's backward with q/k 256 or 224 and v 128 came out wrong (dQ 0.2 off): such
+    blocks take a call per document instead (``batches.ragged_applies``)."""
+    d_qk, d_v = dims
+    case = _packed("cuda") if name == "documents" else cases(SEQ, device="cuda")[name]
+    q_seg, kv_seg = PACKED_SEGMENTS["earlier"] if name == "documents" else SEGMENTS["offsets"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(1, 4, L, d_qk, device="cuda", generator=g).bfloat16() for _ in range(2))
+    v, dout = (torch.randn(1, 4, L, d_v, device="cuda", generator=g).bfloat16() for _ in range(2))
+    m, scale, ref = Mods(case.score_mod, case.mask_mod), d_qk ** -0.5, ReferenceKernel()
+    want_out, want_lse = ref.forward(q, k, v, q_seg, kv_seg, m, scale, True)
+    out, _ = CudnnKernel().forward(q, k, v, q_seg, kv_seg, m, scale, True)
+    assert _err(out, want_out) < 2e-2
+    out = want_out.to(q.dtype)
+    grads = CudnnKernel().backward(q, k, v, out, want_lse, dout, q_seg, kv_seg, m, scale, True)
+    for label, got, want in zip(("dq", "dk", "dv"), grads, ref.backward(q, k, v, out, want_lse, dout, q_seg, kv_seg, m,
+                                                                        scale, True)):
+        assert _err(got, want) < 2e-2, label
+
+
+@needs_cudnn
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_head_dim_128_and_fp16(dtype):
     case = cases(SEQ, device="cuda")["causal_softcap"]
@@ -312,6 +337,10 @@ def test_unavailable_reasons():
     reason = cudnn_unavailable_reason(q, q, q, Mods(lambda s, b, h, qi, ki: s + table[qi, ki]))
     assert "no gather" in reason
     assert "sin" in cudnn_unavailable_reason(q, q, q, Mods(lambda s, b, h, qi, ki: torch.sin(s)))
+    wide = torch.zeros(1, 2, 64, 256, device="cuda", dtype=torch.bfloat16)
+    assert cudnn_unavailable_reason(wide, wide, q, Mods()) is None
+    too_wide = torch.zeros(1, 2, 64, 264, device="cuda", dtype=torch.bfloat16)
+    assert "at most 256" in cudnn_unavailable_reason(too_wide, too_wide, q, Mods())
 
 
 def test_unavailable_without_cuda():
@@ -918,3 +947,15 @@ def test_deterministic_algorithms_build_a_backward_of_their_own_emulated(monkeyp
     assert attention[(True, True)]["use_deterministic_algorithm"] is True
     assert "use_deterministic_algorithm" not in attention[(True, False)]
     module.clear_cache()
+
+
+def test_ragged_backward_needs_equal_head_dims_above_192():
+    """Where cuDNN 9.19's ragged backward was measured right (H100): q/k head dims up to 192
+    with any value head dim, and wider ones with value heads as wide."""
+    from ringflex.kernels.cudnn.batches import ragged_applies
+
+    def applies(d_qk, d_v, backward=True):
+        q, v = torch.zeros(1, 2, 8, d_qk), torch.zeros(1, 2, 8, d_v)
+        return ragged_applies(q, q, v, v, v) if backward else ragged_applies(q, q, v)
+    assert applies(192, 128) and applies(64, 256) and applies(256, 256) and applies(256, 128, backward=False)
+    assert not applies(256, 128) and not applies(224, 128)

@@ -140,11 +140,12 @@ def ragged_applies(q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None
     """Whether a ragged batch computes right over these tensors (the forward's, or with ``out``
     and ``dout`` the backward's): one batch (the runs are per batch), int32 offsets over rows of
     ``head_dim`` elements (``head_dim_rows``), and in the backward no grouped key/value heads,
-    with which cuDNN 9.19 got dK/dV wrong (H100, docs/cudnn.md)."""
+    and query head dims above 192 only with value heads as wide: cuDNN 9.19 got the gradients
+    wrong otherwise (grouped heads; q/k 256 or 224 with v 128; H100, docs/cudnn.md)."""
     tensors = [t for t in (q, k, v, out, dout) if t is not None]
     if not all(t.shape[0] == 1 and t.shape[2] * t.shape[3] < 2 ** 31 for t in tensors):
         return False
-    return out is None or k.shape[1] == q.shape[1]
+    return out is None or (k.shape[1] == q.shape[1] and (q.shape[3] <= 192 or q.shape[3] == v.shape[3]))
 
 
 def head_dim_rows(t: Tensor) -> Tensor:

@@ -241,8 +241,8 @@ def cudnn_unavailable_reason(q: Tensor, k: Tensor, v: Tensor, mods: Mods) -> Opt
     if torch.cuda.get_device_capability(q.device) < (9, 0):
         return "the cuDNN kernel needs a Hopper (sm_90) or newer GPU"
     for name, dim in (("q/k", q.shape[-1]), ("v", v.shape[-1])):
-        if dim % 8 or dim > 128:
-            return f"the {name} head dim must be a multiple of 8 and at most 128 for cuDNN, got {dim}"
+        if dim % 8 or dim > 256:
+            return f"the {name} head dim must be a multiple of 8 and at most 256 for cuDNN, got {dim}"
     if q.shape[1] % k.shape[1]:
         return f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
     return lowering_error(mods, q.device)
