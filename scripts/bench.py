@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
 import time
 
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import ranks  # scripts/ is on sys.path when this runs as a script
 import ringflex
 from ringflex import mods
 from ringflex.parallel import peer
@@ -349,9 +349,7 @@ def run(args):
 
 def main():
     args = parse_args()
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    ranks.init(args.device)  # ranks sharing a GPU (a smoke test on one) run over gloo
     try:
         run(args)
     finally:
