@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+import ranks  # scripts/ is on sys.path when this runs as a script
 import ringflex
 from ringflex.progress import Progress
 from ringflex.training import next_token_labels, reduce_gradients, shard_batch, sharded_cross_entropy
@@ -142,9 +143,7 @@ def _setup(args):
     """(group, rank, world size, device) for torchrun, or a plain single process."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1 and not dist.is_initialized():
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        ranks.init(args.device)
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
     else:
