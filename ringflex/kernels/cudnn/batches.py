@@ -45,33 +45,38 @@ class Batch:
         self.runs, self.band = runs, runs[0].band
         self.spans = {"q": [r.rows for r in runs], "kv": [r.cols for r in runs]}
         self.row_spans, self.col_spans = _joined(self.spans["q"]), _joined(self.spans["kv"])
-        self._int32s: Dict[tuple, Tensor] = {}
+        self._inputs: Dict[tuple, Tuple[Ragged, Dict[str, Tensor]]] = {}
 
     def inputs(self, tensors: Dict[str, Tensor]) -> Tuple[Ragged, Dict[str, Tensor]]:
         """The ragged description over these tensors, and its int32 inputs: per tensor the
-        element offset of each sequence, and the sequences' lengths (made once per layout).
-        The batch is padded with empty sequences to a power of two, so that packed batches
-        with any number of documents share a few graphs (each new one takes 0.1 to 1.5 s)."""
+        element offset of each sequence, and the sequences' lengths (made once per layout of
+        the tensors: a batch is planned once and called at every step). The batch is padded
+        with empty sequences to a power of two, so that packed batches with any number of
+        documents share a few graphs (each new one takes 0.1 to 1.5 s)."""
+        q, k = tensors["q"], tensors["k"]
+        key = (q.device, query_rows(q), k.shape[2], *((name, t.stride(2)) for name, t in tensors.items()
+                                                      if name in RAGGED_AXIS))
+        if key not in self._inputs:
+            self._inputs[key] = self._made_inputs(tensors)
+        return self._inputs[key]
+
+    def _made_inputs(self, tensors: Dict[str, Tensor]) -> Tuple[Ragged, Dict[str, Tensor]]:
         q, k = tensors["q"], tensors["k"]
         padding = power_of_two(len(self.runs)) - len(self.runs)
-        inputs = {f"seq_{axis}": self._values((axis, q.device), [e - b for b, e in spans] + [0] * padding)
-                  for axis, spans in self.spans.items()}
+
+        def int32s(values: List[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int32).view(-1, 1, 1, 1).to(q.device)
+        inputs = {f"seq_{axis}": int32s([e - b for b, e in spans] + [0] * padding) for axis, spans in self.spans.items()}
         for name, t in tensors.items():
             axis = RAGGED_AXIS.get(name)
             if axis is not None:
                 step, spans = t.stride(2), self.spans[axis]
-                inputs[f"{name}_offsets"] = self._values(
-                    (axis, step, t.device), [b * step for b, _ in spans] + [spans[-1][1] * step] * (padding + 1))
+                inputs[f"{name}_offsets"] = int32s([b * step for b, _ in spans] + [spans[-1][1] * step] * (padding + 1))
         longest_kv = max(e - b for b, e in self.spans["kv"])
         q_rows = query_rows(q)
         ragged = Ragged(len(self.runs) + padding, q_rows, _bucket(longest_kv, k.shape[2]), q_rows,
-                         power_of_two(k.shape[2]))
+                        power_of_two(k.shape[2]))
         return ragged, inputs
-
-    def _values(self, key: tuple, values: List[int]) -> Tensor:
-        if key not in self._int32s:
-            self._int32s[key] = torch.tensor(values, dtype=torch.int32).view(-1, 1, 1, 1).to(key[-1])
-        return self._int32s[key]
 
 
 def empty_for(calls, rows: Optional[int] = None) -> Callable:

@@ -44,6 +44,8 @@ class Graph:
 
 _FORWARD_INPUTS = ("q", "k", "v")
 _BACKWARD_INPUTS = ("q", "k", "v", "out", "dout", "lse")
+# The tensors whose layouts a graph bakes in; a ragged batch's int32 inputs follow from ``Ragged``.
+_ATTENTION = frozenset(_BACKWARD_INPUTS + ("dq", "dk", "dv"))
 _DTYPES = {torch.float16: "HALF", torch.bfloat16: "BFLOAT16", torch.float32: "FLOAT"}
 
 
@@ -74,7 +76,7 @@ def graph(backward: bool, tensors: Dict[str, Tensor], scale: float, band, loweri
     deterministic = backward and torch.are_deterministic_algorithms_enabled()
     key = (backward, deterministic, q.device, scale, band, lowering and lowering.key,
            tuple(sorted(strided.items())) if lowering and lowering.indices else None, ragged,
-           tuple((name, _layout(t, ragged is not None)) for name, t in sorted(tensors.items())))
+           tuple((name, _layout(t, ragged is not None)) for name, t in sorted(tensors.items()) if name in _ATTENTION))
     if key in _GRAPHS:
         _GRAPHS.move_to_end(key)
         return _GRAPHS[key]
