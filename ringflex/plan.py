@@ -7,6 +7,7 @@ PARTIAL (run masked; kernels may split it further with ``block_kinds``).
 from __future__ import annotations
 
 import enum
+import functools
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -313,10 +314,8 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
     def kind_of(q_seg, kv_seg):
         return _read_kinds([classify(mask_mod, batch, heads, q_seg, kv_seg, device, decide)])[0]
 
-    planned_part = None
-    if kernel is not None:
-        def planned_part(q_seg, kv_seg):
-            return kernel.plans_within(mask_mod, has_score_mod, q_seg, kv_seg, device)
+    planned_part = None if kernel is None else functools.partial(kernel.plans_within, mask_mod, has_score_mod,
+                                                                    device=device)
 
     steps = [[] for _ in kv_segs_per_step]
     for (step, qr, q, kr, kv), kind in zip(pairs, kinds):
