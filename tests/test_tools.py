@@ -1,5 +1,5 @@
 """python -m ringflex.env reports versions and why each backend can or cannot run; Progress prints
-the first and last step and at most one line per interval."""
+the first and last step and at most one line per interval; scripts/determinism.py runs."""
 import io
 import subprocess
 import sys
@@ -39,3 +39,15 @@ def test_progress_lines():
     assert quiet.getvalue() == ""
     with pytest.raises(ValueError, match="positive number of steps"):
         Progress(0)
+
+
+def test_determinism_script_reports_bitwise_repeats_on_cpu():
+    """``scripts/determinism.py`` (reference kernel, one process): every cell 0, and a time."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "determinism.py"
+    out = subprocess.run([sys.executable, str(script), "--local-len", "32", "--heads", "1", "--head-dim", "8",
+                          "--dtypes", "float32", "--runs", "2"], capture_output=True, text=True, check=True).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| reference")]
+    assert len(rows) == 4 and all(cell.strip() == "0" for row in rows for cell in row[3:7])
+    assert all(float(row[7]) > 0 for row in rows)
