@@ -17,7 +17,7 @@ from test_trace import EXTRA_SCORE_MODS  # noqa: E402
 from ringflex import kernels, mods
 from ringflex.kernels.base import Mods
 from ringflex.kernels.cudnn import CudnnKernel, cudnn_unavailable_reason
-from ringflex.kernels.cudnn.blocks import Run, band_runs, exact_runs, split_runs
+from ringflex.kernels.cudnn.blocks import Run, band_runs, exact_runs, plan, split_runs
 from ringflex.kernels.cudnn.lowering import traced
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.plan import Segment, evaluate_mask
@@ -188,7 +188,7 @@ def test_bands_split_off_the_diagonal_match_reference(mask_mod, q_seg, kv_seg):
     make = lambda n: torch.randn(1, 4, n, 64, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
     q, k, v, dout = make(q_seg.length), make(kv_seg.length), make(kv_seg.length), make(q_seg.length)
     m, kernel, ref = Mods(None, mask_mod), CudnnKernel(), ReferenceKernel()
-    assert len(kernel._runs(traced(m, True, "cuda"), m, q, k, q_seg, kv_seg)) == 2
+    assert len(plan(traced(m, True, "cuda"), m, q, k, q_seg, kv_seg, kernel.split_depth)) == 2
     want_out, want_lse = ref.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
     out, lse = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
     assert _err(out, want_out) < 2e-2 and (lse - want_lse).abs()[want_lse.isfinite()].max() < 2e-2

@@ -18,6 +18,7 @@ from ...trace import ModGraph, diagonal_band
 from ..base import Mods
 from .batches import Batch, batched
 from .frontend import MAX_PLANS, TILE
+from .lowering import Program
 
 _PLANS: "OrderedDict[tuple, List[Run]]" = OrderedDict()
 
@@ -39,6 +40,34 @@ class Run:
     @property
     def col_spans(self) -> Tuple[Tuple[int, int], ...]:
         return (self.cols,)
+
+
+def plan(program: Program, mods: Mods, q: Tensor, k: Tensor, q_seg: Optional[Segment], kv_seg: Optional[Segment],
+         split_depth: int) -> List[Run]:
+    """The calls that compute a block of ``q``'s rows against ``k``'s keys: one without mask;
+    native bands for a band mask; the exact plan for other masks; with a score_mod, the
+    exact plan's or ``split_runs``'s, whichever computes less (docs/cudnn.md)."""
+    full = Run((0, q.shape[2]), (0, k.shape[2]))
+    if program.mask is None:
+        return [full]
+    if q_seg is None or kv_seg is None:
+        raise ValueError("a masked block needs its q_seg and kv_seg")
+    band = native_band(program.mask)
+    if band is not None and program.score is None:
+        runs = band_runs(band, q_seg, kv_seg)
+        if runs is not None:
+            return runs
+    exact = exact_runs(mods, program.mask, q_seg, kv_seg, q.device)
+    if exact is not None and program.score is None:  # unmasked and native-band calls: no per-element mask
+        return exact
+    split = [Run(full.rows, full.cols, masked=True)]
+    if split_depth > 0:
+        split = split_runs(mods, program.mask, q.shape[0], q.shape[1], q_seg, kv_seg, split_depth, q.device)
+    if exact is not None and area(exact) < area(split):
+        # With a score_mod every call pays per element alike, and cuDNN takes no native
+        # mask beside a score_mod: the plan that computes less wins, its bands as selects.
+        return [Run(r.rows, r.cols, masked=r.masked or r.band is not None) for r in exact]
+    return split
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -40,7 +40,7 @@ class CudnnKernel:
 
     def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment,
                      device) -> Optional[Extent]:
-        # Native band calls (see ``_runs``) skip the tiles outside the band (a window of 4096
+        # Native band calls (see ``blocks.plan``) skip the tiles outside the band (a window of 4096
         # over 16k tokens: 80 us per million pairs in the backward, causal 76; H200,
         # scripts/band_probe.py); the exact plan's calls are unmasked or native bands over
         # visible keys only.
@@ -56,29 +56,6 @@ class CudnnKernel:
         if not runs:
             return None
         return around(r.rows for r in runs), around(r.cols for r in runs)
-
-    def _runs(self, program: Program, mods: Mods, q: Tensor, k: Tensor, q_seg, kv_seg) -> List[blocks.Run]:
-        full = blocks.Run((0, q.shape[2]), (0, k.shape[2]))
-        if program.mask is None:
-            return [full]
-        if q_seg is None or kv_seg is None:
-            raise ValueError("a masked block needs its q_seg and kv_seg")
-        band = blocks.native_band(program.mask)
-        if band is not None and program.score is None:
-            runs = blocks.band_runs(band, q_seg, kv_seg)
-            if runs is not None:
-                return runs
-        exact = blocks.exact_runs(mods, program.mask, q_seg, kv_seg, q.device)
-        if exact is not None and program.score is None:  # unmasked and native-band calls: no per-element mask
-            return exact
-        split = [blocks.Run(full.rows, full.cols, masked=True)]
-        if self.split_depth > 0:
-            split = blocks.split_runs(mods, program.mask, q.shape[0], q.shape[1], q_seg, kv_seg, self.split_depth, q.device)
-        if exact is not None and blocks.area(exact) < blocks.area(split):
-            # With a score_mod every call pays per element alike, and cuDNN takes no native
-            # mask beside a score_mod: the plan that computes less wins, its bands as selects.
-            return [blocks.Run(r.rows, r.cols, masked=r.masked or r.band is not None) for r in exact]
-        return split
 
     def _call(self, backward: bool, run: blocks.Run, program: Program, tensors: Dict[str, Tensor], scale: float,
               q_seg, kv_seg) -> None:
@@ -96,7 +73,7 @@ class CudnnKernel:
                 masked: bool) -> Tuple[Tensor, Tensor]:
         q, k, v = (_inner_contiguous(t) for t in (q, k, v))
         program = traced(mods, masked, q.device)
-        calls = self._calls(program, self._runs(program, mods, q, k, q_seg, kv_seg), q, k, v)
+        calls = self._calls(program, blocks.plan(program, mods, q, k, q_seg, kv_seg, self.split_depth), q, k, v)
         shape, lse_shape = (*q.shape[:3], v.shape[-1]), q.shape[:3]
         if len(calls) == 1 and isinstance(calls[0], blocks.Run) and calls[0].rows == (0, q.shape[2]):
             out, lse = q.new_empty(shape), q.new_empty(lse_shape, dtype=torch.float32)  # one call writes all
@@ -157,7 +134,7 @@ class CudnnKernel:
             raise ValueError("the cuDNN kernel gives no gradient for the tensors a score_mod reads")
         q, k, v, out, dout = (_inner_contiguous(t) for t in (q, k, v, out, dout))
         program = traced(mods, masked, q.device)
-        runs = self._runs(program, mods, q, k, q_seg, kv_seg)
+        runs = blocks.plan(program, mods, q, k, q_seg, kv_seg, self.split_depth)
         stats = lse.float()
         if program.score is not None or any(run.masked for run in runs):
             # A row that sees no key anywhere has lse -inf, which cuDNN's backward turns into NaN;
