@@ -1,7 +1,8 @@
 """attn_implementation="ringflex" in Hugging Face transformers (skipped without transformers): a tiny
-Llama (GQA, RoPE at global position ids) and a tiny gpt-oss (attention sinks, sliding-window
-layers) on a real ring give the logits and summed parameter gradients of the same model in one
-process (fp64); sliding windows and softcap map to mods; padding masks raise."""
+Llama (GQA, RoPE at global position ids), a tiny gpt-oss (attention sinks, sliding-window
+layers) and a tiny Gemma 2 (logit softcap, sliding-window layers) on a real ring give the logits
+and summed parameter gradients of the same model in one process (fp64); sliding windows and
+softcap map to mods; padding masks raise."""
 import pytest
 import torch
 
@@ -38,8 +39,38 @@ def _gpt_oss():
     return model
 
 
-# name -> (builder, attention of the one-process model, batch size); eager attention holds gpt-oss's sinks
-MODELS = {"llama": (_llama, "sdpa", 2), "gpt_oss": (_gpt_oss, "eager", 1)}
+def _gemma2_rms_norm_in_its_dtype(self, x):
+    return self._norm(x) * (1.0 + self.weight)  # Gemma 2's own norm computes in fp32 even in an fp64 model
+
+
+def _gemma2():
+    transformers.models.gemma2.modeling_gemma2.Gemma2RMSNorm.forward = _gemma2_rms_norm_in_its_dtype
+    config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=64, sliding_window=5, attn_logit_softcapping=3.0,
+                                       final_logit_softcapping=30.0, query_pre_attn_scalar=16,
+                                       layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(config).double()
+
+
+def _eager_fp64(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    """Gemma 2's eager attention without its softmax in fp32, so that fp64 compares exactly."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    weights = query @ key.transpose(2, 3) * scaling
+    if softcap is not None:
+        weights = softcap * torch.tanh(weights / softcap)
+    weights = torch.softmax(weights + attention_mask, dim=-1)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+transformers.AttentionInterface.register("eager_fp64", _eager_fp64)
+transformers.masking_utils.AttentionMaskInterface.register("eager_fp64", transformers.masking_utils.eager_mask)
+
+# name -> (builder, attention of the one-process model, batch size); eager attention holds gpt-oss's
+# sinks, and Gemma 2's logit softcap (in fp64 throughout)
+MODELS = {"llama": (_llama, "sdpa", 2), "gpt_oss": (_gpt_oss, "eager", 1), "gemma2": (_gemma2, "eager_fp64", 2)}
 
 
 def _compare(rank, world_size, layout, model_name="llama"):
@@ -105,4 +136,13 @@ def test_gpt_oss_attention_sinks_match_single_process():
     sliding-window layers on a real ring: the logits and every gradient, sinks' included, of
     one process with eager attention (fp64)."""
     for out_error, grad_error in run_world(2, _compare, "zigzag", "gpt_oss"):
+        assert out_error < 1e-10 and grad_error < 1e-10, (out_error, grad_error)
+
+
+def test_gemma2_softcap_and_sliding_window_layers_match_single_process():
+    """Gemma 2's attention: a tanh softcap of the logits in every layer, sliding-window and
+    full layers in turn, grouped heads and its own query scale, on a real ring: the logits and
+    every gradient of one process with eager attention (fp64; its softmax and norms, which
+    Gemma 2 computes in fp32, kept in fp64 for both)."""
+    for out_error, grad_error in run_world(2, _compare, "zigzag", "gemma2"):
         assert out_error < 1e-10 and grad_error < 1e-10, (out_error, grad_error)
