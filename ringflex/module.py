@@ -8,7 +8,9 @@ attention module or a whole model and activates the mode around its forward.
 
 How the calls are found:
 
-- SDPA is a torch function, so the mode sees it directly.
+- SDPA is a torch function, so the mode sees it directly. So is ``nn.MultiheadAttention``'s
+  ``F.multi_head_attention_forward``, whose projections the mode computes around the ring
+  (torch's fused fast paths step aside while a mode is active).
 - ``flex_attention`` is a plain Python function. While a mode is active, every module global
   that holds torch's ``flex_attention`` or ``torch.compile(flex_attention)`` (the attribute of
   ``torch.nn.attention.flex_attention`` and names bound by ``from ... import flex_attention``
@@ -44,6 +46,7 @@ from .validate import BACKENDS
 
 _TORCH_FLEX = _flex.flex_attention
 _FLEX_SIGNATURE = inspect.signature(_TORCH_FLEX)
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 _FLEX_HOP = getattr(torch.ops.higher_order, "flex_attention", None)
 
 
@@ -179,7 +182,8 @@ class RingFlexMode(TorchFunctionMode):
     (see ``ringflex.shard``); every rank must make the same calls. ``mask_mod`` (optional) is
     ANDed onto every call's mask -- the document mask of a packed batch, for a model that only
     knows ``is_causal``. Calls that cannot be routed exactly raise instead of computing
-    something else: a dense ``attn_mask``, ``dropout_p > 0``, a BlockMask without mask_mod.
+    something else: a dense ``attn_mask``, ``dropout_p > 0``, a BlockMask without mask_mod,
+    ``nn.MultiheadAttention`` asked for its attention weights.
     """
 
     def __init__(self, group=None, layout: str = "zigzag", backend: str = "auto", mask_mod: Optional[Callable] = None):
@@ -210,6 +214,8 @@ class RingFlexMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self._sdpa(*args, **kwargs)
+        if func is F.multi_head_attention_forward:
+            return self._multi_head(*args, **kwargs)
         if func is flex_attention:
             return self._flex(*args, **kwargs)
         if func is attention:
@@ -250,6 +256,46 @@ class RingFlexMode(TorchFunctionMode):
                              f"dropout_p={dropout_p}; pass dropout_p=0.0 (e.g. put the model in eval mode)")
         return self._ring(query, key, value, mask_mod=mods.causal if is_causal else None, scale=scale,
                           enable_gqa=enable_gqa)
+
+    def _multi_head(self, *args, **kwargs):
+        """``nn.MultiheadAttention`` (through ``F.multi_head_attention_forward``, which torch
+        would run here without the mode, over this rank's tokens alone): its projections as
+        torch computes them, its attention as a ring. What needs the whole attention matrix or
+        local positions raises, as does dropout in training."""
+        a = _MHA_SIGNATURE.bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        refused = [
+            (a["need_weights"], "need_weights=True (the whole attention matrix, which a ring never forms): "
+                                "call it with need_weights=False"),
+            (a["key_padding_mask"] is not None, "a key_padding_mask (local positions): pack the sequences instead "
+                                                "(ringflex.PackedSequences)"),
+            (a["attn_mask"] is not None and not a["is_causal"],
+             "a dense attn_mask (local positions): for a causal mask pass is_causal=True with it, else give "
+             "RingFlexAttention a mask_mod"),
+            (any(a[name] is not None for name in ("bias_k", "bias_v", "static_k", "static_v")) or a["add_zero_attn"],
+             "bias_k / bias_v, add_zero_attn or static_k / static_v (keys beside the sequence)"),
+            (a["training"] and a["dropout_p"] > 0, f"dropout in training (dropout={a['dropout_p']}): set it to 0 or "
+                                                   "use eval mode"),
+        ]
+        for is_refused, why in refused:
+            if is_refused:
+                raise ValueError(f"nn.MultiheadAttention: RingFlexMode cannot route {why}")
+        inputs = [a[name] for name in ("query", "key", "value")]
+        unbatched = inputs[0].dim() == 2
+        if unbatched:
+            inputs = [x.unsqueeze(1) for x in inputs]
+        if a["use_separate_proj_weight"]:
+            weights = a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"]
+        else:
+            weights = a["in_proj_weight"].chunk(3)
+        biases = a["in_proj_bias"].chunk(3) if a["in_proj_bias"] is not None else (None,) * 3
+        # [L, N, E] -> [N, heads, L, E / heads], as SDPA takes them
+        q, k, v = (F.linear(x, w, b).unflatten(-1, (a["num_heads"], -1)).permute(1, 2, 0, 3)
+                   for x, w, b in zip(inputs, weights, biases))
+        out = self._ring(q, k, v, mask_mod=mods.causal if a["is_causal"] else None)
+        out = F.linear(out.permute(2, 0, 1, 3).flatten(2), a["out_proj_weight"], a["out_proj_bias"])
+        return out.squeeze(1) if unbatched else out, None
 
     def _flex(self, query, key, value, *args, **kwargs):
         bound = _FLEX_SIGNATURE.bind(query, key, value, *args, **kwargs).arguments
