@@ -47,6 +47,18 @@ from .validate import BACKENDS
 _TORCH_FLEX = _flex.flex_attention
 _FLEX_SIGNATURE = inspect.signature(_TORCH_FLEX)
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+# Attention torch computes over the tensors it is given: under the mode, this rank's tokens
+# alone. Only code that calls these itself reaches them (torch's modules take SDPA or
+# F.multi_head_attention_forward while a mode is active); the mode refuses them.
+_LOCAL_ATTENTION = frozenset(
+    [getattr(torch.ops.aten, name) for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_attention_math", "_scaled_dot_product_fused_attention_overrideable",
+        "_flash_attention_forward", "_efficient_attention_forward", "_cudnn_attention_forward")
+     if hasattr(torch.ops.aten, name)]
+    + [getattr(torch, name) for name in ("_native_multi_head_attention", "_transformer_encoder_layer_fwd")
+       if hasattr(torch, name)])
 _FLEX_HOP = getattr(torch.ops.higher_order, "flex_attention", None)
 
 
@@ -225,6 +237,9 @@ class RingFlexMode(TorchFunctionMode):
                 "RingFlexMode: torch's flex_attention was reached through a reference ringflex could not replace "
                 "(the function kept in an attribute, closure or default argument): call it through a module-level "
                 "name (torch.nn.attention.flex_attention.flex_attention, or a name imported or compiled from it)")
+        if getattr(func, "overloadpacket", func) in _LOCAL_ATTENTION:
+            raise RuntimeError(f"RingFlexMode: {func} computes attention over this rank's tokens alone, and ringflex "
+                               "cannot route it: call F.scaled_dot_product_attention or flex_attention instead")
         return func(*args, **kwargs)
 
     def _world_size(self) -> int:

@@ -289,3 +289,12 @@ def test_multihead_attention_calls_that_cannot_be_routed_raise(call, match):
     module, x = nn.MultiheadAttention(DIM, HEADS, batch_first=True).double(), torch.randn(1, 8, DIM, dtype=torch.float64)
     with RingFlexMode(), pytest.raises(ValueError, match=match):
         call(module, x)
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+                                torch.ops.aten._scaled_dot_product_attention_math.default])
+def test_torch_attention_ops_called_directly_are_refused(op):
+    """Code that calls torch's fused attention ops itself would attend to this rank's tokens
+    alone: the mode refuses them instead."""
+    with RingFlexMode(), pytest.raises(RuntimeError, match="this rank's tokens alone"):
+        op(*_qkv())
