@@ -229,6 +229,8 @@ def _mha_models():
                                 True),
         "mha_seq_first": (nn.MultiheadAttention(DIM, HEADS), lambda m, x, mem: m(x, x, x, need_weights=False)[0],
                           False, False),
+        "mha_unbatched": (nn.MultiheadAttention(DIM, HEADS),
+                          lambda m, x, mem: m(x[:, 0], x[:, 0], x[:, 0], need_weights=False)[0], False, False),
         "encoder_layer_causal": (nn.TransformerEncoderLayer(DIM, HEADS, dim_feedforward=32, dropout=0.0,
                                                             batch_first=True),
                                  lambda m, x, mem: m(x, src_mask=causal(x.shape[1], dtype=x.dtype), is_causal=True),
@@ -267,7 +269,7 @@ def _mha_run(rank, world_size, layout):
 
 def test_torch_attention_modules_match_single_process():
     """nn.MultiheadAttention (self- and cross-attention with other key / value dims, batch or
-    sequence first) and nn.TransformerEncoderLayer (causal), unchanged and wrapped, on a real
+    sequence first, unbatched) and nn.TransformerEncoderLayer (causal), unchanged and wrapped, on a real
     ring: the output and every gradient of one process (fp64). Without the route torch ran
     their attention over each rank's tokens alone: 0.5 off, silently."""
     for rank, result in enumerate(run_world(2, _mha_run, "zigzag")):
