@@ -235,6 +235,10 @@ def _mha_models():
                                                             batch_first=True),
                                  lambda m, x, mem: m(x, src_mask=causal(x.shape[1], dtype=x.dtype), is_causal=True),
                                  True, False),
+        "decoder_layer_causal": (nn.TransformerDecoderLayer(DIM, HEADS, dim_feedforward=32, dropout=0.0,
+                                                            batch_first=True),
+                                 lambda m, x, mem: m(x, mem[..., :DIM], tgt_mask=causal(x.shape[1], dtype=x.dtype),
+                                                     tgt_is_causal=True), True, True),
     }
 
 
@@ -269,7 +273,8 @@ def _mha_run(rank, world_size, layout):
 
 def test_torch_attention_modules_match_single_process():
     """nn.MultiheadAttention (self- and cross-attention with other key / value dims, batch or
-    sequence first, unbatched) and nn.TransformerEncoderLayer (causal), unchanged and wrapped, on a real
+    sequence first, unbatched), nn.TransformerEncoderLayer (causal) and nn.TransformerDecoderLayer
+    (causal, cross-attention to a memory sharded alike), unchanged and wrapped, on a real
     ring: the output and every gradient of one process (fp64). Without the route torch ran
     their attention over each rank's tokens alone: 0.5 off, silently."""
     for rank, result in enumerate(run_world(2, _mha_run, "zigzag")):
