@@ -241,16 +241,19 @@ class PeerTransport:
             self.sending_captured.clear()
 
     def _send(self, stream: int, direction: int, data: Tensor) -> None:
-        address = data.data_ptr()
-        for start, end in chunks(data.numel() * data.element_size()):
-            self._send_chunk(stream, direction, *slot_of(self.sent[direction]), address + start, end - start)
-            self.sent[direction] += 1
+        self._in_chunks(stream, direction, data, self.sent, self._send_chunk)
 
     def _receive(self, stream: int, direction: int, data: Tensor) -> None:
+        self._in_chunks(stream, direction, data, self.received, self._receive_chunk)
+
+    @staticmethod
+    def _in_chunks(stream: int, direction: int, data: Tensor, count: List[int], chunk) -> None:
+        """``data`` moved by ``chunk`` (``_send_chunk`` or ``_receive_chunk``) a slot at a time,
+        each chunk numbered in ``count`` (``sent`` or ``received``) as both ends number it."""
         address = data.data_ptr()
         for start, end in chunks(data.numel() * data.element_size()):
-            self._receive_chunk(stream, direction, *slot_of(self.received[direction]), address + start, end - start)
-            self.received[direction] += 1
+            chunk(stream, direction, *slot_of(count[direction]), address + start, end - start)
+            count[direction] += 1
 
     def _send_chunk(self, stream: int, direction: int, slot: int, mark: int, source: int = 0, nbytes: int = 0) -> None:
         """Waits until the receiver has copied out the slot's previous use, fills it with
