@@ -114,7 +114,6 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group=None) -> No
     """
     if _group_size(group) == 1:
         return
-    group = group if group is not None else dist.group.WORLD
     buckets = {}
     for p in _with_grad_on_any_rank(list(parameters), group):
         if p.grad is None:
@@ -138,6 +137,5 @@ def _with_grad_on_any_rank(params: List[torch.nn.Parameter], group) -> List[torc
                          + ", ".join(f"rank {r}: {n} parameters, shapes and dtypes {crc:08x}"
                                      for r, (n, crc) in enumerate(records))
                          + "); pass the same model's parameters on every rank")
-    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=validate.control_group(group))
-    return [p for p, anywhere in zip(params, has_grad.tolist()) if anywhere]
+    has_grad = validate.exchange(group, [p.grad is not None for p in params], None, "reduce_gradients")
+    return [p for p, *anywhere in zip(params, *has_grad) if any(anywhere)]

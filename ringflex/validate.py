@@ -186,8 +186,9 @@ class _Exchange:
 
 def exchange(group, values: Sequence[int], error: Optional[str], what: str, error_type=ValueError) -> List[List[int]]:
     """Every rank's ``values`` (ints below 2**63), gathered over the control group of the ring
-    ``group``. If any rank had an ``error``, every rank raises the same ``error_type``, naming it."""
-    return _Exchange(group, values, error, what, error_type).result()
+    ``group`` (None: the default group). If any rank had an ``error``, every rank raises the
+    same ``error_type``, naming it."""
+    return _Exchange(group if group is not None else dist.group.WORLD, values, error, what, error_type).result()
 
 
 def _bits(x: float) -> int:

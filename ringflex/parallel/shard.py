@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import validate
 from . import layout as layouts
 
 
@@ -33,27 +34,24 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return zlib.crc32(str(dtype).encode())  # the same in every process
 
 
-def _check_same_shards(x: Tensor, group, world_size: int) -> None:
+def _check_same_shards(x: Tensor, group) -> None:
     """Raises the same error on every rank if the shards differ in shape or dtype (an
     all_gather of unequal tensors would hang or kill a rank)."""
     if x.dim() > _MAX_DIMS:
         raise ValueError(f"unshard supports tensors of at most {_MAX_DIMS} dims, got {x.dim()}")
-    mine = torch.tensor([_dtype_code(x.dtype), x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim()), dtype=torch.int64,
-                        device=x.device)
-    records = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(records, mine, group=group)
-    names = {_dtype_code(d): str(d).replace("torch.", "") for d in vars(torch).values() if isinstance(d, torch.dtype)}
-    shards = [(tuple(r[2:2 + int(r[1])].tolist()), names.get(int(r[0]), "?")) for r in records]
-    if len(set(shards)) > 1:
-        raise ValueError("unshard: the ranks' shards differ ("
-                         + ", ".join(f"rank {r}: {shape} {dtype}" for r, (shape, dtype) in enumerate(shards)) + ")")
+    mine = [_dtype_code(x.dtype), x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim())
+    records = validate.exchange(group, mine, None, "unshard")
+    if any(r != mine for r in records):
+        names = {_dtype_code(d): str(d).replace("torch.", "") for d in vars(torch).values() if isinstance(d, torch.dtype)}
+        raise ValueError("unshard: the ranks' shards differ (" + ", ".join(
+            f"rank {rank}: {tuple(r[2:2 + r[1]])} {names.get(r[0], '?')}" for rank, r in enumerate(records)) + ")")
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, layout):
         rank, world_size = _rank_and_size(group)
-        _check_same_shards(x, group, world_size)
+        _check_same_shards(x, group)
         parts = [torch.empty_like(x) for _ in range(world_size)]
         dist.all_gather(parts, x.contiguous(), group=group)
         full_len = x.shape[dim] * world_size
