@@ -111,8 +111,7 @@ def ring_call(mask_mod, seq_len: int, dev, group=None) -> str:
         torch.cuda.synchronize()
         times.append(1e3 * (time.perf_counter() - start) / 20)
     if group is not None:
-        times = torch.tensor(times)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        times = ranks.max_over_ranks(times, dev, group)
     return f"max diff out, dq, dk, dv {diffs}; eager {times[0]:.2f} ms, replay {times[1]:.2f} ms"
 
 

@@ -94,10 +94,9 @@ def main():
                     print(f"{name:>18} {layout:>10}: ERROR {type(e).__name__}: {e}", flush=True)
                 continue
             got = [out] + [t.grad for t in local]
-            errs = torch.tensor([relative_error(g, ringflex.shard(w, 2, layout=layout)) for g, w in zip(got, want)],
-                                dtype=torch.float64, device="cpu" if dist.get_backend() == "gloo" else args.device)
-            dist.all_reduce(errs, op=dist.ReduceOp.MAX)
-            ok = bool(errs.max() <= tolerance) and not any(torch.isnan(g).any() for g in got)
+            errs = ranks.max_over_ranks([relative_error(g, ringflex.shard(w, 2, layout=layout))
+                                         for g, w in zip(got, want)], q.device)
+            ok = max(errs) <= tolerance and not any(torch.isnan(g).any() for g in got)
             failed += not ok
             if rank == 0:
                 print(f"{name:>18} {layout:>10}: out {errs[0]:.2e} dq {errs[1]:.2e} dk {errs[2]:.2e} dv {errs[3]:.2e}"

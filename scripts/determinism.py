@@ -86,9 +86,7 @@ def main():
                     diffs = [max(d, (a.float() - b.float()).abs().max().item()) for d, a, b in zip(diffs, first, again)]
                     ms = min(ms, took)
                 if world_size > 1:
-                    worst = torch.tensor(diffs, device=device if dist.get_backend() == "nccl" else "cpu")
-                    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                    diffs = worst.tolist()
+                    diffs = ranks.max_over_ranks(diffs, device)
                 if rank == 0:
                     cells = " | ".join("0" if d == 0 else f"{d:.2e}" for d in diffs)
                     print(f"| {backend} | {str(dtype).replace('torch.', '')} | {name} | {cells} | {ms:.2f} |", flush=True)

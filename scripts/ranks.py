@@ -4,6 +4,7 @@ GPU; ringflex's copy-engine transport carries their ring, through CUDA IPC)."""
 from __future__ import annotations
 
 import os
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,3 +19,10 @@ def init(device_type: str = "cuda") -> torch.device:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % gpus)
     dist.init_process_group("gloo" if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > gpus else "nccl")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def max_over_ranks(values: Sequence[float], device: torch.device, group=None) -> List[float]:
+    """Each of ``values``' maximum over the ranks (on the CPU over gloo, on ``device`` over NCCL)."""
+    t = torch.tensor(values, dtype=torch.float64, device="cpu" if dist.get_backend(group) == "gloo" else device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
