@@ -597,7 +597,16 @@ class _FakeGraph:
         self.modified = kw["score_mod"](shim, self.score) if kw.get("score_mod") else self.score
         self.ds_in = kw["score_mod_bprop"](shim, self.ds) if kw.get("score_mod_bprop") else self.ds
 
-    validate = create_execution_plans = check_support = build_plans = lambda self, *a: None
+    validate = check_support = build_plans = lambda self, *a: None
+
+    def create_execution_plans(self, modes):
+        failure = None  # as the frontend (1.32) does: a declined mode's error stays in this frame
+        for mode in modes:
+            try:
+                if mode == "FALLBACK":  # it declines most attention graphs
+                    raise RuntimeError("no fallback engine for this graph")
+            except RuntimeError as exc:
+                failure = exc  # noqa: F841
 
     def get_workspace_size(self):
         return 0
@@ -869,6 +878,46 @@ def test_dropped_graphs_are_freed_emulated(monkeypatch):
         assert all(r() is None for r in graphs)
     finally:
         gc.enable()
+
+
+def _caller_after_builds(kernel, device) -> "weakref.ref":
+    """Builds a forward and a backward graph and returns a weak reference to a local of this
+    frame, which ends with it unless a reference cycle holds the frame."""
+    import weakref
+
+    local = torch.ones(1)
+    q = torch.randn(1, 2, 64, 8, dtype=torch.bfloat16, device=device)
+    seg, m = Segment(0, 1, 64), Mods(mask_mod=mods.causal)
+    out, lse = kernel.forward(q, q, q, seg, seg, m, 1.0, True)
+    kernel.backward(q, q, q, out, lse, torch.ones_like(out), seg, seg, m, 1.0, True)
+    return weakref.ref(local)
+
+
+def _no_frame_outlives_its_call(module, device):
+    import gc
+
+    module.clear_cache()
+    gc.collect()
+    gc.disable()
+    try:
+        assert _caller_after_builds(module.CudnnKernel(), device)() is None
+    finally:
+        gc.enable()
+
+
+def test_building_a_graph_leaves_no_cycle_holding_its_callers_emulated(monkeypatch):
+    """Asking the frontend for a heuristic mode that declines leaves the decline's exception
+    in a frame its traceback holds, a cycle that keeps every caller's frame and locals until
+    Python's collector runs (perhaps inside a CUDA-graph capture, which freeing a CUDAGraph
+    invalidates): the kernel asks only for the mode whose plan it runs."""
+    _no_frame_outlives_its_call(_emulated(monkeypatch), "cpu")
+
+
+@needs_cudnn
+def test_building_a_graph_leaves_no_cycle_holding_its_callers():
+    from ringflex.kernels import cudnn as module
+
+    _no_frame_outlives_its_call(module, "cuda")
 
 
 def _ring_with_new_documents(rank, world_size, batches):
