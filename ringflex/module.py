@@ -20,13 +20,16 @@ How the calls are found:
 
 Limits: a reference the patch cannot see (an attribute, closure or default argument holding
 the function) still reaches torch's flex_attention, which the mode then refuses with an error
-naming the cause. The wrapper runs in eager mode; a model compiled as a whole is not routed.
+naming the cause. ``torch.compile(RingFlexAttention(model))`` compiles the model inside the
+mode: the wrapper's own frame runs eagerly, so the names are replaced before dynamo traces the
+model. A mode entered inside compiled code is traced without replacing them, and refused.
 Activation checkpointing recomputes outside the wrapper's forward, so wrap the attention
 modules themselves (the recompute then runs the wrapper again).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import threading
@@ -236,7 +239,9 @@ class RingFlexMode(TorchFunctionMode):
             raise RuntimeError(
                 "RingFlexMode: torch's flex_attention was reached through a reference ringflex could not replace "
                 "(the function kept in an attribute, closure or default argument): call it through a module-level "
-                "name (torch.nn.attention.flex_attention.flex_attention, or a name imported or compiled from it)")
+                "name (torch.nn.attention.flex_attention.flex_attention, or a name imported or compiled from it); "
+                "or the mode was entered inside torch.compile'd code, which traces its entry without replacing "
+                "the names: enter it outside, or compile the model inside RingFlexAttention")
         if getattr(func, "overloadpacket", func) in _LOCAL_ATTENTION:
             raise RuntimeError(f"RingFlexMode: {func} computes attention over this rank's tokens alone, and ringflex "
                                "cannot route it: call F.scaled_dot_product_attention or flex_attention instead")
@@ -355,6 +360,7 @@ class RingFlexAttention(nn.Module):
             raise TypeError(f"mask_mod must be callable or None, got {type(mask_mod).__name__}")
         self.mode.mask_mod = mask_mod
 
+    @functools.partial(torch.compiler.disable, recursive=False)  # the model's frames still compile
     def forward(self, *args, **kwargs):
         with self.mode:
             return self.module(*args, **kwargs)

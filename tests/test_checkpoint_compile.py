@@ -80,3 +80,54 @@ def test_torch_compile_breaks_the_graph_cleanly_at_the_ring():
     for error, strict in run_world(WORLD, _compiled, timeout=240):
         assert error < 1e-5
         assert strict is not None and "ring_flex_attention runs collectives" in strict
+
+
+class FlexBlock(torch.nn.Module):
+    """Attention as written for one GPU: flex_attention with a block mask and a score_mod."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(DIM, 3 * DIM)
+
+    def forward(self, x):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        q, k, v = self.qkv(x).unflatten(-1, (3, HEADS, DIM // HEADS)).permute(2, 0, 3, 1, 4)
+        block_mask = create_block_mask(mods.causal, None, None, q.shape[2], k.shape[2], device="cpu")
+        out = flex_attention(q, k, v, block_mask=block_mask, score_mod=mods.softcap(4.0))
+        return out.transpose(1, 2).flatten(2)
+
+
+def _compiled_wrapper(rank, world_size):
+    torch.manual_seed(0)
+    wrapped = ringflex.RingFlexAttention(FlexBlock())
+    x = ringflex.shard(torch.randn(2, S, DIM), 1)
+    eager = _gradients(wrapped, x)
+    compiled = _gradients(torch.compile(wrapped), x)
+    error = max((a - b).abs().max().item() for a, b in zip(eager, compiled))
+    # a model compiled whole, whose attention module is wrapped
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), wrapped, torch.nn.Linear(DIM, DIM))
+    eager, compiled = _gradients(model, x), _gradients(torch.compile(model), x)
+    error = max([error] + [(a - b).abs().max().item() for a, b in zip(eager, compiled)])
+    mode = ringflex.RingFlexMode()
+
+    def entered_inside(x):
+        with mode:
+            return wrapped.module(x)
+    try:
+        with torch.no_grad():  # torch's flex_attention refuses gradients on a CPU before its check
+            torch.compile(entered_inside)(x)
+        inside = None
+    except Exception as e:  # noqa: BLE001 (the test reads the message)
+        inside = str(e)
+    return error, inside
+
+
+def test_a_compiled_wrapper_compiles_the_model_inside_the_mode():
+    """``torch.compile(RingFlexAttention(model))``, and a model compiled whole around a wrapped
+    attention module: the wrapper enters its mode before dynamo traces what it wraps, so
+    flex_attention is routed as in eager mode (dynamo defers the mode's replacement of
+    flex_attention when it traces the entry itself). A mode entered inside compiled code is
+    refused with a message that says so."""
+    for error, inside in run_world(WORLD, _compiled_wrapper, timeout=400):
+        assert error < 1e-5
+        assert inside is not None and "entered inside torch.compile" in inside
