@@ -13,13 +13,16 @@ from torch import Tensor
 from . import debug, validate
 from .kernels import _warn_once, select_kernel
 from .kernels.base import Mods
-from .parallel import layout as layouts
+from .parallel import comm, layout as layouts
 from .parallel.fault import GuardedComm
 from .parallel.ring import RingAttention, RingCall
 from .plan import PlanCache, around, check_lookups, keys_read, plan_hops
 from .trace import tensors_requiring_grad
 
 _PLANS = PlanCache()
+_COLD_CAPTURE = ("ring_flex_attention is being captured in a CUDA graph, but no call with this mask, these shapes and "
+                 "this backend ran before: a first call plans the ring and builds its kernels, which a capture cannot "
+                 "hold. Run the call once eagerly before capturing (torch.cuda.make_graphed_callables does)")
 
 
 def _ring_group(group):
@@ -78,8 +81,6 @@ def ring_flex_attention(
         q_segs = layouts.segments(layout, q_len, world_size, rank)
         kv_segs_per_step = [layouts.segments(layout, kv_len, world_size, (rank - step) % world_size)
                             for step in range(world_size)]
-        if score_mod is not None:  # the mask's lookups are checked where it is planned
-            check_lookups(score_mod, "score_mod", q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device)
         tensors = tensors_requiring_grad(score_mod, q.device)
         kernel = select_kernel(backend, q, k, v, mods, tensor_grads=bool(tensors))
         min_tile = int(os.environ.get("RINGFLEX_MIN_TILE", 1024))
@@ -88,14 +89,22 @@ def ring_flex_attention(
             return (mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device,
                     min_tile, kernel)
 
-        schedule = _PLANS.get(*plan_args(q_segs, kv_segs_per_step))
+        def planned(q_segs, kv_segs_per_step):
+            try:  # planning works on the host and the device at once: never inside a CUDA-graph capture
+                return _PLANS.get(*plan_args(q_segs, kv_segs_per_step), planned_only=comm.capturing(q))
+            except LookupError:
+                raise RuntimeError(_COLD_CAPTURE) from None
+
+        schedule = planned(q_segs, kv_segs_per_step)
         stale = debugging and debug.plan_error(schedule, plan_hops(*plan_args(q_segs, kv_segs_per_step)))
         if stale:
             raise ValueError(stale)
+        if score_mod is not None:  # the mask's lookups are checked where it is planned
+            check_lookups(score_mod, "score_mod", q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device)
         # What the other ranks will read of this rank's block (their plans for it, made here
         # too): the first send is sliced to it before the own block's compute is queued.
         own_rows_read = around(
-            keys_read(_PLANS.get(*plan_args(layouts.segments(layout, q_len, world_size, other), kv_segs_per_step[:1])), 1)[0]
+            keys_read(planned(layouts.segments(layout, q_len, world_size, other), kv_segs_per_step[:1]), 1)[0]
             for other in range(world_size) if other != rank)
         return schedule, kernel, own_rows_read, tensors
 
@@ -107,10 +116,10 @@ def ring_flex_attention(
     if agreement.failed_here or debugging:  # raises here (or, debugging, agrees before the checks below)
         agreement.wait()
     schedule, kernel, own_rows_read, tensors = agreement.result
-    comm = None
+    transfers = None
     if world_size > 1:
-        comm = debug.DebugComm(group) if debugging else GuardedComm(group)
-    call = RingCall(comm=comm, schedule=schedule, kernel=kernel, mods=mods,
+        transfers = debug.DebugComm(group) if debugging else GuardedComm(group)
+    call = RingCall(comm=transfers, schedule=schedule, kernel=kernel, mods=mods,
                     scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), agreement=agreement,
                     own_rows_read=own_rows_read, tensors=tensors)
     if debugging:

@@ -372,26 +372,35 @@ class MaskCache:
         self.size = size
         self.entries: OrderedDict = OrderedDict()
 
-    def lookup(self, mask_mod, key: tuple, compute: Callable):
-        """The value of ``compute()`` for ``mask_mod`` and the hashable rest of its inputs ``key``."""
+    def lookup(self, mask_mod, key: tuple, compute: Optional[Callable]):
+        """The value of ``compute()`` for ``mask_mod`` and the hashable rest of its inputs ``key``;
+        with ``compute`` None only a value computed before, else ``LookupError``."""
         tensors = [p for p in captured.parts(mask_mod) if isinstance(p, Tensor)]
         try:
             ref = weakref.ref(mask_mod) if mask_mod is not None else (lambda: None)
         except TypeError:  # cannot tell whether the object lives on: do not cache
-            return compute()
+            return _computed(compute)
         key = (id(mask_mod), self._fingerprint(mask_mod), tuple((id(t), t._version) for t in tensors)) + key
         entry = self.entries.get(key)
         if entry is not None and entry[0]() is mask_mod and all(r() is t for r, t in zip(entry[1], tensors)):
             return entry[2]
-        return remember(self.entries, key, (ref, [weakref.ref(t) for t in tensors], compute()), self.size)[2]
+        return remember(self.entries, key, (ref, [weakref.ref(t) for t in tensors], _computed(compute)), self.size)[2]
+
+
+def _computed(compute: Optional[Callable]):
+    if compute is None:
+        raise LookupError("not computed before")
+    return compute()
 
 
 class PlanCache(MaskCache):
     """Plans by mask and segments, so a training loop classifies its blocks once."""
 
     def get(self, mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device=None, min_tile=1024,
-            kernel=None):
+            kernel=None, planned_only: bool = False):
+        """The plan (``plan_hops``) of these arguments; with ``planned_only`` only one made
+        before, else ``LookupError``."""
         key = (min_tile, has_score_mod, batch, heads, tuple(q_segs), tuple(map(tuple, kv_segs_per_step)), str(device),
                kernel and kernel.name)
-        return self.lookup(mask_mod, key, lambda: plan_hops(mask_mod, has_score_mod, batch, heads, q_segs,
-                                                            kv_segs_per_step, device, min_tile, kernel))
+        return self.lookup(mask_mod, key, None if planned_only else lambda: plan_hops(
+            mask_mod, has_score_mod, batch, heads, q_segs, kv_segs_per_step, device, min_tile, kernel))

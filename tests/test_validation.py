@@ -391,3 +391,33 @@ def test_a_ring_over_several_ranks_captures_only_on_the_copy_engines():
             "CallRejected: ring_flex_attention: the ranks disagree on the CUDA-graph capture (rank 0: capturing, "
             "rank 1: not capturing); every rank of the ring must make the same call"), errors
         assert errors["eager again"] is None
+
+
+def _cold_capture_errors(rank, world_size):
+    """A call captured (simulated) before any eager call with its mask and shapes, and after one."""
+    from ringflex.parallel import comm, peer
+    _, (q, k, v) = _inputs(heads=2)
+    window = mods.sliding_window(3)
+    peer._TRANSPORTS[dist.group.WORLD] = object()  # the copy engines, which capture
+    comm.capturing = lambda t: True
+    errors = {"cold": _error_text(lambda: ringflex.ring_flex_attention(q, k, v, mask_mod=window))}
+    comm.capturing = lambda t: False
+    ringflex.ring_flex_attention(q, k, v, mask_mod=window)
+    comm.capturing = lambda t: True
+    errors["warm"] = _error_text(lambda: ringflex.ring_flex_attention(q, k, v, mask_mod=window))
+    comm.capturing = lambda t: False
+    del peer._TRANSPORTS[dist.group.WORLD]
+    return errors
+
+
+def test_a_call_captured_before_it_ran_eagerly_is_refused_clearly():
+    """Planning works on the host and the device at once, which a CUDA graph cannot capture (on
+    an H100 the first call failed inside the capture with a host-to-device copy, or invalidated
+    it): captured before an eager call with the same mask and shapes, every rank says so."""
+    for errors in run_world(2, _cold_capture_errors, timeout=TIMEOUT):
+        assert errors["cold"] == (
+            "CallRejected: ring_flex_attention: rank 0: RuntimeError: ring_flex_attention is being captured in a "
+            "CUDA graph, but no call with this mask, these shapes and this backend ran before: a first call plans "
+            "the ring and builds its kernels, which a capture cannot hold. Run the call once eagerly before "
+            "capturing (torch.cuda.make_graphed_callables does) (while planning the ring, before any transfer)"), errors
+        assert errors["warm"] is None, errors

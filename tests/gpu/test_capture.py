@@ -151,3 +151,27 @@ def test_the_capture_check_sees_a_capture():
         assert comm.capturing(x)
         x.add_(1)
     assert not comm.capturing(x)
+
+
+@needs_cuda
+def test_a_call_captured_before_it_ran_eagerly_says_so():
+    """A first call plans the ring and builds cuDNN graphs, which a capture cannot hold (it
+    failed there with a host-to-device copy, or invalidated the capture): refused clearly,
+    whether nothing ran with this mask and these shapes, or only another head dim did."""
+    dev = torch.device("cuda")
+    mask = mods.sliding_window(300)  # a mask object no call planned before
+
+    def inputs(head_dim):
+        return [torch.randn(1, 2, 1536, head_dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(3)]
+
+    def captured(head_dim):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            ringflex.ring_flex_attention(*inputs(head_dim), mask_mod=mask, backend="cudnn")
+
+    with pytest.raises(ValueError, match="no call with this mask, these shapes and this backend ran before"):
+        captured(64)
+    ringflex.ring_flex_attention(*inputs(64), mask_mod=mask, backend="cudnn")
+    with pytest.raises(RuntimeError, match="a cuDNN graph for this call's shapes is not built yet"):
+        captured(128)
+    torch.cuda.synchronize()

@@ -80,6 +80,9 @@ def graph(backward: bool, tensors: Dict[str, Tensor], scale: float, band, loweri
     if key in _GRAPHS:
         _GRAPHS.move_to_end(key)
         return _GRAPHS[key]
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():  # building would invalidate the capture
+        raise RuntimeError("ringflex: a cuDNN graph for this call's shapes is not built yet, and building one cannot "
+                           "be captured in a CUDA graph: run the call once eagerly before capturing")
     if len(_GRAPHS) >= _MAX_GRAPHS:
         _warn_once(f"ringflex: the cuDNN graph cache is full ({_MAX_GRAPHS} graphs): older graphs are dropped and "
                    "rebuilt when needed again (0.1 to 1.5 s each); raise RINGFLEX_CUDNN_GRAPHS if this "
