@@ -34,7 +34,8 @@ for stage in "$@"; do
     graph1) run graph1 tr 1 scripts/bench.py --seq-lens 8192 16384 --masks causal documents --graph --no-cp \
               --iters 5 --warmup 2 --singles sdpa-cudnn ringflex-1gpu ;;  # one rank: eager vs graphs
     graph2) run graph2 tr 2 scripts/bench.py --seq-lens 16384 32768 --masks none causal window documents --graph \
-              --iters 5 --warmup 2 --singles sdpa-cudnn ringflex-1gpu --json "$OUT/bench_graph.json" ;;  # eager vs graphs
+              --layouts zigzag contiguous --no-cp --iters 5 --warmup 2 --singles sdpa-cudnn ringflex-1gpu \
+              --json "$OUT/bench_graph.json" ;;  # eager vs graphs
     check2big) run check tr 2 scripts/check_ring.py --device cuda --backend cudnn --local-len 4096 \
               --cases sliding_window documents prefix_lm combined_masks sparse_rows late_queries ;;  # blocks kept whole
     transport2) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py ;;  # copy engines vs NCCL, failures
