@@ -79,14 +79,21 @@ def _tiled(mask_mod: Callable, mask: ModGraph, q: Tensor, kv_seg: Segment) -> Op
 
 
 def dense_row_extents(allowed: Tensor) -> Tensor:
-    """``row_extents`` from a block's whole [rows, keys] mask."""
+    """``row_extents`` from a block's whole [rows, keys] mask. A row whose keys are one run
+    (causal, windows, documents: its count spans first to last) ends it after its last key;
+    only the other rows are searched for the first key after their first that they do not see."""
     allowed, cols = allowed.contiguous(), allowed.shape[1]
-    visible = allowed.any(1)
+    count = allowed.sum(1)
+    visible = count > 0
     first = torch.where(visible, _first(allowed), -1)
     last = torch.where(visible, cols - 1 - _first(allowed.flip(1)), -1)
-    hidden = ~allowed & (torch.arange(cols, device=allowed.device) >= first.unsqueeze(1))
-    run_end = torch.where(hidden.any(1), _first(hidden), cols)
-    return torch.stack([first, last, run_end, allowed.sum(1)]).cpu()
+    extents = torch.stack([first, last, torch.where(visible, last + 1, 0), count]).cpu()
+    broken = ((extents[3] > 0) & (extents[3] < extents[1] - extents[0] + 1)).nonzero().squeeze(1)
+    if len(broken):  # each has a key it does not see between its first and last
+        rows = broken.to(allowed.device)
+        hidden = ~allowed[rows] & (torch.arange(cols, device=allowed.device) >= first[rows].unsqueeze(1))
+        extents[2, broken] = _first(hidden).cpu()
+    return extents
 
 
 def _positions(seg: Segment, local: Tensor) -> Tensor:

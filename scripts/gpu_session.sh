@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md, one stage per argument; logs go to $OUT (or ./out).
-#   bash scripts/gpu_session.sh kernel1 compile1 merge1 plans1 shapes1 ragged1 newdocs1 lse1 learnable1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
+#   bash scripts/gpu_session.sh kernel1 compile1 merge1 plans1 shapes1 ragged1 newdocs1 plancost1 lse1 learnable1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash scripts/gpu_session.sh check2 check2flex check2lse transport2 graph2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash scripts/gpu_session.sh check4 bench4              # on 4 GPUs
 #   bash scripts/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
@@ -45,6 +45,7 @@ for stage in "$@"; do
     plans1) run plans python3 scripts/plan_probe.py --seq-len 8192 --window 1024 ;;  # every cuDNN plan and knob, timed
     shapes1) run shapes python3 scripts/shape_probe.py ;;  # one rank's calls against the single-GPU call
     ragged1) run ragged python3 scripts/ragged_cost.py ;;  # ragged batch vs a call per document
+    plancost1) run plancost python3 scripts/plan_cost.py ;;  # planning a new packed batch, both ranks' blocks
     newdocs1) run newdocs1 python3 scripts/extents_cost.py  # planning one block exactly: every pair vs tiles
               for a in "16384 150" "65536 100"; do set -- $a; run newdocs1 python3 scripts/new_documents_probe.py \
               --seq-len $1 --calls $2 --profile 10; done  # one rank's hops, a new packed batch every call: graphs built

@@ -122,3 +122,25 @@ def test_row_extents_of_random_formulas_match_the_whole_mask(seed):
         kv_seg = Segment(rng.randrange(0, 300), stride, rng.randrange(1, 600))
         assert torch.equal(extents.row_extents(mask_mod, mask, q_seg, kv_seg, "cpu"), _dense(mask_mod, q_seg, kv_seg)), \
             (seed, q_seg, kv_seg)
+
+
+def _by_definition(allowed):
+    """First and last key seen, end of the run from the first one, count: row by row."""
+    rows = []
+    for row in allowed.tolist():
+        seen = [j for j, a in enumerate(row) if a]
+        if not seen:
+            rows.append([-1, -1, 0, 0])
+            continue
+        end = seen[0]
+        while end < len(row) and row[end]:
+            end += 1
+        rows.append([seen[0], seen[-1], end, len(seen)])
+    return torch.tensor(rows).T
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_dense_row_extents_follow_their_definition(name):
+    """Rows of one run, of several (checkerboard, flagged and scored keys), and of none."""
+    allowed = evaluate_mask(MASKS[name], 1, 1, torch.arange(256, 512), torch.arange(0, 384))[0, 0]
+    assert torch.equal(extents.dense_row_extents(allowed), _by_definition(allowed))
