@@ -131,3 +131,50 @@ def test_a_compiled_wrapper_compiles_the_model_inside_the_mode():
     for error, inside in run_world(WORLD, _compiled_wrapper, timeout=400):
         assert error < 1e-5
         assert inside is not None and "entered inside torch.compile" in inside
+
+
+class LoopedModel(torch.nn.Module):
+    """Layers in a loop after an embedding and positions from ``x.device``: the shape of model
+    that torch's dynamo mis-traces when compiled whole around a graph break under a mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, DIM)
+        self.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(DIM, DIM), SdpaBlock())
+                                           for _ in range(2)])
+
+    def forward(self, tokens, first):
+        x = self.embed(tokens)
+        x = x + (torch.arange(x.shape[1], device=x.device) + first).unsqueeze(-1) / S  # first: global position
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+class SdpaBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(DIM, 3 * DIM)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, HEADS, DIM // HEADS)).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+
+
+def _layers_compiled(rank, world_size):
+    torch.manual_seed(0)
+    model = LoopedModel()
+    tokens = torch.randint(0, 32, (2, S * world_size), generator=torch.Generator().manual_seed(1))
+    want = model(tokens, 0)
+    wrapped = ringflex.RingFlexAttention(model, layout="contiguous")
+    for layer in model.layers:
+        layer.compile()
+    got = wrapped(ringflex.shard(tokens, 1, layout="contiguous"), rank * S)
+    return (got - ringflex.shard(want, 1, layout="contiguous")).abs().max().item()
+
+
+def test_a_wrapped_model_whose_layers_are_compiled_gives_one_process_values():
+    """Compiling each layer (as torchtitan does) around the ring's graph break: the pattern
+    docs/reliability.md gives where compiling the whole model hits torch's mis-trace."""
+    for error in run_world(WORLD, _layers_compiled, timeout=400):
+        assert error < 1e-5
