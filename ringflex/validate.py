@@ -173,9 +173,10 @@ class _Exchange:
         self.records = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         self.control = control_group(group)
         self.work = dist.all_gather(self.records, mine, group=self.control, async_op=True)
+        self.stragglers = fault.Stragglers(group, what)
 
     def result(self) -> List[List[int]]:
-        fault.wait_collective(self.work, self.control, self.what, ring_group=self.group)
+        fault.wait_collective(self.work, self.control, self.what, ring_group=self.group, stragglers=self.stragglers)
         n = self.count
         for rank, rec in enumerate(self.records):
             if rec[0]:

@@ -73,3 +73,32 @@ def test_a_rank_raising_inside_the_ring_fails_every_rank():
             again, seconds = results[phase + ", called again"]
             assert again.startswith("RingFailure: ringflex: the ring on this process group failed earlier"), again
             assert seconds < RELEASE_BOUND_S, (phase, rank, seconds)
+
+
+def _late_rank(rank, world_size, late_by):
+    """Rank 2 reaches the call ``late_by`` seconds after the others; the warnings each rank gave."""
+    import os
+    import warnings
+    os.environ["RINGFLEX_STRAGGLER_S"] = "0"  # name stragglers as early as they can be (2 s)
+    q = torch.randn(1, 2, 8, 8)
+    ringflex.ring_flex_attention(q, q, q)  # a first call that every rank makes at once
+    if rank == 2:
+        time.sleep(late_by)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ringflex.ring_flex_attention(q, q, q)
+    return [str(w.message) for w in caught if "ringflex" in str(w.message)]
+
+
+def test_ranks_that_wait_long_for_a_rank_name_it():
+    """A rank that never makes a call every other rank makes leaves them waiting until the
+    group's timeout; meanwhile each waiting rank says once which ranks it waits for. A rank
+    late by less than that says nothing."""
+    for rank, messages in enumerate(run_world(3, _late_rank, 4.5, timeout=120)):
+        if rank == 2:
+            assert messages == []
+        else:
+            assert len(messages) == 1 and messages[0].startswith(f"ringflex: rank {rank} has waited 3 s in "), messages
+            assert "for rank(s) [2], which have not reached it: every rank of the group must make the same " \
+                   "ring_flex_attention calls" in messages[0], messages
+    assert run_world(3, _late_rank, 1.0, timeout=120) == [[], [], []]

@@ -22,8 +22,10 @@ raises ``RingFailure`` at its next call.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
+import warnings
 import weakref
 from contextlib import contextmanager
 from typing import Optional, Sequence
@@ -38,6 +40,8 @@ _KEY = "ringflex/failed"
 _POLL_STORE_S = 0.01  # how often a waiting rank looks for a failure in the store
 _SPIN_S = 0.002  # a collective wait polls without sleeping this long (the argument check's latency)
 _FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> what failed
+_ARRIVED_S = 1.0  # a collective waited on this long is marked reached in the store
+_COLLECTIVES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> collectives waited on
 
 
 class RingFailure(RuntimeError):
@@ -117,9 +121,10 @@ def wait(works: Sequence, group, what: str, ring_group=None) -> None:
         raise errors[0]
 
 
-def wait_collective(work, group, what: str, ring_group=None) -> None:
+def wait_collective(work, group, what: str, ring_group=None, stragglers: Optional["Stragglers"] = None) -> None:
     """``wait`` for a gloo collective, which progresses on gloo's own threads: polled here,
-    without a helper thread (the argument check of every call waits on one)."""
+    without a helper thread (the argument check of every call waits on one). A long wait
+    says which ranks have not arrived, where given the collective's ``Stragglers``."""
     ring_group = group if ring_group is None else ring_group
     start = time.monotonic()
     look_at_store, pause = start + _POLL_STORE_S, 0.0
@@ -132,7 +137,54 @@ def wait_collective(work, group, what: str, ring_group=None) -> None:
         if time.monotonic() >= look_at_store and not work.is_completed():
             look_at_store = time.monotonic() + _POLL_STORE_S
             _raise_if_failed(ring_group, what)
+            if stragglers is not None:
+                stragglers.poll(time.monotonic() - start)
     work.wait()  # raises the collective's own error, if any
+
+
+class Stragglers:
+    """Which ranks a long wait in a collective of ``group`` waits for, said once as a warning.
+
+    Made where the collective is issued, which every rank does in the same order, so each
+    collective has the same number everywhere. A rank that has waited ``_ARRIVED_S`` marks in
+    the store that it reached it; after ``RINGFLEX_STRAGGLER_S`` (default 60) seconds it names
+    the ranks with no mark, as seen then and again ``_ARRIVED_S`` later (a rank that arrived in
+    between marks itself meanwhile). A wait shorter than ``_ARRIVED_S`` touches no store."""
+
+    def __init__(self, group, what: str):
+        count = _COLLECTIVES.get(group, 0)
+        _COLLECTIVES[group] = count + 1
+        self.group, self.what, self.prefix = group, what, f"ringflex/arrived/{count}/"
+        self.marked = self.done = False
+        self.missing: Optional[set] = None
+
+    def poll(self, waited: float) -> None:
+        if self.done or waited < _ARRIVED_S:
+            return
+        store, rank = _store(self.group), dist.get_rank(self.group)
+        if store is None:
+            self.done = True
+            return
+        after = max(float(os.environ.get("RINGFLEX_STRAGGLER_S", 60)), 2 * _ARRIVED_S)
+        try:
+            if not self.marked:
+                store.set(self.prefix + str(rank), "1")
+                self.marked = True
+            if waited < after + (_ARRIVED_S if self.missing is not None else 0):
+                return
+            missing = {r for r in range(dist.get_world_size(self.group)) if not store.check([self.prefix + str(r)])}
+        except (RuntimeError, ValueError):  # the store lived on a rank that is gone
+            self.done = True
+            return
+        if self.missing is None:
+            self.missing = missing
+            return
+        self.done = True
+        late = sorted(missing & self.missing)
+        if late:
+            warnings.warn(f"ringflex: rank {rank} has waited {waited:.0f} s in {self.what} for rank(s) {late}, which "
+                          "have not reached it: every rank of the group must make the same ring_flex_attention calls "
+                          "(and backward passes)", RuntimeWarning, stacklevel=2)
 
 
 def _raise_if_failed(ring_group, what: str) -> None:
