@@ -82,24 +82,28 @@ def test_torch_compile_breaks_the_graph_cleanly_at_the_ring():
         assert strict is not None and "ring_flex_attention runs collectives" in strict
 
 
-class FlexBlock(torch.nn.Module):
-    """Attention as written for one GPU: flex_attention with a block mask and a score_mod."""
+class AttentionBlock(torch.nn.Module):
+    """Attention as written for one GPU: SDPA with is_causal, or flex_attention with a block
+    mask and a score_mod."""
 
-    def __init__(self):
+    def __init__(self, flex: bool = False):
         super().__init__()
-        self.qkv = torch.nn.Linear(DIM, 3 * DIM)
+        self.qkv, self.flex = torch.nn.Linear(DIM, 3 * DIM), flex
 
     def forward(self, x):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         q, k, v = self.qkv(x).unflatten(-1, (3, HEADS, DIM // HEADS)).permute(2, 0, 3, 1, 4)
-        block_mask = create_block_mask(mods.causal, None, None, q.shape[2], k.shape[2], device="cpu")
-        out = flex_attention(q, k, v, block_mask=block_mask, score_mod=mods.softcap(4.0))
+        if self.flex:
+            block_mask = create_block_mask(mods.causal, None, None, q.shape[2], k.shape[2], device="cpu")
+            out = flex_attention(q, k, v, block_mask=block_mask, score_mod=mods.softcap(4.0))
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return out.transpose(1, 2).flatten(2)
 
 
 def _compiled_wrapper(rank, world_size):
     torch.manual_seed(0)
-    wrapped = ringflex.RingFlexAttention(FlexBlock())
+    wrapped = ringflex.RingFlexAttention(AttentionBlock(flex=True))
     x = ringflex.shard(torch.randn(2, S, DIM), 1)
     eager = _gradients(wrapped, x)
     compiled = _gradients(torch.compile(wrapped), x)
@@ -140,7 +144,7 @@ class LoopedModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Embedding(32, DIM)
-        self.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(DIM, DIM), SdpaBlock())
+        self.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(DIM, DIM), AttentionBlock())
                                            for _ in range(2)])
 
     def forward(self, tokens, first):
@@ -149,16 +153,6 @@ class LoopedModel(torch.nn.Module):
         for layer in self.layers:
             x = x + layer(x)
         return x
-
-
-class SdpaBlock(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.qkv = torch.nn.Linear(DIM, 3 * DIM)
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).unflatten(-1, (3, HEADS, DIM // HEADS)).permute(2, 0, 3, 1, 4)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
 
 
 def _layers_compiled(rank, world_size):
