@@ -251,6 +251,9 @@ class RingFlexMode(TorchFunctionMode):
         dist = torch.distributed
         return dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
 
+    # Eager even inside compiled code: plans are cached by mod object, and dynamo, tracing the
+    # combination of masks, handed the ring a new object at every call (or failed inside).
+    @torch.compiler.disable
     def _ring(self, query, key, value, *, score_mod=None, mask_mod=None, scale=None, enable_gqa=False,
               return_lse=False, sinks=None):
         device_type = query.device.type

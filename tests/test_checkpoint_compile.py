@@ -172,3 +172,29 @@ def test_a_wrapped_model_whose_layers_are_compiled_gives_one_process_values():
     docs/reliability.md gives where compiling the whole model hits torch's mis-trace."""
     for error in run_world(WORLD, _layers_compiled, timeout=400):
         assert error < 1e-5
+
+
+def _layers_compiled_with_a_mask(rank, world_size):
+    """A wrapper's mask_mod (packed documents) around layers compiled one by one: the eager
+    wrapper's output, and no plan made after the first call."""
+    from ringflex import plan
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(AttentionBlock(), AttentionBlock())
+    documents = mods.document(mods.document_ids([5, 9, 2 * S * world_size - 14]))
+    wrapped = ringflex.RingFlexAttention(model, mask_mod=documents)
+    x = ringflex.shard(torch.randn(2, 2 * S * world_size, DIM), 1)
+    want = wrapped(x)
+    for layer in model:
+        layer.compile()
+    plans, plan_hops = [], plan.plan_hops
+    plan.plan_hops = lambda *args: plans.append(1) or plan_hops(*args)
+    got = [wrapped(x) for _ in range(2)]
+    plan.plan_hops = plan_hops
+    return max((g - want).abs().max().item() for g in got), len(plans)
+
+
+def test_a_wrapper_mask_around_compiled_layers_is_planned_once():
+    """The mode combines the call's mask with the wrapper's outside dynamo: traced, the
+    combination failed inside dynamo (``___get_torch_function_mode_stack_at``)."""
+    for error, plans in run_world(WORLD, _layers_compiled_with_a_mask, timeout=400):
+        assert error < 1e-5 and plans == 0, (error, plans)

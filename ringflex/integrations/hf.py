@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 try:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -49,10 +51,17 @@ def ringflex_attention_forward(module, query, key, value, attention_mask, dropou
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if sliding_window and not causal:
         raise ValueError("ringflex attention supports sliding_window only for causal attention")
-    mask_mod = _sliding_window(int(sliding_window)) if sliding_window else mods.causal if causal else None
-    out = attention(query, key, value, score_mod=_softcap(float(softcap)) if softcap else None, mask_mod=mask_mod,
-                    scale=scaling, enable_gqa=query.shape[1] != key.shape[1], sinks=kwargs.get("s_aux"))
+    out = _attend(query, key, value, causal, sliding_window, softcap, scaling, kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
+
+
+# Eager even inside compiled code: dynamo traces past lru_cache, and every call would then
+# hand the ring new mod objects, which it plans anew.
+@torch.compiler.disable
+def _attend(query, key, value, causal, sliding_window, softcap, scaling, sinks):
+    mask_mod = _sliding_window(int(sliding_window)) if sliding_window else mods.causal if causal else None
+    return attention(query, key, value, score_mod=_softcap(float(softcap)) if softcap else None, mask_mod=mask_mod,
+                     scale=scaling, enable_gqa=query.shape[1] != key.shape[1], sinks=sinks)
 
 
 def ringflex_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
