@@ -149,16 +149,7 @@ def context_parallel_attention(mask, world_size, device):
     return run
 
 
-_SELF_GROUP = None
-
-
-def max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CPU_GROUP)
-    return t.item()
-
-
-_CPU_GROUP = None
+_SELF_GROUP = _CPU_GROUP = None  # set by run(): a one-rank group, and a gloo group of every rank
 
 
 def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
@@ -210,7 +201,7 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
     for name, times in samples.items():
         if "error" not in results.get(name, {}):
             fwd, both = (statistics.median(t[i] for t in times) for i in (0, 1))
-            results[name] = {"fwd": max_over_ranks(fwd), "fwd_bwd": max_over_ranks(both)}
+            results[name] = dict(zip(("fwd", "fwd_bwd"), ranks.max_over_ranks([fwd, both], device, _CPU_GROUP)))
         log(f"  {name}: {results[name]}")
     rows = []
     for label, (layout, local) in variants.items():
@@ -218,7 +209,8 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
                **{n: r for n, r in results.items() if not n.startswith("ringflex/")},
                "ringflex": dict(results[f"ringflex/{label}"])}
         if device.type == "cuda" and label == layout:
-            row["ringflex"]["peak_mem_gib"] = max_over_ranks(ring_peak_memory(ring(layout), local) / 2**30)
+            row["ringflex"]["peak_mem_gib"] = ranks.max_over_ranks([ring_peak_memory(ring(layout), local) / 2**30],
+                                                                   device, _CPU_GROUP)[0]
         singles = {n: row[n] for n in SINGLES if "fwd" in row.get(n, {})}
         if singles:
             for phase in ("fwd", "fwd_bwd"):
