@@ -16,7 +16,6 @@ tensors a mod captures, such as document ids), it checks:
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Optional, Sequence
 
@@ -42,10 +41,6 @@ def _agree(group, error: Optional[str], what: str, values: Sequence[int] = ()):
             raise RingDebugError(f"ring_flex_attention: {error}")
         return [list(values)]
     return validate.exchange(group, values, error, what, RingDebugError)
-
-
-def _hash(data: bytes) -> int:
-    return int.from_bytes(hashlib.sha1(data).digest()[:8], "little") >> 1
 
 
 def _nonfinite(name: str, t: Tensor) -> Optional[str]:
@@ -79,8 +74,8 @@ def check_outputs(group, out: Tensor, lse: Tensor) -> None:
 def _describe(t: Tensor) -> list:
     """[shape and dtype hash, bytes hash, finite] of a block that travels."""
     host = t.detach().cpu().contiguous()
-    return [_hash(repr((tuple(t.shape), t.dtype)).encode()), _hash(host.view(-1).view(torch.uint8).numpy().tobytes()),
-            int(bool(torch.isfinite(host).all()))]
+    return [validate.digest(repr((tuple(t.shape), t.dtype)).encode()),
+            validate.digest(host.view(-1).view(torch.uint8).numpy().tobytes()), int(bool(torch.isfinite(host).all()))]
 
 
 class DebugComm(GuardedComm):

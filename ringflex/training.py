@@ -7,7 +7,6 @@ and ``reduce_gradients`` sums them over the group.
 """
 from __future__ import annotations
 
-import zlib
 from typing import Iterable, List, Mapping, Optional
 
 import torch
@@ -130,12 +129,12 @@ def _with_grad_on_any_rank(params: List[torch.nn.Parameter], group) -> List[torc
     """The parameters that have a gradient on at least one rank, once every rank is known to
     have passed as many, of the same shapes and dtypes (over the group's CPU side, as the
     ring's argument check)."""
-    layout = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
+    layout = validate.digest(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
     records = validate.exchange(group, [len(params), layout], None, "reduce_gradients")
     if any(r != records[0] for r in records):
         raise ValueError("reduce_gradients: the ranks passed different parameters ("
-                         + ", ".join(f"rank {r}: {n} parameters, shapes and dtypes {crc:08x}"
-                                     for r, (n, crc) in enumerate(records))
+                         + ", ".join(f"rank {r}: {n} parameters, shapes and dtypes {code:016x}"
+                                     for r, (n, code) in enumerate(records))
                          + "); pass the same model's parameters on every rank")
     has_grad = validate.exchange(group, [p.grad is not None for p in params], None, "reduce_gradients")
     return [p for p, *anywhere in zip(params, *has_grad) if any(anywhere)]

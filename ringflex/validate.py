@@ -125,6 +125,12 @@ def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend
     return None
 
 
+def digest(data: bytes) -> int:
+    """A 63-bit hash of ``data``, the same in every process: a record field that stands for
+    something longer (a mod, a list of shapes, a dtype)."""
+    return int.from_bytes(hashlib.sha1(data).digest()[:8], "little") >> 1
+
+
 def fingerprint(fn, contents: bool = False) -> int:
     """A 63-bit hash of what a mod computes: its code, constants and captured values.
 
@@ -133,20 +139,20 @@ def fingerprint(fn, contents: bool = False) -> int:
     """
     if fn is None:
         return 0
-    h = hashlib.sha1()
+    data = []
     for part in captured.parts(fn):  # by content, never by address, so every process agrees
         if isinstance(part, torch.Tensor):
-            h.update(repr((tuple(part.shape), part.dtype)).encode())
+            data.append(repr((tuple(part.shape), part.dtype)).encode())
             if contents:
-                h.update(part.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                data.append(part.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         elif isinstance(part, types.CodeType):  # the functions defined inside it are parts of their own
             consts = [c if isinstance(c, captured.PLAIN) else type(c).__qualname__ for c in part.co_consts]
-            h.update(part.co_code + repr((part.co_names, consts)).encode())
+            data.append(part.co_code + repr((part.co_names, consts)).encode())
         elif isinstance(part, captured.PLAIN + (tuple,)):  # values and the walk's markers
-            h.update(repr(part).encode())
+            data.append(repr(part).encode())
         else:
-            h.update(type(part).__qualname__.encode())
-    return int.from_bytes(h.digest()[:8], "little") >> 1
+            data.append(type(part).__qualname__.encode())
+    return digest(b"".join(data))
 
 
 _CONTROL_GROUPS = {}
