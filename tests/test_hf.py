@@ -146,3 +146,34 @@ def test_gemma2_softcap_and_sliding_window_layers_match_single_process():
     Gemma 2 computes in fp32, kept in fp64 for both)."""
     for out_error, grad_error in run_world(2, _compare, "zigzag", "gemma2"):
         assert out_error < 1e-10 and grad_error < 1e-10, (out_error, grad_error)
+
+
+def _compiled_layer_warnings(rank, world_size):
+    """Gemma 2 with every decoder layer compiled, on the ring: its logits against one process
+    and the warnings of its calls."""
+    import warnings
+    hf.register()
+    seq_len = SEQ_PER_RANK * world_size
+    build, single_attention, batch = MODELS["gemma2"]
+    tokens = torch.randint(0, VOCAB, (batch, seq_len), generator=torch.Generator().manual_seed(1))
+    single = build()
+    single.set_attn_implementation(single_attention)
+    want = single(input_ids=tokens, use_cache=False).logits
+    model = build()
+    model.set_attn_implementation("ringflex")
+    for layer in model.model.layers:
+        layer.compile()
+    wrapped = ringflex.RingFlexAttention(model, layout="zigzag", backend="reference")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = wrapped(input_ids=shard_batch({"tokens": tokens}, layout="zigzag")["tokens"],
+                      position_ids=position_ids(seq_len, layout="zigzag").expand(batch, -1), use_cache=False).logits
+    error = (ringflex.unshard(got.detach(), 1, layout="zigzag") - want).abs().max().item()
+    return error, [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+
+
+def test_layers_compiled_one_by_one_pick_their_mods_outside_dynamo():
+    """The integration chooses a layer's cached mods eagerly: traced, dynamo warned that it
+    went past their lru_cache (and a new mod object would be planned anew)."""
+    for error, lru_warnings in run_world(2, _compiled_layer_warnings, timeout=400):
+        assert error < 1e-6 and lru_warnings == [], (error, lru_warnings)
