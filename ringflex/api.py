@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import debug, validate
+from . import debug, lending, validate
 from .kernels import _warn_once, select_kernel
 from .kernels.base import Mods
 from .parallel import comm, layout as layouts
@@ -101,27 +101,35 @@ def ring_flex_attention(
             raise ValueError(stale)
         if score_mod is not None:  # the mask's lookups are checked where it is planned
             check_lookups(score_mod, "score_mod", q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device)
-        # What the other ranks will read of this rank's block (their plans for it, made here
-        # too): the first send is sliced to it before the own block's compute is queued.
-        own_rows_read = around(
-            keys_read(planned(layouts.segments(layout, q_len, world_size, other), kv_segs_per_step[:1]), 1)[0]
-            for other in range(world_size) if other != rank)
-        return schedule, kernel, own_rows_read, tensors
+        # The other ranks' plans for this rank's block, made here too: the first send is sliced
+        # to what they read of it before the own block's compute is queued, and the next rank's
+        # hops are those it may lend here (``lending``).
+        others = {other: planned(layouts.segments(layout, q_len, world_size, other), kv_segs_per_step[:1])[0]
+                  for other in range(world_size) if other != rank}
+        own_rows_read = around(keys_read([hops], 1)[0] for hops in others.values())
+        offer = lending.offer(mask_mod, schedule, others[(rank + 1) % world_size], kernel.name,
+                              q.device) if world_size > 1 else None
+        return schedule, kernel, own_rows_read, tensors, offer
+
+    def shares(result):  # what every rank learns of this rank's plan
+        schedule, offer = result[0], result[4]
+        reads = [x for span in keys_read(schedule, world_size) for x in span]
+        return reads + (offer.shares() if offer is not None else lending.NO_OFFER)
 
     agreement = validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group, layout=layout,
-                               scale=scale, enable_gqa=enable_gqa, backend=backend, sinks=sinks, debug=debugging,
-                               prepare=prepare,
-                               keys_read=lambda result: keys_read(result[0], world_size),
+                               scale=scale, enable_gqa=enable_gqa, backend=backend, sinks=sinks,
+                               return_lse=return_lse, debug=debugging, prepare=prepare, shares=shares,
+                               no_shares=[0] * (2 * world_size) + lending.NO_OFFER,
                                kernel_of=lambda result: result[1].name)
     if agreement.failed_here or debugging:  # raises here (or, debugging, agrees before the checks below)
         agreement.wait()
-    schedule, kernel, own_rows_read, tensors = agreement.result
+    schedule, kernel, own_rows_read, tensors, offer = agreement.result
     transfers = None
     if world_size > 1:
         transfers = debug.DebugComm(group) if debugging else GuardedComm(group)
     call = RingCall(comm=transfers, schedule=schedule, kernel=kernel, mods=mods,
                     scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), agreement=agreement,
-                    own_rows_read=own_rows_read, tensors=tensors)
+                    own_rows_read=own_rows_read, tensors=tensors, offer=offer, lse_grad=return_lse)
     if debugging:
         debug.check_inputs(group, q, k, v)
         q, k, v = debug.watch_grads(group, q, k, v)

@@ -206,7 +206,7 @@ def _split(hop: Hop, kind_of, min_tile: int, planned_part):
         return [hop]
     extent = planned_part(hop.q_seg, hop.kv_seg) if planned_part is not None else None
     if extent is not None:
-        return [_within(hop, extent)]
+        return [within(hop, extent)]
     (q0, q1), (k0, k1) = hop.q_rows, hop.kv_rows
     if q1 - q0 < 2 * min_tile or k1 - k0 < 2 * min_tile:
         return [hop]
@@ -223,7 +223,7 @@ def _split(hop: Hop, kind_of, min_tile: int, planned_part):
     return [piece for h in quads if h.kind != BlockKind.EMPTY for piece in _split(h, kind_of, min_tile, planned_part)]
 
 
-def _within(hop: Hop, extent) -> Hop:
+def within(hop: Hop, extent) -> Hop:
     """The part ``extent`` (local rows and keys) of a hop: the ring then merges and sums only
     the rows and keys the kernel's calls reach (a window's queries at the start of a block
     against the keys at the end of the previous one: one corner of the block)."""

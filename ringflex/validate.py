@@ -245,6 +245,7 @@ _FIELDS: Tuple[_Field, ...] = (
     ("RINGFLEX_DEBUG mode", lambda a: int(a["debug"]), lambda n: str(bool(n))),
     ("RINGFLEX_TRANSPORT", lambda a: _transport(), lambda n: repr((*peer.CHOICES, "invalid")[n])),
     ("CUDA-graph capture", lambda a: int(comm.capturing(a["q"])), lambda n: "capturing" if n else "not capturing"),
+    ("return_lse", lambda a: int(a["return_lse"]), lambda n: str(bool(n))),
 )
 
 
@@ -259,13 +260,12 @@ def _transport() -> int:
 class Agreement:
     """The argument check of one call: ``wait()`` returns what ``prepare()`` returned, once
     every rank has agreed, or raises the same ``fault.CallRejected`` on every rank. After
-    ``wait()``, ``keys_read[r]`` is what rank r's plan reads of each step's block (see
-    ``check``)."""
+    ``wait()``, ``shared[r]`` holds the ints rank r shared of its plan (see ``check``)."""
 
     def __init__(self, result=None, error: Optional[str] = None, cause=None, exchange: Optional[_Exchange] = None,
-                 keys_read: Optional[List[List[Tuple[int, int]]]] = None):
+                 shared: Optional[List[List[int]]] = None):
         self.result, self.error, self.cause, self.exchange = result, error, cause, exchange
-        self.keys_read = keys_read
+        self.shared = shared
 
     @property
     def failed_here(self) -> bool:
@@ -290,24 +290,20 @@ class Agreement:
                 detail = ", ".join(f"rank {r}: {show(s)}" for r, s in enumerate(seen))
                 raise fault.CallRejected(f"ring_flex_attention: the ranks disagree on the {name} ({detail}); "
                                          "every rank of the ring must make the same call")
-        self.keys_read = [_pairs(rec[len(_FIELDS):]) for rec in records]
+        self.shared = [rec[len(_FIELDS):] for rec in records]
         return self.result
 
 
-def _pairs(values: Sequence[int]) -> List[Tuple[int, int]]:
-    return [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
-
-
 def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, backend, sinks=None,
-          debug: bool = False, prepare: Optional[Callable] = None,
-          keys_read: Optional[Callable[[Any], List[Tuple[int, int]]]] = None,
+          return_lse: bool = False, debug: bool = False, prepare: Optional[Callable] = None,
+          shares: Optional[Callable[[Any], List[int]]] = None, no_shares: Sequence[int] = (),
           kernel_of: Optional[Callable[[Any], str]] = None) -> Agreement:
     """Checks this rank's arguments, runs ``prepare()`` and starts comparing with the other
     ranks of ``group``. No rank may start a transfer before ``wait()`` on the result returned:
     it raises the same ValueError on every rank if any rank's arguments are bad, ``prepare()``
-    raised on any rank, or the ranks disagree. ``keys_read(prepare())``: per ring step, the
-    rows of the block held then that this rank's plan reads; the ranks share them, so each
-    knows how far the ring must run and which rows of a block any rank still needs.
+    raised on any rank, or the ranks disagree. ``shares(prepare())``: ints of this rank's plan
+    that every rank learns (``no_shares`` where it has none: it failed), so each knows how far
+    the ring must run, which rows of a block any rank still needs, and what work the ranks have.
     ``kernel_of(prepare())``: the name of the kernel chosen, which every rank must share."""
     world_size = dist.get_world_size(group) if group is not None else 1
     failed = fault.failure(group)
@@ -321,13 +317,13 @@ def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, bac
             result = prepare()
         except Exception as e:  # noqa: BLE001 (reported to every rank, re-raised by wait())
             error, cause = f"{type(e).__name__}: {e} (while planning the ring, before any transfer)", e
-    reads = keys_read(result) if keys_read is not None and error is None else [(0, 0)] * world_size
+    mine = list(shares(result)) if shares is not None and error is None else list(no_shares)
     if group is None or world_size == 1:
-        return Agreement(result, error, cause, keys_read=[reads])
+        return Agreement(result, error, cause, shared=[mine])
     grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     args = dict(q=q, k=k, v=v, layout=layout, backend=backend, enable_gqa=enable_gqa, scale=scale,
-                score_mod=score_mod, mask_mod=mask_mod, sinks=sinks, grad=grad, debug=debug,
+                score_mod=score_mod, mask_mod=mask_mod, sinks=sinks, return_lse=return_lse, grad=grad, debug=debug,
                 kernel=kernel_of(result) if kernel_of is not None and error is None else "auto")
     values = [0] * len(_FIELDS) if error else [get(args) for _, get, _ in _FIELDS]
-    return Agreement(result, error, cause, _Exchange(group, values + [x for span in reads for x in span], error,
-                                                     "the argument check", fault.CallRejected))
+    return Agreement(result, error, cause, _Exchange(group, values + mine, error, "the argument check",
+                                                     fault.CallRejected))

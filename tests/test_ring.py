@@ -15,8 +15,16 @@ LOCAL_LEN = 12  # query tokens per rank (even, so zigzag fits; K/V: 6 for cross-
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
+def _lend_any_row():
+    """Ranks lend rows wherever that evens their work (``lending``): at these sizes the
+    granularity of real calls would lend none."""
+    from ringflex import lending
+    lending.QUANTUM = 1
+
+
 def _max_errors(rank, world_size, layout):
     """Worst absolute error of output and q/k/v gradients, per (case, dtype), on this rank."""
+    _lend_any_row()
     seq_len = LOCAL_LEN * world_size
     errors = {}
     for name, case in cases(seq_len).items():
@@ -54,6 +62,7 @@ def test_ring_matches_single_process(world_size, layout):
 def _lse_gradient_errors(rank, world_size, layout):
     """Worst errors of the LSE and of dq/dk/dv when the loss reads the LSE, with the output
     or alone, per (case, dtype, loss), on this rank."""
+    _lend_any_row()
     seq_len = LOCAL_LEN * world_size
     errors = {}
     for name, case in cases(seq_len).items():
@@ -111,6 +120,7 @@ def test_rows_that_see_no_key_take_no_lse_gradient():
 def _sink_errors(rank, world_size, layout):
     """Per (case, loss): the worst error of the output, LSE, dq/dk/dv and the sinks' gradient
     (summed over the ranks), with attention sinks, against the definition in one process."""
+    _lend_any_row()
     import torch.distributed as dist
 
     seq_len = LOCAL_LEN * world_size
@@ -169,6 +179,7 @@ def _learnable_mods(seq_len: int):
 def _tensor_gradient_errors(rank, world_size, layout):
     """Per (mod, loss): the worst error of dq/dk/dv and of the gradients of the tensors the
     score_mod reads (summed over the ranks, as a gradient reduction over them does)."""
+    _lend_any_row()
     import torch.distributed as dist
 
     seq_len = LOCAL_LEN * world_size
@@ -375,8 +386,8 @@ def _first_sends(rank, world_size, layout):
     _with_kernel(_WholeBlockKernel())
     seen, agree = [], RingCall.agree
 
-    def recording(call):
-        agree(call)
+    def recording(call, device):
+        agree(call, device)
         seen.append((call.own_rows_read, call.travelling[call.comm.rank]))
 
     RingCall.agree = recording
@@ -418,7 +429,7 @@ def _saved_block(rank, world_size):
     _with_kernel(_WholeBlockKernel())
     q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
     out = ringflex.ring_flex_attention(q, k, v, mask_mod=mods.sliding_window(3), layout="contiguous")
-    last_k = out.grad_fn.saved_tensors[-2]
+    last_k = out.grad_fn.saved_tensors[5]  # q, k, v, out, lse, then the last block
     return last_k.untyped_storage().nbytes(), last_k.numel() * last_k.element_size(), last_k.shape[2]
 
 
@@ -528,10 +539,12 @@ def _short_ring(rank, world_size, mask_name, kernel=None):
 
 
 @pytest.mark.parametrize("mask_name, forward, backward", [("window", 1, 1), ("aligned_documents", 0, 0)])
-def test_ring_stops_where_no_rank_needs_further_blocks(mask_name, forward, backward):
+def test_ring_stops_where_no_rank_needs_further_blocks(mask_name, forward, backward, monkeypatch):
     """A sliding window over the contiguous layout needs the previous rank's block only: the
     ring runs two steps on 4 ranks (one K/V transfer forward; backward one partial sum and no
-    K/V block), not four. Documents that end at rank boundaries need no transfer at all."""
+    K/V block), not four. Documents that end at rank boundaries need no transfer at all.
+    (Without lending, whose transfers tests/test_lending.py counts.)"""
+    monkeypatch.setenv("RINGFLEX_LENDING", "0")
     for seen, error in run_world(4, _short_ring, mask_name):
         phases = [phase for phase, _ in seen]
         assert phases.count("forward") == forward and phases.count("backward") == backward, seen
@@ -539,11 +552,12 @@ def test_ring_stops_where_no_rank_needs_further_blocks(mask_name, forward, backw
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_only_the_rows_other_ranks_read_travel(world_size):
+def test_only_the_rows_other_ranks_read_travel(world_size, monkeypatch):
     """With a kernel that reports which keys its calls reach, a window of 4 over the
     contiguous layout moves the last 3 rows of a block (of 8), widened to 4 (``widened``),
     forward, and their partial dK/dV sums back; the last rank's block, which no rank reads,
-    moves no row."""
+    moves no row. (Without lending.)"""
+    monkeypatch.setenv("RINGFLEX_LENDING", "0")
     for rank, (seen, error) in enumerate(run_world(world_size, _short_ring, "window", _WholeBlockKernel())):
         forward, backward = (4, 4) if rank < world_size - 1 else (0, 0), (4, 4) if rank > 0 else (0, 0)
         assert seen == [("forward", forward), ("backward", backward)], (rank, seen)

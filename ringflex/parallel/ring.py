@@ -9,6 +9,7 @@ with it and are complete when they arrive.
 """
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from torch._C import _functions as autograd_nodes
 
 from ..kernels.base import HopKernel, Mods
 from ..kernels.reference import compute_dtype
+from ..lending import Loan, Offer
 from ..plan import Hop, steps_needed, travelling_rows
 from .comm import RingComm, capture_error
 from .fault import guard
@@ -39,17 +41,29 @@ class RingCall:
     travelling: Optional[List[Rows]] = None  # per block (by owner): the rows of it that travel; None: all
     own_rows_read: Optional[Rows] = None  # what the other ranks read of the own block, as planned locally
     tensors: Tuple[Tensor, ...] = ()  # captured tensors of the score_mod that require grad
+    offer: Optional[Offer] = None  # this rank's side of lending, before the ranks agree
+    loan: Optional[Loan] = None  # the rows lent and borrowed, once they agree (``lending``)
+    lse_grad: bool = False  # a loss may read the LSE (return_lse): lent rows take its gradient along
 
-    def agree(self) -> None:
+    def agree(self, device) -> None:
         """Waits for the argument check. Then the ring runs only the steps some rank needs,
-        and moves only the rows of each block that some rank reads (``plan.travelling_rows``)."""
+        moves only the rows of each block that some rank reads (``plan.travelling_rows``), and
+        lends rows where that evens the ranks' work (``lending``)."""
         if self.agreement is None:
             return
         self.agreement.wait()
-        reads = self.agreement.keys_read
+        shared = self.agreement.shared
+        world = len(shared)
+        reads = [[(s[i], s[i + 1]) for i in range(0, 2 * world, 2)] for s in shared]
         self.schedule = self.schedule[:steps_needed(reads)]
         if self.comm is not None:
             self.travelling = travelling_rows(reads, len(self.schedule))
+        if self.comm is not None and self.offer is not None:
+            planned_part = functools.partial(self.kernel.plans_within, self.mods.mask_mod,
+                                             self.mods.score_mod is not None, device=device)
+            self.loan = self.offer.agree([s[2 * world:] for s in shared], self.comm.rank, planned_part)
+            if self.loan is not None:
+                self.schedule = [self.schedule[0], list(self.loan.kept), *self.schedule[2:]]
 
     def rows_travelling(self, step: int, length: int) -> Rows:
         """The rows of the block held at (forward) ``step`` that travel on."""
@@ -183,26 +197,86 @@ def _masked(hop: Hop) -> bool:
 
 
 def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
-    merged = RowMerge((*q.shape[:3], v.shape[-1]), q.dtype, compute_dtype(q.dtype), q.device,
-                      [hop.q_rows for hops in call.schedule for hop in hops])
+    """This rank's (out, lse), the block of the last step (backward starts on it) and the
+    queries borrowed from the next rank (None where none are: ``lending``)."""
     blocks = _KVStream(call, (k, v))
-    for step, hops in enumerate(call.schedule):
+    own_parts, merged, returned, borrowed_q = [], None, None, None
+    step = 0
+    while step < len(call.schedule):  # the ranks' agreement may shorten and change it
         # The rank's own block needs no transfer: it is computed while the argument check
         # completes, and no block leaves before every rank has agreed to the call.
         pending = blocks.start(step) if step else None
-        for hop in hops:
-            merged.add(hop.q_rows, *call.kernel.forward(
-                rows(q, hop.q_rows), *blocks.keys(hop), hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop)))
+        for hop in call.schedule[step]:
+            part = hop.q_rows, *call.kernel.forward(rows(q, hop.q_rows), *blocks.keys(hop), hop.q_seg, hop.kv_seg,
+                                                    call.mods, call.scale, _masked(hop))
+            own_parts.append(part) if merged is None else merged.add(*part)
         if not step:
-            call.agree()
+            call.agree(q.device)
             pending = blocks.start(step)
+            if call.loan is not None:
+                borrowed_q, returned = _lend_forward(call, q, k, v, blocks.first_stream)
+            lent = [call.loan.lent] if call.loan is not None and _some(call.loan.lent) else []
+            merged = RowMerge((*q.shape[:3], v.shape[-1]), q.dtype, compute_dtype(q.dtype), q.device,
+                              [hop.q_rows for hops in call.schedule for hop in hops] + lent)
+            for part in own_parts:
+                merged.add(*part)
         blocks.advance(step, pending)
+        step += 1
+    if returned is not None:  # the lent rows' results, computed by the previous rank
+        transfer, out_lent, lse_lent = returned
+        transfer.wait()
+        if _some(call.loan.lent):
+            merged.add(call.loan.lent, out_lent, lse_lent)
     if call.comm is not None:
         call.comm.join_sends(q.device)  # the caller's K/V left first: it may change them once this returns
     blocks.close()
-    # The block of the last step: backward starts on it, so it is saved until then.
     last = blocks.current if blocks.current[0] is k else tuple(_compact(t) for t in blocks.current)
-    return (*merged.result(), last)
+    return (*merged.result(), last, borrowed_q)
+
+
+def _some(r: Rows) -> bool:
+    return r[1] > r[0]
+
+
+def _new_rows(like: Tensor, r: Rows, *tail: int, dtype=None) -> Tensor:
+    """A new [B, H, rows of ``r``, *tail] tensor on ``like``'s device, of its dtype unless ``dtype``."""
+    return torch.empty((*like.shape[:2], r[1] - r[0], *tail), dtype=dtype or like.dtype, device=like.device)
+
+
+def _lend_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor, first_stream):
+    """The forward's loans: this rank's lent rows go to the previous rank, the rows borrowed
+    from the next rank are computed against the own block and their output and LSE go back.
+    The queries leave from ``first_stream`` (beside the own block's compute, as the first K/V
+    block does). Returns the borrowed queries (backward computes them again) and the transfer
+    of the lent rows' results with their buffers."""
+    loan, acc = call.loan, compute_dtype(q.dtype)
+    sent, held = _travelling(loan.lent, loan.lendable, q), _travelling(loan.borrowed, loan.borrowable, q)
+    borrowed_q = _new_rows(q, held, q.shape[3])
+    with torch.cuda.stream(first_stream) if first_stream is not None else nullcontext():
+        queries = call.comm.exchange([rows(q, sent).contiguous()], [borrowed_q], reverse=True)
+    queries.wait()
+    spans = [_shifted(h.q_rows, held) for h in loan.borrowed_hops]
+    results = RowMerge((*borrowed_q.shape[:3], v.shape[-1]), q.dtype, acc, q.device, spans)
+    for hop, r in zip(loan.borrowed_hops, spans):
+        results.add(r, *call.kernel.forward(rows(borrowed_q, r), rows(k, hop.kv_rows), rows(v, hop.kv_rows), hop.q_seg,
+                                            hop.kv_seg, call.mods, call.scale, _masked(hop)))
+    back = [rows(t, _shifted(loan.borrowed, held)).contiguous() for t in results.result()]
+    out_lent, lse_lent = _new_rows(q, loan.lent, v.shape[-1]), _new_rows(q, loan.lent, dtype=acc)
+    return borrowed_q, (call.comm.exchange(back, [out_lent, lse_lent]), out_lent, lse_lent)
+
+
+def _travelling(lent: Rows, lendable: Rows, q: Tensor) -> Rows:
+    """The rows of a rank's queries that travel where it lends rows ``lent`` of ``lendable``
+    (its step-1 hops' rows): all of those, widened as K/V blocks are (``widened``), or none.
+    The borrower's kernels see strides that follow these rows, so a new packed batch, which
+    lends other rows, meets the graphs of the batch before wherever its hops do. Results come
+    back for the lent rows alone."""
+    return widened(lendable, q.shape[2]) if _some(lent) else (0, 0)
+
+
+def _shifted(r: Rows, base: Rows) -> Rows:
+    """Rows ``r`` of a rank's queries as rows of the part of them from ``base[0]`` on."""
+    return r[0] - base[0], r[1] - base[0]
 
 
 def _compact(received: Tensor) -> Tensor:
@@ -215,7 +289,7 @@ def _compact(received: Tensor) -> Tensor:
     return received
 
 
-def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=None):
+def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=None, borrowed_q=None):
     """The ring in reverse. It starts on the block forward ended on (``last_k``, ``last_v``,
     kept for it) and passes blocks to the previous rank, so every block visits the ranks in
     the reverse order and its last stop is its owner, which holds it already (no transfer).
@@ -228,44 +302,43 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
     LSE's share of dq and dk, a second kernel call per hop (``_lse_as_attention``) that needs
     no transfer; ``dout`` is None where the loss reads the LSE alone. The gradients of
     ``call.tensors`` are this rank's share (its queries' scores), summed over its hops: as for
-    any weight, the ranks' shares add up."""
+    any weight, the ranks' shares add up. Lent rows (``call.loan``) send their output, dO and
+    LSE to the previous rank, which computes them again from ``borrowed_q`` (its forward
+    kept them) and returns their dQ; their dK/dV join its own block's sum at the last step."""
     acc = compute_dtype(q.dtype)
     steps = len(call.schedule)
     sum_dtypes = [acc] * steps  # of the partial sum each step sends; the last step's is the gradient
     sum_dtypes[0], sum_dtypes[-1] = call.kernel.grad_dtype(k.dtype), k.dtype
     schedule = call.schedule[::-1]
-    dq = RowSum([q.shape], q.dtype, acc, q.device, [hop.q_rows for hops in schedule for hop in hops])
+    loan = call.loan
+    lent = [loan.lent] if loan is not None and _some(loan.lent) else []
+    dq = RowSum([q.shape], q.dtype, acc, q.device, [hop.q_rows for hops in schedule for hop in hops] + lent)
+    borrowed_inputs = _lend_backward(call, dout, out, lse, dlse) if loan is not None else None
     blocks = _KVStream(call, (last_k, last_v), last=(k, v), reverse=True)
     received = None  # the partial sums on their way here: (tensors, transfer)
-    lse_out, lse_dout = _lse_as_attention(dlse, out, lse) if dlse is not None else (None, None)
+    lse_grad = _lse_as_attention(dlse, out, lse) if dlse is not None else None
     d_tensors = [torch.zeros_like(t, dtype=acc) for t in call.tensors]
+    borrowed_keys, returned = [], None  # the borrowed rows' (key rows, dk, dv); the lent rows' dq on its way
     for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
-        zero_v = torch.zeros_like(blocks.current[1]) if dlse is not None else None
         arriving = blocks.travelling(step)  # what the partial sum on its way covers
+        own_block = step + 1 == steps
         sums = RowSum([t.shape for t in blocks.current], sum_dtypes[step], acc, k.device,
                       [arriving] * (received is not None and arriving[1] > arriving[0])
-                      + [blocks.local(hop.kv_rows) for hop in hops])
+                      + [blocks.local(hop.kv_rows) for hop in hops] + [r for r, *_ in borrowed_keys] * own_block)
         for i, hop in enumerate(hops):
-            hop_q, (hop_k, hop_v) = rows(q, hop.q_rows), blocks.keys(hop)
-            hop_args = hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop), call.tensors
-            if dout is not None:
-                hq, hk, hv, *ht = call.kernel.backward(hop_q, hop_k, hop_v, rows(out, hop.q_rows),
-                                                       rows(lse, hop.q_rows), rows(dout, hop.q_rows), *hop_args)
-            if dlse is not None:
-                lq, lk, lv, *lt = call.kernel.backward(hop_q, hop_k, rows(zero_v, blocks.local(hop.kv_rows)),
-                                                       rows(lse_out, hop.q_rows), rows(lse, hop.q_rows),
-                                                       rows(lse_dout, hop.q_rows), *hop_args)
-                if dout is None:  # the loss reads the LSE alone, which the values do not change
-                    hq, hk, hv, ht = lq, lk, torch.zeros_like(lv), lt
-                else:  # added in fp32, before any rounding
-                    hq, hk, ht = hq.to(acc) + lq, hk.to(acc) + lk, [a + b for a, b in zip(ht, lt)]
+            hop_k, hop_v = blocks.keys(hop)
+            hq, hk, hv, ht = _hop_backward(call, hop, rows(q, hop.q_rows), hop_k, hop_v, rows(out, hop.q_rows),
+                                           rows(lse, hop.q_rows), dout, lse_grad, hop.q_rows)
             for total, g in zip(d_tensors, ht):
                 total += g
             dq.add(hop.q_rows, hq)
             if i == 0:  # the first kernel ran while the sum of the ranks before arrived
                 received = _receive(received, sums, arriving)
             sums.add(blocks.local(hop.kv_rows), hk, hv)
+        if own_block:
+            for keys in borrowed_keys:
+                sums.add(*keys)
         received = _receive(received, sums, arriving)
         total = sums.result()
         if step + 1 < steps:  # ``total`` stays referenced until this transfer is waited for
@@ -273,10 +346,73 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
             incoming = [torch.empty((*t.shape[:2], hi - lo, *t.shape[3:]), dtype=t.dtype, device=t.device)
                         for t in total]  # every rank sends the same dtype at a step
             received = (incoming, call.comm.exchange(total, incoming, reverse=True))
+        if step == 0 and borrowed_inputs is not None:  # after the sum left: it does not wait for them
+            returned, borrowed_keys = _borrowed_backward(call, q, k, v, borrowed_q, borrowed_inputs, d_tensors)
         blocks.advance(step, kv_pending)
     blocks.close()
+    if returned is not None:
+        transfer, dq_lent = returned
+        transfer.wait()
+        if lent:
+            dq.add(loan.lent, dq_lent)
     (dq,), (dk, dv) = dq.result(), total
     return dq, dk, dv, d_tensors
+
+
+def _hop_backward(call: RingCall, hop: Hop, q, k, v, out, lse, dout, lse_grad, r: Rows):
+    """One hop's (dq, dk, dv, gradients of ``call.tensors``) from its rows ``q``, ``out``, ``lse``
+    and keys ``k``, ``v``; ``dout`` and ``lse_grad`` (``_lse_as_attention``'s, or None) are
+    whole and taken at rows ``r``. With ``lse_grad`` a second call over zero values adds the
+    LSE's share; ``dout`` None: the loss reads the LSE alone."""
+    args = hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop), call.tensors
+    if dout is not None:
+        hq, hk, hv, *ht = call.kernel.backward(q, k, v, out, lse, rows(dout, r), *args)
+    if lse_grad is None:
+        return hq, hk, hv, ht
+    lse_out, lse_dout = (rows(t, r) for t in lse_grad)
+    lq, lk, lv, *lt = call.kernel.backward(q, k, torch.zeros_like(v), lse_out, lse, lse_dout, *args)
+    if dout is None:  # the loss reads the LSE alone, which the values do not change
+        return lq, lk, torch.zeros_like(lv), lt
+    acc = compute_dtype(q.dtype)  # added in fp32, before any rounding
+    return hq.to(acc) + lq, hk.to(acc) + lk, hv, [a + b for a, b in zip(ht, lt)]
+
+
+def _lend_backward(call: RingCall, dout, out, lse, dlse):
+    """Starts backward's loans: the lent rows' output, dO and LSE (and the LSE's gradient
+    where the call returns the LSE) go to the previous rank, which computes their share; a
+    gradient the loss did not give travels as zeros, as the borrower cannot tell. Returns the
+    transfer of the borrowed rows' inputs with their buffers."""
+    loan = call.loan
+    given = [out, dout if dout is not None else torch.zeros_like(out), lse]
+    if call.lse_grad:
+        given.append(dlse if dlse is not None else torch.zeros_like(lse))
+    send = [rows(t, _travelling(loan.lent, loan.lendable, out)).contiguous() for t in given]
+    recv = [_new_rows(t, _travelling(loan.borrowed, loan.borrowable, out), *t.shape[3:]) for t in given]
+    return call.comm.exchange(send, recv, reverse=True), recv
+
+
+def _borrowed_backward(call: RingCall, q, k, v, borrowed_q, borrowed_inputs, d_tensors):
+    """The borrowed rows' share of backward, against the own block: their dq goes back to the
+    next rank (returned: the transfer and the buffer of the lent rows' dq that arrives here);
+    their (key rows, dk, dv) are added to the own block's sum at the last step."""
+    loan = call.loan
+    transfer, (out, dout, lse, *dlse) = borrowed_inputs
+    transfer.wait()
+    lse_grad = _lse_as_attention(dlse[0], out, lse) if dlse else None
+    held = _travelling(loan.borrowed, loan.borrowable, q)
+    spans = [_shifted(h.q_rows, held) for h in loan.borrowed_hops]
+    dq = RowSum([borrowed_q.shape], q.dtype, compute_dtype(q.dtype), q.device, spans)
+    keys = []
+    for hop, r in zip(loan.borrowed_hops, spans):
+        hq, hk, hv, ht = _hop_backward(call, hop, rows(borrowed_q, r), rows(k, hop.kv_rows), rows(v, hop.kv_rows),
+                                       rows(out, r), rows(lse, r), dout, lse_grad, r)
+        for total, g in zip(d_tensors, ht):
+            total += g
+        dq.add(r, hq)
+        keys.append((hop.kv_rows, hk, hv))
+    dq_lent = _new_rows(q, loan.lent, q.shape[3])
+    back = [rows(t, _shifted(loan.borrowed, held)).contiguous() for t in dq.result()]
+    return (call.comm.exchange(back, [dq_lent]), dq_lent), keys
 
 
 def _lse_as_attention(dlse: Tensor, out: Tensor, lse: Tensor):
@@ -333,23 +469,24 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: RingCall, sinks, *tensors):
         with guard(call.comm, "forward"):  # a failure here releases the other ranks
-            out, lse, (last_k, last_v) = ring_forward(call, q, k, v)
+            out, lse, (last_k, last_v), borrowed_q = ring_forward(call, q, k, v)
         if sinks is not None:
             out, lse = _with_sinks(out, lse, sinks)
         ctx.call = call
-        ctx.save_for_backward(q, k, v, out, lse, last_k, last_v, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, last_k, last_v, sinks, borrowed_q)
         ctx.set_materialize_grads(False)  # a loss that does not read the LSE costs no LSE backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, last_k, last_v, sinks = ctx.saved_tensors
+        q, k, v, out, lse, last_k, last_v, sinks, borrowed_q = ctx.saved_tensors
         capture = ctx.call.comm is not None and capture_error(q, ctx.call.comm.group)
         if capture:  # raised before any transfer: the same on every rank, none is left waiting
             raise RuntimeError(f"ring_flex_attention backward: {capture}")
         dout = None if dout is None else dout.contiguous()  # None: the loss reads the LSE alone
         with guard(ctx.call.comm, "backward"), torch.no_grad():  # also under create_graph=True
-            dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, last_k, last_v, dlse=dlse)
+            dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, last_k, last_v, dlse=dlse,
+                                                  borrowed_q=borrowed_q)
             d_sinks = _sink_grad(out, lse, dout, dlse, sinks) if ctx.needs_input_grad[4] else None
         grads = [dq, dk, dv, d_sinks, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors))]
         if torch.is_grad_enabled():  # create_graph=True: the gradients are values, with no derivative
