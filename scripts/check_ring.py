@@ -6,8 +6,9 @@
     torchrun --nproc_per_node=2 scripts/check_ring.py --lse-grad    # a loss that reads the LSE too
 
 Each rank compares its shard of the output and of dq/dk/dv with the reference kernel run
-in fp32 on the unsharded sequence; rank 0 prints one line per case and layout, and the
-script exits non-zero if any error exceeds the tolerance.
+in fp32 on the unsharded sequence; rank 0 prints one line per case and layout (with the
+most query rows a rank lent, ``ringflex.lending``), and the script exits non-zero if any
+error exceeds the tolerance.
 """
 import argparse
 import sys
@@ -20,6 +21,7 @@ import ringflex
 from ringflex.kernels.base import Mods
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.parallel import peer
+from ringflex.parallel.ring import RingCall
 from ringflex.plan import Segment
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -47,6 +49,20 @@ def reference_through_lse(q, k, v, dout, dlse, case):
     return [t.to(q.device) for t in (out, *(f.grad for f in full))]
 
 
+_LENT = []  # per ring call of this rank: how many of its query rows the previous rank computed
+
+
+def _recording_loans():
+    """Makes every ring call note the rows this rank lends (``ringflex.lending``)."""
+    agree = RingCall.agree
+
+    def recording(call, device):
+        agree(call, device)
+        _LENT.append(0 if call.loan is None else call.loan.lent[1] - call.loan.lent[0])
+
+    RingCall.agree = recording
+
+
 def relative_error(got, want):
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)).item()
 
@@ -69,6 +85,7 @@ def main():
     seq_len = args.local_len * world_size
     failed = 0
     on_cpu = cases(seq_len, image_width=32) if args.lse_grad else None
+    _recording_loans()
     for name, case in cases(seq_len, image_width=32, device=args.device).items():
         if args.cases and name not in args.cases:
             continue
@@ -80,6 +97,7 @@ def main():
             want = reference(q, k, v, dout, case)
         for layout in args.layouts:
             local = [ringflex.shard(t, 2, layout=layout).requires_grad_() for t in (q, k, v)]
+            _LENT.clear()
             try:
                 out, lse = ringflex.ring_flex_attention(*local, score_mod=case.score_mod, mask_mod=case.mask_mod,
                                                         layout=layout, enable_gqa=True, backend=args.backend,
@@ -94,13 +112,13 @@ def main():
                     print(f"{name:>18} {layout:>10}: ERROR {type(e).__name__}: {e}", flush=True)
                 continue
             got = [out] + [t.grad for t in local]
-            errs = ranks.max_over_ranks([relative_error(g, ringflex.shard(w, 2, layout=layout))
-                                         for g, w in zip(got, want)], q.device)
+            *errs, lent = ranks.max_over_ranks([relative_error(g, ringflex.shard(w, 2, layout=layout))
+                                                for g, w in zip(got, want)] + [float(sum(_LENT))], q.device)
             ok = max(errs) <= tolerance and not any(torch.isnan(g).any() for g in got)
             failed += not ok
             if rank == 0:
                 print(f"{name:>18} {layout:>10}: out {errs[0]:.2e} dq {errs[1]:.2e} dk {errs[2]:.2e} dv {errs[3]:.2e}"
-                      f" {'ok' if ok else 'FAIL'}", flush=True)
+                      f" lent {int(lent):>4} {'ok' if ok else 'FAIL'}", flush=True)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     transport = peer.in_use(dist.group.WORLD, device)
     if rank == 0:

@@ -56,6 +56,7 @@ def cases(seq_len: int, image_width: int = 4, device=None):
         "no_mask": Case(),
         "causal": Case(mask_mod=mods.causal),
         "sliding_window": Case(mask_mod=mods.sliding_window(5)),
+        "wide_window": Case(mask_mod=mods.sliding_window(max(2, seq_len // 6))),  # lends rows over contiguous
         "prefix_lm": Case(mask_mod=mods.prefix_lm(seq_len // 3)),
         "documents": Case(mask_mod=mods.document(doc_ids)),
         "alibi": Case(score_mod=mods.alibi(slopes), mask_mod=mods.causal),

@@ -251,9 +251,14 @@ def _lend_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor, first_stream)
     of the lent rows' results with their buffers."""
     loan, acc = call.loan, compute_dtype(q.dtype)
     sent, held = _travelling(loan.lent, loan.lendable, q), _travelling(loan.borrowed, loan.borrowable, q)
-    borrowed_q = _new_rows(q, held, q.shape[3])
     with torch.cuda.stream(first_stream) if first_stream is not None else nullcontext():
+        # Allocated on that stream too: the receive does not wait for the own block's compute,
+        # so it must not get memory that the compute's temporaries were freed from (the
+        # current stream's), as ``_KVStream``'s first buffer must not.
+        borrowed_q = _new_rows(q, held, q.shape[3])
         queries = call.comm.exchange([rows(q, sent).contiguous()], [borrowed_q], reverse=True)
+    if first_stream is not None:
+        borrowed_q.record_stream(torch.cuda.current_stream(q.device))  # computed on, and saved for backward
     queries.wait()
     spans = [_shifted(h.q_rows, held) for h in loan.borrowed_hops]
     results = RowMerge((*borrowed_q.shape[:3], v.shape[-1]), q.dtype, acc, q.device, spans)

@@ -1,6 +1,7 @@
 """A ring call, forward and backward, captured in a CUDA graph replays to the eager call's
 values (the cuDNN hops of a causal and a packed-documents mask): on one rank, and on two
-over the copy engines (two ranks that share one GPU where there is only one), where eager
+over the copy engines (two ranks that share one GPU where there is only one; a window
+there lends rows), where eager
 calls and replays follow each other; torch's ``make_graphed_callables`` captures one too,
 and a whole model wrapped in ``RingFlexAttention``; the capture check sees a capture."""
 import copy
@@ -28,6 +29,8 @@ SEQ = 4096
 
 
 def _mask(name: str, seq_len: int, dev):
+    if name == "window":  # over two ranks, rank 1 lends rank 0 rows (``lending``)
+        return mods.sliding_window(512)
     return mods.causal if name == "causal" else make_mods("documents", seq_len, dev, 0, 512, seed=1)[1]
 
 
@@ -76,7 +79,7 @@ def _two_rank_replays(rank, world_size, name):
 
 
 @needs_cuda
-@pytest.mark.parametrize("name", ["causal", "documents"])
+@pytest.mark.parametrize("name", ["causal", "documents", "window"])
 def test_a_two_rank_call_over_the_copy_engines_replays_to_its_eager_values(name):
     run_world(2, _two_rank_replays, name, timeout=300, backend=gpu_backend(2))
 
