@@ -9,12 +9,14 @@ tiles it leaves open (a diagonal, a document's edge) are evaluated pair by pair.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from .bounds import tile_ranges
+from .cache import remember
 from .plan import Segment, evaluate_mask
 from .trace import ModGraph
 
@@ -28,12 +30,29 @@ _MAX_DENSE = 1 << 28  # pairs evaluated at once: whole blocks, or open tiles
 _MAX_TILES = 1 << 24  # (query, tile) pairs ranged at once (64k x 32k keys: 2**24)
 
 
+def mask_key(mask: ModGraph, *rest) -> tuple:
+    """A key for what is computed from a traced mask's values: its captured tensors count by
+    identity and version, so new document ids are a new key."""
+    return (mask.fingerprint, tuple((id(t), t._version) for t in mask.tensors())) + rest
+
+
+_EXTENTS: "OrderedDict[tuple, Optional[Tensor]]" = OrderedDict()
+_MAX_EXTENTS = 16  # the blocks of a ring call or two: the cuDNN kernel's exact plans and lending read them
+
+
 def row_extents(mask_mod: Callable, mask: ModGraph, q_seg: Segment, kv_seg: Segment, device) -> Optional[Tensor]:
     """Per query row, on the host: its first and last visible key (-1 where it sees none), the
     end of the run of keys it sees from its first one, and how many keys it sees ([4, rows],
     local key indices), or None for a block too large to evaluate whole whose tiles the mask's
     formula does not settle. For masks that depend on neither batch nor head. Planning a new
-    mask waits for the GPU, up to three times."""
+    mask waits for the GPU, up to three times; a block planned again is looked up."""
+    key = mask_key(mask, q_seg, kv_seg, str(device))
+    if key not in _EXTENTS:
+        remember(_EXTENTS, key, _row_extents(mask_mod, mask, q_seg, kv_seg, device), _MAX_EXTENTS)
+    return _EXTENTS[key]
+
+
+def _row_extents(mask_mod: Callable, mask: ModGraph, q_seg: Segment, kv_seg: Segment, device) -> Optional[Tensor]:
     q, area = q_seg.positions(device), q_seg.length * kv_seg.length
     tiled = _tiled(mask_mod, mask, q, kv_seg) if area > _DENSE_AREA else None
     if tiled is not None or area > _MAX_DENSE:

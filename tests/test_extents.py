@@ -87,7 +87,21 @@ def test_a_block_too_large_to_evaluate_whole_has_extents_only_from_its_tiles(mon
                        _dense(settled, q_seg, kv_seg))
     assert extents.row_extents(unsettled, trace_mask_mod(unsettled), q_seg, kv_seg, "cpu") is None
     monkeypatch.setattr(extents, "_MAX_TILES", 1023 * 8)  # 1024 queries x 8 tiles: too many to range at once
+    extents._EXTENTS.clear()  # the block was evaluated under the limits before
     assert extents.row_extents(settled, trace_mask_mod(settled), q_seg, kv_seg, "cpu") is None
+
+
+def test_extents_are_computed_once_per_block_and_mask_values():
+    """The cuDNN kernel's exact plan and lending read a block's extents: the second looks them
+    up, unless the mask's captured values changed since (new document ids)."""
+    ids = mods.document_ids([5, 9, 2])
+    mask_mod = mods.document(ids)
+    mask, seg = trace_mask_mod(mask_mod), Segment(0, 1, 16)
+    first = extents.row_extents(mask_mod, mask, seg, seg, "cpu")
+    assert extents.row_extents(mask_mod, mask, seg, seg, "cpu") is first
+    ids[4:] = 1  # the first document ends a token early
+    fresh = extents.row_extents(mask_mod, mask, seg, seg, "cpu")
+    assert torch.equal(fresh, _dense(mask_mod, seg, seg)) and not torch.equal(fresh, first)
 
 
 def _random_mask(rng: random.Random):

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ...cache import remember
-from ...extents import row_extents
+from ...extents import mask_key, row_extents
 from ...plan import BlockKind, Segment, block_kinds
 from ...trace import ModGraph, diagonal_band
 from ..base import Mods
@@ -120,11 +120,6 @@ def band_runs(band: Tuple[Optional[int], Optional[int]], q_seg: Segment, kv_seg:
     return [Run((r0, r1), (c0, c1), band=(None if a is None else 1 - a, b))]
 
 
-def _plan_key(mask: ModGraph, *rest) -> tuple:
-    """A plan depends on the mask's values: its captured tensors by identity and version."""
-    return (mask.fingerprint, tuple((id(t), t._version) for t in mask.tensors())) + rest
-
-
 def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segment, kv_seg: Segment,
                depth: int, device) -> List[Run]:
     """The block cut into 2**depth row chunks, each one call over the key tiles (of the same
@@ -134,7 +129,7 @@ def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segmen
     block_q = TILE * _ceil_div(_ceil_div(q_seg.length, n), TILE)
     block_kv = TILE * _ceil_div(_ceil_div(kv_seg.length, n), TILE)
     batch, heads = (batch if "b" in mask.deps else 1), (heads if "h" in mask.deps else 1)
-    key = _plan_key(mask, "split", batch, heads, q_seg, kv_seg, block_q, block_kv, str(device))
+    key = mask_key(mask, "split", batch, heads, q_seg, kv_seg, block_q, block_kv, str(device))
     if key in _PLANS:
         return _PLANS[key]
     runs = []
@@ -164,7 +159,7 @@ def exact_runs(mods: Mods, mask: ModGraph, q_seg: Segment, kv_seg: Segment, devi
     (or too large to evaluate: ``extents.row_extents``)."""
     if mask.deps & {"b", "h"}:
         return None
-    key = _plan_key(mask, "exact", q_seg, kv_seg, str(device))
+    key = mask_key(mask, "exact", q_seg, kv_seg, str(device))
     if key in _PLANS:
         return _PLANS[key]
     extents = row_extents(mods.mask_mod, mask, q_seg, kv_seg, device)
