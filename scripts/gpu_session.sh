@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md, one stage per argument; logs go to $OUT (or ./out).
-#   bash scripts/gpu_session.sh kernel1 compile1 merge1 plans1 shapes1 ragged1 newdocs1 plancost1 lse1 learnable1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
-#   bash scripts/gpu_session.sh check2 check2flex check2lse transport2 graph2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
+#   bash scripts/gpu_session.sh kernel1 compile1 merge1 plans1 shapes1 ragged1 newdocs1 plancost1 balance1 lse1 learnable1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
+#   bash scripts/gpu_session.sh check2 check2flex check2lse transport2 graph2 lend2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash scripts/gpu_session.sh check4 bench4              # on 4 GPUs
 #   bash scripts/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -46,6 +46,9 @@ for stage in "$@"; do
     shapes1) run shapes python3 scripts/shape_probe.py ;;  # one rank's calls against the single-GPU call
     ragged1) run ragged python3 scripts/ragged_cost.py ;;  # ragged batch vs a call per document
     plancost1) run plancost python3 scripts/plan_cost.py ;;  # planning a new packed batch, both ranks' blocks
+    balance1) for n in 16384 32768; do run balance1 python3 scripts/balance_probe.py --seq-len $n; done
+              run balance1 python3 scripts/balance_probe.py --seq-len 16384 --layout zigzag
+              run balance1 python3 scripts/balance_probe.py --seq-len 16384 --masks documents --doc-len 1024 ;;  # lending: each rank's work alone
     newdocs1) run newdocs1 python3 scripts/extents_cost.py  # planning one block exactly: every pair vs tiles
               for a in "16384 150" "65536 100"; do set -- $a; run newdocs1 python3 scripts/new_documents_probe.py \
               --seq-len $1 --calls $2 --profile 10; done  # one rank's hops, a new packed batch every call: graphs built
@@ -67,6 +70,9 @@ for stage in "$@"; do
     documents2) for d in 4096 1024; do run documents2 tr 2 scripts/bench.py --seq-lens 16384 32768 --masks documents \
               --doc-len $d --layouts contiguous zigzag --no-cp --singles ringflex-1gpu --iters 5 --warmup 2 \
               --json "$OUT/documents2_$d.json"; done ;;  # ragged batches, against ringflex's own kernel on one GPU
+    lend2) for l in 0 1; do export RINGFLEX_LENDING=$l; run lend2 tr 2 scripts/bench.py --seq-lens 16384 32768 \
+              --masks window documents causal --layouts contiguous --no-cp --singles sdpa-cudnn ringflex-1gpu \
+              --graph --iters 5 --warmup 2 --json "$OUT/lend2_$l.json"; done; unset RINGFLEX_LENDING ;;  # lending off / on
     phases2) run phases2 tr 2 scripts/host_phases.py --seq-len 16384 ;;  # host time of a ring call by phase
     newdocs2) for n in 16384 65536; do run newdocs2 tr 2 scripts/host_phases.py --seq-len $n --warmup 100 --calls 20 \
               --cases new_documents:contiguous new_documents:zigzag documents:contiguous; done ;;  # new packed batch every call
