@@ -114,7 +114,7 @@ def ring_flex_attention(
     def shares(result):  # what every rank learns of this rank's plan
         schedule, offer = result[0], result[4]
         reads = [x for span in keys_read(schedule, world_size) for x in span]
-        return reads + (offer.shares() if offer is not None else lending.NO_OFFER)
+        return reads + (offer.shares if offer is not None else lending.NO_OFFER)
 
     agreement = validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group, layout=layout,
                                scale=scale, enable_gqa=enable_gqa, backend=backend, sinks=sinks,

@@ -21,6 +21,7 @@ hops against its own block anyway (``api``), and they share its digest to make s
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -90,8 +91,10 @@ class StepOne:
     def total(self) -> int:
         return -1 if self.counts is None else sum(int(c.sum()) for c in self.counts)
 
+    @functools.cached_property
     def digest(self) -> int:
-        return digest(repr(self.hops).encode())
+        """Of the hops, and whether their pairs are known: both ends of a loan must see the same."""
+        return digest(repr((self.hops, self.counts is not None)).encode())
 
     def cut(self, amount: int) -> Rows:
         """The rows ``[a, m)`` whose hops' pairs come closest to ``amount``: ``a`` the first row
@@ -160,11 +163,13 @@ class Offer:
         load = -1 if any(step.counts is None for step in steps) else sum(step.total for step in steps)
         return Offer(load, steps[1] if len(steps) > 1 else StepOne((), ()), StepOne.of(mask_mod, next_hops, device))
 
+    @functools.cached_property
     def shares(self) -> List[int]:
-        return [self.load, max(self.own.total, 0), self.own.digest(), self.next.digest()]
+        """What every rank learns of this offer in the argument check (``NO_OFFER`` where none)."""
+        return [self.load, max(self.own.total, 0), self.own.digest, self.next.digest]
 
     def agree(self, shared: Sequence[Sequence[int]], rank: int, planned_part: Optional[Callable]) -> Optional[Loan]:
-        """This rank's ``Loan`` from every rank's ``shares()`` (``NO_OFFER`` where lending is
+        """This rank's ``Loan`` from every rank's ``shares`` (``NO_OFFER`` where lending is
         off), or None where no rank lends. ``planned_part``: the kernel's ``plans_within``,
         bound to the call's mods (``plan.plan_hops``)."""
         key = (tuple(map(tuple, shared)), rank)

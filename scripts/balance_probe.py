@@ -35,7 +35,7 @@ def rank_hops(mask_mod, seq_len: int, world: int, layout: str, lend: bool, devic
     plans = [plan[:steps] for plan in plans]
     offers = [lending.Offer.of(mask_mod, plans[r], plans[(r + 1) % world][1] if steps > 1 else (), device)
               for r in range(world)]
-    shared = [offer.shares() if lend else lending.NO_OFFER for offer in offers]
+    shared = [offer.shares if lend else lending.NO_OFFER for offer in offers]
     planned_part = functools.partial(kernel.plans_within, mask_mod, False, device=device)
     work = []
     for r, (plan, offer) in enumerate(zip(plans, offers)):

@@ -61,7 +61,7 @@ def test_ranks_that_planned_a_step_differently_do_not_lend_it():
     digests they share differ, that pair lends nothing (and the transfers stay matched)."""
     step = _corner(16, 16)
     offer = Offer(1000, step, step)
-    shared = [[1000, 0, 7, step.digest()], [1500, int(step.counts[0].sum()), step.digest(), 7]]
+    shared = [[1000, 0, 7, step.digest], [1500, int(step.counts[0].sum()), step.digest, 7]]
     assert isinstance(offer.agree(shared, 1, None), Loan)
     shared[0][3] = 8
     assert offer.agree(shared, 1, None) is None

@@ -230,6 +230,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     if call.comm is not None:
         call.comm.join_sends(q.device)  # the caller's K/V left first: it may change them once this returns
     blocks.close()
+    # The block of the last step: backward starts on it, so it is saved until then.
     last = blocks.current if blocks.current[0] is k else tuple(_compact(t) for t in blocks.current)
     return (*merged.result(), last, borrowed_q)
 
