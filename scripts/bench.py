@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import time
 
@@ -330,10 +331,11 @@ def run(args):
             log(f"[{done + 1}/{len(args.seq_lens) * len(args.masks)}] {seq_len} tokens, mask {mask}")
             rows += bench_one(args, seq_len, mask, device, dtype, rank, world_size, log)
     transport = peer.in_use(dist.group.WORLD, device)
-    log(table(rows) + f"\nring transfers: {transport}")
+    lending = os.environ.get("RINGFLEX_LENDING", "1") != "0"
+    log(table(rows) + f"\nring transfers: {transport}; lending {'on' if lending else 'off (RINGFLEX_LENDING=0)'}")
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "transport": transport, "rows": rows}, f, indent=1)
+            json.dump({"args": vars(args), "transport": transport, "lending": lending, "rows": rows}, f, indent=1)
     if rank == 0 and args.plot:
         plot(rows, args.plot)
     return rows

@@ -51,3 +51,21 @@ def test_determinism_script_reports_bitwise_repeats_on_cpu():
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| reference")]
     assert len(rows) == 4 and all(cell.strip() == "0" for row in rows for cell in row[3:7])
     assert all(float(row[7]) > 0 for row in rows)
+
+
+def test_balance_probe_plans_the_ranks_work_as_a_ring_call_does():
+    """scripts/balance_probe.py times each rank's planned hops on one GPU; its plans (here on
+    the CPU) lend a window's corner rows to rank 0 only where lending is on, and keep every
+    pair: the busiest rank's pairs fall to the mean."""
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from balance_probe import rank_hops
+    from ringflex import lending, mods
+
+    mask = mods.sliding_window(256)
+    work = {lend: rank_hops(mask, 2048, 2, "contiguous", lend, torch.device("cpu")) for lend in (False, True)}
+    pairs = {lend: [sum(int(lending.pairs(mask, hop, "cpu").sum()) for hop, _ in hops) for hops in work[lend]]
+             for lend in work}
+    assert [owner for _, owner in work[True][0]] == [0, 0]  # rank 0: its own block, and the borrowed rows
+    mean = sum(pairs[False]) / 2
+    assert sum(pairs[True]) == 2 * mean and max(pairs[False]) > 1.06 * mean and max(pairs[True]) < 1.01 * mean, pairs
