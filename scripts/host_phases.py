@@ -23,7 +23,7 @@ import torch.distributed as dist
 import ringflex
 import ranks
 from bench import make_mods  # scripts/ is on sys.path when this runs as a script
-from ringflex import api, plan, trace, validate
+from ringflex import api, lending, plan, trace, validate
 from ringflex.kernels import cudnn
 from ringflex.parallel import merge, peer, ring
 
@@ -34,6 +34,7 @@ PHASES = [
     (validate, "local_error", "  own argument checks"), (api._PLANS, "get", "  plan cache lookups"),
     (plan, "plan_hops", "    planning (a mask not seen before)"), (trace, "_trace", "      tracing the mask"),
     (cudnn.blocks, "exact_runs", "      the kernel's exact plans (outside the kernel too)"),
+    (lending, "offer", "  lending: this rank's offer (made once per plan)"),
     (validate._Exchange, "__init__", "  start of the cross-rank exchange"),
     (validate.Agreement, "wait", "waiting for the other ranks' records"),
     (ring._KVStream, "__init__", "K/V stream set-up"), (ring._KVStream, "start", "transfers issued"),
@@ -42,6 +43,9 @@ PHASES = [
     (cudnn.graphs.Graph, "execute", "  cuDNN execute"), (cudnn.graphs, "_build", "  cuDNN graph builds"),
     (merge.RowMerge, "add", "output merges"), (merge.RowSum, "add", "gradient sums"),
     (ring, "ring_forward", "ring forward (all of it)"), (ring, "ring_backward", "ring backward (all of it)"),
+    (ring, "_lend_forward", "  lending: queries sent, borrowed rows computed (forward)"),
+    (ring, "_lend_backward", "  lending: lent rows' inputs sent (backward)"),
+    (ring, "_borrowed_backward", "  lending: borrowed rows computed (backward)"),
 ]
 
 

@@ -239,9 +239,14 @@ def _some(r: Rows) -> bool:
     return r[1] > r[0]
 
 
+def _rows_shape(like: Tensor, r: Rows, *tail: int) -> Tuple[int, ...]:
+    """[B, H, rows of ``r``, *tail] of ``like``."""
+    return (*like.shape[:2], r[1] - r[0], *tail)
+
+
 def _new_rows(like: Tensor, r: Rows, *tail: int, dtype=None) -> Tensor:
-    """A new [B, H, rows of ``r``, *tail] tensor on ``like``'s device, of its dtype unless ``dtype``."""
-    return torch.empty((*like.shape[:2], r[1] - r[0], *tail), dtype=dtype or like.dtype, device=like.device)
+    """A new ``_rows_shape`` tensor on ``like``'s device, of its dtype unless ``dtype``."""
+    return torch.empty(_rows_shape(like, r, *tail), dtype=dtype or like.dtype, device=like.device)
 
 
 def _lend_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor, first_stream):
@@ -261,13 +266,15 @@ def _lend_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor, first_stream)
     if first_stream is not None:
         borrowed_q.record_stream(torch.cuda.current_stream(q.device))  # computed on, and saved for backward
     queries.wait()
-    spans = [_shifted(h.q_rows, held) for h in loan.borrowed_hops]
-    results = RowMerge((*borrowed_q.shape[:3], v.shape[-1]), q.dtype, acc, q.device, spans)
-    for hop, r in zip(loan.borrowed_hops, spans):
-        results.add(r, *call.kernel.forward(rows(borrowed_q, r), rows(k, hop.kv_rows), rows(v, hop.kv_rows), hop.q_seg,
-                                            hop.kv_seg, call.mods, call.scale, _masked(hop)))
-    back = [rows(t, _shifted(loan.borrowed, held)).contiguous() for t in results.result()]
+    # over the borrowed rows alone: a single hop's result is then what goes back, uncopied
+    results = RowMerge(_rows_shape(q, loan.borrowed, v.shape[-1]), q.dtype, acc, q.device,
+                       [_shifted(h.q_rows, loan.borrowed) for h in loan.borrowed_hops])
+    for hop in loan.borrowed_hops:
+        results.add(_shifted(hop.q_rows, loan.borrowed), *call.kernel.forward(
+            rows(borrowed_q, _shifted(hop.q_rows, held)), rows(k, hop.kv_rows), rows(v, hop.kv_rows), hop.q_seg,
+            hop.kv_seg, call.mods, call.scale, _masked(hop)))
     out_lent, lse_lent = _new_rows(q, loan.lent, v.shape[-1]), _new_rows(q, loan.lent, dtype=acc)
+    back = [t.contiguous() for t in results.result()]
     return borrowed_q, (call.comm.exchange(back, [out_lent, lse_lent]), out_lent, lse_lent)
 
 
@@ -406,19 +413,19 @@ def _borrowed_backward(call: RingCall, q, k, v, borrowed_q, borrowed_inputs, d_t
     transfer.wait()
     lse_grad = _lse_as_attention(dlse[0], out, lse) if dlse else None
     held = _travelling(loan.borrowed, loan.borrowable, q)
-    spans = [_shifted(h.q_rows, held) for h in loan.borrowed_hops]
-    dq = RowSum([borrowed_q.shape], q.dtype, compute_dtype(q.dtype), q.device, spans)
+    dq = RowSum([_rows_shape(q, loan.borrowed, q.shape[3])], q.dtype, compute_dtype(q.dtype), q.device,
+                [_shifted(h.q_rows, loan.borrowed) for h in loan.borrowed_hops])  # over the borrowed rows alone
     keys = []
-    for hop, r in zip(loan.borrowed_hops, spans):
+    for hop in loan.borrowed_hops:
+        r = _shifted(hop.q_rows, held)
         hq, hk, hv, ht = _hop_backward(call, hop, rows(borrowed_q, r), rows(k, hop.kv_rows), rows(v, hop.kv_rows),
                                        rows(out, r), rows(lse, r), dout, lse_grad, r)
         for total, g in zip(d_tensors, ht):
             total += g
-        dq.add(r, hq)
+        dq.add(_shifted(hop.q_rows, loan.borrowed), hq)
         keys.append((hop.kv_rows, hk, hv))
     dq_lent = _new_rows(q, loan.lent, q.shape[3])
-    back = [rows(t, _shifted(loan.borrowed, held)).contiguous() for t in dq.result()]
-    return (call.comm.exchange(back, [dq_lent]), dq_lent), keys
+    return (call.comm.exchange([t.contiguous() for t in dq.result()], [dq_lent]), dq_lent), keys
 
 
 def _lse_as_attention(dlse: Tensor, out: Tensor, lse: Tensor):
