@@ -141,10 +141,6 @@ class Loan:
     kept: Tuple[Hop, ...]  # this rank's step-1 hops left to it
     borrowed: Rows  # the next rank's rows computed here (its local rows)
     borrowed_hops: Tuple[Hop, ...]  # their hops, against this rank's own block
-    # the rows of the lender's step-1 hops, which its lent rows lie in: the ring sizes the
-    # lent rows' transfers by them, which the kernels' shapes then follow
-    lendable: Rows = (0, 0)
-    borrowable: Rows = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -193,7 +189,7 @@ class Offer:
         if rank + 1 < world and lend[rank + 1]:
             borrowed = self.next.cut(lend[rank + 1])
             borrowed_hops, _ = self.next.split(borrowed, planned_part)
-        return Loan(lent, kept, borrowed, borrowed_hops, self.own.rows, self.next.rows)
+        return Loan(lent, kept, borrowed, borrowed_hops)
 
 
 def amounts(loads: Sequence[int], lendable: Sequence[int]) -> List[int]:

@@ -256,7 +256,7 @@ def _lend_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor, first_stream)
     block does). Returns the borrowed queries (backward computes them again) and the transfer
     of the lent rows' results with their buffers."""
     loan, acc = call.loan, compute_dtype(q.dtype)
-    sent, held = _travelling(loan.lent, loan.lendable, q), _travelling(loan.borrowed, loan.borrowable, q)
+    sent, held = _travelling(loan.lent, q), _travelling(loan.borrowed, q)
     with torch.cuda.stream(first_stream) if first_stream is not None else nullcontext():
         # Allocated on that stream too: the receive does not wait for the own block's compute,
         # so it must not get memory that the compute's temporaries were freed from (the
@@ -278,13 +278,12 @@ def _lend_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor, first_stream)
     return borrowed_q, (call.comm.exchange(back, [out_lent, lse_lent]), out_lent, lse_lent)
 
 
-def _travelling(lent: Rows, lendable: Rows, q: Tensor) -> Rows:
-    """The rows of a rank's queries that travel where it lends rows ``lent`` of ``lendable``
-    (its step-1 hops' rows): all of those, widened as K/V blocks are (``widened``), or none.
-    The borrower's kernels see strides that follow these rows, so a new packed batch, which
-    lends other rows, meets the graphs of the batch before wherever its hops do. Results come
-    back for the lent rows alone."""
-    return widened(lendable, q.shape[2]) if _some(lent) else (0, 0)
+def _travelling(lent: Rows, q: Tensor) -> Rows:
+    """The rows of a rank's queries that travel for its lent rows ``lent``: those, widened as
+    K/V blocks are (``widened``). The borrower's kernels see strides that follow these rows,
+    so a new packed batch, which lends other rows, meets graphs built before unless its lent
+    rows cross a power of two. Results come back for the lent rows alone."""
+    return widened(lent, q.shape[2])
 
 
 def _shifted(r: Rows, base: Rows) -> Rows:
@@ -399,8 +398,8 @@ def _lend_backward(call: RingCall, dout, out, lse, dlse):
     given = [out, dout if dout is not None else torch.zeros_like(out), lse]
     if call.lse_grad:
         given.append(dlse if dlse is not None else torch.zeros_like(lse))
-    send = [rows(t, _travelling(loan.lent, loan.lendable, out)).contiguous() for t in given]
-    recv = [_new_rows(t, _travelling(loan.borrowed, loan.borrowable, out), *t.shape[3:]) for t in given]
+    send = [rows(t, _travelling(loan.lent, out)).contiguous() for t in given]
+    recv = [_new_rows(t, _travelling(loan.borrowed, out), *t.shape[3:]) for t in given]
     return call.comm.exchange(send, recv, reverse=True), recv
 
 
@@ -412,7 +411,7 @@ def _borrowed_backward(call: RingCall, q, k, v, borrowed_q, borrowed_inputs, d_t
     transfer, (out, dout, lse, *dlse) = borrowed_inputs
     transfer.wait()
     lse_grad = _lse_as_attention(dlse[0], out, lse) if dlse else None
-    held = _travelling(loan.borrowed, loan.borrowable, q)
+    held = _travelling(loan.borrowed, q)
     dq = RowSum([_rows_shape(q, loan.borrowed, q.shape[3])], q.dtype, compute_dtype(q.dtype), q.device,
                 [_shifted(h.q_rows, loan.borrowed) for h in loan.borrowed_hops])  # over the borrowed rows alone
     keys = []

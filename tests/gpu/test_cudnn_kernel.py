@@ -955,8 +955,8 @@ def test_new_packed_batches_in_the_ring_reuse_graphs_emulated():
     travel are widened to a power of two and the kernel's results are allocated with heads a
     power of two rows apart, so a new batch whose documents fall in the same size classes
     builds no new graph on any rank (each used to cost a graph per call, 0.1 to 1.5 s on a
-    GPU). In these batches rank 1 lends rank 0 the document's first rows (``lending``), which
-    travel with all of its rows there, widened the same way. Numbers match one process."""
+    GPU). In these batches rank 1 lends rank 0 the document's first 64 rows (``lending``), which
+    travel widened the same way. Numbers match one process."""
     from harness import run_world
 
     batches = [[390, 320, 314], [385, 330, 309], [387, 325, 312]]  # the straddling part: 122, 127, 125 rows
