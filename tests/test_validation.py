@@ -93,6 +93,7 @@ def _mismatches(rank, world_size):
         "scale": lambda: attn(q, k, v, scale=0.5 if odd else None),
         "enable_gqa": lambda: attn(q, k, v, enable_gqa=odd),
         "sinks": lambda: attn(q, k, v, sinks=torch.zeros(2) if odd else None),
+        "return_lse": lambda: attn(q, k, v, return_lse=odd),  # whether a loan's LSE gradient travels
         "mask_mod fingerprint": lambda: attn(q, k, v, mask_mod=mods.sliding_window(3 if odd else 4)),
         "score_mod on one rank": lambda: attn(q, k, v, score_mod=mods.softcap(5.0) if odd else None),
         "gradient tracking": lambda: attn(q.detach().requires_grad_(odd), k, v),
@@ -127,6 +128,7 @@ EXPECTED = {
     "scale": "disagree on the scale (rank 0: None, rank 1: 0.5, rank 2: None)",
     "enable_gqa": "disagree on the enable_gqa (rank 0: False, rank 1: True, rank 2: False)",
     "sinks": "disagree on the sinks (rank 0: None, rank 1: given, rank 2: None)",
+    "return_lse": "disagree on the return_lse (rank 0: False, rank 1: True, rank 2: False)",
     "mask_mod fingerprint": "disagree on the mask_mod (rank 0: fingerprint",
     "score_mod on one rank": "disagree on the score_mod (rank 0: fingerprint 0000000000000000, rank 1: fingerprint",
     "gradient tracking": "disagree on the gradient tracking (whether backward will run the ring) "
