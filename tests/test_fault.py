@@ -33,12 +33,24 @@ def _fault_in_backward(score, b, h, q_idx, kv_idx):
     return score
 
 
-def _run(score_mod, group):
+LENDING_L = 64  # local tokens of the lending fault: enough for rank r to lend its window corner on
+
+
+def _fault_in_borrowed_rows(score, b, h, q_idx, kv_idx):
+    """Raises on rank 0 as it computes rows that rank 1 lent it (``lending``): queries that
+    are not its own, against its own block, in forward."""
+    if dist.get_rank() == 0 and not torch.is_grad_enabled() and int(q_idx.min()) >= LENDING_L:
+        raise RuntimeError("injected fault")
+    return score
+
+
+def _run(score_mod, group, local=L, mask_mod=None):
     """Forward and backward on ``group``; (error text or None, seconds until it was raised)."""
-    q, k, v = (torch.randn(1, 2, L, 8, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, local, 8, requires_grad=True) for _ in range(3))
     start = time.monotonic()
     try:
-        out = ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, layout="contiguous", group=group)
+        out = ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, layout="contiguous",
+                                           group=group)
         out.sum().backward()
     except Exception as e:  # noqa: BLE001 (the test inspects the text)
         return f"{type(e).__name__}: {e}", time.monotonic() - start
@@ -47,11 +59,15 @@ def _run(score_mod, group):
 
 def _faults(rank, world_size):
     timeout = datetime.timedelta(seconds=60)
-    groups = [dist.new_group(list(range(world_size)), timeout=timeout) for _ in range(2)]
+    from ringflex import lending
+    lending.QUANTUM = 1
+    groups = [dist.new_group(list(range(world_size)), timeout=timeout) for _ in range(3)]
     results = {}
-    for name, score_mod, group in (("forward", _fault_in_forward, groups[0]),
-                                   ("backward", _fault_in_backward, groups[1])):
-        results[name] = _run(score_mod, group)
+    window = ringflex.mods.sliding_window(3 * LENDING_L // 8)  # its corners even out with loans: 4.5% less work
+    for name, score_mod, group, local, mask_mod in (("forward", _fault_in_forward, groups[0], L, None),
+                                                    ("backward", _fault_in_backward, groups[1], L, None),
+                                                    ("lending", _fault_in_borrowed_rows, groups[2], LENDING_L, window)):
+        results[name] = _run(score_mod, group, local, mask_mod)
         results[name + ", called again"] = _run(None, group)
         dist.barrier()  # the default group is healthy: the raising rank waits here, alive
     return results
@@ -59,20 +75,20 @@ def _faults(rank, world_size):
 
 def test_a_rank_raising_inside_the_ring_fails_every_rank():
     per_rank = run_world(WORLD, _faults, timeout=120)
-    for phase, culprit in (("forward", 1), ("backward", 2)):
+    for name, phase, culprit in (("forward", "forward", 1), ("backward", "backward", 2), ("lending", "forward", 0)):
         origin = f"rank {culprit} raised in the ring's {phase}: RuntimeError: injected fault"
         for rank, results in enumerate(per_rank):
-            text, seconds = results[phase]
+            text, seconds = results[name]
             if rank == culprit:
-                assert text == "RuntimeError: injected fault", (phase, rank, text)
+                assert text == "RuntimeError: injected fault", (name, rank, text)
             else:
                 assert text is not None and text.startswith("RingFailure: ringflex: ") and origin in text, \
-                    (phase, rank, text)
+                    (name, rank, text)
                 assert "the process group can no longer be used" in text
-            assert seconds < RELEASE_BOUND_S, (phase, rank, seconds)
-            again, seconds = results[phase + ", called again"]
+            assert seconds < RELEASE_BOUND_S, (name, rank, seconds)
+            again, seconds = results[name + ", called again"]
             assert again.startswith("RingFailure: ringflex: the ring on this process group failed earlier"), again
-            assert seconds < RELEASE_BOUND_S, (phase, rank, seconds)
+            assert seconds < RELEASE_BOUND_S, (name, rank, seconds)
 
 
 def _late_rank(rank, world_size, late_by):
