@@ -108,7 +108,7 @@ def ring_flex_attention(
                   for other in range(world_size) if other != rank}
         own_rows_read = around(keys_read([hops], 1)[0] for hops in others.values())
         offer = lending.offer(mask_mod, schedule, others[(rank + 1) % world_size], kernel.name,
-                              q.device) if world_size > 1 else None
+                              kernel.call_pairs(q.shape[0], q.shape[1], q.shape[3]), q.device) if world_size > 1 else None
         return schedule, kernel, own_rows_read, tensors, offer
 
     def shares(result):  # what every rank learns of this rank's plan

@@ -11,10 +11,11 @@ their output and LSE, merged like any hop's. Backward sends the rows' output, dO
 same way and gets their dQ back; their dK/dV stay with the owner of the keys and join its own
 block's gradient.
 
-How much: each rank counts the (query, key) pairs its plan sees (``pairs``) and shares the
-total in the argument check, so every rank derives the same loans (``amounts``): each rank
-lends what evens the rank before it, no more than its step-1 work, and none lends at all
-unless the busiest rank's work falls by ``MIN_GAIN``. Both ends of a loan cut the same rows
+How much: each rank counts the (query, key) pairs its plan sees (``pairs``), and each kernel
+call as the pairs it takes as long as (``HopKernel.call_pairs``), and shares the total in the
+argument check, so every rank derives the same loans (``amounts``): each rank lends what
+evens the rank before it, no more than its step-1 work, and none lends at all unless the
+busiest rank's work falls by ``MIN_GAIN``. Both ends of a loan cut the same rows
 (``cut``) from the same plan of the lender's step-1 hops: each rank plans the other ranks'
 hops against its own block anyway (``api``), and they share its digest to make sure.
 ``RINGFLEX_LENDING=0`` on any rank turns lending off for the call.
@@ -44,14 +45,15 @@ NO_OFFER = [-1, 0, 0, 0]  # what a rank shares where lending is off: a load, ste
 _OFFERS = MaskCache(64)
 
 
-def offer(mask_mod, schedule: Sequence[Sequence[Hop]], next_hops: Sequence[Hop], kernel: str,
+def offer(mask_mod, schedule: Sequence[Sequence[Hop]], next_hops: Sequence[Hop], kernel: str, call: int,
           device) -> Optional["Offer"]:
     """This rank's ``Offer`` for a plan (``schedule``, and ``next_hops``: the next rank's hops
-    against this rank's block) made by ``kernel``, made once per plan; None where lending is off."""
+    against this rank's block) made by ``kernel``, whose calls cost ``call`` pairs each beyond
+    their pairs (``HopKernel.call_pairs``); made once per plan, None where lending is off."""
     if os.environ.get("RINGFLEX_LENDING", "1") == "0":
         return None
-    key = (tuple(map(tuple, schedule)), tuple(next_hops), kernel, str(device))
-    return _OFFERS.lookup(mask_mod, key, lambda: Offer.of(mask_mod, schedule, next_hops, device))
+    key = (tuple(map(tuple, schedule)), tuple(next_hops), kernel, call, str(device))
+    return _OFFERS.lookup(mask_mod, key, lambda: Offer.of(mask_mod, schedule, next_hops, call, device))
 
 
 def pairs(mask_mod, hop: Hop, device) -> Optional[Tensor]:
@@ -148,16 +150,19 @@ class Offer:
     """A rank's side of lending, planned before the ranks agree: its whole load, its own
     step-1 hops, and the next rank's step-1 hops (against this rank's block) as planned here."""
 
-    load: int  # pairs over every step, -1: unknown
+    load: int  # pairs over every step and ``call`` for each hop, -1: unknown
     own: StepOne
     next: StepOne
+    call: int = 0  # what a kernel call costs beyond its pairs, in pairs
     loans: OrderedDict = field(default_factory=OrderedDict, compare=False)  # made by ``agree``, by what it was given
 
     @staticmethod
-    def of(mask_mod, schedule: Sequence[Sequence[Hop]], next_hops: Sequence[Hop], device) -> "Offer":
+    def of(mask_mod, schedule: Sequence[Sequence[Hop]], next_hops: Sequence[Hop], call: int, device) -> "Offer":
         steps = [StepOne.of(mask_mod, hops, device) for hops in schedule]
-        load = -1 if any(step.counts is None for step in steps) else sum(step.total for step in steps)
-        return Offer(load, steps[1] if len(steps) > 1 else StepOne((), ()), StepOne.of(mask_mod, next_hops, device))
+        load = -1 if any(step.counts is None for step in steps) else sum(step.total + call * len(step.hops)
+                                                                             for step in steps)
+        return Offer(load, steps[1] if len(steps) > 1 else StepOne((), ()), StepOne.of(mask_mod, next_hops, device),
+                     call)
 
     @functools.cached_property
     def shares(self) -> List[int]:
@@ -178,7 +183,7 @@ class Offer:
         loads = [s[0] for s in shared]
         # rank r lends to r - 1 only where both planned r's step-1 hops alike
         lendable = [0] + [shared[r][1] if shared[r][2] == shared[r - 1][3] else 0 for r in range(1, world)]
-        lend = amounts(loads, lendable)
+        lend = amounts(loads, lendable, self.call)
         if not any(lend):
             return None
         lent, kept = (0, 0), self.own.hops
@@ -192,16 +197,17 @@ class Offer:
         return Loan(lent, kept, borrowed, borrowed_hops)
 
 
-def amounts(loads: Sequence[int], lendable: Sequence[int]) -> List[int]:
+def amounts(loads: Sequence[int], lendable: Sequence[int], call: int = 0) -> List[int]:
     """The pairs rank r lends to rank r - 1, for every r: what evens rank r - 1 with the mean
-    load (given what r - 1 lent on), at most ``lendable[r]``; all 0 where a load is unknown
-    or lending would not shorten the busiest rank's work by ``MIN_GAIN``."""
+    load (given what r - 1 lent on, and the ``call`` its borrowed rows add), at most
+    ``lendable[r]``; all 0 where a load is unknown or lending would not shorten the busiest
+    rank's work by ``MIN_GAIN``."""
     world = len(loads)
     if world < 2 or min(loads) < 0:
         return [0] * world
-    mean = sum(loads) / world
+    mean = (sum(loads) + call * (world - 1)) / world  # as if every rank but the last borrowed
     lend = [0] * world
     for r in range(1, world):
-        lend[r] = int(min(max(mean - loads[r - 1] + lend[r - 1], 0), lendable[r]))
-    after = [loads[r] - lend[r] + (lend[r + 1] if r + 1 < world else 0) for r in range(world)]
+        lend[r] = int(min(max(mean - loads[r - 1] + lend[r - 1] - call, 0), lendable[r]))
+    after = [loads[r] - lend[r] + (lend[r + 1] + call if r + 1 < world and lend[r + 1] else 0) for r in range(world)]
     return lend if max(after) <= (1 - MIN_GAIN) * max(loads) else [0] * world

@@ -24,16 +24,16 @@ from ringflex.parallel.merge import rows
 from ringflex.plan import Segment, keys_read, plan_hops, steps_needed
 
 
-def rank_hops(mask_mod, seq_len: int, world: int, layout: str, lend: bool, device):
+def rank_hops(mask_mod, seq_len: int, world: int, layout: str, lend: bool, device, call: int = 0):
     """Per rank, the (hop, block owner) pairs it computes: a ring call's plan, cut to the
-    steps some rank needs, with the ranks' loans where ``lend``."""
+    steps some rank needs, with the ranks' loans where ``lend`` (a call weighed as ``call`` pairs)."""
     kernel = CudnnKernel()
     segs = [layouts.segments(layout, seq_len, world, r) for r in range(world)]
     plans = [plan_hops(mask_mod, False, 1, 1, segs[r], [segs[(r - s) % world] for s in range(world)], device,
                        kernel=kernel) for r in range(world)]
     steps = steps_needed([keys_read(plan, world) for plan in plans])
     plans = [plan[:steps] for plan in plans]
-    offers = [lending.Offer.of(mask_mod, plans[r], plans[(r + 1) % world][1] if steps > 1 else (), device)
+    offers = [lending.Offer.of(mask_mod, plans[r], plans[(r + 1) % world][1] if steps > 1 else (), call, device)
               for r in range(world)]
     shared = [offer.shares if lend else lending.NO_OFFER for offer in offers]
     planned_part = functools.partial(kernel.plans_within, mask_mod, False, device=device)
@@ -100,7 +100,8 @@ def main():
         print(f"{args.seq_len} tokens, {name}, {args.layout} over {args.world_size} ranks: one GPU {one_gpu:.2f} ms "
               f"fwd+bwd", flush=True)
         for lend in (False, True):
-            work = rank_hops(mask_mod, args.seq_len, args.world_size, args.layout, lend, dev)
+            work = rank_hops(mask_mod, args.seq_len, args.world_size, args.layout, lend, dev,
+                             kernel.call_pairs(1, args.heads, args.head_dim))
             ms = [timed_ms(functools.partial(run, pairs, blocks[r])) for r, pairs in enumerate(work)]
             print(f"  lending {'on ' if lend else 'off'}: per rank {', '.join(f'{t:.2f}' for t in ms)} ms; "
                   f"bound t_one_gpu / (W x t_busiest) {one_gpu / (args.world_size * max(ms)):.3f}", flush=True)

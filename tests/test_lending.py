@@ -34,6 +34,18 @@ def test_amounts_lend_only_what_helps(loads, lendable, want):
     assert amounts(loads, lendable) == want
 
 
+def test_amounts_weigh_the_call_a_loan_adds():
+    """A kernel call costs beyond its pairs (``HopKernel.call_pairs``), and borrowed rows are
+    one more call: a window over zigzag (rank 0 makes 3 calls, rank 1 2) lends less than its
+    pairs say, and documents whose pairs are even but whose straddling document is a call
+    more on rank 1 lend nothing, since the loan would add a call to rank 0 (numbers in
+    millions of pairs, a call 1.3 of them: an H100 at 32 heads of 128)."""
+    call = 1300
+    zigzag = [25200 + 3 * call, 33500 + 2 * call]
+    assert amounts(zigzag, [0, 8400]) == [0, 3500] and amounts(zigzag, [0, 8400], call) == [0, 2850]
+    assert amounts([17250 + call, 17140 + 2 * call], [0, 4240], call) == [0, 0]
+
+
 def _corner(rows: int, keys: int) -> StepOne:
     """A window's corner: query row i of the next block sees the last keys - 1 - i keys."""
     hop = Hop((0, rows), (0, keys), Segment(keys, 1, rows), Segment(0, 1, keys), BlockKind.PARTIAL)

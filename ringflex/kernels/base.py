@@ -74,6 +74,12 @@ class HopKernel(Protocol):
         which would only add calls and merges, and the ring merges and sums only its rows."""
         ...
 
+    def call_pairs(self, batch: int, heads: int, head_dim: int) -> int:
+        """What one more call costs beyond its pairs, as the number of (query, key) pairs that
+        take as long at these sizes: lending weighs each rank's work by its calls too, where
+        the ranks make different numbers of them (``lending``)."""
+        ...
+
     def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype of the dk/dv ``backward`` returns for inputs of ``dtype``. A ring's first
         partial dK/dV sum (one rank's share) travels in it: no wider than needed, never rounded."""

@@ -221,6 +221,9 @@ class FlexKernel:
     def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype  # flex_attention returns dk/dv in the input dtype
 
+    def call_pairs(self, batch: int, heads: int, head_dim: int) -> int:
+        return 0  # not measured: lending weighs pairs alone
+
     def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment, device):
         # The block mask skips empty tiles: a block stays one call, over the tiles' rows and
         # keys where the mask holds somewhere. Masks that differ by batch or head (or that

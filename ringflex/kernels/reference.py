@@ -60,6 +60,9 @@ class ReferenceKernel:
     def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment, device) -> None:
         return None  # it computes every pair of the block it is given
 
+    def call_pairs(self, batch: int, heads: int, head_dim: int) -> int:
+        return 0  # not measured: lending weighs pairs alone
+
     def forward(self, q, k, v, q_seg: Segment, kv_seg: Segment, mods: Mods, scale: float, masked: bool) -> Tuple[Tensor, Tensor]:
         dtype = compute_dtype(q.dtype)
         groups = q.shape[1] // k.shape[1]

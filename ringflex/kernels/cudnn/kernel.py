@@ -25,6 +25,13 @@ def _sub(seg: Optional[Segment], r: Tuple[int, int]) -> Optional[Segment]:
     return None if seg is None else seg.slice(*r)
 
 
+# A call's cost beyond its pairs, in pairs x batch x heads x head dim: fitted to the hops of a
+# window of 4096 at 16k tokens over 2 ranks, each rank's work timed alone on an H100 (bf16,
+# fwd+bwd, scripts/balance_probe.py): 0.109 ms per million pairs at B=1, H=32, D=128 and
+# 0.14 ms per call, i.e. a call takes as long as 1.3 million pairs there.
+_CALL_WORK = 1_300_000 * 32 * 128
+
+
 class CudnnKernel:
     """HopKernel on cuDNN's fused SDPA (see ``ringflex.kernels.cudnn``)."""
 
@@ -37,6 +44,9 @@ class CudnnKernel:
         # cuDNN writes dk/dv in the input dtype; calls of one hop that share key rows are
         # summed in fp32 and rounded once into it
         return dtype
+
+    def call_pairs(self, batch: int, heads: int, head_dim: int) -> int:
+        return _CALL_WORK // max(1, batch * heads * head_dim)
 
     def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment,
                      device) -> Optional[Extent]:
