@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import ringflex
 from ringflex.kernels.base import Mods
+from ringflex.kernels.cudnn import CudnnKernel
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.parallel import peer
 from ringflex.parallel.ring import RingCall
@@ -53,7 +54,10 @@ _LENT = []  # per ring call of this rank: how many of its query rows the previou
 
 
 def _recording_loans():
-    """Makes every ring call note the rows this rank lends (``ringflex.lending``)."""
+    """Makes every ring call note the rows this rank lends (``ringflex.lending``), and lend
+    wherever the ranks' pairs are uneven: at the check's sizes a cuDNN call's own cost would
+    outweigh any loan (``HopKernel.call_pairs``), and the check is of the lent rows' numbers."""
+    CudnnKernel.call_pairs = lambda self, batch, heads, head_dim: 0
     agree = RingCall.agree
 
     def recording(call, device):
