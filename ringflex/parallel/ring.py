@@ -6,6 +6,11 @@ Results accumulate in fp32 (fp64 for fp64 inputs) and are rounded once into the 
 (``merge.RowMerge`` / ``RowSum``). Backward runs the ring in reverse, from the block forward
 ended on, so each block's last stop is its owner: the dK/dV accumulated for a block travel
 with it and are complete when they arrive.
+
+Where the ranks agree on loans (``ringflex.lending``), query rows travel the other way: a
+rank's lent rows go to the previous rank, which computes them against its own block and
+sends back their output and LSE (``_lend_forward``), and in backward their dQ
+(``_lend_backward``, ``_borrowed_backward``).
 """
 from __future__ import annotations
 
