@@ -66,8 +66,6 @@ def pairs(mask_mod, hop: Hop, device) -> Optional[Tensor]:
         mask = trace_mask_mod(mask_mod, device)
     except UnsupportedModError:
         return None
-    if mask.deps & {"b", "h"}:
-        return None
     extents = row_extents(mask_mod, mask, hop.q_seg, hop.kv_seg, device)
     return None if extents is None else extents[3].long()
 
@@ -171,8 +169,8 @@ class Offer:
 
     def agree(self, shared: Sequence[Sequence[int]], rank: int, planned_part: Optional[Callable]) -> Optional[Loan]:
         """This rank's ``Loan`` from every rank's ``shares`` (``NO_OFFER`` where lending is
-        off), or None where no rank lends. ``planned_part``: the kernel's ``plans_within``,
-        bound to the call's mods (``plan.plan_hops``)."""
+        off), or None where no rank lends. ``planned_part``: the kernel's, from
+        ``plan.part_planner``."""
         key = (tuple(map(tuple, shared)), rank)
         if key not in self.loans:
             remember(self.loans, key, self._loan(shared, rank, planned_part), 8)

@@ -314,8 +314,7 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
     def kind_of(q_seg, kv_seg):
         return _read_kinds([classify(mask_mod, batch, heads, q_seg, kv_seg, device, decide)])[0]
 
-    planned_part = None if kernel is None else functools.partial(kernel.plans_within, mask_mod, has_score_mod,
-                                                                    device=device)
+    planned_part = part_planner(kernel, mask_mod, has_score_mod, device)
 
     steps = [[] for _ in kv_segs_per_step]
     for (step, qr, q, kr, kv), kind in zip(pairs, kinds):
@@ -327,6 +326,13 @@ def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_
         if local is not None and len(plan[step]) > 1:
             plan[step] = [local]
     return plan
+
+
+def part_planner(kernel, mask_mod, has_score_mod: bool, device) -> Optional[Callable]:
+    """``kernel.plans_within`` bound to a call's mods: (q_seg, kv_seg) -> the part of a PARTIAL
+    block the kernel's calls reach, or None; None without a kernel. The planner trims hops with
+    it, and lending the parts of hops it cuts."""
+    return None if kernel is None else functools.partial(kernel.plans_within, mask_mod, has_score_mod, device=device)
 
 
 def around(spans) -> Tuple[int, int]:

@@ -21,7 +21,7 @@ from ringflex.kernels.base import Mods
 from ringflex.kernels.cudnn import CudnnKernel
 from ringflex.parallel import layout as layouts
 from ringflex.parallel.merge import rows
-from ringflex.plan import Segment, keys_read, plan_hops, steps_needed
+from ringflex.plan import Segment, keys_read, part_planner, plan_hops, steps_needed
 
 
 def rank_hops(mask_mod, seq_len: int, world: int, layout: str, lend: bool, device, call: int = 0):
@@ -36,7 +36,7 @@ def rank_hops(mask_mod, seq_len: int, world: int, layout: str, lend: bool, devic
     offers = [lending.Offer.of(mask_mod, plans[r], plans[(r + 1) % world][1] if steps > 1 else (), call, device)
               for r in range(world)]
     shared = [offer.shares if lend else lending.NO_OFFER for offer in offers]
-    planned_part = functools.partial(kernel.plans_within, mask_mod, False, device=device)
+    planned_part = part_planner(kernel, mask_mod, False, device)
     work = []
     for r, (plan, offer) in enumerate(zip(plans, offers)):
         loan = offer.agree(shared, r, planned_part) if steps > 1 else None

@@ -14,7 +14,6 @@ sends back their output and LSE (``_lend_forward``), and in backward their dQ
 """
 from __future__ import annotations
 
-import functools
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from torch._C import _functions as autograd_nodes
 from ..kernels.base import HopKernel, Mods
 from ..kernels.reference import compute_dtype
 from ..lending import Loan, Offer
-from ..plan import Hop, steps_needed, travelling_rows
+from ..plan import Hop, part_planner, steps_needed, travelling_rows
 from .comm import RingComm, capture_error
 from .fault import guard
 from .merge import RowMerge, RowSum, Rows, rows
@@ -64,8 +63,7 @@ class RingCall:
         if self.comm is not None:
             self.travelling = travelling_rows(reads, len(self.schedule))
         if self.comm is not None and self.offer is not None:
-            planned_part = functools.partial(self.kernel.plans_within, self.mods.mask_mod,
-                                             self.mods.score_mod is not None, device=device)
+            planned_part = part_planner(self.kernel, self.mods.mask_mod, self.mods.score_mod is not None, device)
             self.loan = self.offer.agree([s[2 * world:] for s in shared], self.comm.rank, planned_part)
             if self.loan is not None:
                 self.schedule = [self.schedule[0], list(self.loan.kept), *self.schedule[2:]]
@@ -359,9 +357,8 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
         received = _receive(received, sums, arriving)
         total = sums.result()
         if step + 1 < steps:  # ``total`` stays referenced until this transfer is waited for
-            lo, hi = blocks.travelling(step + 1)  # the rows of the next step's block that travel
-            incoming = [torch.empty((*t.shape[:2], hi - lo, *t.shape[3:]), dtype=t.dtype, device=t.device)
-                        for t in total]  # every rank sends the same dtype at a step
+            arriving_next = blocks.travelling(step + 1)  # the rows of the next step's block that travel
+            incoming = [_new_rows(t, arriving_next, *t.shape[3:]) for t in total]  # every rank sends one dtype at a step
             received = (incoming, call.comm.exchange(total, incoming, reverse=True))
         if step == 0 and borrowed_inputs is not None:  # after the sum left: it does not wait for them
             returned, borrowed_keys = _borrowed_backward(call, q, k, v, borrowed_q, borrowed_inputs, d_tensors)
