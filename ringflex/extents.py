@@ -44,8 +44,11 @@ def row_extents(mask_mod: Callable, mask: ModGraph, q_seg: Segment, kv_seg: Segm
     """Per query row, on the host: its first and last visible key (-1 where it sees none), the
     end of the run of keys it sees from its first one, and how many keys it sees ([4, rows],
     local key indices), or None for a block too large to evaluate whole whose tiles the mask's
-    formula does not settle. For masks that depend on neither batch nor head. Planning a new
-    mask waits for the GPU, up to three times; a block planned again is looked up."""
+    formula does not settle, or for a mask that depends on the batch or head (it has no one
+    set of keys per row). Planning a new mask waits for the GPU, up to three times; a block
+    planned again is looked up."""
+    if mask.deps & {"b", "h"}:
+        return None
     key = mask_key(mask, q_seg, kv_seg, str(device))
     if key not in _EXTENTS:
         remember(_EXTENTS, key, _row_extents(mask_mod, mask, q_seg, kv_seg, device), _MAX_EXTENTS)

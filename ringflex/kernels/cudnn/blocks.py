@@ -157,8 +157,6 @@ def exact_runs(mods: Mods, mask: ModGraph, q_seg: Segment, kv_seg: Segment, devi
     keys every row sees run unmasked, and the rest with cuDNN's native band mask where the mask
     is a band there (causal inside a document), else masked. None where that is too fragmented
     (or too large to evaluate: ``extents.row_extents``)."""
-    if mask.deps & {"b", "h"}:
-        return None
     key = mask_key(mask, "exact", q_seg, kv_seg, str(device))
     if key in _PLANS:
         return _PLANS[key]
