@@ -358,7 +358,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
         total = sums.result()
         if step + 1 < steps:  # ``total`` stays referenced until this transfer is waited for
             arriving_next = blocks.travelling(step + 1)  # the rows of the next step's block that travel
-            incoming = [_new_rows(t, arriving_next, *t.shape[3:]) for t in total]  # every rank sends one dtype at a step
+            incoming = [_new_rows(t, arriving_next, *t.shape[3:]) for t in total]  # one dtype on every rank
             received = (incoming, call.comm.exchange(total, incoming, reverse=True))
         if step == 0 and borrowed_inputs is not None:  # after the sum left: it does not wait for them
             returned, borrowed_keys = _borrowed_backward(call, q, k, v, borrowed_q, borrowed_inputs, d_tensors)
