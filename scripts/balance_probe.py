@@ -5,7 +5,8 @@
 A ring runs as fast as its busiest rank. Without a GPU per rank, this plans every rank's
 hops as a ring call would (the planner, the ranks' shared counts, ``ringflex.lending``),
 then times each rank's hops alone on one GPU with the cuDNN kernel, forward and backward:
-its own schedule, the rows it keeps of its step-1 hops, and the rows it borrows. It prints
+its own schedule, the rows it keeps of its step-1 hops, and the rows it borrows, replayed
+from a CUDA graph so that only the GPU's time counts. It prints
 each rank's milliseconds with lending off and on, the one-GPU kernel on the whole sequence,
 and the bound the busiest rank puts on the ring's efficiency, t_one_gpu / (W x t_busiest)
 (transfers and merges left out).
@@ -48,14 +49,24 @@ def rank_hops(mask_mod, seq_len: int, world: int, layout: str, lend: bool, devic
     return work
 
 
-def timed_ms(fn, iters: int = 10) -> float:
-    for _ in range(3):
+def timed_ms(fn, iters: int = 20) -> float:
+    """Milliseconds per call of ``fn`` replayed from a CUDA graph: the GPU's time, not the host's
+    (packed documents issue work faster than the host plans it), as the ring's ``--graph`` rows."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
     for _ in range(iters):
-        fn()
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
@@ -99,11 +110,15 @@ def main():
         one_gpu = timed_ms(single)
         print(f"{args.seq_len} tokens, {name}, {args.layout} over {args.world_size} ranks: one GPU {one_gpu:.2f} ms "
               f"fwd+bwd", flush=True)
-        for lend in (False, True):
-            work = rank_hops(mask_mod, args.seq_len, args.world_size, args.layout, lend, dev,
-                             kernel.call_pairs(1, args.heads, args.head_dim))
+        unlent = rank_hops(mask_mod, args.seq_len, args.world_size, args.layout, False, dev)
+        lent = rank_hops(mask_mod, args.seq_len, args.world_size, args.layout, True, dev,
+                         kernel.call_pairs(1, args.heads, args.head_dim))
+        for label, work in (("off", unlent), ("on ", lent)):
+            if work is lent and lent == unlent:
+                print("  lending on : no loan", flush=True)
+                continue
             ms = [timed_ms(functools.partial(run, pairs, blocks[r])) for r, pairs in enumerate(work)]
-            print(f"  lending {'on ' if lend else 'off'}: per rank {', '.join(f'{t:.2f}' for t in ms)} ms; "
+            print(f"  lending {label}: per rank {', '.join(f'{t:.2f}' for t in ms)} ms; "
                   f"bound t_one_gpu / (W x t_busiest) {one_gpu / (args.world_size * max(ms)):.3f}", flush=True)
 
 

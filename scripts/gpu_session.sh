@@ -47,7 +47,8 @@ for stage in "$@"; do
     ragged1) run ragged python3 scripts/ragged_cost.py ;;  # ragged batch vs a call per document
     plancost1) run plancost python3 scripts/plan_cost.py ;;  # planning a new packed batch, both ranks' blocks
     balance1) for n in 16384 32768; do run balance1 python3 scripts/balance_probe.py --seq-len $n; done
-              run balance1 python3 scripts/balance_probe.py --seq-len 16384 --layout zigzag
+              run balance1 python3 scripts/balance_probe.py --seq-len 16384 --layout zigzag --masks window documents causal none
+              run balance1 python3 scripts/balance_probe.py --seq-len 32768 --world-size 4 --masks window
               run balance1 python3 scripts/balance_probe.py --seq-len 16384 --masks documents --doc-len 1024 ;;  # lending: each rank's work alone
     newdocs1) run newdocs1 python3 scripts/extents_cost.py  # planning one block exactly: every pair vs tiles
               for a in "16384 150" "65536 100"; do set -- $a; run newdocs1 python3 scripts/new_documents_probe.py \
