@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md, one stage per argument; logs go to $OUT (or ./out).
-#   bash scripts/gpu_session.sh kernel1 compile1 merge1 plans1 shapes1 ragged1 newdocs1 plancost1 balance1 lse1 learnable1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
-#   bash scripts/gpu_session.sh check2 check2flex check2lse transport2 graph2 lend2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
+#   bash scripts/gpu_session.sh kernel1 compile1 merge1 plans1 shapes1 ragged1 newdocs1 plancost1 balance1 sums1 lse1 learnable1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
+#   bash scripts/gpu_session.sh check2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash scripts/gpu_session.sh check4 bench4              # on 4 GPUs
 #   bash scripts/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -74,6 +74,9 @@ for stage in "$@"; do
     lend2) for l in 0 1; do export RINGFLEX_LENDING=$l; run lend2 tr 2 scripts/bench.py --seq-lens 16384 32768 \
               --masks window documents causal --layouts contiguous --no-cp --singles sdpa-cudnn ringflex-1gpu \
               --graph --iters 5 --warmup 2 --json "$OUT/lend2_$l.json"; done; unset RINGFLEX_LENDING ;;  # lending off / on
+    sums1) run sums1 python3 scripts/sum_cost.py ;;  # three gradient parts: torch's passes vs the fused sum
+    passes2) run passes2 tr 2 scripts/ring_passes.py --seq-len 16384 --masks causal none --layout zigzag
+             run passes2 tr 2 scripts/ring_passes.py --seq-len 16384 --masks window documents --layout contiguous ;;  # passes outside the kernels
     phases2) run phases2 tr 2 scripts/host_phases.py --seq-len 16384 ;;  # host time of a ring call by phase
     newdocs2) for n in 16384 65536; do run newdocs2 tr 2 scripts/host_phases.py --seq-len $n --warmup 100 --calls 20 \
               --cases new_documents:contiguous new_documents:zigzag documents:contiguous; done ;;  # new packed batch every call

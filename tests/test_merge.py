@@ -15,6 +15,7 @@ RANGES = [
     [(8, 16), (0, 16), (0, 8)],
     [(0, 4), (2, 10), (2, 10), (9, 10), (0, 16)],
     [(4, 12)],  # rows 0:4 and 12:16 get no part
+    [(0, 12), (4, 16), (2, 8)],  # rows 4:8 get three parts, the last not whole
     [],
 ]
 
@@ -99,6 +100,24 @@ def test_the_last_part_over_every_row_becomes_the_result():
         total.add(r, p)
     (got,) = total.result()
     assert got is parts[-1] and torch.equal(got, want.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("whole_last", [False, True])
+def test_three_parts_are_summed_in_one_pass_after_a_part_written_in_place(whole_last):
+    """A part written into the result (``destination``) and two more: the second is kept as it
+    came and the third sums all three into the result, whether or not it covers every row."""
+    ranges = [(0, 8), (4, 12), (0, LENGTH) if whole_last else (2, 6)]
+    parts = _parts(ranges, torch.bfloat16)
+    want = _summed(ranges, parts)
+    total = RowSum([want.shape], torch.bfloat16, torch.float32, "cpu", ranges)
+    (into,) = total.destination(ranges[0])
+    into.copy_(parts[0])
+    total.add(ranges[0], into)
+    for r, p in zip(ranges[1:], parts[1:]):
+        total.add(r, p)
+    assert total.acc is None  # nothing widened into fp32 buffers
+    (got,) = total.result()
+    assert got.data_ptr() == into.data_ptr() and torch.equal(got, want.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("last", ["a view", "another dtype", "not last"])
@@ -186,12 +205,13 @@ def test_one_call_over_several_spans_writes_in_place_until_a_span_has_a_part():
 
 
 def test_merge_without_triton_says_so_once_and_merges_in_torch(monkeypatch, recwarn):
-    """Where the fused merge would apply (CUDA tensors) but triton cannot be imported, the
-    two-pass torch merge runs, and the slower path is named once."""
+    """Where the fused merge and sum would apply (CUDA tensors) but triton cannot be imported,
+    torch's passes run, and the slower path is named once."""
     from ringflex import kernels
     from ringflex.parallel import fused_merge, merge
 
     monkeypatch.setattr(fused_merge, "applies", lambda *tensors: True)
+    monkeypatch.setattr(fused_merge, "sum_applies", lambda *tensors: True)
     monkeypatch.setattr(fused_merge, "available", lambda: False)
     monkeypatch.setattr(kernels, "_WARNED", set())
     g = torch.Generator().manual_seed(0)
@@ -203,6 +223,8 @@ def test_merge_without_triton_says_so_once_and_merges_in_torch(monkeypatch, recw
         d, lse = torch.empty_like(a), lse_a.clone()
         merge.merge_parts(d, a, lse, b, lse_b)
         assert torch.equal(d, want) and torch.equal(lse, want_lse)
+        merge.sum_parts(d, [a, b, want], torch.float32)
+        assert torch.equal(d, a + b + want)
     assert [str(w.message) for w in recwarn].count(
-        "ringflex: triton is not installed, so hop results merge in two torch passes instead of one fused kernel "
-        "(slower); torch's CUDA builds ship it: pip install triton") == 1
+        "ringflex: triton is not installed, so hop results merge and gradient parts sum in torch passes instead of "
+        "one fused kernel each (slower); torch's CUDA builds ship it: pip install triton") == 1

@@ -69,3 +69,30 @@ def test_balance_probe_plans_the_ranks_work_as_a_ring_call_does():
     assert [owner for _, owner in work[True][0]] == [0, 0]  # rank 0: its own block, and the borrowed rows
     mean = sum(pairs[False]) / 2
     assert sum(pairs[True]) == 2 * mean and max(pairs[False]) > 1.06 * mean and max(pairs[True]) < 1.01 * mean, pairs
+
+
+def _ring_passes(rank, world_size):
+    from ring_passes import Passes
+    import ringflex
+    from ringflex import mods
+
+    passes = Passes()
+    passes.around_kernels()
+    q, k, v = (ringflex.shard(torch.randn(1, 2, 256, 8, generator=torch.Generator().manual_seed(i)), world_size)
+               .requires_grad_() for i in range(3))
+    with passes:
+        ringflex.ring_flex_attention(q, k, v, mask_mod=mods.causal).sum().backward()
+    return passes.ops, passes.bytes
+
+
+def test_ring_passes_lists_what_runs_outside_the_kernels():
+    """scripts/ring_passes.py lists a ring call's operations outside its hop kernels: the
+    merges and gradient sums, none of the reference kernel's own (no matmul)."""
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from harness import run_world
+
+    for ops, moved in run_world(2, _ring_passes):
+        assert any("merge_parts" in op for op in ops) and any("_sum" in op for op in ops), ops
+        assert not any(op.startswith(("matmul", "mm", "bmm", "softmax", "_softmax")) for op in ops), ops
+        assert moved > 0

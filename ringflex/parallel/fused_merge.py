@@ -1,14 +1,17 @@
-"""The log-sum-exp merge of two partial attention results in one pass on a CUDA GPU (Triton).
+"""Partial results combined in one pass on a CUDA GPU (Triton): the log-sum-exp merge of two
+attention outputs, and the sum of two or three gradient parts.
 
 In torch the merge takes two passes over the rows (one part scaled into an fp32 temporary,
-then the other added into the result); on the ring's critical path every pass is time the
-attention kernels wait for. Here each part is read once and the result written once, with
-weights in fp32, rounded once into the result's dtype. Triton ships with torch's CUDA builds
-and is imported on first use.
+then the other added into the result), and a sum of bf16 parts that must not be rounded
+before the last one takes a pass per part (the first widened into an fp32 buffer); on the
+ring's critical path every pass is time the attention kernels wait for. Here each part is
+read once and the result written once, computed in fp32 and rounded once into the result's
+dtype. Triton ships with torch's CUDA builds and is imported on first use.
 """
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -22,16 +25,24 @@ def applies(d: Tensor, a: Tensor, b: Tensor, lse_a: Tensor, lse_b: Tensor) -> bo
     """Whether the fused merge can take these tensors: on one CUDA device, rows of
     contiguous elements whose batches and heads are whole rows apart, no float64 (its
     weights are fp32)."""
-    return (d.is_cuda and all(t.device == d.device for t in (a, b, lse_a, lse_b))
-            and all(t.dtype in _DTYPES and t.stride(-1) == 1 and t.stride(0) % t.stride(2) == 0
-                    and t.stride(1) % t.stride(2) == 0 for t in (d, a, b))
-            and lse_a.dtype == lse_b.dtype == torch.float32)
+    return _in_rows_of_one_gpu(d, a, b) and lse_a.device == d.device and lse_a.dtype == lse_b.dtype == torch.float32
+
+
+def sum_applies(d: Tensor, parts: Sequence[Tensor]) -> bool:
+    """Whether ``add`` can take these tensors (laid out as ``applies`` asks, no float64)."""
+    return 2 <= len(parts) <= 3 and _in_rows_of_one_gpu(d, *parts)
+
+
+def _in_rows_of_one_gpu(d: Tensor, *others: Tensor) -> bool:
+    return d.is_cuda and all(t.device == d.device for t in others) and all(
+        t.dtype in _DTYPES and t.stride(-1) == 1 and t.stride(0) % t.stride(2) == 0 and t.stride(1) % t.stride(2) == 0
+        for t in (d, *others))
 
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     try:
-        _kernel()
+        _kernels()
     except ImportError:
         return False
     return True
@@ -41,21 +52,41 @@ def merge(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor) -> None
     """d = exp(lse_a - m) * a + exp(lse_b - m) * b, and lse_a = m = logaddexp(lse_a, lse_b),
     for [B, H, L, D] rows ``a``, ``b``, ``d`` and [B, H, L] lse (``d`` may be ``a``). Rows
     where both lse are -inf get 0 and keep -inf."""
-    _, heads, length, dim = d.shape
-    if d.numel() == 0:
+    for rows in _launches(a, b, d, lse_a, lse_b):
+        a_, b_, d_, lse_a_, lse_b_ = rows
+        _kernels()[0][_grid(d_)](
+            a_, b_, d_, lse_a_, lse_b_, d.shape[1], d_.shape[2], d.shape[3],
+            *_in_rows(a_), *_in_rows(b_), *_in_rows(d_), *lse_a_.stride(), *lse_b_.stride(), **_blocks(d))
+
+
+def add(d: Tensor, parts: Sequence[Tensor]) -> None:
+    """d = the sum of two or three [B, H, L, D] ``parts``, in fp32, rounded once into ``d``
+    (which may be one of them)."""
+    a, b, *c = parts
+    for rows in _launches(a, b, c[0] if c else a, d):
+        a_, b_, c_, d_ = rows
+        _kernels()[1][_grid(d_)](
+            a_, b_, c_, d_, d.shape[1], d_.shape[2], d.shape[3],
+            *_in_rows(a_), *_in_rows(b_), *_in_rows(c_), *_in_rows(d_), THREE=bool(c), **_blocks(d))
+
+
+def _launches(*tensors: Tensor):
+    """The tensors' rows, cut into the ranges one launch takes: a grid's second axis takes at
+    most 65535 programs."""
+    length = tensors[0].shape[2]
+    if tensors[0].numel() == 0:
         return
-    for start in range(0, length, _MAX_ROWS):  # a grid's second axis takes at most 65535 programs
+    for start in range(0, length, _MAX_ROWS):
         n = min(_MAX_ROWS, length - start)
-        rows = [t.narrow(2, start, n) for t in (a, b, d, lse_a, lse_b)]
-        _launch(*rows, heads, n, dim)
+        yield [t.narrow(2, start, n) for t in tensors]
 
 
-def _launch(a: Tensor, b: Tensor, d: Tensor, lse_a: Tensor, lse_b: Tensor, heads: int, length: int, dim: int):
-    grid = (a.shape[0] * heads, -(-length // _BLOCK_ROWS))
-    _kernel()[grid](
-        a, b, d, lse_a, lse_b, heads, length, dim,
-        *_in_rows(a), *_in_rows(b), *_in_rows(d), *lse_a.stride(), *lse_b.stride(),
-        BLOCK_ROWS=_BLOCK_ROWS, BLOCK_DIM=max(16, 1 << (dim - 1).bit_length()), num_warps=4)
+def _grid(d: Tensor):
+    return d.shape[0] * d.shape[1], -(-d.shape[2] // _BLOCK_ROWS)
+
+
+def _blocks(d: Tensor) -> dict:
+    return dict(BLOCK_ROWS=_BLOCK_ROWS, BLOCK_DIM=max(16, 1 << (d.shape[3] - 1).bit_length()), num_warps=4)
 
 
 def _in_rows(t: Tensor):
@@ -65,7 +96,7 @@ def _in_rows(t: Tensor):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
+def _kernels():
     import triton
     import triton.language as tl
 
@@ -103,4 +134,20 @@ def _kernel():
                  mask=both)
         tl.store(lse_a + batch * la_sb + head * la_sh + row64 * la_sl, merged, mask=in_rows)
 
-    return lse_merge
+    @triton.jit(do_not_specialize=["heads", "length", "a_rb", "a_rh", "b_rb", "b_rh", "c_rb", "c_rh", "d_rb", "d_rh"])
+    def sum_parts(a, b, c, d, heads, length, dim, a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, c_rb, c_rh, c_sl,
+                  d_rb, d_rh, d_sl, THREE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+        bh = tl.program_id(0)
+        batch, head = (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
+        row = (tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        col = tl.arange(0, BLOCK_DIM)
+        both = (row < length)[:, None] & (col < dim)[None, :]
+        cols = col[None, :]
+        total = tl.load(a + (batch * a_rb + head * a_rh + row[:, None]) * a_sl + cols, mask=both).to(tl.float32)
+        total += tl.load(b + (batch * b_rb + head * b_rh + row[:, None]) * b_sl + cols, mask=both).to(tl.float32)
+        if THREE:
+            total += tl.load(c + (batch * c_rb + head * c_rh + row[:, None]) * c_sl + cols, mask=both).to(tl.float32)
+        tl.store(d + (batch * d_rb + head * d_rh + row[:, None]) * d_sl + cols, total.to(d.dtype.element_ty),
+                 mask=both)
+
+    return lse_merge, sum_parts

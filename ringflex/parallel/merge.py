@@ -9,6 +9,7 @@ attention kernels.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -32,7 +33,8 @@ class _Span:
     """Rows ``begin:end`` of a result: how many announced parts are still to come, and where
     their value is so far: nowhere (None), ``_ACC`` (the accumulator), ``_DONE`` (the result,
     complete), ``_IN_PLACE`` (the result, a single part written there through ``destination``),
-    or ``(part, row0)``: rows of a part kept as it came, whose first row is ``row0``."""
+    ``(part, row0)``: rows of a part kept as it came, whose first row is ``row0``, or a
+    ``_Pair`` of two of these (sums only)."""
 
     __slots__ = ("begin", "end", "remaining", "state")
 
@@ -43,6 +45,19 @@ class _Span:
 _ACC, _DONE, _IN_PLACE = "acc", "done", "in place"
 
 
+class _Pair:
+    """Two parts kept as they came, where one more is to come: the three are then summed in one pass."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, _Pair) and _same_source(self.first, other.first)
+                and _same_source(self.second, other.second))
+
+
 class _RowParts:
     """Parts of a result over row ranges announced in advance, each added once, in any order.
 
@@ -50,7 +65,11 @@ class _RowParts:
     accumulate in ``acc_dtype``, and the part that completes them writes the result dtype
     directly. So a row with one part costs a copy at most (none if one part is the whole
     result), a row with two parts one pass, and no row is rounded before its last part.
+    Where ``KEEPS_PAIRS`` (sums), a second part that leaves one to come is kept too, and the
+    third sums all three in one pass instead of widening the first into ``acc_dtype``.
     """
+
+    KEEPS_PAIRS = False
 
     def __init__(self, shapes: Sequence[torch.Size], dtype: torch.dtype, acc_dtype: torch.dtype, device,
                  expected: Sequence[Rows], empty=torch.empty):
@@ -118,7 +137,7 @@ class _RowParts:
         return self.acc
 
     def _groups(self, r: Rows):
-        """The spans of ``r`` as runs of neighbours in the same state that become final together."""
+        """The spans of ``r`` as runs of neighbours in the same state and stage (``_stage``)."""
         spans = self._spans(r)
         if not spans or any(s.remaining == 0 for s in spans):
             raise ValueError(f"rows {r} were not announced (or already complete)")
@@ -126,12 +145,17 @@ class _RowParts:
             s.remaining -= 1
         group = []
         for s in spans:
-            if group and not (_same_source(group[-1].state, s.state) and (group[-1].remaining == 0) == (s.remaining == 0)):
+            if group and not (_same_source(group[-1].state, s.state) and self._stage(group[-1]) == self._stage(s)):
                 yield group
                 group = []
             group.append(s)
         if group:
             yield group
+
+    def _stage(self, s: _Span) -> int:
+        """Spans combine alike if the part that reached them is their last, or (keeping pairs)
+        the last but one, for both or neither."""
+        return min(s.remaining, 2 if self.KEEPS_PAIRS else 1)
 
     def _add(self, r: Rows, parts: Sequence[Tensor], combine) -> None:
         handed = self.handed_out.pop(r, None)
@@ -141,16 +165,23 @@ class _RowParts:
             if state is None:
                 self._first((b, e), (b - r[0], e - r[0]))
                 new_state = arrived
+            elif self.KEEPS_PAIRS and group[0].remaining == 1 and state != _ACC and not isinstance(state, _Pair):
+                new_state = _Pair(state, arrived)
             else:
-                prev = self.acc if state == _ACC else self.out if state == _IN_PLACE else state[0]
-                row0 = 0 if state in (_ACC, _IN_PLACE) else state[1]
-                prev = [rows(p, (b - row0, e - row0)) for p in prev]
                 new = [rows(p, (b - r[0], e - r[0])) for p in parts]
                 dest = [rows(t, (b, e)) for t in self._buffers(final)]
-                combine(dest, prev, new, (b, e))
+                combine(dest, self._kept(state, b, e), new, (b, e))
                 new_state = _DONE if final else _ACC
             for s in group:
                 s.state = new_state
+
+    def _kept(self, state, b: int, e: int) -> List[List[Tensor]]:
+        """The parts held for result rows ``b:e`` in ``state`` (one, or two for a ``_Pair``),
+        each as views of its tensors over those rows."""
+        if isinstance(state, _Pair):
+            return self._kept(state.first, b, e) + self._kept(state.second, b, e)
+        held, row0 = (self.acc, 0) if state == _ACC else (self.out, 0) if state == _IN_PLACE else state
+        return [[rows(p, (b - row0, e - row0)) for p in held]]
 
     def _first(self, rows_: Rows, part_rows: Rows) -> None:
         """The first part of result rows ``rows_`` arrived (kept as it is); ``part_rows``: the
@@ -187,9 +218,13 @@ def merge_parts(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor) -
         if fused_merge.available():
             fused_merge.merge(d, a, lse_a, b, lse_b)
             return
-        _warn_once("ringflex: triton is not installed, so hop results merge in two torch passes instead of "
-                   "one fused kernel (slower); torch's CUDA builds ship it: pip install triton")
+        _warn_no_triton()
     merge_in_torch(d, a, lse_a, b, lse_b)
+
+
+def _warn_no_triton() -> None:
+    _warn_once("ringflex: triton is not installed, so hop results merge and gradient parts sum in torch passes "
+               "instead of one fused kernel each (slower); torch's CUDA builds ship it: pip install triton")
 
 
 def merge_in_torch(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor) -> None:
@@ -217,6 +252,8 @@ class RowSum(_RowParts):
     dtype and layout (a kernel's fresh gradients), becomes the result, and the parts before
     it are added into it in place, so rows it alone covers are not copied (``_adopt``)."""
 
+    KEEPS_PAIRS = True
+
     def add(self, r: Rows, *parts: Tensor) -> None:
         if not self._adopt(r, parts):
             self._add(r, parts, self._sum)
@@ -226,24 +263,35 @@ class RowSum(_RowParts):
         if (self.handed_out or r != whole or any(s.remaining != 1 or s.state == _IN_PLACE for s in self.spans)
                 or not all(p.dtype == self.dtype and p.shape == s and p.is_contiguous() for p, s in zip(parts, self.shapes))):
             return False
+        held = [(s, self._kept(s.state, s.begin, s.end)) for s in self.spans if s.state is not None]
         self.out = list(parts)
+        for s, parts_before in held:  # parts kept as they came, or the fp32 sum of several
+            dest = [rows(t, (s.begin, s.end)) for t in self.out]
+            self._sum(dest, parts_before, dest, (s.begin, s.end))
         for s in self.spans:
-            if s.state is not None:  # a part kept as it came, or the fp32 sum of several
-                prev, row0 = (self.acc, 0) if s.state == _ACC else s.state
-                dest = [rows(t, (s.begin, s.end)) for t in self.out]
-                self._sum(dest, [rows(p, (s.begin - row0, s.end - row0)) for p in prev], dest, (s.begin, s.end))
             s.remaining, s.state = 0, _DONE
         return True
 
-    def _sum(self, dest: List[Tensor], prev: List[Tensor], new: List[Tensor], r: Rows) -> None:
-        for d, a, b in zip(dest, prev, new):
-            common = torch.promote_types(a.dtype, b.dtype)
-            if torch.promote_types(common, d.dtype) == common:
-                # computed in ``common`` (fp32 for fp16/bf16 inputs), rounded once into d
-                torch.add(a, b, out=d)
-            else:  # d is wider than both: widen first, or the sum is rounded to their dtype
-                d.copy_(a)
-                d.add_(b)
+    def _sum(self, dest: List[Tensor], held: List[List[Tensor]], new: List[Tensor], r: Rows) -> None:
+        for i, d in enumerate(dest):
+            sum_parts(d, [part[i] for part in held] + [new[i]], self.acc_dtype)
+
+
+def sum_parts(d: Tensor, parts: Sequence[Tensor], acc_dtype: torch.dtype) -> None:
+    """``d`` = the sum of two or three ``parts``, computed in ``acc_dtype`` (or wider) and
+    rounded once into ``d``, which may be one of them. One fused pass on a CUDA GPU."""
+    common = functools.reduce(torch.promote_types, [p.dtype for p in parts])
+    if len(parts) == 2 and torch.promote_types(common, d.dtype) == common:
+        torch.add(*parts, out=d)  # computed in ``common`` (fp32 for fp16/bf16 inputs), rounded once into d
+        return
+    if fused_merge.sum_applies(d, parts):
+        if fused_merge.available():
+            fused_merge.add(d, parts)
+            return
+        _warn_no_triton()
+    *first, last = parts  # widened first, or the sum is rounded to the parts' dtype
+    total = first[0].to(torch.promote_types(torch.promote_types(common, d.dtype), acc_dtype))
+    torch.add(total + first[1] if len(first) == 2 else total, last, out=d)
 
 
 class RowMerge(_RowParts):
@@ -276,9 +324,9 @@ class RowMerge(_RowParts):
         if source.data_ptr() != target.data_ptr():  # not written in place
             target.copy_(source)
 
-    def _merge(self, dest: List[Tensor], prev: List[Tensor], new: List[Tensor], r: Rows) -> None:
+    def _merge(self, dest: List[Tensor], prev: List[List[Tensor]], new: List[Tensor], r: Rows) -> None:
         lse, row0 = self._part_lse
-        (d,), (a,), (b,) = dest, prev, new
+        (d,), ((a,),), (b,) = dest, prev, new
         merge_parts(d, a, rows(self.lse, r), b, rows(lse, (r[0] - row0, r[1] - row0)))
 
     def _fill_empty(self, out: List[Tensor], r: Rows) -> None:

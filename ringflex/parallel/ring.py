@@ -341,6 +341,9 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
         sums = RowSum([t.shape for t in blocks.current], sum_dtypes[step], acc, k.device,
                       [arriving] * (received is not None and arriving[1] > arriving[0])
                       + [blocks.local(hop.kv_rows) for hop in hops] + [r for r, *_ in borrowed_keys] * own_block)
+        if own_block:  # first: an own hop that covers every key row, added last, becomes the sum
+            for keys in borrowed_keys:
+                sums.add(*keys)
         for i, hop in enumerate(hops):
             hop_k, hop_v = blocks.keys(hop)
             hq, hk, hv, ht = _hop_backward(call, hop, rows(q, hop.q_rows), hop_k, hop_v, rows(out, hop.q_rows),
@@ -351,9 +354,6 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
             if i == 0:  # the first kernel ran while the sum of the ranks before arrived
                 received = _receive(received, sums, arriving)
             sums.add(blocks.local(hop.kv_rows), hk, hv)
-        if own_block:
-            for keys in borrowed_keys:
-                sums.add(*keys)
         received = _receive(received, sums, arriving)
         total = sums.result()
         if step + 1 < steps:  # ``total`` stays referenced until this transfer is waited for

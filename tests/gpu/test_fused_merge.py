@@ -1,11 +1,11 @@
-"""The fused (Triton) log-sum-exp merge matches the merge in torch and an fp64 oracle."""
+"""The fused (Triton) log-sum-exp merge and sum of parts match torch and an fp64 oracle."""
 import math
 
 import pytest
 import torch
 
 from ringflex.parallel import fused_merge
-from ringflex.parallel.merge import merge_in_torch, merge_parts
+from ringflex.parallel.merge import merge_in_torch, merge_parts, sum_parts
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -77,7 +77,7 @@ def _compiled(kernel) -> int:
 def test_fused_merge_compiles_once_for_any_rows():
     """Packed batches merge row spans of every length at every offset: one compiled kernel
     serves them all (a new specialisation would take tens of ms in a training step)."""
-    kernel = fused_merge._kernel()
+    kernel = fused_merge._kernels()[0]
     seen = None
     for length in range(1, 40):
         a, b, lse_a, lse_b = _parts(128, length, torch.bfloat16, torch.bfloat16)
@@ -87,3 +87,37 @@ def test_fused_merge_compiles_once_for_any_rows():
         torch.testing.assert_close(d, want.to(torch.bfloat16))
         seen = _compiled(kernel) if seen is None else seen
     assert _compiled(kernel) == seen
+
+
+@needs_cuda
+@pytest.mark.parametrize("dim,length", [(128, 1000), (64, 32), (80, 7)])
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("into", ["bf16", "fp32", "in place"])
+def test_fused_sum_rounds_once(dim, length, count, into):
+    """Two or three bf16 parts (row views, as the ring sums them), summed in fp32 and rounded
+    once: into a bf16 result, an fp32 accumulator, or the last part itself; the torch path
+    gives the same numbers."""
+    names = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    g = torch.Generator(device="cuda").manual_seed(dim + length + count)
+    parts = [torch.randn(2, 3, length + 5, dim, device="cuda", generator=g).to(torch.bfloat16).narrow(2, 3, length)
+             for _ in range(count)]
+    want = sum(p.double() for p in parts)
+    in_torch = torch.empty(parts[0].shape, dtype=names.get(into, torch.bfloat16))
+    sum_parts(in_torch, [p.cpu() for p in parts], torch.float32)  # on the CPU: the torch path
+    d = parts[-1] if into == "in place" else torch.empty(parts[0].shape, dtype=names[into], device="cuda")
+    assert fused_merge.sum_applies(d, parts)
+    fused_merge.add(d, parts)
+    assert torch.equal(d.cpu(), in_torch), "the torch path"
+    # rounded once: to the nearest bf16 of the exact sum (bf16 parts sum exactly in fp32 unless
+    # their exponents lie far apart, which only an fp32 result shows)
+    torch.testing.assert_close(d.cpu(), want.cpu().to(d.dtype), rtol=0 if d.dtype == torch.bfloat16 else 1e-6,
+                               atol=0 if d.dtype == torch.bfloat16 else 1e-6)
+
+
+@needs_cuda
+def test_fused_sum_of_more_rows_than_one_launch_takes(monkeypatch):
+    monkeypatch.setattr(fused_merge, "_MAX_ROWS", 64)
+    parts = [torch.randn(1, 2, 1000, 128, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    d = torch.empty_like(parts[0])
+    sum_parts(d, parts, torch.float32)
+    torch.testing.assert_close(d, sum(p.float() for p in parts).to(torch.bfloat16), rtol=0, atol=0)

@@ -1,0 +1,46 @@
+"""What summing three gradient parts costs on one GPU: torch's passes against the fused sum.
+
+    python scripts/sum_cost.py
+
+Where a block's dK/dV gets three parts (a lending window's borrower: its own hop, the sum
+the ring brings, the borrowed rows), torch widens the first into fp32, adds the second,
+then adds the third into the result: three passes. ``merge.sum_parts`` reads each part
+once and writes the result once. Rows of [1, 32, 8192, 128] bf16 tensors, as the ring
+sums them (half the rows, views of whole blocks).
+"""
+import torch
+
+from ringflex.parallel.merge import sum_parts
+
+
+def timed_us(fn, iters: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
+
+
+def main():
+    parts = [torch.randn(1, 32, 8192, 128, device="cuda").to(torch.bfloat16).narrow(2, 4096, 4095) for _ in range(3)]
+
+    def in_torch():
+        acc = torch.empty(parts[0].shape, dtype=torch.float32, device="cuda")
+        acc.copy_(parts[0])
+        acc.add_(parts[1])
+        torch.add(acc, parts[2], out=parts[2])
+
+    def fused():
+        sum_parts(parts[2], parts, torch.float32)
+
+    for name, fn in (("torch: widen, add, add", in_torch), ("fused sum of three", fused)):
+        print(f"{name}: {timed_us(fn):.1f} us per [1, 32, 4095, 128] bf16 tensor", flush=True)
+
+
+if __name__ == "__main__":
+    main()
