@@ -82,6 +82,23 @@ def test_row_merge_rounds_once(ranges):
     assert bool((out[:, :, untouched] == 0).all()) and bool(lse[:, :, untouched].isneginf().all())
 
 
+def test_a_first_output_over_every_row_becomes_the_merged_result():
+    """The merge takes a first part over every row as its result (no copy of the rows only it
+    covers) and merges the later parts into it: the same numbers as merging aside."""
+    ranges = [(0, LENGTH), (4, 12)]
+    outs = _parts(ranges, torch.bfloat16)
+    lses = [torch.randn(2, 3, b - a, generator=torch.Generator().manual_seed(i)) for i, (a, b) in enumerate(ranges)]
+    results = []
+    for first in (outs[0].clone(), outs[0].clone().transpose(2, 3).contiguous().transpose(2, 3)):  # adopted, not
+        merged = RowMerge((2, 3, LENGTH, 5), torch.bfloat16, torch.float32, "cpu", ranges)
+        merged.add(ranges[0], first, lses[0].clone())
+        merged.add(ranges[1], outs[1], lses[1])
+        out, lse = merged.result()
+        assert (out is first) == first.is_contiguous()
+        results.append((out, lse))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_one_part_covering_everything_is_the_result():
     part = torch.randn(1, 2, LENGTH, 4, dtype=torch.bfloat16)
     total = RowSum([part.shape], torch.bfloat16, torch.float32, "cpu", [(0, LENGTH)])
@@ -179,9 +196,9 @@ def test_parts_written_in_place_give_the_same_result(ranges):
         merged = RowMerge((2, 3, LENGTH, 5), torch.bfloat16, torch.float32, "cpu", ranges)
         for r, o, s in zip(ranges, outs, lses):
             into = total.destination(r) if in_place else None
-            total.add(r, *(into[0].copy_(o),) if into else (o.clone(),))  # a sum may keep its part
+            total.add(r, *(into[0].copy_(o),) if into else (o.clone(),))  # parts are handed over
             into = merged.destination(r) if in_place else None
-            merged.add(r, *(into[0].copy_(o), into[1].copy_(s)) if into else (o, s))
+            merged.add(r, *(into[0].copy_(o), into[1].copy_(s)) if into else (o.clone(), s.clone()))
         results.append([*total.result(), *merged.result()])
     for a, b in zip(*results):
         assert torch.equal(a, b)

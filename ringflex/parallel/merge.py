@@ -297,7 +297,8 @@ def sum_parts(d: Tensor, parts: Sequence[Tensor], acc_dtype: torch.dtype) -> Non
 class RowMerge(_RowParts):
     """The running output of a ring call and its log-sum-exp: hop results over row ranges,
     merged by LSE with weights in fp32 and rounded once into the output dtype (see ``_RowParts``).
-    Rows that see no key have output 0 and lse -inf, never NaN."""
+    Rows that see no key have output 0 and lse -inf, never NaN. Parts are handed over: a first
+    part over every row becomes the result (``_adopt_first``)."""
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype, acc_dtype: torch.dtype, device, expected: Sequence[Rows],
                  empty=torch.empty):
@@ -316,8 +317,27 @@ class RowMerge(_RowParts):
         return super()._fresh() + [self.empty(self.lse.shape, dtype=self.lse.dtype, device=self.device)]
 
     def add(self, r: Rows, part_out: Tensor, part_lse: Tensor) -> None:
+        if self._adopt_first(r, part_out, part_lse):
+            return
         self._part_lse = part_lse, r[0]  # read by _first and _merge for the groups of this part
         self._add(r, (part_out,), self._merge)
+
+    def _adopt_first(self, r: Rows, out: Tensor, lse: Tensor) -> bool:
+        """A first part over every row, in the result's dtype and layout (the own block's hop as
+        the kernel returned it), becomes the result: the rows only it covers are not copied,
+        and later parts merge into it in place."""
+        if (self.out is not None or self.handed_out or r != (0, self.shapes[0][2])
+                or any(s.state is not None or s.remaining == 0 for s in self.spans)
+                or out.dtype != self.dtype or out.shape != self.shapes[0] or not out.is_contiguous()
+                or lse.dtype != self.lse.dtype or lse.shape != self.lse.shape or not lse.is_contiguous()):
+            return False
+        self.out, self.lse = [out], lse
+        if self.acc_dtype == self.dtype:
+            self.acc = self.out
+        for s in self.spans:
+            s.remaining -= 1
+            s.state = _IN_PLACE if s.remaining else _DONE
+        return True
 
     def _first(self, rows_: Rows, part_rows: Rows) -> None:
         target, source = rows(self.lse, rows_), rows(self._part_lse[0], part_rows)
