@@ -62,7 +62,7 @@ class Passes(TorchDispatchMode):
         self.ops.append(f"{name}({', '.join(tensors)}) at {' < '.join(reversed(frames)) or 'autograd'}")
         self.bytes += sum(t.numel() * t.element_size() for t in moved)
 
-    def around_kernels(self):
+    def install(self):
         """Marks every hop kernel's forward and backward as inside a kernel, for this mode, and
         records the fused (Triton) merges and sums, which dispatch no torch operation."""
         for cls in (ReferenceKernel, CudnnKernel, FlexKernel):
@@ -102,7 +102,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     passes = Passes()
-    passes.around_kernels()
+    passes.install()
     for mask in args.masks:
         score_mod, mask_mod = make_mods(mask, args.seq_len, device, 4096, 4096)
         torch.manual_seed(0)

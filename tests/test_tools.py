@@ -77,7 +77,7 @@ def _ring_passes(rank, world_size):
     from ringflex import mods
 
     passes = Passes()
-    passes.around_kernels()
+    passes.install()
     q, k, v = (ringflex.shard(torch.randn(1, 2, 256, 8, generator=torch.Generator().manual_seed(i)), world_size)
                .requires_grad_() for i in range(3))
     with passes:
