@@ -73,8 +73,9 @@ class Passes(TorchDispatchMode):
 
     def _fused(self, name: str, fn):
         def call(d, *args):
-            tensors = [d, *(t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]))]
-            self._record(f"fused {name}", tensors, tensors)
+            if not self.in_kernel:
+                tensors = [d, *(t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]))]
+                self._record(f"fused {name}", tensors, tensors)
             return fn(d, *args)
         return call
 
