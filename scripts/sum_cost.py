@@ -6,7 +6,7 @@ Where a block's dK/dV gets three parts (a lending window's borrower: its own hop
 the ring brings, the borrowed rows), torch widens the first into fp32, adds the second,
 then adds the third into the result: three passes. ``merge.sum_parts`` reads each part
 once and writes the result once. Rows of [1, 32, 8192, 128] bf16 tensors, as the ring
-sums them (half the rows, views of whole blocks).
+sums them (half the rows, views of whole blocks), timed replayed from a CUDA graph.
 """
 import torch
 
@@ -14,13 +14,23 @@ from ringflex.parallel.merge import sum_parts
 
 
 def timed_us(fn, iters: int = 50) -> float:
-    for _ in range(5):
-        fn()
+    """Microseconds per call of ``fn``, replayed from a CUDA graph of ``iters`` calls: the GPU's
+    time, not the host's launch (a Triton launch from Python takes tens of microseconds)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    for _ in range(iters):
-        fn()
+    graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters * 1e3
