@@ -10,6 +10,7 @@ sums them (half the rows, views of whole blocks), timed replayed from a CUDA gra
 """
 import torch
 
+from ringflex.parallel import fused_merge
 from ringflex.parallel.merge import sum_parts
 
 
@@ -37,7 +38,8 @@ def timed_us(fn, iters: int = 50) -> float:
 
 
 def main():
-    parts = [torch.randn(1, 32, 8192, 128, device="cuda").to(torch.bfloat16).narrow(2, 4096, 4095) for _ in range(3)]
+    whole = [torch.randn(1, 32, 8192, 128, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    parts = [t.narrow(2, 4096, 4095) for t in whole]
 
     def in_torch():
         acc = torch.empty(parts[0].shape, dtype=torch.float32, device="cuda")
@@ -50,7 +52,10 @@ def main():
 
     for name, fn in (("torch: widen, add, add", in_torch), ("fused sum of three", fused)):
         print(f"{name}: {timed_us(fn):.1f} us per [1, 32, 4095, 128] bf16 tensor", flush=True)
-
+    # two parts (where two meet: one pass either way), over row views and over whole tensors
+    for label, (a, b) in (("[1, 32, 4095, 128] rows", parts[:2]), ("whole [1, 32, 8192, 128]", whole[:2])):
+        print(f"two parts, {label}: torch.add {timed_us(lambda: torch.add(a, b, out=b)):.1f} us, "
+              f"fused {timed_us(lambda: fused_merge.add(b, [a, b])):.1f} us", flush=True)
 
 if __name__ == "__main__":
     main()
