@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from bench import make_mods
+from bench import make_mods, replayed_ms
 from ringflex import lending
 from ringflex.kernels.base import Mods
 from ringflex.kernels.cudnn import CudnnKernel
@@ -47,29 +47,6 @@ def rank_hops(mask_mod, seq_len: int, world: int, layout: str, lend: bool, devic
         hops += [(hop, r) for hop in (loan.borrowed_hops if loan is not None else ())]
         work.append(hops)
     return work
-
-
-def timed_ms(fn, iters: int = 20) -> float:
-    """Milliseconds per call of ``fn`` replayed from a CUDA graph: the GPU's time, not the host's
-    (packed documents issue work faster than the host plans it), as the ring's ``--graph`` rows."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main():
@@ -107,7 +84,7 @@ def main():
             out, lse = kernel.forward(q, k, v, whole, whole, mods, args.head_dim ** -0.5, True)
             kernel.backward(q, k, v, out, lse, dout, whole, whole, mods, args.head_dim ** -0.5, True)
 
-        one_gpu = timed_ms(single)
+        one_gpu = replayed_ms(single)
         print(f"{args.seq_len} tokens, {name}, {args.layout} over {args.world_size} ranks: one GPU {one_gpu:.2f} ms "
               f"fwd+bwd", flush=True)
         unlent = rank_hops(mask_mod, args.seq_len, args.world_size, args.layout, False, dev)
@@ -117,7 +94,7 @@ def main():
             if work is lent and lent == unlent:
                 print("  lending on : no loan", flush=True)
                 continue
-            ms = [timed_ms(functools.partial(run, pairs, blocks[r])) for r, pairs in enumerate(work)]
+            ms = [replayed_ms(functools.partial(run, pairs, blocks[r])) for r, pairs in enumerate(work)]
             print(f"  lending {label}: per rank {', '.join(f'{t:.2f}' for t in ms)} ms; "
                   f"bound t_one_gpu / (W x t_busiest) {one_gpu / (args.world_size * max(ms)):.3f}", flush=True)
 

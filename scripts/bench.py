@@ -81,6 +81,29 @@ def timed(fn, iters: int, warmup: int, device) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def replayed_ms(fn, iters: int = 20) -> float:
+    """Milliseconds per call of ``fn`` replayed from a CUDA graph: the GPU's time, not the
+    host's (which packed documents' planning or a Triton launch from Python can exceed)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def fwd_and_fwdbwd(attn, q, k, v, iters, warmup, *, device):
     """(forward seconds, forward+backward seconds) of ``attn(q, k, v)``."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))

@@ -1,4 +1,4 @@
-"""What summing three gradient parts costs on one GPU: torch's passes against the fused sum.
+"""What summing gradient parts costs on one GPU: torch's passes against the fused sum.
 
     python scripts/sum_cost.py
 
@@ -6,35 +6,14 @@ Where a block's dK/dV gets three parts (a lending window's borrower: its own hop
 the ring brings, the borrowed rows), torch widens the first into fp32, adds the second,
 then adds the third into the result: three passes. ``merge.sum_parts`` reads each part
 once and writes the result once. Rows of [1, 32, 8192, 128] bf16 tensors, as the ring
-sums them (half the rows, views of whole blocks), timed replayed from a CUDA graph.
+sums them (half the rows, views of whole blocks), timed replayed from a CUDA graph; then two
+parts, where torch's one add is the alternative, over such rows and over whole tensors.
 """
 import torch
 
+from bench import replayed_ms
 from ringflex.parallel import fused_merge
 from ringflex.parallel.merge import sum_parts
-
-
-def timed_us(fn, iters: int = 50) -> float:
-    """Microseconds per call of ``fn``, replayed from a CUDA graph of ``iters`` calls: the GPU's
-    time, not the host's launch (a Triton launch from Python takes tens of microseconds)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
 
 
 def main():
@@ -51,11 +30,12 @@ def main():
         sum_parts(parts[2], parts, torch.float32)
 
     for name, fn in (("torch: widen, add, add", in_torch), ("fused sum of three", fused)):
-        print(f"{name}: {timed_us(fn):.1f} us per [1, 32, 4095, 128] bf16 tensor", flush=True)
+        print(f"{name}: {replayed_ms(fn, 50) * 1e3:.1f} us per [1, 32, 4095, 128] bf16 tensor", flush=True)
     # two parts (where two meet: one pass either way), over row views and over whole tensors
     for label, (a, b) in (("[1, 32, 4095, 128] rows", parts[:2]), ("whole [1, 32, 8192, 128]", whole[:2])):
-        print(f"two parts, {label}: torch.add {timed_us(lambda: torch.add(a, b, out=b)):.1f} us, "
-              f"fused {timed_us(lambda: fused_merge.add(b, [a, b])):.1f} us", flush=True)
+        print(f"two parts, {label}: torch.add {replayed_ms(lambda: torch.add(a, b, out=b), 50) * 1e3:.1f} us, "
+              f"fused {replayed_ms(lambda: fused_merge.add(b, [a, b]), 50) * 1e3:.1f} us", flush=True)
+
 
 if __name__ == "__main__":
     main()
