@@ -1,4 +1,4 @@
-"""What summing gradient parts costs on one GPU: torch's passes against the fused sum.
+"""What the ring's passes over a block's rows cost on one GPU: torch against the fused kernels.
 
     python scripts/sum_cost.py
 
@@ -7,13 +7,14 @@ the ring brings, the borrowed rows), torch widens the first into fp32, adds the 
 then adds the third into the result: three passes. ``merge.sum_parts`` reads each part
 once and writes the result once. Rows of [1, 32, 8192, 128] bf16 tensors, as the ring
 sums them (half the rows, views of whole blocks), timed replayed from a CUDA graph; then two
-parts, where torch's one add is the alternative, over such rows and over whole tensors.
+parts, where torch's one add is the alternative, over such rows and over whole tensors; and
+the copy of such rows into a contiguous tensor to send (``merge.contiguous_rows``).
 """
 import torch
 
 from bench import replayed_ms
 from ringflex.parallel import fused_merge
-from ringflex.parallel.merge import sum_parts
+from ringflex.parallel.merge import contiguous_rows, sum_parts
 
 
 def main():
@@ -35,6 +36,11 @@ def main():
     for label, (a, b) in (("[1, 32, 4095, 128] rows", parts[:2]), ("whole [1, 32, 8192, 128]", whole[:2])):
         print(f"two parts, {label}: torch.add {replayed_ms(lambda: torch.add(a, b, out=b), 50) * 1e3:.1f} us, "
               f"fused {replayed_ms(lambda: fused_merge.add(b, [a, b]), 50) * 1e3:.1f} us", flush=True)
+    rows = whole[0].narrow(2, 4096, 4096)
+    print(f"[1, 32, 4096, 128] rows copied contiguous: torch {replayed_ms(rows.contiguous, 50) * 1e3:.1f} us, "
+          f"fused {replayed_ms(lambda: contiguous_rows(rows), 50) * 1e3:.1f} us; "
+          f"a contiguous clone of as many bytes {replayed_ms(parts[0].contiguous().clone, 50) * 1e3:.1f} us",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """Partial results combined in one pass on a CUDA GPU (Triton): the log-sum-exp merge of two
-attention outputs, and the sum of two or three gradient parts.
+attention outputs, the sum of two or three gradient parts, and the copy of a block's rows.
 
 In torch the merge takes two passes over the rows (one part scaled into an fp32 temporary,
 then the other added into the result), and a sum of bf16 parts that must not be rounded
 before the last one takes a pass per part (the first widened into an fp32 buffer); on the
 ring's critical path every pass is time the attention kernels wait for. Here each part is
 read once and the result written once, computed in fp32 and rounded once into the result's
-dtype. Triton ships with torch's CUDA builds and is imported on first use.
+dtype. Over rows of a block (views whose heads lie whole blocks apart) these kernels also run
+at full bandwidth where torch's elementwise kernels take twice as long (H200: a copy of
+[1, 32, 4096, 128] bf16 rows 41 us against 19 us for as many contiguous bytes). Triton ships
+with torch's CUDA builds and is imported on first use.
 """
 from __future__ import annotations
 
@@ -30,13 +33,14 @@ def applies(d: Tensor, a: Tensor, b: Tensor, lse_a: Tensor, lse_b: Tensor) -> bo
 
 def sum_applies(d: Tensor, parts: Sequence[Tensor]) -> bool:
     """Whether ``add`` can take these tensors (laid out as ``applies`` asks, no float64)."""
-    return 2 <= len(parts) <= 3 and _in_rows_of_one_gpu(d, *parts)
+    return 1 <= len(parts) <= 3 and _in_rows_of_one_gpu(d, *parts)
 
 
 def _in_rows_of_one_gpu(d: Tensor, *others: Tensor) -> bool:
+    """[B, H, L, D] tensors on d's GPU, as the kernels index them."""
     return d.is_cuda and all(t.device == d.device for t in others) and all(
-        t.dtype in _DTYPES and t.stride(-1) == 1 and t.stride(0) % t.stride(2) == 0 and t.stride(1) % t.stride(2) == 0
-        for t in (d, *others))
+        t.dim() == 4 and t.dtype in _DTYPES and t.stride(-1) == 1 and t.stride(0) % t.stride(2) == 0
+        and t.stride(1) % t.stride(2) == 0 for t in (d, *others))
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,14 +64,14 @@ def merge(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor) -> None
 
 
 def add(d: Tensor, parts: Sequence[Tensor]) -> None:
-    """d = the sum of two or three [B, H, L, D] ``parts``, in fp32, rounded once into ``d``
-    (which may be one of them)."""
-    a, b, *c = parts
-    for rows in _launches(a, b, c[0] if c else a, d):
+    """d = the sum of one to three [B, H, L, D] ``parts``, in fp32, rounded once into ``d``
+    (which may be one of them); one part: a copy."""
+    a, b, c = (list(parts) + [parts[0]] * 2)[:3]
+    for rows in _launches(a, b, c, d):
         a_, b_, c_, d_ = rows
         _kernels()[1][_grid(d_)](
             a_, b_, c_, d_, d.shape[1], d_.shape[2], d.shape[3],
-            *_in_rows(a_), *_in_rows(b_), *_in_rows(c_), *_in_rows(d_), THREE=bool(c), **_blocks(d))
+            *_in_rows(a_), *_in_rows(b_), *_in_rows(c_), *_in_rows(d_), PARTS=len(parts), **_blocks(d))
 
 
 def _launches(*tensors: Tensor):
@@ -136,7 +140,7 @@ def _kernels():
 
     @triton.jit(do_not_specialize=["heads", "length", "a_rb", "a_rh", "b_rb", "b_rh", "c_rb", "c_rh", "d_rb", "d_rh"])
     def sum_parts(a, b, c, d, heads, length, dim, a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, c_rb, c_rh, c_sl,
-                  d_rb, d_rh, d_sl, THREE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+                  d_rb, d_rh, d_sl, PARTS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
         bh = tl.program_id(0)
         batch, head = (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
         row = (tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
@@ -144,8 +148,9 @@ def _kernels():
         both = (row < length)[:, None] & (col < dim)[None, :]
         cols = col[None, :]
         total = tl.load(a + (batch * a_rb + head * a_rh + row[:, None]) * a_sl + cols, mask=both).to(tl.float32)
-        total += tl.load(b + (batch * b_rb + head * b_rh + row[:, None]) * b_sl + cols, mask=both).to(tl.float32)
-        if THREE:
+        if PARTS > 1:
+            total += tl.load(b + (batch * b_rb + head * b_rh + row[:, None]) * b_sl + cols, mask=both).to(tl.float32)
+        if PARTS > 2:
             total += tl.load(c + (batch * c_rb + head * c_rh + row[:, None]) * c_sl + cols, mask=both).to(tl.float32)
         tl.store(d + (batch * d_rb + head * d_rh + row[:, None]) * d_sl + cols, total.to(d.dtype.element_ty),
                  mask=both)

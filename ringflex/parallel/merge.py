@@ -29,6 +29,18 @@ def rows(x: Tensor, r: Rows) -> Tensor:
     return x.narrow(2, r[0], r[1] - r[0])
 
 
+def contiguous_rows(t: Tensor) -> Tensor:
+    """``t`` where it is contiguous, else a contiguous copy of it (rows of a block, to send):
+    on a GPU by the fused kernel, as torch's copy of such views takes twice as long."""
+    if t.is_contiguous():
+        return t
+    if fused_merge.sum_applies(t, [t]) and fused_merge.available():
+        copy = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        fused_merge.add(copy, [t])
+        return copy
+    return t.contiguous()
+
+
 class _Span:
     """Rows ``begin:end`` of a result: how many announced parts are still to come, and where
     their value is so far: nowhere (None), ``_ACC`` (the accumulator), ``_DONE`` (the result,

@@ -29,7 +29,7 @@ from ..lending import Loan, Offer
 from ..plan import Hop, part_planner, steps_needed, travelling_rows
 from .comm import RingComm, capture_error
 from .fault import guard
-from .merge import RowMerge, RowSum, Rows, rows
+from .merge import RowMerge, RowSum, Rows, contiguous_rows, rows
 
 
 @dataclass
@@ -106,7 +106,7 @@ class _KVStream:
                 # Sliced now: a copy queued after the own block's attention kernel would wait for
                 # the SMs it holds, and the first transfer with it.
                 sent = widened(call.own_rows_read, self.shapes[0][2])
-                self.first_send = sent, tuple(rows(t, sent).contiguous() for t in first)
+                self.first_send = sent, tuple(contiguous_rows(rows(t, sent)) for t in first)
             k = first[0]
             if k.is_cuda:
                 self.first_stream = torch.cuda.Stream(k.device)
@@ -155,7 +155,7 @@ class _KVStream:
             if step == 0 and sliced is not None and sliced[0] == self.travelling(0):
                 send = sliced[1]
             else:
-                send = tuple(rows(t, self.travelling(step)).contiguous() for t in self.current)
+                send = tuple(contiguous_rows(rows(t, self.travelling(step))) for t in self.current)
             recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
             return self.call.comm.exchange(send, recv, reverse=self.reverse), send, recv, lo
 
@@ -265,7 +265,7 @@ def _lend_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor, first_stream)
         # so it must not get memory that the compute's temporaries were freed from (the
         # current stream's), as ``_KVStream``'s first buffer must not.
         borrowed_q = _new_rows(q, held, q.shape[3])
-        queries = call.comm.exchange([rows(q, sent).contiguous()], [borrowed_q], reverse=True)
+        queries = call.comm.exchange([contiguous_rows(rows(q, sent))], [borrowed_q], reverse=True)
     if first_stream is not None:
         borrowed_q.record_stream(torch.cuda.current_stream(q.device))  # computed on, and saved for backward
     queries.wait()
@@ -400,7 +400,7 @@ def _lend_backward(call: RingCall, dout, out, lse, dlse):
     given = [out, dout if dout is not None else torch.zeros_like(out), lse]
     if call.lse_grad:
         given.append(dlse if dlse is not None else torch.zeros_like(lse))
-    send = [rows(t, _travelling(loan.lent, out)).contiguous() for t in given]
+    send = [contiguous_rows(rows(t, _travelling(loan.lent, out))) for t in given]
     recv = [_new_rows(t, _travelling(loan.borrowed, out), *t.shape[3:]) for t in given]
     return call.comm.exchange(send, recv, reverse=True), recv
 

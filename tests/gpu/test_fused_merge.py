@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ringflex.parallel import fused_merge
-from ringflex.parallel.merge import merge_in_torch, merge_parts, sum_parts
+from ringflex.parallel.merge import contiguous_rows, merge_in_torch, merge_parts, sum_parts
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -121,3 +121,18 @@ def test_fused_sum_of_more_rows_than_one_launch_takes(monkeypatch):
     d = torch.empty_like(parts[0])
     sum_parts(d, parts, torch.float32)
     torch.testing.assert_close(d, sum(p.float() for p in parts).to(torch.bfloat16), rtol=0, atol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rows_copied_contiguous_by_the_fused_kernel(dtype):
+    """A block's rows copied to send: bit for bit torch's copy, values that do not fit a
+    narrower dtype included; a contiguous tensor is sent as it is."""
+    whole = torch.randn(2, 3, 100, 80, device="cuda").mul(1e4).to(dtype)
+    whole[0, 0, 40, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0])
+    view = whole.narrow(2, 37, 50)
+    copy = contiguous_rows(view)
+    assert copy.is_contiguous() and torch.equal(copy.nan_to_num(), view.contiguous().nan_to_num())
+    assert copy[0, 0, 3, 2].isnan() and contiguous_rows(copy) is copy
+    lse = torch.randn(2, 3, 100, device="cuda").narrow(2, 37, 50)  # [B, H, L]: torch copies it
+    assert torch.equal(contiguous_rows(lse), lse.contiguous())
