@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 import ringflex
 from ringflex.kernels.base import Mods
-from ringflex.kernels.cudnn import CudnnKernel
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.parallel import peer
 from ringflex.parallel.ring import RingCall
@@ -28,6 +27,7 @@ from ringflex.plan import Segment
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import ranks  # noqa: E402
 from cases import cases, make_inputs  # noqa: E402
+from harness import weigh_cudnn_calls_as_free  # noqa: E402
 from oracle import attention  # noqa: E402
 
 
@@ -55,9 +55,8 @@ _LENT = []  # per ring call of this rank: how many of its query rows the previou
 
 def _recording_loans():
     """Makes every ring call note the rows this rank lends (``ringflex.lending``), and lend
-    wherever the ranks' pairs are uneven: at the check's sizes a cuDNN call's own cost would
-    outweigh any loan (``HopKernel.call_pairs``), and the check is of the lent rows' numbers."""
-    CudnnKernel.call_pairs = lambda self, batch, heads, head_dim: 0
+    wherever the ranks' pairs are uneven (``harness.weigh_cudnn_calls_as_free``)."""
+    weigh_cudnn_calls_as_free()
     agree = RingCall.agree
 
     def recording(call, device):

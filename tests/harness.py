@@ -76,6 +76,14 @@ def gpu_backend(world_size: int) -> str:
     return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
 
 
+def weigh_cudnn_calls_as_free() -> None:
+    """Lending weighs a cuDNN call as no work beyond its pairs (``HopKernel.call_pairs``): at a
+    check's small sizes a call's own cost would outweigh every loan, and the check is of the
+    lent rows' numbers, so its calls lend as large ones would. In this process only."""
+    from ringflex.kernels.cudnn import CudnnKernel
+    CudnnKernel.call_pairs = lambda self, batch, heads, head_dim: 0
+
+
 def on_a_gpu(rank: int) -> torch.device:
     """Sets and returns rank r's GPU: GPU r, or with fewer GPUs than ranks one they share (in
     a gloo world, ``gpu_backend``; the copy-engine transport then maps mailboxes by CUDA IPC)."""

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import make_mods  # noqa: E402
 from capture_probe import capture_ring_call  # noqa: E402
-from harness import gpu_backend, on_a_gpu, run_world  # noqa: E402
+from harness import gpu_backend, on_a_gpu, run_world, weigh_cudnn_calls_as_free  # noqa: E402
 import ringflex  # noqa: E402
 from ringflex import mods  # noqa: E402
 from ringflex.parallel import comm, peer  # noqa: E402
@@ -52,10 +52,7 @@ def test_a_one_rank_call_replays_to_its_eager_values(name):
 
 def _two_rank_replays(rank, world_size, name):
     os.environ["RINGFLEX_TRANSPORT"] = "copy-engine"
-    # At these sizes a cuDNN call's own cost outweighs a loan (``HopKernel.call_pairs``): the
-    # window lends as larger calls would
-    from ringflex.kernels.cudnn import CudnnKernel
-    CudnnKernel.call_pairs = lambda self, batch, heads, head_dim: 0
+    weigh_cudnn_calls_as_free()  # the window lends at these sizes as larger calls would
     dev = on_a_gpu(rank)
     torch.manual_seed(rank)
     graph, got, run, want = capture_ring_call(_mask(name, SEQ, dev), SEQ // world_size, 4, dev, dist.group.WORLD)
