@@ -187,6 +187,10 @@ class _RowParts:
             for s in group:
                 s.state = new_state
 
+    def _can_be_result(self, parts: Sequence[Tensor]) -> bool:
+        """Whether ``parts`` can be the result as they are: its dtype and shapes, contiguous."""
+        return all(p.dtype == self.dtype and p.shape == s and p.is_contiguous() for p, s in zip(parts, self.shapes))
+
     def _kept(self, state, b: int, e: int) -> List[List[Tensor]]:
         """The parts held for result rows ``b:e`` in ``state`` (one, or two for a ``_Pair``),
         each as views of its tensors over those rows."""
@@ -209,7 +213,7 @@ class _RowParts:
             raise RuntimeError("a result was read before all its announced parts were added")
         whole = self.spans[0].state if len(self.spans) == 1 else None
         if (self.out is None and isinstance(whole, tuple) and whole[1] == 0
-                and all(p.dtype == self.dtype and p.shape == s and p.is_contiguous() for p, s in zip(whole[0], self.shapes))):
+                and self._can_be_result(whole[0])):
             return list(whole[0])  # one part is the whole result, as it came
         out = self._buffers(True)
         for s in self.spans:
@@ -273,7 +277,7 @@ class RowSum(_RowParts):
     def _adopt(self, r: Rows, parts: Sequence[Tensor]) -> bool:
         whole = (0, self.shapes[0][2])
         if (self.handed_out or r != whole or any(s.remaining != 1 or s.state == _IN_PLACE for s in self.spans)
-                or not all(p.dtype == self.dtype and p.shape == s and p.is_contiguous() for p, s in zip(parts, self.shapes))):
+                or not self._can_be_result(parts)):
             return False
         held = [(s, self._kept(s.state, s.begin, s.end)) for s in self.spans if s.state is not None]
         self.out = list(parts)
@@ -345,7 +349,7 @@ class RowMerge(_RowParts):
         and later parts merge into it in place."""
         if (self.out is not None or self.handed_out or r != (0, self.shapes[0][2])
                 or any(s.state is not None or s.remaining == 0 for s in self.spans)
-                or out.dtype != self.dtype or out.shape != self.shapes[0] or not out.is_contiguous()
+                or not self._can_be_result([out])
                 or lse.dtype != self.lse.dtype or lse.shape != self.lse.shape or not lse.is_contiguous()):
             return False
         self.out, self.lse = [out], lse
