@@ -175,3 +175,36 @@ def test_lending_in_debug_mode(monkeypatch):
     monkeypatch.setenv("RINGFLEX_DEBUG", "1")
     for error, _, loan in run_world(3, _lending_ring, "contiguous", "window", 1):
         assert error < 1e-10 and loan is not None
+
+
+def _borrower_copies(rank, world_size):
+    """The copies into a result this rank runs in a lending window's fwd+bwd, and its loan."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from ring_passes import Passes
+    from ringflex.kernels.flex import FlexKernel
+    from ringflex.kernels.reference import ReferenceKernel
+    from ringflex.parallel.ring import RingCall
+
+    lending.QUANTUM = 1
+    # hops trimmed to the key tiles they see, as the GPU kernels plan them: the borrowed rows
+    # and the sum the ring brings then reach only part of the borrower's block
+    ReferenceKernel.plans_within, ReferenceKernel.tile = FlexKernel.plans_within, 64
+    loans, agree = [], RingCall.agree
+    RingCall.agree = lambda call, device: (agree(call, device), loans.append(call.loan))[0]
+    passes = Passes()
+    passes.install()
+    q, k, v = (ringflex.shard(torch.randn(1, 2, 2048, 8, generator=torch.Generator().manual_seed(i)), world_size,
+                              layout="contiguous").requires_grad_() for i in range(3))
+    with passes:
+        ringflex.ring_flex_attention(q, k, v, mask_mod=mods.sliding_window(128), layout="contiguous").sum().backward()
+    return [op for op in passes.ops if op.startswith("copy_(") and " result" in op], loans[0]
+
+
+def test_a_borrowers_own_hop_becomes_its_gradient_sum():
+    """The borrower adds the borrowed rows' dK/dV first, so its own hop, which covers every
+    key row, comes last and becomes the sum: no rows are copied into a new result."""
+    (copies, loan), _ = run_world(2, _borrower_copies)
+    assert loan is not None and loan.borrowed[1] > loan.borrowed[0]
+    assert copies == []

@@ -245,3 +245,23 @@ def test_merge_without_triton_says_so_once_and_merges_in_torch(monkeypatch, recw
     assert [str(w.message) for w in recwarn].count(
         "ringflex: triton is not installed, so hop results merge and gradient parts sum in torch passes instead of "
         "one fused kernel each (slower); torch's CUDA builds ship it: pip install triton") == 1
+
+
+def test_passes_over_row_views_go_to_the_fused_kernel(monkeypatch):
+    """Where the fused kernel applies (CUDA tensors), two parts over rows of a block and rows
+    copied to send go to it, as torch's kernels take twice as long over such views; two whole
+    tensors keep torch's add, which is as fast."""
+    from ringflex.parallel import fused_merge, merge
+
+    calls = []
+    monkeypatch.setattr(fused_merge, "sum_applies", lambda d, parts: True)
+    monkeypatch.setattr(fused_merge, "available", lambda: True)
+    monkeypatch.setattr(fused_merge, "add", lambda d, parts: calls.append(len(parts)) or d.copy_(sum(parts)))
+    whole = [torch.randn(1, 2, 16, 4) for _ in range(2)]
+    views = [t.narrow(2, 8, 8) for t in whole]
+    merge.sum_parts(torch.empty(1, 2, 16, 4), whole, torch.float32)
+    assert calls == []
+    merge.sum_parts(views[1], views, torch.float32)
+    copy = merge.contiguous_rows(views[0])
+    assert calls == [2, 1] and copy.is_contiguous() and torch.equal(copy, views[0])
+    assert merge.contiguous_rows(whole[0]) is whole[0]
