@@ -15,10 +15,16 @@ How much: each rank counts the (query, key) pairs its plan sees (``pairs``), and
 call as the pairs it takes as long as (``HopKernel.call_pairs``), and shares the total in the
 argument check, so every rank derives the same loans (``amounts``): each rank lends what
 evens the rank before it, no more than its step-1 work, and none lends at all unless the
-busiest rank's work falls by ``MIN_GAIN``. Both ends of a loan cut the same rows
+busiest rank's work falls by ``MIN_GAIN``. Lending adds host work (a transfer and a kernel
+call each way, about 2 ms per fwd+bwd on an H200's host), which a call whose kernels take
+less time cannot hide when the host issues ring calls back to back; so by default
+(``RINGFLEX_LENDING=auto``) no rank lends unless the busiest rank's load is ``MIN_CALLS``
+kernel calls' worth or more (``min_load``). Both ends of a loan cut the same rows
 (``cut``) from the same plan of the lender's step-1 hops: each rank plans the other ranks'
 hops against its own block anyway (``api``), and they share its digest to make sure.
-``RINGFLEX_LENDING=0`` on any rank turns lending off for the call.
+``RINGFLEX_LENDING=1`` lends at any load (calls replayed from a CUDA graph have no host
+work to hide), ``0`` never; ``0`` on any rank turns lending off for the call, and a rank on
+``auto`` keeps the others' smallest load to it.
 """
 from __future__ import annotations
 
@@ -40,7 +46,22 @@ from .validate import digest
 Rows = Tuple[int, int]
 QUANTUM = 64  # lent rows end on a multiple of it (or at the last row): few shapes for the kernels
 MIN_GAIN = 0.03  # lending must shorten the busiest rank's work by this share, or none runs
-NO_OFFER = [-1, 0, 0, 0]  # what a rank shares where lending is off: a load, step-1 pairs, two digests
+# RINGFLEX_LENDING=auto: the busiest rank's load must be this many kernel calls' worth
+# (``HopKernel.call_pairs``), about 5.5 ms of cuDNN work per fwd+bwd, for its kernels to outlast
+# the host work lending adds. A window of 4096 over contiguous on 2x H200, eager: lending made
+# the call slower at 8k tokens per GPU (28 calls' worth), faster at 16k (54 calls' worth).
+MIN_CALLS = 40
+MODES = ("auto", "1", "0")
+NO_OFFER = [-1, 0, 0, 0, 0]  # what a rank shares where lending is off: load, step-1 pairs, 2 digests, min_load
+
+
+def mode() -> str:
+    """``RINGFLEX_LENDING``, checked (the argument check reports a bad value on every rank)."""
+    value = os.environ.get("RINGFLEX_LENDING", "auto")
+    if value not in MODES:
+        raise ValueError(f"RINGFLEX_LENDING={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
 
 _OFFERS = MaskCache(64)
 
@@ -50,10 +71,12 @@ def offer(mask_mod, schedule: Sequence[Sequence[Hop]], next_hops: Sequence[Hop],
     """This rank's ``Offer`` for a plan (``schedule``, and ``next_hops``: the next rank's hops
     against this rank's block) made by ``kernel``, whose calls cost ``call`` pairs each beyond
     their pairs (``HopKernel.call_pairs``); made once per plan, None where lending is off."""
-    if os.environ.get("RINGFLEX_LENDING", "1") == "0":
+    chosen = mode()
+    if chosen == "0":
         return None
-    key = (tuple(map(tuple, schedule)), tuple(next_hops), kernel, call, str(device))
-    return _OFFERS.lookup(mask_mod, key, lambda: Offer.of(mask_mod, schedule, next_hops, call, device))
+    min_load = MIN_CALLS * call if chosen == "auto" else 0
+    key = (tuple(map(tuple, schedule)), tuple(next_hops), kernel, call, min_load, str(device))
+    return _OFFERS.lookup(mask_mod, key, lambda: Offer.of(mask_mod, schedule, next_hops, call, device, min_load))
 
 
 def pairs(mask_mod, hop: Hop, device) -> Optional[Tensor]:
@@ -152,20 +175,22 @@ class Offer:
     own: StepOne
     next: StepOne
     call: int = 0  # what a kernel call costs beyond its pairs, in pairs
+    min_load: int = 0  # the least busiest load at which this rank lends (``RINGFLEX_LENDING``)
     loans: OrderedDict = field(default_factory=OrderedDict, compare=False)  # made by ``agree``, by what it was given
 
     @staticmethod
-    def of(mask_mod, schedule: Sequence[Sequence[Hop]], next_hops: Sequence[Hop], call: int, device) -> "Offer":
+    def of(mask_mod, schedule: Sequence[Sequence[Hop]], next_hops: Sequence[Hop], call: int, device,
+           min_load: int = 0) -> "Offer":
         steps = [StepOne.of(mask_mod, hops, device) for hops in schedule]
         load = -1 if any(step.counts is None for step in steps) else sum(step.total + call * len(step.hops)
                                                                              for step in steps)
         return Offer(load, steps[1] if len(steps) > 1 else StepOne((), ()), StepOne.of(mask_mod, next_hops, device),
-                     call)
+                     call, min_load)
 
     @functools.cached_property
     def shares(self) -> List[int]:
         """What every rank learns of this offer in the argument check (``NO_OFFER`` where none)."""
-        return [self.load, max(self.own.total, 0), self.own.digest, self.next.digest]
+        return [self.load, max(self.own.total, 0), self.own.digest, self.next.digest, self.min_load]
 
     def agree(self, shared: Sequence[Sequence[int]], rank: int, planned_part: Optional[Callable]) -> Optional[Loan]:
         """This rank's ``Loan`` from every rank's ``shares`` (``NO_OFFER`` where lending is
@@ -181,7 +206,7 @@ class Offer:
         loads = [s[0] for s in shared]
         # rank r lends to r - 1 only where both planned r's step-1 hops alike
         lendable = [0] + [shared[r][1] if shared[r][2] == shared[r - 1][3] else 0 for r in range(1, world)]
-        lend = amounts(loads, lendable, self.call)
+        lend = amounts(loads, lendable, self.call, max(s[4] for s in shared))
         if not any(lend):
             return None
         lent, kept = (0, 0), self.own.hops
@@ -195,13 +220,13 @@ class Offer:
         return Loan(lent, kept, borrowed, borrowed_hops)
 
 
-def amounts(loads: Sequence[int], lendable: Sequence[int], call: int = 0) -> List[int]:
+def amounts(loads: Sequence[int], lendable: Sequence[int], call: int = 0, min_load: int = 0) -> List[int]:
     """The pairs rank r lends to rank r - 1, for every r: what evens rank r - 1 with the mean
     load (given what r - 1 lent on, and the ``call`` its borrowed rows add), at most
-    ``lendable[r]``; all 0 where a load is unknown or lending would not shorten the busiest
-    rank's work by ``MIN_GAIN``."""
+    ``lendable[r]``; all 0 where a load is unknown, the busiest is below ``min_load``, or
+    lending would not shorten the busiest rank's work by ``MIN_GAIN``."""
     world = len(loads)
-    if world < 2 or min(loads) < 0:
+    if world < 2 or min(loads) < 0 or max(loads) < min_load:
         return [0] * world
     mean = (sum(loads) + call * (world - 1)) / world  # as if every rank but the last borrowed
     lend = [0] * world

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
 import time
 
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 
 import ranks  # scripts/ is on sys.path when this runs as a script
 import ringflex
-from ringflex import mods
+from ringflex import lending, mods
 from ringflex.parallel import peer
 
 MASKS = ("none", "causal", "window", "documents", "causal_softcap")
@@ -354,11 +353,10 @@ def run(args):
             log(f"[{done + 1}/{len(args.seq_lens) * len(args.masks)}] {seq_len} tokens, mask {mask}")
             rows += bench_one(args, seq_len, mask, device, dtype, rank, world_size, log)
     transport = peer.in_use(dist.group.WORLD, device)
-    lending = os.environ.get("RINGFLEX_LENDING", "1") != "0"
-    log(table(rows) + f"\nring transfers: {transport}; lending {'on' if lending else 'off (RINGFLEX_LENDING=0)'}")
+    log(table(rows) + f"\nring transfers: {transport}; RINGFLEX_LENDING={lending.mode()}")
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "transport": transport, "lending": lending, "rows": rows}, f, indent=1)
+            json.dump({"args": vars(args), "transport": transport, "lending": lending.mode(), "rows": rows}, f, indent=1)
     if rank == 0 and args.plot:
         plot(rows, args.plot)
     return rows

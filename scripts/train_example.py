@@ -1,7 +1,7 @@
 """Train a small GPT-style decoder with context-parallel attention under torchrun.
 
 The model below is ordinary single-device PyTorch (RoPE, causal SDPA, or flex_attention with a
-document block mask and a softcap score_mod). Context parallelism is added around it, not in
+document or sliding-window block mask and a softcap score_mod). Context parallelism is added around it, not in
 it: the batch is sharded with its global position ids, the model is wrapped in
 ``ringflex.RingFlexAttention``, the loss is ``sharded_cross_entropy`` and the gradients are
 summed with ``reduce_gradients``. One process runs the plain model: the reference curve.
@@ -12,7 +12,7 @@ summed with ``reduce_gradients``. One process runs the plain model: the referenc
     torchrun --nproc_per_node=2 scripts/train_example.py --device cuda --dtype bfloat16 \\
         --seq-len 65536 --dim 1024 --layers 4 --heads 16 --kv-heads 4 --packed --softcap 30
 
-On CPU, flex_attention has no backward: a one-process run that needs it (--packed or --softcap)
+On CPU, flex_attention has no backward: a one-process run that needs it (--packed, --window or --softcap)
 routes it to ringflex on one rank (the reference kernel) and says so.
 """
 from __future__ import annotations
@@ -88,20 +88,24 @@ class GPT(nn.Module):
     """A decoder: tokens [B, S], positions [B, S] -> logits [B, S, vocab]. ``doc_ids`` [B, S_total]
     (packed documents) restricts attention to each token's own document."""
 
-    def __init__(self, vocab, dim, layers, heads, kv_heads, softcap=None):
+    def __init__(self, vocab, dim, layers, heads, kv_heads, softcap=None, window=None):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, softcap) for _ in range(layers))
         self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
-        self.softcap = softcap
+        self.softcap, self.window = softcap, window
 
     def forward(self, tokens, positions, doc_ids=None):
         block_mask = None
-        if doc_ids is not None or self.softcap is not None:
+        if doc_ids is not None or self.softcap is not None or self.window is not None:
+            window = self.window
+
             def mask_mod(b, h, q_idx, kv_idx):
-                causal = q_idx >= kv_idx
-                return causal if doc_ids is None else causal & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+                seen = q_idx >= kv_idx
+                if window is not None:
+                    seen = seen & (q_idx - kv_idx < window)
+                return seen if doc_ids is None else seen & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
             length = tokens.shape[1]
             make_block_mask = compiled_create_block_mask if tokens.is_cuda else create_block_mask
             block_mask = make_block_mask(mask_mod, tokens.shape[0], None, length, length, device=tokens.device)
@@ -167,9 +171,9 @@ def train(args) -> dict:
     dtype = getattr(torch, args.dtype)
     autocast = dtype in (torch.bfloat16, torch.float16)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.kv_heads, args.softcap).to(
+    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.kv_heads, args.softcap, args.window).to(
         device, torch.float32 if autocast else dtype)
-    uses_flex = args.packed or args.softcap is not None
+    uses_flex = args.packed or args.softcap is not None or args.window is not None
     ring = world_size > 1 or (device.type == "cpu" and uses_flex)
     if ring:
         if world_size == 1:
@@ -272,6 +276,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--softcap", type=float, default=None, help="tanh softcap of the attention scores")
+    p.add_argument("--window", type=int, default=None, help="a causal sliding window of this many tokens")
     p.add_argument("--packed", action="store_true", help="pack documents of random length with a document mask")
     p.add_argument("--min-doc", type=int, default=8)
     p.add_argument("--max-doc", type=int, default=96)

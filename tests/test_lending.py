@@ -46,6 +46,12 @@ def test_amounts_weigh_the_call_a_loan_adds():
     assert amounts([17250 + call, 17140 + 2 * call], [0, 4240], call) == [0, 0]
 
 
+def test_amounts_below_the_min_load_lend_nothing():
+    """Under ``min_load`` the busiest rank's kernels would not hide lending's host work."""
+    assert amounts([1000, 2000], [0, 500], min_load=2001) == [0, 0]
+    assert amounts([1000, 2000], [0, 500], min_load=2000) == [0, 500]
+
+
 def _corner(rows: int, keys: int) -> StepOne:
     """A window's corner: query row i of the next block sees the last keys - 1 - i keys."""
     hop = Hop((0, rows), (0, keys), Segment(keys, 1, rows), Segment(0, 1, keys), BlockKind.PARTIAL)
@@ -73,10 +79,26 @@ def test_ranks_that_planned_a_step_differently_do_not_lend_it():
     digests they share differ, that pair lends nothing (and the transfers stay matched)."""
     step = _corner(16, 16)
     offer = Offer(1000, step, step)
-    shared = [[1000, 0, 7, step.digest], [1500, int(step.counts[0].sum()), step.digest, 7]]
+    shared = [[1000, 0, 7, step.digest, 0], [1500, int(step.counts[0].sum()), step.digest, 7, 0]]
     assert isinstance(offer.agree(shared, 1, None), Loan)
     shared[0][3] = 8
     assert offer.agree(shared, 1, None) is None
+
+
+def test_the_largest_min_load_shared_holds_for_every_rank():
+    """A rank on ``RINGFLEX_LENDING=auto`` keeps the others to its least load (the ranks
+    derive the same loans from the same shares)."""
+    step = _corner(16, 16)
+    shared = [[1000, 0, 7, step.digest, 0], [1500, int(step.counts[0].sum()), step.digest, 7, 0]]
+    assert isinstance(Offer(1500, step, step).agree(shared, 1, None), Loan)
+    shared[0][4] = 1501
+    assert Offer(1500, step, step).agree(shared, 1, None) is None
+
+
+def test_the_lending_mode_is_checked(monkeypatch):
+    monkeypatch.setenv("RINGFLEX_LENDING", "on")
+    with pytest.raises(ValueError, match="RINGFLEX_LENDING='on': expected one of auto, 1, 0"):
+        lending.mode()
 
 
 def _pairs_of(mask_mod, q_seg, kv_seg, rows: int, keys: int) -> int:
@@ -87,9 +109,9 @@ def _pairs_of(mask_mod, q_seg, kv_seg, rows: int, keys: int) -> int:
     return int(seen.sum())
 
 
-def _lending_ring(rank, world_size, layout, mask_name, quantum, environ=()):
+def _lending_ring(rank, world_size, layout, mask_name, quantum, environ=(), call=0):
     """One fwd+bwd: (the largest error against one process, this rank's pairs computed in
-    forward, its loan's (lent, borrowed) rows)."""
+    forward, its loan's (lent, borrowed) rows); a kernel call costs ``call`` pairs."""
     import os
     import ringflex.api
     from ringflex.kernels.reference import ReferenceKernel
@@ -107,6 +129,9 @@ def _lending_ring(rank, world_size, layout, mask_name, quantum, environ=()):
     computed, loans = [0], []
 
     class Counting(ReferenceKernel):
+        def call_pairs(self, *sizes):
+            return call
+
         def forward(self, q, k, v, q_seg, kv_seg, *args):
             computed[0] += _pairs_of(mask, q_seg, kv_seg, q.shape[2], k.shape[2])
             return super().forward(q, k, v, q_seg, kv_seg, *args)
@@ -168,6 +193,21 @@ def test_lending_off_on_one_rank_turns_it_off_for_all():
 
 def _one_rank_off(rank, world_size):
     return _lending_ring(rank, world_size, "contiguous", "window", 1, {"RINGFLEX_LENDING": "0" if rank else "1"})
+
+
+def _small_work(rank, world_size, modes):
+    """A window whose busiest rank's load is under ``MIN_CALLS`` kernel calls (of 1000 pairs),
+    each rank with its ``RINGFLEX_LENDING``."""
+    return _lending_ring(rank, world_size, "contiguous", "window", 1, {"RINGFLEX_LENDING": modes[rank]}, call=1000)
+
+
+@pytest.mark.parametrize("modes, lends", [(("auto", "auto"), False), (("1", "1"), True), (("1", "auto"), False)])
+def test_small_work_lends_only_when_every_rank_asks(modes, lends):
+    """By default (``auto``) work too small to hide lending's host work is not lent; with
+    RINGFLEX_LENDING=1 on every rank it is; either way the ring matches one process."""
+    results = run_world(2, _small_work, modes)
+    assert all((loan is not None) == lends for _, _, loan in results), results
+    assert max(error for error, _, _ in results) < 1e-10
 
 
 def test_lending_in_debug_mode(monkeypatch):
