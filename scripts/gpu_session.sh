@@ -71,9 +71,9 @@ for stage in "$@"; do
     documents2) for d in 4096 1024; do run documents2 tr 2 scripts/bench.py --seq-lens 16384 32768 --masks documents \
               --doc-len $d --layouts contiguous zigzag --no-cp --singles ringflex-1gpu --iters 5 --warmup 2 \
               --json "$OUT/documents2_$d.json"; done ;;  # ragged batches, against ringflex's own kernel on one GPU
-    lend2) for l in 0 1; do export RINGFLEX_LENDING=$l; run lend2 tr 2 scripts/bench.py --seq-lens 16384 32768 \
+    lend2) for l in 0 auto 1; do export RINGFLEX_LENDING=$l; run lend2 tr 2 scripts/bench.py --seq-lens 16384 32768 \
               --masks window documents causal --layouts contiguous --no-cp --singles sdpa-cudnn ringflex-1gpu \
-              --graph --iters 5 --warmup 2 --json "$OUT/lend2_$l.json"; done; unset RINGFLEX_LENDING ;;  # lending off / on
+              --graph --iters 5 --warmup 2 --json "$OUT/lend2_$l.json"; done; unset RINGFLEX_LENDING ;;  # lending off / by default / at any size
     sums1) run sums1 python3 scripts/sum_cost.py ;;  # three gradient parts: torch's passes vs the fused sum
     passes2) run passes2 tr 2 scripts/ring_passes.py --seq-len 16384 --masks causal none --layout zigzag
              run passes2 tr 2 scripts/ring_passes.py --seq-len 16384 --masks window documents --layout contiguous ;;  # passes outside the kernels
