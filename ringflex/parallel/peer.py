@@ -196,6 +196,7 @@ class PeerTransport:
         sent = send_stream.record_event()
         for t in send:
             t.record_stream(send_stream)  # its memory is not reused before the send has read it
+            sending.pop(_storage(t), None)  # kept in the order the sends were issued
             sending[_storage(t)] = sent
         return _Arrival(self.device, received, sent)
 
@@ -204,17 +205,24 @@ class PeerTransport:
         return self.sending_captured if torch.cuda.is_current_stream_capturing() else self.sending
 
     def _still_sending(self, sending: dict, tensors: Sequence[Tensor]) -> List[torch.cuda.Event]:
-        """The sends still reading the memory of ``tensors`` (forgetting finished eager ones:
-        a captured event cannot be queried, and its pass joins it anyway)."""
-        if sending is self.sending:
-            for address in [a for a, event in sending.items() if event.query()]:
-                del sending[address]
+        """The sends that may still read the memory of ``tensors``."""
+        self._forget_finished(sending)
         return [sending[a] for a in {_storage(t) for t in tensors} if a in sending]
+
+    def _forget_finished(self, sending: dict) -> None:
+        """Forgets finished eager sends, oldest first up to the first unfinished one, so a host
+        that runs ahead of the GPU does not query every send in flight at each exchange (a
+        captured event cannot be queried, and its pass joins it anyway)."""
+        if sending is self.sending:
+            while sending and next(iter(sending.values())).query():
+                del sending[next(iter(sending))]
 
     def join_sends(self) -> None:
         """Orders the current stream after every send issued so far."""
         stream = torch.cuda.current_stream(self.device)
-        for event in set(self._sending().values()):
+        sending = self._sending()
+        self._forget_finished(sending)
+        for event in set(sending.values()):
             stream.wait_event(event)
 
     def end_pass(self) -> None:
