@@ -6,10 +6,10 @@ A ring runs as fast as its busiest rank. Without a GPU per rank, this plans ever
 hops as a ring call would (the planner, the ranks' shared counts, ``ringflex.lending``),
 then times each rank's hops alone on one GPU with the cuDNN kernel, forward and backward:
 its own schedule, the rows it keeps of its step-1 hops, and the rows it borrows, replayed
-from a CUDA graph so that only the GPU's time counts. It prints
-each rank's milliseconds with lending off and on (on at any size, as ``RINGFLEX_LENDING=1``:
-the default lends only from ``lending.MIN_CALLS`` calls' worth), the one-GPU kernel on the whole sequence,
-and the bound the busiest rank puts on the ring's efficiency, t_one_gpu / (W x t_busiest)
+from a CUDA graph so that only the GPU's time counts. It prints each rank's milliseconds with
+lending off and on (on at any size, as ``RINGFLEX_LENDING=1``: by default a ring lends only
+from ``lending.MIN_CALLS`` calls' worth), the one-GPU kernel on the whole sequence, and the
+bound the busiest rank puts on the ring's efficiency, t_one_gpu / (W x t_busiest)
 (transfers and merges left out).
 """
 import argparse

@@ -356,7 +356,8 @@ def run(args):
     log(table(rows) + f"\nring transfers: {transport}; RINGFLEX_LENDING={lending.mode()}")
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "transport": transport, "lending": lending.mode(), "rows": rows}, f, indent=1)
+            json.dump({"args": vars(args), "transport": transport, "lending": lending.mode(), "rows": rows}, f,
+                      indent=1)
     if rank == 0 and args.plot:
         plot(rows, args.plot)
     return rows

@@ -1,8 +1,8 @@
 """Train a small GPT-style decoder with context-parallel attention under torchrun.
 
 The model below is ordinary single-device PyTorch (RoPE, causal SDPA, or flex_attention with a
-document or sliding-window block mask and a softcap score_mod). Context parallelism is added around it, not in
-it: the batch is sharded with its global position ids, the model is wrapped in
+document or sliding-window block mask and a softcap score_mod). Context parallelism is added
+around it, not in it: the batch is sharded with its global position ids, the model is wrapped in
 ``ringflex.RingFlexAttention``, the loss is ``sharded_cross_entropy`` and the gradients are
 summed with ``reduce_gradients``. One process runs the plain model: the reference curve.
 
@@ -86,7 +86,8 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """A decoder: tokens [B, S], positions [B, S] -> logits [B, S, vocab]. ``doc_ids`` [B, S_total]
-    (packed documents) restricts attention to each token's own document."""
+    (packed documents) restricts attention to each token's own document, ``window`` to the
+    last ``window`` tokens."""
 
     def __init__(self, vocab, dim, layers, heads, kv_heads, softcap=None, window=None):
         super().__init__()
