@@ -42,14 +42,16 @@ def versions() -> Dict[str, str]:
 
 
 def devices() -> Dict[str, str]:
-    """CUDA devices, torch.distributed backends and what can carry the ring's transfers."""
+    """CUDA devices, torch.distributed backends, what can carry the ring's transfers, and lending."""
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     backends = [name for name, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())) if ok]
     engines = peer.local_reason(torch.device("cuda", 0)) if gpus else "no CUDA device"
     return {"cuda devices": ", ".join(gpus) or "none",
             "distributed backends": ", ".join(backends) if dist.is_available() else "torch.distributed unavailable",
             "ring transfers": f"RINGFLEX_TRANSPORT={os.environ.get('RINGFLEX_TRANSPORT', 'auto')}; copy engines "
-                              + ("available (GPUs of one host)" if engines is None else f"unavailable: {engines}")}
+                              + ("available (GPUs of one host)" if engines is None else f"unavailable: {engines}"),
+            "lending": f"RINGFLEX_LENDING={os.environ.get('RINGFLEX_LENDING', 'auto')} (auto: where the busiest "
+                       "rank's kernels hide its host work; 1: at any size; 0: never)"}
 
 
 def backends() -> Dict[str, Optional[str]]:

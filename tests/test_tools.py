@@ -20,6 +20,7 @@ def test_env_report():
     assert run.returncode == 0, run.stderr
     for word in ("torch", torch.__version__, "nvidia-cudnn-frontend", "reference", "available"):
         assert word in run.stdout, word
+    assert env.devices()["lending"].startswith("RINGFLEX_LENDING=")
     transfers = env.devices()["ring transfers"]
     assert transfers.startswith("RINGFLEX_TRANSPORT=")
     if not torch.cuda.is_available():
