@@ -15,16 +15,17 @@ How much: each rank counts the (query, key) pairs its plan sees (``pairs``), and
 call as the pairs it takes as long as (``HopKernel.call_pairs``), and shares the total in the
 argument check, so every rank derives the same loans (``amounts``): each rank lends what
 evens the rank before it, no more than its step-1 work, and none lends at all unless the
-busiest rank's work falls by ``MIN_GAIN``. Lending adds host work (a transfer and a kernel
-call each way, about 2 ms per fwd+bwd on an H200's host), which a call whose kernels take
-less time cannot hide when the host issues ring calls back to back; so by default
+busiest rank's work falls by ``MIN_GAIN``. Both ends of a loan cut the same rows (``cut``)
+from the same plan of the lender's step-1 hops: each rank plans the other ranks' hops
+against its own block anyway (``api``), and they share its digest to make sure.
+
+When: lending adds host work (two transfers and a kernel call in forward and again in
+backward, about 2 ms per fwd+bwd on an H200's host), which kernels shorter than that
+cannot hide where the host issues ring calls back to back. So by default
 (``RINGFLEX_LENDING=auto``) no rank lends unless the busiest rank's load is ``MIN_CALLS``
-kernel calls' worth or more (``min_load``). Both ends of a loan cut the same rows
-(``cut``) from the same plan of the lender's step-1 hops: each rank plans the other ranks'
-hops against its own block anyway (``api``), and they share its digest to make sure.
+kernel calls' worth or more (each rank's ``min_load``; the largest holds).
 ``RINGFLEX_LENDING=1`` lends at any load (calls replayed from a CUDA graph have no host
-work to hide), ``0`` never; ``0`` on any rank turns lending off for the call, and a rank on
-``auto`` keeps the others' smallest load to it.
+work to hide), ``0`` never; ``0`` on any rank turns lending off for the call.
 """
 from __future__ import annotations
 
