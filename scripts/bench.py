@@ -352,12 +352,11 @@ def run(args):
             done = len(rows) // (len(args.layouts) * (1 + args.graph))  # rows per length and mask
             log(f"[{done + 1}/{len(args.seq_lens) * len(args.masks)}] {seq_len} tokens, mask {mask}")
             rows += bench_one(args, seq_len, mask, device, dtype, rank, world_size, log)
-    transport = peer.in_use(dist.group.WORLD, device)
-    log(table(rows) + f"\nring transfers: {transport}; RINGFLEX_LENDING={lending.mode()}")
+    transport, lends = peer.in_use(dist.group.WORLD, device), lending.mode()
+    log(table(rows) + f"\nring transfers: {transport}; RINGFLEX_LENDING={lends}")
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "transport": transport, "lending": lending.mode(), "rows": rows}, f,
-                      indent=1)
+            json.dump({"args": vars(args), "transport": transport, "lending": lends, "rows": rows}, f, indent=1)
     if rank == 0 and args.plot:
         plot(rows, args.plot)
     return rows

@@ -79,7 +79,8 @@ def gpu_backend(world_size: int) -> str:
 def weigh_cudnn_calls_as_free() -> None:
     """Lending weighs a cuDNN call as no work beyond its pairs (``HopKernel.call_pairs``): at a
     check's small sizes a call's own cost would outweigh every loan, and the check is of the
-    lent rows' numbers, so its calls lend as large ones would. In this process only."""
+    lent rows' numbers, so its calls lend as large ones would (the default's threshold,
+    ``lending.MIN_CALLS`` calls' worth, is then 0 too). In this process only."""
     from ringflex.kernels.cudnn import CudnnKernel
     CudnnKernel.call_pairs = lambda self, batch, heads, head_dim: 0
 

@@ -214,8 +214,11 @@ class PeerTransport:
         that runs ahead of the GPU does not query every send in flight at each exchange (a
         captured event cannot be queried, and its pass joins it anyway)."""
         if sending is self.sending:
-            while sending and next(iter(sending.values())).query():
-                del sending[next(iter(sending))]
+            while sending:
+                address, event = next(iter(sending.items()))
+                if not event.query():
+                    break
+                del sending[address]
 
     def join_sends(self) -> None:
         """Orders the current stream after every send issued so far."""
