@@ -381,12 +381,13 @@ class MaskCache:
     def lookup(self, mask_mod, key: tuple, compute: Optional[Callable]):
         """The value of ``compute()`` for ``mask_mod`` and the hashable rest of its inputs ``key``;
         with ``compute`` None only a value computed before, else ``LookupError``."""
-        tensors = [p for p in captured.parts(mask_mod) if isinstance(p, Tensor)]
+        parts = captured.parts(mask_mod)
+        tensors = [p for p in parts if isinstance(p, Tensor)]
         try:
             ref = weakref.ref(mask_mod) if mask_mod is not None else (lambda: None)
         except TypeError:  # cannot tell whether the object lives on: do not cache
             return _computed(compute)
-        key = (id(mask_mod), self._fingerprint(mask_mod), tuple((id(t), t._version) for t in tensors)) + key
+        key = (id(mask_mod), self._fingerprint(mask_mod, parts=parts), tuple((id(t), t._version) for t in tensors)) + key
         entry = self.entries.get(key)
         if entry is not None and entry[0]() is mask_mod and all(r() is t for r, t in zip(entry[1], tensors)):
             return entry[2]

@@ -3,6 +3,7 @@ where they can be (``batches``), each run by a built graph (``graphs``) with the
 into it (``lowering``); partial results of one block merge by log-sum-exp."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, List, Optional, Tuple
 
@@ -213,20 +214,30 @@ def _inner_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def cudnn_unavailable_reason(q: Tensor, k: Tensor, v: Tensor, mods: Mods) -> Optional[str]:
-    """Why ``CudnnKernel`` cannot run this call, or None if it can."""
-    if not q.is_cuda:
-        return "inputs are not on a CUDA device"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"the cuDNN kernel needs float16 or bfloat16 inputs, got {q.dtype}"
+@functools.lru_cache(maxsize=None)
+def _device_reason(index: int) -> Optional[str]:
+    """Why cuDNN cannot run on this GPU at all, or None: asked once per device (the version
+    and capability queries take 40 us of host time on an H100's host, and every call asks)."""
     try:
         cudnn = frontend.cudnn()
     except ImportError as e:
         return f"nvidia-cudnn-frontend is not installed ({e}); pip install 'ringflex[cudnn]'"
     if cudnn.backend_version() < _MIN_CUDNN:
         return f"cuDNN {cudnn.backend_version_string()} is too old: score_mod needs cuDNN 9.6 or newer"
-    if torch.cuda.get_device_capability(q.device) < (9, 0):
+    if torch.cuda.get_device_capability(index) < (9, 0):
         return "the cuDNN kernel needs a Hopper (sm_90) or newer GPU"
+    return None
+
+
+def cudnn_unavailable_reason(q: Tensor, k: Tensor, v: Tensor, mods: Mods) -> Optional[str]:
+    """Why ``CudnnKernel`` cannot run this call, or None if it can."""
+    if not q.is_cuda:
+        return "inputs are not on a CUDA device"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"the cuDNN kernel needs float16 or bfloat16 inputs, got {q.dtype}"
+    reason = _device_reason(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if reason is not None:
+        return reason
     for name, dim in (("q/k", q.shape[-1]), ("v", v.shape[-1])):
         if dim % 8 or dim > 256:
             return f"the {name} head dim must be a multiple of 8 and at most 256 for cuDNN, got {dim}"
