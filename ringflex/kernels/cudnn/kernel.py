@@ -86,12 +86,16 @@ class CudnnKernel:
         program = traced(mods, masked, q.device)
         calls = self._calls(program, blocks.plan(program, mods, q, k, q_seg, kv_seg, self.split_depth), q, k, v)
         shape, lse_shape = (*q.shape[:3], v.shape[-1]), q.shape[:3]
-        if len(calls) == 1 and isinstance(calls[0], blocks.Run) and calls[0].rows == (0, q.shape[2]):
-            out, lse = q.new_empty(shape), q.new_empty(lse_shape, dtype=torch.float32)  # one call writes all
-            self._forward_call(calls[0], program, q, k, v, out, lse, scale, q_seg, kv_seg)
+        empty = batches.empty_for(calls, batches.query_rows(q))
+        if len(calls) == 1 and calls[0].row_spans == ((0, q.shape[2]),):
+            # One call writes every row (a block's documents as one batch, too): no merge to keep.
+            out, lse = empty(shape, dtype=q.dtype, device=q.device), empty(lse_shape, dtype=torch.float32, device=q.device)
+            if isinstance(calls[0], batches.Batch):
+                self._forward_batch_into(calls[0], q, k, v, out, lse, scale)
+            else:
+                self._forward_call(calls[0], program, q, k, v, out, lse, scale, q_seg, kv_seg)
             return out, lse
-        merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans],
-                          batches.empty_for(calls, batches.query_rows(q)))
+        merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans], empty)
         for call in calls:
             if isinstance(call, batches.Batch):
                 self._forward_batch(call, q, k, v, merged, scale)
@@ -125,10 +129,13 @@ class CudnnKernel:
     def _forward_batch(self, batch: batches.Batch, q, k, v, merged: RowMerge, scale: float) -> None:
         """The batch's runs in one call, into the result itself where no call wrote their rows yet."""
         (out, lse), parts = merged.targets(batch.row_spans)
-        q, k, v = (batches.head_dim_rows(t) for t in (q, k, v))
-        self._batch_call(False, batch, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
+        self._forward_batch_into(batch, q, k, v, out, lse, scale)
         for span, part in zip(batch.row_spans, parts):
             merged.add(span, *part)
+
+    def _forward_batch_into(self, batch: batches.Batch, q, k, v, out, lse, scale: float) -> None:
+        q, k, v = (batches.head_dim_rows(t) for t in (q, k, v))
+        self._batch_call(False, batch, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
 
     def _batch_call(self, backward: bool, batch: batches.Batch, tensors: Dict[str, Tensor], scale: float) -> None:
         ragged, inputs = batch.inputs(tensors)
@@ -156,16 +163,23 @@ class CudnnKernel:
         shared = (program, mods, q, k, v, out, lse, stats, dout, scale, q_seg, kv_seg)
         calls = self._calls(program, runs, q, k, v, out, dout)
         whole = (0, q.shape[2]), (0, k.shape[2])
-        if len(calls) == 1 and isinstance(calls[0], blocks.Run) and (calls[0].rows, calls[0].cols) == whole:
-            grads = [torch.empty_like(t) for t in (q, k, v)]  # one call writes the whole result
-            self._backward_call(calls[0], *shared, grads)
+        q_empty, kv_empty = batches.empty_for(calls, batches.query_rows(q)), batches.empty_for(calls)
+        if len(calls) == 1 and (calls[0].row_spans, calls[0].col_spans) == ((whole[0],), (whole[1],)):
+            # One call writes the whole result (a block's documents as one batch, too): no sums to keep.
+            if isinstance(calls[0], batches.Batch):
+                grads = [q_empty(q.shape, dtype=q.dtype, device=q.device),
+                         *(kv_empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))]
+                self._backward_batch_into(calls[0], q, k, v, out, stats, dout, scale, *grads)
+            else:
+                grads = [torch.empty_like(t) for t in (q, k, v)]
+                self._backward_call(calls[0], *shared, grads)
             return tuple(grads)
         # Calls write in place where no earlier call wrote those rows; elsewhere they are
         # summed in fp32, and every gradient is rounded once.
         dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans],
-                        batches.empty_for(calls, batches.query_rows(q)))
+                        q_empty)
         kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [span for c in calls for span in c.col_spans],
-                        batches.empty_for(calls))
+                        kv_empty)
         for call in calls:
             if isinstance(call, batches.Batch):
                 self._backward_batch(call, q, k, v, out, stats, dout, scale, dq_sum, kv_sum)
@@ -183,14 +197,16 @@ class CudnnKernel:
         """The batch's runs in one call, into the sums themselves where no call wrote their rows yet."""
         (dq,), dq_parts = dq_sum.targets(batch.row_spans)
         (dk, dv), kv_parts = kv_sum.targets(batch.col_spans)
-        stats = batches.packed_stats(stats, batches.query_rows(q))
-        q, k, v, out, dout = (batches.head_dim_rows(t) for t in (q, k, v, out, dout))
-        tensors = dict(q=q, k=k, v=v, out=out, dout=dout, lse=stats, dq=dq, dk=dk, dv=dv)
-        self._batch_call(True, batch, tensors, scale)
+        self._backward_batch_into(batch, q, k, v, out, stats, dout, scale, dq, dk, dv)
         for span, part in zip(batch.row_spans, dq_parts):
             dq_sum.add(span, *part)
         for span, part in zip(batch.col_spans, kv_parts):
             kv_sum.add(span, *part)
+
+    def _backward_batch_into(self, batch: batches.Batch, q, k, v, out, stats, dout, scale: float, dq, dk, dv) -> None:
+        stats = batches.packed_stats(stats, batches.query_rows(q))
+        q, k, v, out, dout = (batches.head_dim_rows(t) for t in (q, k, v, out, dout))
+        self._batch_call(True, batch, dict(q=q, k=k, v=v, out=out, dout=dout, lse=stats, dq=dq, dk=dk, dv=dv), scale)
 
     def _backward_call(self, run: blocks.Run, program: Program, mods: Mods, q, k, v, out, lse, stats, dout, scale,
                        q_seg, kv_seg, grads: List[Tensor]) -> None:
