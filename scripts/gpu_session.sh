@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md, one stage per argument; logs go to $OUT (or ./out).
-#   bash scripts/gpu_session.sh kernel1 compile1 merge1 plans1 shapes1 ragged1 newdocs1 plancost1 balance1 sums1 lse1 learnable1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
+#   bash scripts/gpu_session.sh kernel1 compile1 merge1 plans1 shapes1 ragged1 newdocs1 plancost1 balance1 sums1 lse1 hostcost1 learnable1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash scripts/gpu_session.sh check2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash scripts/gpu_session.sh check4 bench4              # on 4 GPUs
 #   bash scripts/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
@@ -23,6 +23,7 @@ for stage in "$@"; do
     check2flex) run check tr 2 scripts/check_ring.py --device cuda --backend flex --local-len 1024 ;;  # the ring on flex_attention
     check2lse) run check tr 2 scripts/check_ring.py --device cuda --backend cudnn --local-len 1024 --lse-grad ;;  # a loss reading the LSE
     lse1) run lse python3 scripts/lse_cost.py --seq-len 16384 ;;  # what reading the LSE costs, one GPU
+    hostcost1) run hostcost python3 scripts/host_cost.py ;;  # host time of a ring call's pieces, one process
     learnable1) run learnable python3 scripts/learnable_bias_cost.py ;;  # a gathered / learnable bias: flex vs reference
     flex1) run flex python3 -m pytest -q tests/gpu/test_flex_kernel.py ;;  # the flex kernel vs the reference kernel
     capture1) run capture python3 scripts/capture_probe.py  # what CUDA-graph capture gives, one rank

@@ -1,0 +1,97 @@
+"""Host time of the pieces a ring call is made of, one process on one GPU (no ring, so no
+second rank's GPU work or host shares the measurement).
+
+    python3 scripts/host_cost.py            # the ringflex on PYTHONPATH
+    PYTHONPATH=/path/to/other/tree python3 scripts/host_cost.py   # another version, to compare
+
+Prints, for each piece, the min and median over 7 rounds of the host time per call (GPU work
+queued, not waited for): torch's CUDA calls that a ring call makes dozens of, one bare Triton
+launch, and ringflex's own pieces: the cuDNN hop kernel's forward and backward (an unmasked
+block; a block of packed documents, one ragged batch), the fused copy of a block's rows, the
+argument check's record exchange (on one gloo rank) and the kernel choice. Host time
+varies by up to 2x between runs on a shared host: compare versions in alternating runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from ringflex import mods, validate
+from ringflex.kernels import select_kernel
+from ringflex.kernels.base import Mods
+from ringflex.kernels.cudnn import CudnnKernel
+from ringflex.parallel import fused_merge
+from ringflex.plan import Segment
+
+
+def timed(name: str, fn, calls: int = 300, rounds: int = 7) -> None:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    spent = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        spent.append((time.perf_counter() - start) / calls)
+        torch.cuda.synchronize()
+    spent.sort()
+    print(f"{name:48s} min {spent[0] * 1e6:7.1f} us   median {spent[rounds // 2] * 1e6:7.1f} us", flush=True)
+
+
+def bare_triton_launch():
+    import triton
+
+    @triton.jit
+    def nothing(x, n):
+        pass
+    return lambda t: nothing[(1,)](t, 1)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=1024, help="rows of the block (B=1, H=32, D=128, bf16)")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    n = args.rows
+    q, k, v = (torch.randn(1, 32, n, 128, device=device, dtype=torch.bfloat16) for _ in range(3))
+    side = torch.cuda.Stream()
+
+    timed("torch.cuda.current_stream()", lambda: torch.cuda.current_stream(device))
+    timed("current_stream().record_event()", lambda: torch.cuda.current_stream().record_event())
+    timed("stream.wait_stream(current)", lambda: side.wait_stream(torch.cuda.current_stream()))
+    timed("torch.empty (64 MiB)", lambda: torch.empty((1, 32, 8192, 128), dtype=torch.bfloat16, device=device))
+    timed("tensor.narrow", lambda: q.narrow(2, 10, 100))
+    timed("torch.tensor of 430 ints", lambda: torch.tensor(list(range(430)), dtype=torch.int64))
+    launch = bare_triton_launch()
+    timed("a bare Triton launch", lambda: launch(q))
+
+    kernel, plain = CudnnKernel(), Mods(None, None)
+    out, lse = kernel.forward(q, k, v, None, None, plain, 0.088, False)
+    dout = torch.randn_like(out)
+    timed("cuDNN hop forward, no mask", lambda: kernel.forward(q, k, v, None, None, plain, 0.088, False))
+    timed("cuDNN hop backward, no mask", lambda: kernel.backward(q, k, v, out, lse, dout, None, None, plain, 0.088, False))
+    lengths = [3 * n // 10, n // 2, n - 3 * n // 10 - n // 2]
+    docs, seg = Mods(None, mods.document(mods.document_ids(lengths, device=device))), Segment(0, 1, n)
+    out, lse = kernel.forward(q, k, v, seg, seg, docs, 0.088, True)
+    timed("cuDNN hop forward, 3 documents (one batch)", lambda: kernel.forward(q, k, v, seg, seg, docs, 0.088, True))
+    timed("cuDNN hop backward, 3 documents (one batch)",
+          lambda: kernel.backward(q, k, v, out, lse, dout, seg, seg, docs, 0.088, True))
+    half = q.narrow(2, 0, n // 2)
+    timed("fused copy of a block's rows", lambda: fused_merge.add(torch.empty(half.shape, dtype=half.dtype,
+                                                                                device=device), [half]))
+    timed("argument check's exchange (one gloo rank)",
+          lambda: validate.exchange(dist.group.WORLD, list(range(30)), None, "the argument check"))
+    timed("kernel choice (select_kernel)", lambda: select_kernel("auto", q, k, v, docs))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
