@@ -176,7 +176,7 @@ class _Exchange:
         self.group, self.what, self.error_type, self.count = group, what, error_type, len(values)
         values = list(values) if error is None else [0] * len(values)
         # The message travels as bytes packed into int64s: a tensor of one int per byte takes
-        # 66 us to build on an H100's host, for a message that is empty on every good call.
+        # 35 to 65 us to build on an H100's host, for a message that is empty on every good call.
         message = bytearray((error or "").encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0"))
         mine = torch.cat([torch.tensor([int(error is not None)] + values, dtype=torch.int64),
                           torch.frombuffer(message, dtype=torch.int64)])
