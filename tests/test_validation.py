@@ -42,6 +42,12 @@ def _query_flags(flags):
     return flagged_queries_mask
 
 
+def _raising(message):
+    def mask_that_raises(b, h, q_idx, kv_idx):
+        raise ValueError(message)
+    return mask_that_raises
+
+
 def _with_kernel_named(name, call):
     """``call`` with ``backend="auto"`` choosing a kernel named ``name`` here (a rank whose GPU
     cuDNN cannot use, say); None: as it chooses."""
@@ -106,6 +112,8 @@ def _mismatches(rank, world_size):
         "mask_mod reading past a captured tensor": lambda: attn(q, k, v, mask_mod=_query_flags(flags),
                                                                layout="contiguous"),
         "score_mod reading past a captured tensor": lambda: attn(q, k, v, score_mod=mods.alibi(mods.alibi_slopes(1))),
+        # the record carries 400 bytes of the message: cut inside a character, it still decodes
+        "long message on one rank": lambda: attn(q, k, v, mask_mod=_raising("x" + "\u00e9" * 300) if odd else mods.causal),
     }
     results = {name: _error_text(call) for name, call in calls.items()}
     out = attn(q, k, v, mask_mod=mods.causal)  # the group still works
@@ -147,6 +155,7 @@ EXPECTED = {
         "sequence, not one rank's shard (while planning the ring, before any transfer)"),
     "score_mod reading past a captured tensor": "rank 0: ValueError: score_mod reads index 1 of a captured tensor of "
                                                 "shape (1,) (at h = 1)",
+    "long message on one rank": "CallRejected: ring_flex_attention: rank 1: ValueError: x" + "\u00e9" * 193 + "\ufffd",
 }
 
 
