@@ -8,13 +8,16 @@ than cProfile (``profile_ring.py --host-profile``), which inflates every Python 
     torchrun --nproc_per_node=2 scripts/host_phases.py --seq-len 16384
 
 The mask ``new_documents`` is packed documents with new lengths at every call, as in training
-on packed batches: each call then plans anew.
+on packed batches: each call then plans anew. ``--one-at-a-time`` issues each call on a
+drained GPU after a barrier and prints the median and least host time of one call: where two
+ranks share a GPU, calls issued back to back fill its queues and the host waits in them.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import functools
+import statistics
 import time
 
 import torch
@@ -70,6 +73,7 @@ def main():
                                                    "window:contiguous", "new_documents:contiguous"], help="mask:layout pairs")
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="untimed calls first (new_documents: each with new documents)")
+    p.add_argument("--one-at-a-time", action="store_true", help="each call on a drained GPU, after a barrier")
     args = p.parse_args()
     device, world = ranks.init(), dist.get_world_size()
     for owner, name, label in PHASES:
@@ -94,14 +98,25 @@ def main():
         dist.barrier()
         SPENT.clear()
         CALLS.clear()
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            forward_backward()
-        host = (time.perf_counter() - start) / args.calls
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) / args.calls
-        lines = [f"rank {dist.get_rank()}, {mask} over {layout}, {args.seq_len} tokens: host {host * 1e3:.2f} ms "
-                 f"per fwd+bwd, back to back {wall * 1e3:.2f} ms"]
+        if args.one_at_a_time:
+            alone = []
+            for _ in range(args.calls):
+                torch.cuda.synchronize()
+                dist.barrier()
+                start = time.perf_counter()
+                forward_backward()
+                alone.append(time.perf_counter() - start)
+            timing = (f"host {statistics.median(alone) * 1e3:.2f} ms per fwd+bwd issued alone (median; least "
+                      f"{min(alone) * 1e3:.2f} ms)")
+        else:
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                forward_backward()
+            host = (time.perf_counter() - start) / args.calls
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / args.calls
+            timing = f"host {host * 1e3:.2f} ms per fwd+bwd, back to back {wall * 1e3:.2f} ms"
+        lines = [f"rank {dist.get_rank()}, {mask} over {layout}, {args.seq_len} tokens: {timing}"]
         lines += [f"  {label:40s} {SPENT[label] / args.calls / 1e3:7.0f} us  ({CALLS[label] / args.calls:.0f} calls)"
                   for _, _, label in PHASES if CALLS[label]]
         gathered = [None] * world
