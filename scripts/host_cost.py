@@ -84,6 +84,15 @@ def main():
     timed("cuDNN hop forward, 3 documents (one batch)", lambda: kernel.forward(q, k, v, seg, seg, docs, 0.088, True))
     timed("cuDNN hop backward, 3 documents (one batch)",
           lambda: kernel.backward(q, k, v, out, lse, dout, seg, seg, docs, 0.088, True))
+    # A hop the ring cuts to a document that straddles two ranks: every query row in it, its
+    # keys the second half of the block before (one batch, whose dK/dV the rest of the block fills).
+    cut = Mods(None, mods.document(mods.document_ids([n // 2, n], device=device)))
+    q_cut, q_seg = q[:, :, : n // 2], Segment(n, 1, n // 2)
+    out, lse = kernel.forward(q_cut, k, v, q_seg, seg, cut, 0.088, True)
+    dout_cut = torch.randn_like(out)
+    timed("cuDNN hop forward, a cut document", lambda: kernel.forward(q_cut, k, v, q_seg, seg, cut, 0.088, True))
+    timed("cuDNN hop backward, a cut document",
+          lambda: kernel.backward(q_cut, k, v, out, lse, dout_cut, q_seg, seg, cut, 0.088, True))
     half = q.narrow(2, 0, n // 2)
     timed("fused copy of a block's rows", lambda: fused_merge.add(torch.empty(half.shape, dtype=half.dtype,
                                                                                 device=device), [half]))

@@ -87,13 +87,17 @@ class CudnnKernel:
         calls = self._calls(program, blocks.plan(program, mods, q, k, q_seg, kv_seg, self.split_depth), q, k, v)
         shape, lse_shape = (*q.shape[:3], v.shape[-1]), q.shape[:3]
         empty = batches.empty_for(calls, batches.query_rows(q))
-        if len(calls) == 1 and calls[0].row_spans == ((0, q.shape[2]),):
-            # One call writes every row (a block's documents as one batch, too): no merge to keep.
+        if len(calls) == 1:  # its results are the block's (a block's documents as one batch, too): no merge
+            call = calls[0]
             out, lse = empty(shape, dtype=q.dtype, device=q.device), empty(lse_shape, dtype=torch.float32, device=q.device)
-            if isinstance(calls[0], batches.Batch):
-                self._forward_batch_into(calls[0], q, k, v, out, lse, scale)
+            if isinstance(call, batches.Batch):
+                self._forward_batch_into(call, q, k, v, out, lse, scale)
             else:
-                self._forward_call(calls[0], program, q, k, v, out, lse, scale, q_seg, kv_seg)
+                self._forward_call(call, program, q, k, v, rows(out, call.rows), rows(lse, call.rows), scale, q_seg,
+                                   kv_seg)
+            for r in _outside(call.row_spans, q.shape[2]):  # rows that see no key
+                rows(out, r).zero_()
+                rows(lse, r).fill_(-math.inf)
             return out, lse
         merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans], empty)
         for call in calls:
@@ -164,15 +168,21 @@ class CudnnKernel:
         calls = self._calls(program, runs, q, k, v, out, dout)
         whole = (0, q.shape[2]), (0, k.shape[2])
         q_empty, kv_empty = batches.empty_for(calls, batches.query_rows(q)), batches.empty_for(calls)
-        if len(calls) == 1 and (calls[0].row_spans, calls[0].col_spans) == ((whole[0],), (whole[1],)):
-            # One call writes the whole result (a block's documents as one batch, too): no sums to keep.
-            if isinstance(calls[0], batches.Batch):
+        if len(calls) == 1:  # its gradients are the block's (a block's documents as one batch, too): no sums
+            call = calls[0]
+            if isinstance(call, blocks.Run) and (call.rows, call.cols) == whole:
+                grads = [torch.empty_like(t) for t in (q, k, v)]
+            else:
                 grads = [q_empty(q.shape, dtype=q.dtype, device=q.device),
                          *(kv_empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))]
-                self._backward_batch_into(calls[0], q, k, v, out, stats, dout, scale, *grads)
+            if isinstance(call, batches.Batch):
+                self._backward_batch_into(call, q, k, v, out, stats, dout, scale, *grads)
             else:
-                grads = [torch.empty_like(t) for t in (q, k, v)]
-                self._backward_call(calls[0], *shared, grads)
+                self._backward_call(call, *shared, [rows(grads[0], call.rows), *(rows(g, call.cols) for g in grads[1:])])
+            for grad, spans, length in ((grads[0], call.row_spans, q.shape[2]), (grads[1], call.col_spans, k.shape[2]),
+                                        (grads[2], call.col_spans, k.shape[2])):
+                for r in _outside(spans, length):  # rows and keys no query reaches
+                    rows(grad, r).zero_()
             return tuple(grads)
         # Calls write in place where no earlier call wrote those rows; elsewhere they are
         # summed in fp32, and every gradient is rounded once.
@@ -224,6 +234,16 @@ class CudnnKernel:
                 grad.copy_(value)
         else:
             self._call(True, run, program, tensors, scale, q_seg, kv_seg)
+
+
+def _outside(spans, length: int) -> List[Tuple[int, int]]:
+    """The rows of ``range(length)`` outside ascending, disjoint ``spans``, as ranges."""
+    gaps, start = [], 0
+    for begin, end in spans:
+        if begin > start:
+            gaps.append((start, begin))
+        start = end
+    return gaps + [(start, length)] * (start < length)
 
 
 def _inner_contiguous(t: Tensor) -> Tensor:
