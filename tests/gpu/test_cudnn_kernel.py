@@ -1,6 +1,7 @@
 """The cuDNN hop kernel matches the reference kernel, forward and backward, for every mod of
 the matrix at global offsets and striped positions. The planning tests, and the lowering on an
 emulated cuDNN, run on CPU too."""
+import dataclasses
 import math
 import sys
 import warnings
@@ -225,6 +226,28 @@ def test_rows_without_keys_give_zero_not_nan():
         assert torch.equal(out, torch.zeros_like(out)) and lse.isneginf().all()
         grads = kernel.backward(q, k, v, out, lse, dout, seg, seg, m, 0.125, True)
         assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+@needs_cudnn
+@pytest.mark.parametrize("segs", ["diagonal", "offsets"])
+@pytest.mark.parametrize("name", ["mask", "score", "padding"])
+def test_batch_dependent_mods_match_reference(name, segs):
+    """Values per batch element: cuDNN read them wrong in their compact form (docs/cudnn.md)."""
+    q_seg, kv_seg = SEGMENTS[segs]
+    lengths = torch.tensor([kv_seg.start + L // 4, kv_seg.start + 3 * L // 4], device="cuda")
+    case = {"mask": Case(mask_mod=lambda b, h, q, kv: (b == 0) | (kv <= q)),
+            "score": Case(score_mod=lambda score, b, h, q, kv: score + b * 0.5, mask_mod=mods.causal),
+            "padding": Case(mask_mod=lambda b, h, q, kv: (kv < lengths[b]) & (kv <= q))}[name]
+    _check(f"{name}/{segs}", case, q_seg, kv_seg, CudnnKernel(), batch=2)
+
+
+@needs_cudnn
+@pytest.mark.parametrize("name", ["alibi", "causal_softcap", "late_queries"])
+def test_one_batch_and_one_head_match_reference(name):
+    """Rows of a one-head block's stats, which the split calls take, are contiguous to torch
+    but not packed to cuDNN (docs/cudnn.md)."""
+    case = dataclasses.replace(cases(SEQ, device="cuda")[name], q_heads=1, kv_heads=1)
+    _check(f"{name}/one head", case, *SEGMENTS["offsets"], CudnnKernel(), batch=1)
 
 
 @needs_cudnn

@@ -15,7 +15,7 @@ from ...plan import Segment, around
 from ..base import Extent, Mods
 from ..reference import ReferenceKernel
 from . import batches, blocks, frontend, graphs
-from .lowering import Program, lowered, lowering_error, traced
+from .lowering import Program, lowered, lowering_error, packed_strides, traced
 
 # A masked block with a score_mod runs as 2**SPLIT_DEPTH row chunks (measured best: docs/cudnn.md).
 SPLIT_DEPTH = 2
@@ -222,7 +222,7 @@ class CudnnKernel:
                        q_seg, kv_seg, grads: List[Tensor]) -> None:
         """One call's dq, dk, dv into ``grads``."""
         tensors = dict(q=rows(q, run.rows), k=rows(k, run.cols), v=rows(v, run.cols), out=rows(out, run.rows),
-                       dout=rows(dout, run.rows), lse=rows(stats, run.rows).contiguous(),  # cuDNN wants it packed
+                       dout=rows(dout, run.rows), lse=_packed(rows(stats, run.rows)),
                        dq=grads[0], dk=grads[1], dv=grads[2])
         if run.rows[1] - run.rows[0] == 1 and run.cols[1] - run.cols[0] == 1:
             # cuDNN's backward rejects s_q = s_kv = 1 (a one-token document, say)
@@ -244,6 +244,13 @@ def _outside(spans, length: int) -> List[Tuple[int, int]]:
             gaps.append((start, begin))
         start = end
     return gaps + [(start, length)] * (start < length)
+
+
+def _packed(t: Tensor) -> Tensor:
+    """``t`` with packed strides: cuDNN's backward checks its stats' strides literally, size-1
+    dims too, where torch calls a view contiguous whatever their strides (one batch and one
+    head: rows of a longer block)."""
+    return t if list(t.stride()) == packed_strides(t.shape) else t.clone(memory_format=torch.contiguous_format)
 
 
 def _inner_contiguous(t: Tensor) -> Tensor:

@@ -330,11 +330,13 @@ def _hoisted_layout(dims: List[int], full: List[int], backward: bool) -> Tuple[L
     """The descriptor of a compact hoisted tensor of broadcast shape ``dims``.
 
     Described as ``dims`` itself (e.g. [1, 1, S_q, 1]), cuDNN's backward reads per-token
-    values wrong, so there it gets the score's full shape with stride 0 along the broadcast
-    axes; the forward reads both right, and the compact form faster (measured: docs/cudnn.md).
+    values wrong, and both directions read per-batch values ([B, 1, 1, 1]) wrong where they
+    are added or selected on (a mask ``(b == 0) | causal``, a score ``s + b``), so these get
+    the score's full shape with stride 0 along the broadcast axes; the forward reads
+    per-token values right, and the compact form faster (measured: docs/cudnn.md).
     """
-    compact = _contiguous_strides(dims)
-    if backward and (dims[2] > 1 or dims[3] > 1):
+    compact = packed_strides(dims)
+    if dims[0] > 1 or (backward and (dims[2] > 1 or dims[3] > 1)):
         return list(full), [0 if d == 1 else stride for d, stride in zip(dims, compact)]
     return dims, compact
 
@@ -352,7 +354,8 @@ def _scalar(value, dtype: torch.dtype) -> Tensor:
     return _SCALARS[key]
 
 
-def _contiguous_strides(dims: List[int]) -> List[int]:
+def packed_strides(dims) -> List[int]:
+    """The strides of a packed tensor of shape ``dims``, size-1 dims included."""
     strides, acc = [], 1
     for d in reversed(dims):
         strides.append(acc)
