@@ -1,0 +1,191 @@
+"""Random ring calls: a layout, lengths (cross-attention too), heads (GQA), a mask drawn from
+a pool and combined with and / or, a score_mod, sinks, an LSE the loss reads, a scale. The
+matrix in ``cases.py`` names the mods users write; these mix them as nobody listed, which is
+how the per-batch inputs cuDNN read wrong were found (docs/cudnn.md). Shared by the CPU test
+(``test_random_calls.py``) and the GPU script (``scripts/fuzz_ring.py``); the same seed gives
+the same call on every rank and device."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+import ringflex
+from oracle import attention
+from ringflex import mods
+from ringflex.parallel.layout import divisor
+
+
+@dataclass
+class RandomCall:
+    layout: str
+    q: torch.Tensor  # the full sequence, [B, Hq, S, D]
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    dlse: Optional[torch.Tensor]  # the LSE's upstream gradient where the call returns it, else None
+    mask_mod: Optional[Callable]
+    score_mod: Optional[Callable]
+    sinks: Optional[torch.Tensor]
+    scale: Optional[float]
+    parts: List[str]  # what the mods are made of
+
+    def describe(self) -> str:
+        (b, hq, s, d), hkv, s_kv = self.q.shape, self.k.shape[1], self.k.shape[2]
+        extras = [name for name, on in (("sinks", self.sinks is not None), ("lse", self.dlse is not None)) if on]
+        return (f"{self.layout}, {s} x {s_kv} tokens, B={b}, heads {hq}/{hkv}, D={d}, scale {self.scale}, "
+                f"{' + '.join(self.parts) or 'no mods'}{', ' + ', '.join(extras) if extras else ''}")
+
+
+def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, max_chunks: int = 6,
+                head_dims=(4, 8), gathers: bool = True) -> RandomCall:
+    """The call of ``seed``: local lengths of up to ``max_chunks`` layout chunks per rank, and
+    captured tensors (a table, a bias) on ``device`` in ``dtype`` (fp32 at most). ``gathers``:
+    mods may index a tensor by q_idx and kv_idx (flex_attention runs those on a GPU)."""
+    rnd = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    layout = rnd.choice(ringflex.LAYOUTS)
+    chunk = divisor(layout, world_size) // world_size
+    s, s_kv = (chunk * world_size * rnd.randint(1, max_chunks) for _ in range(2))
+    if rnd.random() < 0.75:
+        s_kv = s
+    batch, kv_heads = rnd.choice([1, 2]), rnd.choice([1, 2])
+    heads, head_dim = kv_heads * rnd.choice([1, 2]), rnd.choice(head_dims)
+    longest, parts = max(s, s_kv), []
+    table_dtype = dtype if dtype == torch.float64 else torch.float32
+
+    def table(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, table_dtype)
+
+    def mask(depth: int = 0):
+        kinds = ["causal", "window", "prefix", "documents", "late", "sparse", "band"] + ["table"] * gathers
+        if depth == 0:
+            kinds += ["head", "batch", "padding", "nothing", "combined", "combined"]
+        kind = rnd.choice(kinds)
+        parts.append(kind)
+        if kind == "causal":
+            return mods.causal
+        if kind == "window":
+            return mods.sliding_window(rnd.randint(1, longest))
+        if kind == "prefix":
+            return mods.prefix_lm(rnd.randint(0, longest))
+        if kind == "documents":
+            lengths, left = [], longest
+            while left:
+                lengths.append(min(left, rnd.randint(1, max(1, longest // 2))))
+                left -= lengths[-1]
+            return mods.document(mods.document_ids(lengths, device=device), causal_within=rnd.random() < 0.5)
+        if kind == "late":  # the first queries see nothing
+            start = rnd.randint(0, s)
+            return lambda b, h, q, kv: (q >= start) & (kv <= q)
+        if kind == "sparse":  # every m-th query sees nothing
+            m = rnd.randint(2, 5)
+            return lambda b, h, q, kv: (q % m != 0) & (kv <= q)
+        if kind == "band":
+            left, right = rnd.randint(-3, longest), rnd.randint(-3, longest)
+            return lambda b, h, q, kv: (kv >= q - left) & (kv <= q + right)
+        if kind == "head":
+            width = rnd.randint(1, 5)
+            return lambda b, h, q, kv: (kv <= q) & ((h % 2 == 0) | (q - kv < width))
+        if kind == "batch":
+            return lambda b, h, q, kv: (b == 0) | (kv <= q)
+        if kind == "padding":
+            seen = torch.tensor([rnd.randint(1, s_kv) for _ in range(batch)], device=device)
+            return lambda b, h, q, kv: kv < seen[b]
+        if kind == "table":
+            allowed = (torch.rand(s, s_kv, generator=gen) < rnd.choice([0.1, 0.5, 0.9])).to(device)
+            return lambda b, h, q, kv: allowed[q, kv]
+        if kind == "nothing":
+            return lambda b, h, q, kv: kv < 0
+        first, second = mask(1), mask(1)
+        return (mods.and_masks if rnd.random() < 0.5 else mods.or_masks)(first, second)
+
+    def score():
+        kinds = [None, None, "softcap", "alibi", "relative", "per_head", "per_batch"] + ["table"] * gathers
+        kind = rnd.choice(kinds)
+        if kind is None:
+            return None
+        parts.append(kind)
+        if kind == "softcap":
+            return mods.softcap(rnd.uniform(0.5, 5))
+        if kind == "alibi":
+            return mods.alibi(mods.alibi_slopes(heads).to(device))
+        if kind == "relative":
+            bias = table(s + s_kv + 1)
+            return lambda sc, b, h, q, kv: sc + bias[q - kv + s_kv]
+        if kind == "per_head":
+            return lambda sc, b, h, q, kv: sc * (h + 1) * 0.5
+        if kind == "per_batch":
+            return lambda sc, b, h, q, kv: sc + b * 0.5
+        scores = table(s, s_kv)
+        return lambda sc, b, h, q, kv: sc + scores[q, kv]
+
+    mask_mod = mask() if rnd.random() < 0.85 else None
+    score_mod = score()
+    sinks = table(heads) if rnd.random() < 0.2 else None
+    return_lse, scale = rnd.random() < 0.3, rnd.choice([None, 0.3])
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
+
+    q, k, v = randn(batch, heads, s, head_dim), randn(batch, kv_heads, s_kv, head_dim), randn(batch, kv_heads, s_kv, head_dim)
+    dout, dlse = randn(batch, heads, s, head_dim), randn(batch, heads, s)
+    return RandomCall(layout, q, k, v, dout, dlse if return_lse else None, mask_mod, score_mod, sinks, scale, parts)
+
+
+def ring_errors(call: RandomCall, truth: RandomCall, backend: str = "reference", group=None,
+                floor: float = 1.0) -> Dict[str, float]:
+    """This rank's largest error of the ring's output, LSE and gradients (the sinks' summed over
+    the ranks) against the definition on ``truth`` (the same call in fp64, on the CPU), each
+    relative to the largest value of the truth (at least ``floor``); inf where the ring's
+    infinite entries (an LSE of a row that sees nothing) differ from the truth's."""
+    full = [t.detach().requires_grad_() for t in (truth.q, truth.k, truth.v)]
+    full_sinks = truth.sinks.detach().requires_grad_() if truth.sinks is not None else None
+    want_out, want_lse = attention(*full, truth.score_mod, truth.mask_mod, scale=truth.scale, return_lse=True,
+                                   sinks=full_sinks)
+    _loss(want_out, want_lse, truth.dout, truth.dlse).backward()
+
+    def shard(t):
+        return ringflex.shard(t, 2, group=group, layout=call.layout)
+
+    local = [shard(t).detach().requires_grad_() for t in (call.q, call.k, call.v)]
+    sinks = call.sinks.detach().requires_grad_() if call.sinks is not None else None
+    got = ringflex.ring_flex_attention(*local, score_mod=call.score_mod, mask_mod=call.mask_mod, group=group,
+                                       layout=call.layout, scale=call.scale, enable_gqa=True, backend=backend,
+                                       return_lse=call.dlse is not None, sinks=sinks)
+    out, lse = got if call.dlse is not None else (got, None)
+    _loss(out, lse, shard(call.dout), shard(call.dlse) if call.dlse is not None else None).backward()
+    pairs = {"out": (out, want_out), "dq": (local[0].grad, full[0].grad), "dk": (local[1].grad, full[1].grad),
+             "dv": (local[2].grad, full[2].grad)}
+    pairs = {name: (got, shard(want.to(got.device))) for name, (got, want) in pairs.items()}
+    if lse is not None:
+        pairs["lse"] = (lse, shard(want_lse.to(lse.device)))
+    if sinks is not None:
+        total = sinks.grad.detach().double()
+        total = total.cpu() if "gloo" in str(dist.get_backend(group)) else total
+        dist.all_reduce(total, group=group)  # each rank holds its queries' share
+        pairs["dsinks"] = (total, full_sinks.grad)
+    return {name: _error(got, want, floor) for name, (got, want) in pairs.items()}
+
+
+def _loss(out, lse, dout, dlse):
+    """The loss whose gradients are compared: ``dout`` against the output, ``dlse`` against the
+    LSE where it is finite (a row that sees nothing has -inf, and no gradient)."""
+    loss = (out * dout.to(out.dtype)).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(lse.isneginf(), 0.0, lse) * dlse.to(lse.dtype)).sum()
+    return loss
+
+
+def _error(got: torch.Tensor, want: torch.Tensor, floor: float) -> float:
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    finite = want.isfinite()
+    if not torch.equal(got.isfinite(), finite) or not torch.equal(got[~finite], want[~finite]):
+        return math.inf
+    if not finite.any():
+        return 0.0
+    return ((got - want)[finite].abs().max() / want[finite].abs().max().clamp_min(floor)).item()
