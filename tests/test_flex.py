@@ -208,3 +208,37 @@ def test_kernels_short_of_shared_memory_compile_with_fewer_pipeline_stages(monke
         raise RuntimeError("an unsupported op in the score_mod")
     with pytest.raises(RuntimeError, match="unsupported op"):
         FlexKernel(attend=broken, tile=4).forward(q, k, v, seg, seg, mods, 0.25, True)
+
+
+def test_hops_torch_cannot_compile_run_on_the_reference_kernel(monkeypatch):
+    """torch failing to compile a hop's kernels (it did at small, odd hop lengths) must not
+    break the ring: the hop runs on the reference kernel, which says so once per pass, and
+    hops of the same shapes do not try to compile again."""
+    from torch._inductor.exc import InductorError
+
+    from ringflex import kernels
+    from ringflex.kernels import flex
+
+    attempts = []
+
+    def failing(q, *args, **kwargs):
+        attempts.append(torch.is_grad_enabled())
+        raise InductorError(RuntimeError("LoweringException: NoValidChoicesError: No choices to select"), None)
+
+    monkeypatch.setattr(flex, "_UNCOMPILED", set())
+    monkeypatch.setattr(kernels, "_WARNED", set())
+    q, k, v = (torch.randn(1, 2, 7, 16) for _ in range(3))
+    seg, mods = Segment(0, 1, 7), Mods(ringflex.mods.softcap(2.0), ringflex.mods.causal)
+    reference = ReferenceKernel()
+    want_out, want_lse = reference.forward(q, k, v, seg, seg, mods, 0.25, True)
+    want_grads = reference.backward(q, k, v, want_out, want_lse, q, seg, seg, mods, 0.25, True)
+    with pytest.warns(UserWarning) as warned:
+        for _ in range(2):
+            kernel = FlexKernel(attend=failing, tile=4)
+            out, lse = kernel.forward(q, k, v, seg, seg, mods, 0.25, True)
+            grads = kernel.backward(q, k, v, out, lse, q, seg, seg, mods, 0.25, True)
+            torch.testing.assert_close((out, lse, *grads), (want_out, want_lse, *want_grads))
+    assert [str(w.message).split(" kernels")[0] for w in warned] == [
+        "ringflex: torch could not compile flex_attention's forward",
+        "ringflex: torch could not compile flex_attention's backward"]
+    assert attempts == [False, True]  # once per pass: the second call went to the reference kernel at once

@@ -18,6 +18,9 @@ bias on an H100, docs/benchmarks.md).
   and its (out_i, lse_i) take the gradients the merge gives them: with
   w = exp(lse_i - lse), dout_i = w * dout and dlse_i = w * <dout, out_i - out>, which makes
   dS = P (dout . v - <dout, out>) with P under the global LSE. One extra forward per hop.
+- A hop whose kernels torch fails to compile (torch 2.11 did at some small, odd hop lengths:
+  docs/reliability.md) runs on the reference kernel instead, which says so once: raising
+  would break the ring for every rank (``parallel.fault``).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from ..cache import remember
 from ..plan import BlockKind, MaskCache, Segment, block_kinds
 from ..trace import UnsupportedModError, trace_mask_mod
 from .base import Mods
-from .reference import compute_dtype
+from .reference import ReferenceKernel, compute_dtype
 
 TILE = 128  # flex_attention's block size
 _BLOCK_MASKS = MaskCache(size=256)
@@ -58,6 +61,14 @@ TENSOR_GRAD_OPTIONS = {"bwd_num_stages": 1}
 # need 245760 bytes of 232448 under a relative-position gather (torch 2.11).
 STAGES = (None, 2, 1)
 _FITTING_STAGES = {}  # (pass, mod codes, dtype, head dim, device) -> the depth that fits
+_UNCOMPILED = set()  # (the same, the shapes of q and k): hops torch failed to compile kernels for
+
+
+def _compile_failure(error: Exception) -> bool:
+    """Whether ``error`` is torch failing to compile flex_attention's kernels (Inductor's),
+    not a mod that raised (which the reference kernel would raise too)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    return isinstance(error, BackendCompilerFailed)
 
 
 def _with_stages(options: Optional[dict], stages: Optional[int]) -> Optional[dict]:
@@ -200,21 +211,32 @@ class FlexKernel:
     def __init__(self, attend: Callable = compiled_flex_attention, tile: int = TILE):
         self.attend, self.tile = attend, tile
 
-    def _fitting(self, run: Callable, phase: str, q: Tensor, mods: Mods, options: Optional[dict]):
+    def _fitting(self, run: Callable, uncompiled: Callable, phase: str, q: Tensor, k: Tensor, mods: Mods,
+                 options: Optional[dict]):
         """``run(options)`` at the deepest pipeline (``STAGES``) whose kernels fit the GPU's
-        shared memory for this pass, mods, dtype and head dim; saying once when it is shallower."""
+        shared memory for this pass, mods, dtype and head dim; saying once when it is shallower.
+        ``uncompiled()`` where torch cannot compile the kernels for these shapes at all."""
+        from . import _warn_once
         key = (phase, _code(mods.score_mod), _code(mods.mask_mod), q.dtype, q.shape[-1], str(q.device))
+        shapes = (*key, tuple(q.shape), tuple(k.shape))
+        if shapes in _UNCOMPILED:
+            return uncompiled()
         for stages in STAGES[STAGES.index(_FITTING_STAGES.get(key)):]:
             try:
                 result = run(_with_stages(options, stages))
             except Exception as error:  # torch wraps Triton's OutOfResources in its compiler's errors
-                if stages == STAGES[-1] or "out of resource" not in str(error):
+                if stages != STAGES[-1] and "out of resource" in str(error):
+                    _warn_once(f"ringflex: flex_attention's {phase} kernels for this mod at {q.dtype}, head dim "
+                               f"{q.shape[-1]} need more shared memory than the GPU has: compiling them "
+                               f"with fewer pipeline stages (slower)")
+                    continue
+                if not _compile_failure(error):
                     raise
-                from . import _warn_once
-                _warn_once(f"ringflex: flex_attention's {phase} kernels for this mod at {q.dtype}, head dim "
-                           f"{q.shape[-1]} need more shared memory than the GPU has: compiling them "
-                           f"with fewer pipeline stages (slower)")
-                continue
+                _UNCOMPILED.add(shapes)
+                _warn_once(f"ringflex: torch could not compile flex_attention's {phase} kernels for hops of "
+                           f"{q.shape[2]} x {k.shape[2]} tokens with this mod ({str(error).splitlines()[0][:200]}); "
+                           f"they run on the reference kernel (exact, slower)")
+                return uncompiled()
             _FITTING_STAGES[key] = stages
             return result
 
@@ -246,9 +268,12 @@ class FlexKernel:
         return self.attend(q, k, v, score_mod, block_mask, scale, q.shape[1] != k.shape[1], kernel_options)
 
     def forward(self, q, k, v, q_seg, kv_seg, mods: Mods, scale: float, masked: bool):
+        def uncompiled():
+            out, lse = ReferenceKernel().forward(q, k, v, q_seg, kv_seg, mods, scale, masked)
+            return out.to(q.dtype), lse.float()
         with torch.no_grad():
             return self._fitting(lambda options: self._attend(q, k, v, q_seg, kv_seg, mods, scale, masked, options),
-                                 "forward", q, mods, None)
+                                 uncompiled, "forward", q, k, mods, None)
 
     def backward(self, q, k, v, out, lse, dout, q_seg, kv_seg, mods: Mods, scale: float, masked: bool, tensors=()):
         dtype = compute_dtype(q.dtype)
@@ -264,5 +289,7 @@ class FlexKernel:
             d_lse = (weight * (dout * (hop_out.to(dtype) - out.to(dtype))).sum(-1)).to(hop_lse.dtype)
             grads = torch.autograd.grad((hop_out, hop_lse), (*inputs, *tensors), (d_out, d_lse), allow_unused=True)
             return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (*inputs, *tensors))]
-        grads = self._fitting(gradients, "backward", q, mods, TENSOR_GRAD_OPTIONS if tensors else None)
-        return (*grads[:3], *(g.to(dtype) for g in grads[3:]))
+        def uncompiled():
+            return ReferenceKernel().backward(q, k, v, out, lse, dout, q_seg, kv_seg, mods, scale, masked, tensors)
+        grads = self._fitting(gradients, uncompiled, "backward", q, k, mods, TENSOR_GRAD_OPTIONS if tensors else None)
+        return (*(g.to(t.dtype) for g, t in zip(grads[:3], (q, k, v))), *(g.to(dtype) for g in grads[3:]))
