@@ -33,10 +33,11 @@ class RandomCall:
     sinks: Optional[torch.Tensor]
     scale: Optional[float]
     parts: List[str]  # what the mods are made of
-
+    bshd: bool  # the ranks' q, k, v in [B, S, H, D] memory, as models pass them
     def describe(self) -> str:
         (b, hq, s, d), hkv, s_kv = self.q.shape, self.k.shape[1], self.k.shape[2]
-        extras = [name for name, on in (("sinks", self.sinks is not None), ("lse", self.dlse is not None)) if on]
+        extras = [name for name, on in (("sinks", self.sinks is not None), ("lse", self.dlse is not None),
+                                         ("[B, S, H, D] memory", self.bshd)) if on]
         return (f"{self.layout}, {s} x {s_kv} tokens, B={b}, heads {hq}/{hkv}, D={d}, scale {self.scale}, "
                 f"{' + '.join(self.parts) or 'no mods'}{', ' + ', '.join(extras) if extras else ''}")
 
@@ -127,14 +128,15 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
     mask_mod = mask() if rnd.random() < 0.85 else None
     score_mod = score()
     sinks = table(heads) if rnd.random() < 0.2 else None
-    return_lse, scale = rnd.random() < 0.3, rnd.choice([None, 0.3])
+    return_lse, scale, bshd = rnd.random() < 0.3, rnd.choice([None, 0.3]), rnd.random() < 0.25
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
 
     q, k, v = randn(batch, heads, s, head_dim), randn(batch, kv_heads, s_kv, head_dim), randn(batch, kv_heads, s_kv, head_dim)
     dout, dlse = randn(batch, heads, s, head_dim), randn(batch, heads, s)
-    return RandomCall(layout, q, k, v, dout, dlse if return_lse else None, mask_mod, score_mod, sinks, scale, parts)
+    return RandomCall(layout, q, k, v, dout, dlse if return_lse else None, mask_mod, score_mod, sinks, scale, parts,
+                      bshd)
 
 
 def ring_errors(call: RandomCall, truth: RandomCall, backend: str = "reference", group=None,
@@ -152,7 +154,10 @@ def ring_errors(call: RandomCall, truth: RandomCall, backend: str = "reference",
     def shard(t):
         return ringflex.shard(t, 2, group=group, layout=call.layout)
 
-    local = [shard(t).detach().requires_grad_() for t in (call.q, call.k, call.v)]
+    local = [shard(t).detach() for t in (call.q, call.k, call.v)]
+    if call.bshd:
+        local = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in local]
+    local = [t.requires_grad_() for t in local]
     sinks = call.sinks.detach().requires_grad_() if call.sinks is not None else None
     got = ringflex.ring_flex_attention(*local, score_mod=call.score_mod, mask_mod=call.mask_mod, group=group,
                                        layout=call.layout, scale=call.scale, enable_gqa=True, backend=backend,
