@@ -34,10 +34,12 @@ class RandomCall:
     scale: Optional[float]
     parts: List[str]  # what the mods are made of
     bshd: bool  # the ranks' q, k, v in [B, S, H, D] memory, as models pass them
+    learnable: Optional[torch.Tensor]  # a tensor the score_mod reads that requires grad (a learnable bias)
     def describe(self) -> str:
         (b, hq, s, d), hkv, s_kv = self.q.shape, self.k.shape[1], self.k.shape[2]
         extras = [name for name, on in (("sinks", self.sinks is not None), ("lse", self.dlse is not None),
-                                         ("[B, S, H, D] memory", self.bshd)) if on]
+                                         ("[B, S, H, D] memory", self.bshd), ("learnable", self.learnable is not None))
+                  if on]
         return (f"{self.layout}, {s} x {s_kv} tokens, B={b}, heads {hq}/{hkv}, D={d}, scale {self.scale}, "
                 f"{' + '.join(self.parts) or 'no mods'}{', ' + ', '.join(extras) if extras else ''}")
 
@@ -56,7 +58,7 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
         s_kv = s
     batch, kv_heads = rnd.choice([1, 2]), rnd.choice([1, 2])
     heads, head_dim = kv_heads * rnd.choice([1, 2]), rnd.choice(head_dims)
-    longest, parts = max(s, s_kv), []
+    longest, parts, learnable = max(s, s_kv), [], []
     table_dtype = dtype if dtype == torch.float64 else torch.float32
 
     def table(*shape):
@@ -117,6 +119,8 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
             return mods.alibi(mods.alibi_slopes(heads).to(device))
         if kind == "relative":
             bias = table(s + s_kv + 1)
+            if rnd.random() < 0.5:
+                learnable.append(bias.requires_grad_())
             return lambda sc, b, h, q, kv: sc + bias[q - kv + s_kv]
         if kind == "per_head":
             return lambda sc, b, h, q, kv: sc * (h + 1) * 0.5
@@ -136,15 +140,16 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
     q, k, v = randn(batch, heads, s, head_dim), randn(batch, kv_heads, s_kv, head_dim), randn(batch, kv_heads, s_kv, head_dim)
     dout, dlse = randn(batch, heads, s, head_dim), randn(batch, heads, s)
     return RandomCall(layout, q, k, v, dout, dlse if return_lse else None, mask_mod, score_mod, sinks, scale, parts,
-                      bshd)
+                      bshd, learnable[0] if learnable else None)
 
 
 def ring_errors(call: RandomCall, truth: RandomCall, backend: str = "reference", group=None,
                 floor: float = 1.0) -> Dict[str, float]:
     """This rank's largest error of the ring's output, LSE and gradients (the sinks' summed over
-    the ranks) against the definition on ``truth`` (the same call in fp64, on the CPU), each
-    relative to the largest value of the truth (at least ``floor``; the sinks' at least 1);
-    inf where the ring's infinite entries (an LSE of a row that sees nothing) differ from the
+    the ranks, a learnable bias's too) against the definition on ``truth`` (the same call in
+    fp64, on the CPU, made apart: gradients accumulate in its tensors), each relative to the
+    largest value of the truth (at least ``floor``; those summed over rows at least 1); inf
+    where the ring's infinite entries (an LSE of a row that sees nothing) differ from the
     truth's."""
     full = [t.detach().requires_grad_() for t in (truth.q, truth.k, truth.v)]
     full_sinks = truth.sinks.detach().requires_grad_() if truth.sinks is not None else None
@@ -170,14 +175,17 @@ def ring_errors(call: RandomCall, truth: RandomCall, backend: str = "reference",
     pairs = {name: (got, shard(want.to(got.device))) for name, (got, want) in pairs.items()}
     if lse is not None:
         pairs["lse"] = (lse, shard(want_lse.to(lse.device)))
-    if sinks is not None:
-        total = sinks.grad.detach().double()
-        total = total.cpu() if "gloo" in str(dist.get_backend(group)) else total
-        dist.all_reduce(total, group=group)  # each rank holds its queries' share
-        pairs["dsinks"] = (total, full_sinks.grad)
-    # The sinks' gradient sums a term per row of a head, which cancel: its rounding follows
-    # the terms, so it is weighed against 1 at least.
-    return {name: _error(got, want, max(floor, 1.0) if name == "dsinks" else floor) for name, (got, want) in pairs.items()}
+    # Each rank holds its queries' share of the gradients of the sinks and of a learnable bias.
+    for name, got, want in (("dsinks", sinks, full_sinks), ("dlearnable", call.learnable, truth.learnable)):
+        if got is not None:
+            total = torch.zeros_like(got, dtype=torch.float64) if got.grad is None else got.grad.detach().double()
+            total = total.cpu() if "gloo" in str(dist.get_backend(group)) else total
+            dist.all_reduce(total, group=group)
+            pairs[name] = (total, want.grad)
+    # The gradients of the sinks and of a bias sum a term per row, which cancel: their rounding
+    # follows the terms, so they are weighed against 1 at least.
+    return {name: _error(got, want, max(floor, 1.0) if name in ("dsinks", "dlearnable") else floor)
+            for name, (got, want) in pairs.items()}
 
 
 def _loss(out, lse, dout, dlse):
