@@ -26,7 +26,7 @@ class RandomCall:
     q: torch.Tensor  # the full sequence, [B, Hq, S, D]
     k: torch.Tensor
     v: torch.Tensor
-    dout: torch.Tensor
+    dout: Optional[torch.Tensor]  # the output's upstream gradient; None where the loss reads the LSE alone
     dlse: Optional[torch.Tensor]  # the LSE's upstream gradient where the call returns it, else None
     mask_mod: Optional[Callable]
     score_mod: Optional[Callable]
@@ -35,9 +35,11 @@ class RandomCall:
     parts: List[str]  # what the mods are made of
     bshd: bool  # the ranks' q, k, v in [B, S, H, D] memory, as models pass them
     learnable: Optional[torch.Tensor]  # a tensor the score_mod reads that requires grad (a learnable bias)
+
     def describe(self) -> str:
         (b, hq, s, d), hkv, s_kv = self.q.shape, self.k.shape[1], self.k.shape[2]
         extras = [name for name, on in (("sinks", self.sinks is not None), ("lse", self.dlse is not None),
+                                         ("a loss of the LSE alone", self.dout is None),
                                          ("[B, S, H, D] memory", self.bshd), ("learnable", self.learnable is not None))
                   if on]
         return (f"{self.layout}, {s} x {s_kv} tokens, B={b}, heads {hq}/{hkv}, D={d}, scale {self.scale}, "
@@ -133,13 +135,14 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
     score_mod = score()
     sinks = table(heads) if rnd.random() < 0.2 else None
     return_lse, scale, bshd = rnd.random() < 0.3, rnd.choice([None, 0.3]), rnd.random() < 0.25
+    lse_only = return_lse and rnd.random() < 0.25
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
 
     q, k, v = randn(batch, heads, s, head_dim), randn(batch, kv_heads, s_kv, head_dim), randn(batch, kv_heads, s_kv, head_dim)
     dout, dlse = randn(batch, heads, s, head_dim), randn(batch, heads, s)
-    return RandomCall(layout, q, k, v, dout, dlse if return_lse else None, mask_mod, score_mod, sinks, scale, parts,
+    return RandomCall(layout, q, k, v, None if lse_only else dout, dlse if return_lse else None, mask_mod, score_mod, sinks, scale, parts,
                       bshd, learnable[0] if learnable else None)
 
 
@@ -169,9 +172,9 @@ def ring_errors(call: RandomCall, truth: RandomCall, backend: str = "reference",
                                        layout=call.layout, scale=call.scale, enable_gqa=True, backend=backend,
                                        return_lse=call.dlse is not None, sinks=sinks)
     out, lse = got if call.dlse is not None else (got, None)
-    _loss(out, lse, shard(call.dout), shard(call.dlse) if call.dlse is not None else None).backward()
-    pairs = {"out": (out, want_out), "dq": (local[0].grad, full[0].grad), "dk": (local[1].grad, full[1].grad),
-             "dv": (local[2].grad, full[2].grad)}
+    _loss(out, lse, *(shard(t) if t is not None else None for t in (call.dout, call.dlse))).backward()
+    pairs = {"out": (out, want_out), **{name: (_grad(got), _grad(want)) for name, got, want in
+                                        zip(("dq", "dk", "dv"), local, full)}}  # a loss of the LSE alone: dv None
     pairs = {name: (got, shard(want.to(got.device))) for name, (got, want) in pairs.items()}
     if lse is not None:
         pairs["lse"] = (lse, shard(want_lse.to(lse.device)))
@@ -188,10 +191,15 @@ def ring_errors(call: RandomCall, truth: RandomCall, backend: str = "reference",
             for name, (got, want) in pairs.items()}
 
 
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
 def _loss(out, lse, dout, dlse):
-    """The loss whose gradients are compared: ``dout`` against the output, ``dlse`` against the
-    LSE where it is finite (a row that sees nothing has -inf, and no gradient)."""
-    loss = (out * dout.to(out.dtype)).sum()
+    """The loss whose gradients are compared: ``dout`` against the output (None: the loss reads
+    the LSE alone), ``dlse`` against the LSE where it is finite (a row that sees nothing has
+    -inf, and no gradient)."""
+    loss = (out * dout.to(out.dtype)).sum() if dout is not None else 0
     if dlse is not None:
         loss = loss + (torch.where(lse.isneginf(), 0.0, lse) * dlse.to(lse.dtype)).sum()
     return loss
