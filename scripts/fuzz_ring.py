@@ -10,7 +10,6 @@ its seed, and a summary; the script exits 1 if any call failed. A call that brea
 (``RingFailure``) is reported and the next one runs on a new process group.
 """
 import argparse
-import math
 import sys
 import time
 import traceback
@@ -74,12 +73,12 @@ def main():
         if flags[0].item():
             failed.append(seed)
             if rank == 0:
-                shown = {k: (v if isinstance(v, str) else "inf" if math.isinf(v) else f"{v:.2e}") for k, v in problem.items()}
+                shown = {k: v if isinstance(v, str) else f"{v:.2e}" for k, v in problem.items()}
                 print(f"seed {seed}: {call.describe()}: {shown or 'failed on another rank'}", flush=True)
     if rank == 0:
+        seeds = f" (seeds {failed})" if failed else ""
         print(f"{ran} random calls over {world_size} rank(s), backend {args.backend}, "
-              f"{time.time() - start:.0f} s: {len(failed)} beyond {args.tolerance}" + (f" (seeds {failed})" if failed else ""),
-              flush=True)
+              f"{time.time() - start:.0f} s: {len(failed)} beyond {args.tolerance}{seeds}", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 

@@ -140,10 +140,11 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
     def randn(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
 
-    q, k, v = randn(batch, heads, s, head_dim), randn(batch, kv_heads, s_kv, head_dim), randn(batch, kv_heads, s_kv, head_dim)
+    q = randn(batch, heads, s, head_dim)
+    k, v = randn(batch, kv_heads, s_kv, head_dim), randn(batch, kv_heads, s_kv, head_dim)
     dout, dlse = randn(batch, heads, s, head_dim), randn(batch, heads, s)
-    return RandomCall(layout, q, k, v, None if lse_only else dout, dlse if return_lse else None, mask_mod, score_mod, sinks, scale, parts,
-                      bshd, learnable[0] if learnable else None)
+    return RandomCall(layout, q, k, v, None if lse_only else dout, dlse if return_lse else None, mask_mod, score_mod,
+                      sinks, scale, parts, bshd, learnable[0] if learnable else None)
 
 
 def ring_errors(call: RandomCall, truth: RandomCall, backend: str = "reference", group=None,

@@ -289,6 +289,7 @@ class FlexKernel:
             d_lse = (weight * (dout * (hop_out.to(dtype) - out.to(dtype))).sum(-1)).to(hop_lse.dtype)
             grads = torch.autograd.grad((hop_out, hop_lse), (*inputs, *tensors), (d_out, d_lse), allow_unused=True)
             return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (*inputs, *tensors))]
+
         def uncompiled():
             return ReferenceKernel().backward(q, k, v, out, lse, dout, q_seg, kv_seg, mods, scale, masked, tensors)
         grads = self._fitting(gradients, uncompiled, "backward", q, k, mods, TENSOR_GRAD_OPTIONS if tensors else None)
