@@ -647,6 +647,8 @@ class _FakeGraph:
         ports += zip(self.outs, ("q", "q") if "dO" not in kw else ("q", "kv", "kv"))
         lengths = {axis: data[kw[f"seq_len_{axis}"].uid].flatten().tolist() for axis in ("q", "kv")}
         for i in range(len(lengths["q"])):
+            if not lengths["q"][i]:  # a batch's padding: its offsets may point past the tensors' end
+                continue
             views = {}
             for t, axis in ports:
                 base, offset = data[t.uid], int(data[t.ragged_offset.uid].flatten()[i])
