@@ -1,8 +1,14 @@
 """Random ring calls (``random_calls.py``: layouts, lengths, heads, mixed masks and
 score_mods, sinks, LSE losses, learnable biases, [B, S, H, D] memory) equal the definition,
-forward and backward, over 2 to 4 ranks and over rings of part of the ranks (reference
-kernel, fp64); half of them lend any row that evens the ranks' work."""
+forward and backward: over 2 to 4 ranks and over rings of part of the ranks (reference
+kernel, fp64; half of them lend any row that evens the ranks' work), and on the cuDNN kernel
+with its frontend emulated (``tests/gpu/test_cudnn_kernel.py``), which runs its planning,
+batching and lowering on the CPU."""
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 import torch.distributed as dist
 
 from harness import run_world
@@ -32,4 +38,30 @@ def _failures(rank, world_size, rings):
 @pytest.mark.parametrize("world_size,rings", [(2, 1), (3, 1), (4, 1), (4, 2)])
 def test_random_calls_match_the_definition(world_size, rings):
     failures = [line for lines in run_world(world_size, _failures, rings) for line in lines]
+    assert not failures, "\n".join(failures)
+
+
+def _emulated_cudnn_failures(rank, world_size):
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+    import test_cudnn_kernel as emulated
+    from test_ring import _with_kernel
+    from ringflex.kernels import cudnn
+    from ringflex.kernels.base import Mods
+    cudnn.frontend.cudnn, cudnn.frontend.handle = (lambda: emulated._FakeCudnn), (lambda device: None)
+    _with_kernel(cudnn.CudnnKernel())
+    failures = []
+    for seed in range(1000 * world_size, 1000 * world_size + CALLS):
+        made = dict(gathers=False, max_chunks=24)  # longer blocks: tiles, splits and batches of documents
+        call = random_call(seed, world_size, dtype=torch.float32, **made)
+        if call.learnable is not None or cudnn.lowering_error(Mods(call.score_mod, call.mask_mod)):
+            continue  # ringflex runs those on flex_attention
+        errors = ring_errors(call, random_call(seed, world_size, **made))
+        if max(errors.values()) > 2e-4:
+            failures.append(f"rank {rank} seed {seed} ({call.describe()}): {errors}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_random_calls_on_the_emulated_cudnn_kernel(world_size):
+    failures = [line for lines in run_world(world_size, _emulated_cudnn_failures) for line in lines]
     assert not failures, "\n".join(failures)
