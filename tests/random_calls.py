@@ -69,7 +69,7 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
     def mask(depth: int = 0):
         kinds = ["causal", "window", "prefix", "documents", "late", "sparse", "band"] + ["table"] * gathers
         if depth == 0:
-            kinds += ["head", "batch", "padding", "nothing", "combined", "combined"]
+            kinds += ["head", "batch", "padding", "keys_kept", "nothing", "combined", "combined"]
         kind = rnd.choice(kinds)
         parts.append(kind)
         if kind == "causal":
@@ -101,6 +101,9 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
         if kind == "padding":
             seen = torch.tensor([rnd.randint(1, s_kv) for _ in range(batch)], device=device)
             return lambda b, h, q, kv: kv < seen[b]
+        if kind == "keys_kept":  # a key padding mask per batch element, as [B, S_kv] attention masks give
+            kept = (torch.rand(batch, s_kv, generator=gen) < 0.8).to(device)
+            return lambda b, h, q, kv: kept[b, kv]
         if kind == "table":
             allowed = (torch.rand(s, s_kv, generator=gen) < rnd.choice([0.1, 0.5, 0.9])).to(device)
             return lambda b, h, q, kv: allowed[q, kv]
@@ -110,7 +113,7 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
         return (mods.and_masks if rnd.random() < 0.5 else mods.or_masks)(first, second)
 
     def score():
-        kinds = [None, None, "softcap", "alibi", "relative", "per_head", "per_batch"] + ["table"] * gathers
+        kinds = [None, None, "softcap", "alibi", "relative", "per_head", "per_batch", "head_query"] + ["table"] * gathers
         kind = rnd.choice(kinds)
         if kind is None:
             return None
@@ -128,6 +131,9 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
             return lambda sc, b, h, q, kv: sc * (h + 1) * 0.5
         if kind == "per_batch":
             return lambda sc, b, h, q, kv: sc + b * 0.5
+        if kind == "head_query":  # a bias per head and query
+            per_query = table(heads, s)
+            return lambda sc, b, h, q, kv: sc + per_query[h, q]
         scores = table(s, s_kv)
         return lambda sc, b, h, q, kv: sc + scores[q, kv]
 
