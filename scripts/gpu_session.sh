@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md, one stage per argument; logs go to $OUT (or ./out).
 #   bash scripts/gpu_session.sh kernel1 fuzz1 compile1 merge1 plans1 shapes1 ragged1 newdocs1 plancost1 balance1 sums1 lse1 hostcost1 learnable1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
-#   bash scripts/gpu_session.sh check2 fuzz2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
+#   bash scripts/gpu_session.sh check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash scripts/gpu_session.sh check4 bench4              # on 4 GPUs
 #   bash scripts/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -97,6 +97,10 @@ for stage in "$@"; do
     profile8k) mkdir -p "$OUT/traces" && run profile8k tr 2 scripts/profile_ring.py --seq-lens 16384 \
               --masks causal none documents --trace "$OUT/traces/ring_{}.json.gz" \
               && tar -C "$OUT" -czf "$OUT/traces.tgz" traces && rm -r "$OUT/traces" ;;
+    lendtrace2) mkdir -p "$OUT/traces"; export RINGFLEX_LENDING=1  # where the window's lending loses 0.4 ms at 8k per GPU
+              run lendtrace2 tr 2 scripts/profile_ring.py --seq-lens 16384 --masks window --layout contiguous \
+              --trace "$OUT/traces/ring_{}.json.gz" && tar -C "$OUT" -czf "$OUT/traces_lending.tgz" traces && rm -r "$OUT/traces"
+              unset RINGFLEX_LENDING ;;
     trainprof) run trainprof tr 2 --no-python sh -c 'if [ "$LOCAL_RANK" = 0 ]; then p="-m cProfile -o $OUT/train.prof"; fi;
               exec python3 $p scripts/train_example.py --device cuda --dtype bfloat16 --seq-len 16384 --batch 1 \
               --dim 256 --layers 2 --heads 4 --kv-heads 2 --packed --steps 8 --progress-every 0' ;;
