@@ -242,6 +242,21 @@ def test_batch_dependent_mods_match_reference(name, segs):
 
 
 @needs_cudnn
+@pytest.mark.parametrize("segs", ["diagonal", "offsets"])
+@pytest.mark.parametrize("name", ["keys kept per batch element", "bias per head and query"])
+def test_tables_of_two_indices_match_reference(name, segs):
+    """Tables cuDNN takes as hoisted inputs of two dims: [B, 1, 1, S_kv] (an attention mask of
+    [B, S_kv], as models pass them) and [1, H, S_q, 1]."""
+    g = torch.Generator().manual_seed(0)
+    kept = (torch.rand(2, SEQ, generator=g) < 0.8).to("cuda")
+    per_query = torch.randn(4, SEQ, generator=g).to("cuda")
+    case = {"keys kept per batch element": Case(mask_mod=lambda b, h, q, kv: kept[b, kv] & (kv <= q)),
+            "bias per head and query": Case(score_mod=lambda score, b, h, q, kv: score + per_query[h, q],
+                                            mask_mod=mods.causal)}[name]
+    _check(f"{name}/{segs}", case, *SEGMENTS[segs], CudnnKernel(), batch=2)
+
+
+@needs_cudnn
 @pytest.mark.parametrize("name", ["alibi", "causal_softcap", "late_queries"])
 def test_one_batch_and_one_head_match_reference(name):
     """Rows of a one-head block's stats, which the split calls take, are contiguous to torch
