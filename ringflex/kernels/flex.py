@@ -216,7 +216,6 @@ class FlexKernel:
         """``run(options)`` at the deepest pipeline (``STAGES``) whose kernels fit the GPU's
         shared memory for this pass, mods, dtype and head dim; saying once when it is shallower.
         ``uncompiled()`` where torch cannot compile the kernels for these shapes at all."""
-        from . import _warn_once
         key = (phase, _code(mods.score_mod), _code(mods.mask_mod), q.dtype, q.shape[-1], str(q.device))
         shapes = (*key, tuple(q.shape), tuple(k.shape))
         if shapes in _UNCOMPILED:
@@ -225,6 +224,7 @@ class FlexKernel:
             try:
                 result = run(_with_stages(options, stages))
             except Exception as error:  # torch wraps Triton's OutOfResources in its compiler's errors
+                from . import _warn_once
                 if stages != STAGES[-1] and "out of resource" in str(error):
                     _warn_once(f"ringflex: flex_attention's {phase} kernels for this mod at {q.dtype}, head dim "
                                f"{q.shape[-1]} need more shared memory than the GPU has: compiling them "
