@@ -179,10 +179,10 @@ class CudnnKernel:
                 self._backward_batch_into(call, q, k, v, out, stats, dout, scale, *grads)
             else:
                 self._backward_call(call, *shared, [rows(grads[0], call.rows), *(rows(g, call.cols) for g in grads[1:])])
-            for grad, spans, length in ((grads[0], call.row_spans, q.shape[2]), (grads[1], call.col_spans, k.shape[2]),
-                                        (grads[2], call.col_spans, k.shape[2])):
+            for reached, spans, length in ((grads[:1], call.row_spans, q.shape[2]), (grads[1:], call.col_spans, k.shape[2])):
                 for r in _outside(spans, length):  # rows and keys no query reaches
-                    rows(grad, r).zero_()
+                    for grad in reached:
+                        rows(grad, r).zero_()
             return tuple(grads)
         # Calls write in place where no earlier call wrote those rows; elsewhere they are
         # summed in fp32, and every gradient is rounded once.
