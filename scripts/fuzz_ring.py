@@ -2,11 +2,15 @@
 
     torchrun --nproc_per_node=2 scripts/fuzz_ring.py --seeds 0 500 --seconds 300   # ranks may share a GPU
     torchrun --nproc_per_node=1 scripts/fuzz_ring.py --no-gathers                 # the cuDNN kernel alone
+    torchrun --nproc_per_node=1 scripts/fuzz_ring.py --no-gathers --tiles         # blocks planned from tiles
 
 Each seed is a call of ``tests/random_calls.py`` (layout, lengths, heads, mixed masks and
 score_mods, sinks, an LSE the loss reads), run in bf16 on the backend given and compared
-with the same call in fp64 on the CPU. Rank 0 prints every call beyond the tolerance, with
-its seed, and a summary; the script exits 1 if any call failed. A call that raises inside the
+with the same call (the same bf16 values) in fp64 on the CPU. A call beyond the tolerance
+runs again on the reference kernel (fp32 arithmetic on the same bf16 values): it fails only
+where the first error is also beyond twice the reference kernel's, as bf16 alone makes some
+gradients of a sharp softmax ill-conditioned. Rank 0 prints every call that fails, with its
+seed, and a summary; the script exits 1 if any call failed. A call that raises inside the
 ring (which breaks it: ``RingFailure``) is reported, and the next one runs on a new process group.
 """
 import argparse
@@ -23,10 +27,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import ranks  # noqa: E402
 from harness import weigh_cudnn_calls_as_free  # noqa: E402
 from random_calls import random_call, ring_errors  # noqa: E402
-from ringflex import lending  # noqa: E402
+from ringflex import extents, lending  # noqa: E402
 from ringflex.parallel.fault import CallRejected  # noqa: E402
 
 SIZES = (4, 64, 512)  # most layout chunks per rank, by seed: tiny blocks, a few tiles, many
+
+
+def bf16_call(seed: int, world_size: int, device, size: dict):
+    return random_call(seed, world_size, device, torch.bfloat16, **size)
+
+
+def truth(seed: int, world_size: int, size: dict):
+    """The call of ``seed`` in fp64 on the CPU, of the same bf16 values (made anew for each
+    use: gradients accumulate in its tensors)."""
+    return random_call(seed, world_size, **size, values_of=torch.bfloat16)
 
 
 def main():
@@ -37,10 +51,14 @@ def main():
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo and the reference kernel")
     p.add_argument("--no-gathers", action="store_true", help="no mod indexes a tensor by q_idx and kv_idx "
                    "(those run on flex_attention, whose compiles take most of the time)")
+    p.add_argument("--tiles", action="store_true", help="plan every block from tiles of keys, as blocks of more "
+                   "than 2**26 pairs are (ringflex/extents.py): their exact plans at the sizes of these calls")
     p.add_argument("--tolerance", type=float, default=3e-2, help="max error relative to the largest value (>= 0.1)")
     args = p.parse_args()
     device = ranks.init(args.device)
     weigh_cudnn_calls_as_free()  # small blocks lend as large ones would
+    if args.tiles:
+        extents._DENSE_AREA = 0
     rank, world_size = dist.get_rank(), dist.get_world_size()
     flags_on = "cpu" if dist.get_backend() == "gloo" else device
     group, quantum = dist.new_group(backend=dist.get_backend()), lending.QUANTUM
@@ -52,19 +70,28 @@ def main():
         dist.all_reduce(late, op=dist.ReduceOp.MAX)  # every rank stops at the same call
         if late.item():
             break
-        size = dict(max_chunks=SIZES[seed % len(SIZES)], gathers=not args.no_gathers)
-        call = random_call(seed, world_size, device, torch.bfloat16, head_dims=(64, 128), **size)
-        truth = random_call(seed, world_size, **size, head_dims=(64, 128))
+        size = dict(max_chunks=SIZES[seed % len(SIZES)], gathers=not args.no_gathers, head_dims=(64, 128))
         lending.QUANTUM = 1 if seed % 2 else quantum  # half the calls lend any row that evens the ranks
-        broken = False
+        errors, problem, broken = None, {}, False
         try:
-            errors = ring_errors(call, truth, args.backend, group, floor=0.1)
-            problem = {name: e for name, e in errors.items() if not e <= args.tolerance}
+            errors = ring_errors(bf16_call(seed, world_size, device, size), truth(seed, world_size, size),
+                                 args.backend, group, floor=0.1)
         except Exception as e:  # noqa: BLE001 (reported, and the next call goes on)
             broken = not isinstance(e, CallRejected)  # raised before any transfer: the group still serves
             problem = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             if rank == 0:
                 traceback.print_exc(limit=-3)
+        beyond = errors is not None and any(not e <= args.tolerance for e in errors.values())
+        flags = torch.tensor([int(beyond), int(errors is None), int(broken)], device=flags_on)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0].item() and not flags[1].item():
+            # A sharp softmax makes some gradients ill-conditioned in bf16 (the backward reads the
+            # rounded output): an error is the ring's only if the reference kernel, computing in
+            # fp32 from the same bf16 values, comes out well closer.
+            reference = ring_errors(bf16_call(seed, world_size, device, size), truth(seed, world_size, size),
+                                    "reference", group, floor=0.1)
+            problem = {name: f"{e:.2e} (reference kernel {reference[name]:.2e})" for name, e in errors.items()
+                       if not e <= max(args.tolerance, 2 * reference[name])}
         flags = torch.tensor([int(bool(problem)), int(broken)], device=flags_on)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[1].item():
@@ -73,12 +100,12 @@ def main():
         if flags[0].item():
             failed.append(seed)
             if rank == 0:
-                shown = {k: v if isinstance(v, str) else f"{v:.2e}" for k, v in problem.items()}
-                print(f"seed {seed}: {call.describe()}: {shown or 'failed on another rank'}", flush=True)
+                print(f"seed {seed}: {truth(seed, world_size, size).describe()}: {problem or 'failed on another rank'}",
+                      flush=True)
     if rank == 0:
         seeds = f" (seeds {failed})" if failed else ""
         print(f"{ran} random calls over {world_size} rank(s), backend {args.backend}, "
-              f"{time.time() - start:.0f} s: {len(failed)} beyond {args.tolerance}{seeds}", flush=True)
+              f"{time.time() - start:.0f} s: {len(failed)} failed{seeds}", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 

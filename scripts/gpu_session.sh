@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md, one stage per argument; logs go to $OUT (or ./out).
-#   bash scripts/gpu_session.sh kernel1 fuzz1 compile1 merge1 plans1 shapes1 ragged1 newdocs1 plancost1 balance1 sums1 lse1 hostcost1 learnable1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
+#   bash scripts/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 shapes1 ragged1 newdocs1 plancost1 balance1 sums1 lse1 hostcost1 learnable1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash scripts/gpu_session.sh check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash scripts/gpu_session.sh check4 bench4              # on 4 GPUs
 #   bash scripts/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
@@ -43,6 +43,8 @@ for stage in "$@"; do
     merge1) run merge python3 -m pytest -q tests/gpu/test_fused_merge.py ;;  # the fused merge vs torch and fp64
     kernel1) run kernel python3 -m pytest -q tests/gpu/test_cudnn_kernel.py ;;  # every mod, offsets, fwd+bwd
     fuzz1) run fuzz tr 1 scripts/fuzz_ring.py --no-gathers --seconds 240 ;;  # random calls, the cuDNN kernel alone
+    fuzz1tiles) for n in 1 2; do run fuzz tr $n scripts/fuzz_ring.py --no-gathers --tiles --seeds 3000 200 \
+              --seconds 150; done ;;  # blocks planned from tiles, one rank and two sharing the GPU
     fuzz2) run fuzz tr 2 scripts/fuzz_ring.py --seconds 400 ;;  # random calls over two ranks, gathers (flex) too
     compile1) run compile python3 -m pytest -q tests/gpu/test_compiled_wrapper.py ;;  # torch.compile around a wrapped model
     plans1) run plans python3 scripts/plan_probe.py --seq-len 8192 --window 1024 ;;  # every cuDNN plan and knob, timed

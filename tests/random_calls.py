@@ -47,10 +47,13 @@ class RandomCall:
 
 
 def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, max_chunks: int = 6,
-                head_dims=(4, 8), gathers: bool = True) -> RandomCall:
+                head_dims=(4, 8), gathers: bool = True, values_of: Optional[torch.dtype] = None) -> RandomCall:
     """The call of ``seed``: local lengths of up to ``max_chunks`` layout chunks per rank, and
     captured tensors (a table, a bias) on ``device`` in ``dtype`` (fp32 at most). ``gathers``:
-    mods may index a tensor by q_idx and kv_idx (flex_attention runs those on a GPU)."""
+    mods may index a tensor by q_idx and kv_idx (flex_attention runs those on a GPU).
+    ``values_of``: the dtype whose values the tensors hold (default ``dtype``). The fp64 truth
+    of a bf16 call takes bf16 values: a sharp softmax turns the rounding of its inputs into
+    gradients 20% apart (a dq, 8 tokens with documents), which is no error of the ring's."""
     rnd = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     layout = rnd.choice(ringflex.LAYOUTS)
@@ -62,9 +65,11 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
     heads, head_dim = kv_heads * rnd.choice([1, 2]), rnd.choice(head_dims)
     longest, parts, learnable = max(s, s_kv), [], []
     table_dtype = dtype if dtype == torch.float64 else torch.float32
+    values_of = values_of or dtype
+    table_values = values_of if values_of == torch.float64 else torch.float32
 
     def table(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, table_dtype)
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(table_values).to(device, table_dtype)
 
     def mask(depth: int = 0):
         kinds = ["causal", "window", "prefix", "documents", "late", "sparse", "band"] + ["table"] * gathers
@@ -144,7 +149,7 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
     lse_only = return_lse and rnd.random() < 0.25
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(values_of).to(device, dtype)
 
     q = randn(batch, heads, s, head_dim)
     k, v = randn(batch, kv_heads, s_kv, head_dim), randn(batch, kv_heads, s_kv, head_dim)

@@ -97,3 +97,17 @@ def test_ring_passes_lists_what_runs_outside_the_kernels():
         assert any("merge_parts" in op for op in ops) and any("_sum" in op for op in ops), ops
         assert not any(op.startswith(("matmul", "mm", "bmm", "softmax", "_softmax")) for op in ops), ops
         assert moved > 0
+
+
+def test_fuzz_script_weighs_calls_beyond_the_tolerance_against_the_reference_kernel():
+    """``scripts/fuzz_ring.py`` over two gloo ranks on the reference kernel, with a tolerance no
+    bf16 call meets: every call is run again on the reference kernel, which errs as much, so
+    none fails (and no rank is left waiting in a collective the other skipped)."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_ring.py"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script), "--device", "cpu", "--backend", "reference", "--no-gathers", "--seeds", "0",
+                          "2", "--tolerance", "1e-9"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 random calls over 2 rank(s), backend reference" in out.stdout and "0 failed" in out.stdout
