@@ -258,9 +258,9 @@ class RingFlexMode(TorchFunctionMode):
               return_lse=False, sinks=None):
         device_type = query.device.type
         autocast = torch.is_autocast_enabled(device_type)
-        if autocast:  # as SDPA does under autocast: run in the autocast dtype, kernels unchanged
+        if autocast:  # as SDPA does under autocast: run in the autocast dtype, kernels unchanged (fp64 stays)
             dtype = torch.get_autocast_dtype(device_type)
-            query, key, value = (t.to(dtype) for t in (query, key, value))
+            query, key, value = (t if t.dtype == torch.float64 else t.to(dtype) for t in (query, key, value))
         with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
             return ring_flex_attention(query, key, value, score_mod=score_mod,
                                        mask_mod=self._combine(mask_mod, self.mask_mod), group=self.group,

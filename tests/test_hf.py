@@ -2,7 +2,8 @@
 Llama (GQA, RoPE at global position ids), a tiny gpt-oss (attention sinks, sliding-window
 layers) and a tiny Gemma 2 (logit softcap, sliding-window layers) on a real ring give the logits
 and summed parameter gradients of the same model in one process (fp64); sliding windows and
-softcap map to mods; padding masks raise."""
+softcap map to mods; padding masks raise. A tiny Llama 4 with chunked attention, which only its
+mask function describes."""
 import pytest
 import torch
 
@@ -68,9 +69,23 @@ def _eager_fp64(module, query, key, value, attention_mask, dropout=0.0, scaling=
 transformers.AttentionInterface.register("eager_fp64", _eager_fp64)
 transformers.masking_utils.AttentionMaskInterface.register("eager_fp64", transformers.masking_utils.eager_mask)
 
+def _llama4_chunked():
+    """Llama 4's text model with chunked attention (chunks of 4 tokens) in every layer: the
+    chunks exist only in the mask transformers builds, not in the attention call's arguments."""
+    config = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+        max_position_embeddings=64, attention_chunk_size=4, no_rope_layers=[1, 1], use_qk_norm=False,
+        attn_temperature_tuning=False, interleave_moe_layer_step=0, moe_layers=[],
+        layer_types=["chunked_attention", "chunked_attention"])
+    torch.manual_seed(0)
+    return transformers.Llama4ForCausalLM(config).double()
+
+
 # name -> (builder, attention of the one-process model, batch size); eager attention holds gpt-oss's
 # sinks, and Gemma 2's logit softcap (in fp64 throughout)
-MODELS = {"llama": (_llama, "sdpa", 2), "gpt_oss": (_gpt_oss, "eager", 1), "gemma2": (_gemma2, "eager_fp64", 2)}
+MODELS = {"llama": (_llama, "sdpa", 2), "gpt_oss": (_gpt_oss, "eager", 1), "gemma2": (_gemma2, "eager_fp64", 2),
+          "llama4_chunked": (_llama4_chunked, "eager", 1)}
 
 
 def _compare(rank, world_size, layout, model_name="llama"):
@@ -146,6 +161,34 @@ def test_gemma2_softcap_and_sliding_window_layers_match_single_process():
     Gemma 2 computes in fp32, kept in fp64 for both)."""
     for out_error, grad_error in run_world(2, _compare, "zigzag", "gemma2"):
         assert out_error < 1e-10 and grad_error < 1e-10, (out_error, grad_error)
+
+
+def test_llama4_chunked_attention_matches_single_process():
+    """Llama 4's chunked attention, which the attention call learns only from the mask
+    transformers builds (``hf.LayerMask``): the logits and every gradient of one process."""
+    for out_error, grad_error in run_world(2, _compare, "zigzag", "llama4_chunked"):
+        assert out_error < 1e-10 and grad_error < 1e-10, (out_error, grad_error)
+
+
+def test_masks_are_read_from_the_mask_function():
+    """Causal and sliding-window masks are rebuilt from the attention call's arguments; chunks
+    become a mod; a packed-sequence part (local position ids) is left out; an unknown part raises."""
+    mu = transformers.masking_utils
+    no_padding = torch.zeros(1, dtype=torch.long)
+    assert hf.ringflex_mask(mask_function=mu.causal_mask_function) is None
+    assert hf.ringflex_mask(mask_function=mu.sliding_window_causal_mask_function(3)) is None
+    packed = mu.packed_sequence_compatibility_function(mu.causal_mask_function, torch.tensor([[0, 1, 0, 1]]),
+                                                       torch.tensor([[0, 0, 1, 1]]))
+    assert hf.ringflex_mask(mask_function=packed) is None
+    chunked = hf.ringflex_mask(mask_function=mu.chunked_causal_mask_function(4, no_padding))
+    again = hf.ringflex_mask(mask_function=mu.chunked_causal_mask_function(4, no_padding))
+    assert chunked.mask_mod is again.mask_mod  # one mod object: the ring plans it once
+    q, kv = torch.arange(12).view(-1, 1), torch.arange(12).view(1, -1)
+    zero = torch.tensor(0)
+    assert torch.equal(chunked.mask_mod(zero, zero, q, kv), (kv <= q) & (q // 4 == kv // 4))
+    images = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.tensor([[0, 0, -1, -1]])))
+    with pytest.raises(ValueError, match="blockwise_overlay"):
+        hf.ringflex_mask(mask_function=images)
 
 
 def _compiled_layer_warnings(rank, world_size):

@@ -192,6 +192,22 @@ def test_autocast_runs_attention_in_the_autocast_dtype():
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+def test_autocast_leaves_float64_alone():
+    """As torch's autocast does: float64 attention, and a float64 nn.MultiheadAttention, stay float64."""
+    q, k, v = _qkv()
+    mha = torch.nn.MultiheadAttention(8, 2, dtype=torch.float64)
+    x = torch.randn(8, 1, 8, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        want_mha, _ = mha(x, x, x, need_weights=False, attn_mask=torch.ones(8, 8).triu(1).bool(), is_causal=True)
+        with RingFlexMode(backend="reference"):
+            got = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            got_mha, _ = mha(x, x, x, need_weights=False, attn_mask=torch.ones(8, 8).triu(1).bool(), is_causal=True)
+    assert got.dtype == got_mha.dtype == torch.float64
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_mha, want_mha)
+
+
 def test_patch_is_scoped():
     import torch.nn.attention.flex_attention as torch_flex_module
     from ringflex.module import _TORCH_FLEX

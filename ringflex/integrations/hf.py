@@ -7,11 +7,12 @@
     logits = model(input_ids=local_ids, position_ids=local_positions).logits
 
 The model sees this rank's tokens and their GLOBAL position ids (``ringflex.training``); each
-attention layer's causal / sliding-window mask and logit softcap become mods evaluated at global
-positions by ``ring_flex_attention`` on the wrapper's group and layout. Packed documents: give
+attention layer's causal / sliding-window / chunked (Llama 4) mask and logit softcap become mods
+evaluated at global positions by ``ring_flex_attention`` on the wrapper's group and layout. Packed documents: give
 the wrapper ``mask_mod=PackedSequences(...).mask_mod()`` (restarting position ids alone are not
 read). Attention sinks (gpt-oss's ``s_aux``) are ``ring_flex_attention``'s ``sinks``. What
-cannot be routed raises: padding masks, custom 4-D masks, dropout, position biases.
+cannot be routed raises: padding masks, custom 4-D masks, masks with parts ringflex does not
+know (image tokens attending bidirectionally), dropout, position biases.
 """
 from __future__ import annotations
 
@@ -33,12 +34,38 @@ NAME = "ringflex"
 # One mod object per parameter, so the ring's planner classifies a layer's blocks once.
 _sliding_window = functools.lru_cache(maxsize=None)(mods.sliding_window)
 _softcap = functools.lru_cache(maxsize=None)(mods.softcap)
+_and_masks = functools.lru_cache(maxsize=None)(mods.and_masks)
+_or_masks = functools.lru_cache(maxsize=None)(mods.or_masks)
+
+
+@functools.lru_cache(maxsize=None)
+def _window_overlay(window: int):
+    def window_overlay(b, h, q_idx, kv_idx):  # transformers' sliding_window_overlay
+        return kv_idx > q_idx - window
+    return window_overlay
+
+
+@functools.lru_cache(maxsize=None)
+def _chunks(size: int):
+    def chunk_mask(b, h, q_idx, kv_idx):  # transformers' chunked_overlay without padding
+        return q_idx // size == kv_idx // size
+    return chunk_mask
+
+
+class LayerMask:
+    """What ``ringflex_mask`` hands a layer whose mask its attention call's arguments do not
+    describe (Llama 4's chunked attention): the mask as a mod at global positions."""
+
+    def __init__(self, mask_mod):
+        self.mask_mod = mask_mod
 
 
 def ringflex_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                                is_causal=None, sliding_window=None, softcap=None, **kwargs):
     """The AttentionInterface function: q [B, Hq, S_local, D], k/v [B, Hkv, S_local, D] ->
     ([B, S_local, Hq, D], None). Runs inside ``RingFlexAttention`` / ``RingFlexMode``."""
+    if isinstance(attention_mask, LayerMask):
+        return _attend(query, key, value, attention_mask, None, softcap, scaling, kwargs.get("s_aux")), None
     if attention_mask is not None:
         raise ValueError("ringflex attention got an attention_mask tensor: padding and custom masks describe local "
                          "positions; pack sequences instead (ringflex.PackedSequences) and pass their mask_mod to "
@@ -51,27 +78,67 @@ def ringflex_attention_forward(module, query, key, value, attention_mask, dropou
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if sliding_window and not causal:
         raise ValueError("ringflex attention supports sliding_window only for causal attention")
-    out = _attend(query, key, value, causal, sliding_window, softcap, scaling, kwargs.get("s_aux"))
-    return out.transpose(1, 2).contiguous(), None
+    return _attend(query, key, value, causal, sliding_window, softcap, scaling, kwargs.get("s_aux")), None
 
 
 # Eager even inside compiled code: dynamo traces past lru_cache, and every call would then
 # hand the ring new mod objects, which it plans anew.
 @torch.compiler.disable
-def _attend(query, key, value, causal, sliding_window, softcap, scaling, sinks):
-    mask_mod = _sliding_window(int(sliding_window)) if sliding_window else mods.causal if causal else None
-    return attention(query, key, value, score_mod=_softcap(float(softcap)) if softcap else None, mask_mod=mask_mod,
-                     scale=scaling, enable_gqa=query.shape[1] != key.shape[1], sinks=sinks)
+def _attend(query, key, value, mask, sliding_window, softcap, scaling, sinks):
+    """[B, S_local, Hq, D]; ``mask``: a ``LayerMask``, or whether the layer is causal."""
+    if isinstance(mask, LayerMask):
+        mask_mod = mask.mask_mod
+    else:
+        mask_mod = _sliding_window(int(sliding_window)) if sliding_window else mods.causal if mask else None
+    out = attention(query, key, value, score_mod=_softcap(float(softcap)) if softcap else None, mask_mod=mask_mod,
+                    scale=scaling, enable_gqa=query.shape[1] != key.shape[1], sinks=sinks)
+    return out.transpose(1, 2).contiguous()
 
 
 def ringflex_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
                   attention_mask=None, **kwargs):
-    """The AttentionMaskInterface function: no dense mask (the attention builds its mods), and
-    a clear error for a padding mask, which local positions cannot express."""
+    """The AttentionMaskInterface function: no dense mask. A causal, sliding-window or full
+    mask the attention call rebuilds from its own arguments (None); one they do not describe
+    is read from ``mask_function`` into a ``LayerMask``; a padding mask, which local positions
+    cannot express, or a part of a mask ringflex does not know raises."""
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError("ringflex attention cannot use a padding attention_mask: pack the sequences "
                          "(ringflex.PackedSequences) instead of padding them")
-    return None
+    if mask_function is None:
+        return None
+    parts = set()
+    mask_mod = _as_mod(mask_function, parts)
+    return None if parts <= {"causal", "sliding window"} else LayerMask(mask_mod)
+
+
+def _as_mod(fn, parts: set):
+    """transformers' ``mask_function`` as a ringflex mod at global positions (None: every key),
+    adding to ``parts`` the names of what it is made of. Its packed-sequence part is left out:
+    it reads local position ids (the module docstring says how to pack documents)."""
+    name = getattr(fn, "__qualname__", type(fn).__qualname__)
+    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ()))) \
+        if hasattr(fn, "__code__") else {}
+    if name == "causal_mask_function":
+        parts.add("causal")
+        return mods.causal
+    if name == "bidirectional_mask_function" or name.startswith("packed_sequence_mask_function."):
+        return None
+    if name.startswith("remap_positions_for_packed_sequence."):
+        return _as_mod(cells["mask_function"], parts)
+    if name.startswith("sliding_window_overlay."):
+        parts.add("sliding window")
+        return _window_overlay(int(cells["sliding_window"]))
+    if name.startswith("chunked_overlay.") and not bool(torch.as_tensor(cells["left_padding"]).any()):
+        parts.add("chunks")
+        return _chunks(int(cells["chunk_size"]))
+    if name in ("and_masks.<locals>.and_mask", "or_masks.<locals>.or_mask"):
+        inner = [_as_mod(f, parts) for f in cells["mask_functions"]]
+        if name.startswith("or_"):
+            return None if None in inner else _or_masks(*inner)
+        inner = [m for m in inner if m is not None]
+        return _and_masks(*inner) if len(inner) > 1 else inner[0] if inner else None
+    raise ValueError(f"ringflex attention cannot route this layer's mask: transformers built it with {name}, which "
+                     "ringflex does not know (it routes causal, sliding-window and chunked masks, and full attention)")
 
 
 def register(name: str = NAME) -> None:
