@@ -53,6 +53,10 @@ _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 # Attention torch computes over the tensors it is given: under the mode, this rank's tokens
 # alone. Only code that calls these itself reaches them (torch's modules take SDPA or
 # F.multi_head_attention_forward while a mode is active); the mode refuses them.
+try:  # registers torch_attn::_varlen_attn (torch.nn.attention.varlen.varlen_attn), refused below
+    import torch.nn.attention.varlen  # noqa: F401
+except ImportError:  # a torch without it
+    pass
 _LOCAL_ATTENTION = frozenset(
     [getattr(torch.ops.aten, name) for name in (
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -61,7 +65,9 @@ _LOCAL_ATTENTION = frozenset(
         "_flash_attention_forward", "_efficient_attention_forward", "_cudnn_attention_forward")
      if hasattr(torch.ops.aten, name)]
     + [getattr(torch, name) for name in ("_native_multi_head_attention", "_transformer_encoder_layer_fwd")
-       if hasattr(torch, name)])
+       if hasattr(torch, name)]
+    + [getattr(torch.ops.torch_attn, name) for name in ("_varlen_attn",)  # torch.nn.attention.varlen.varlen_attn
+       if hasattr(torch.ops.torch_attn, name)])
 _FLEX_HOP = getattr(torch.ops.higher_order, "flex_attention", None)
 
 
@@ -244,7 +250,8 @@ class RingFlexMode(TorchFunctionMode):
                 "the names: enter it outside, or compile the model inside RingFlexAttention")
         if getattr(func, "overloadpacket", func) in _LOCAL_ATTENTION:
             raise RuntimeError(f"RingFlexMode: {func} computes attention over this rank's tokens alone, and ringflex "
-                               "cannot route it: call F.scaled_dot_product_attention or flex_attention instead")
+                               "cannot route it: call F.scaled_dot_product_attention, flex_attention or (for packed "
+                               "sequences) ringflex.varlen_attention instead")
         return func(*args, **kwargs)
 
     def _world_size(self) -> int:
@@ -293,6 +300,8 @@ class RingFlexMode(TorchFunctionMode):
                                 "call it with need_weights=False"),
             (a["key_padding_mask"] is not None, "a key_padding_mask (local positions): pack the sequences instead "
                                                 "(ringflex.PackedSequences)"),
+            (a["is_causal"] and a["attn_mask"] is None, "is_causal=True without an attn_mask, which torch refuses "
+                                                       "too: pass the causal mask with the hint"),
             (a["attn_mask"] is not None and not a["is_causal"],
              "a dense attn_mask (local positions): for a causal mask pass is_causal=True with it, else give "
              "RingFlexAttention a mask_mod"),
@@ -326,6 +335,8 @@ class RingFlexMode(TorchFunctionMode):
         mask_mod = None if block_mask is None else _mask_from_block_mask(
             block_mask, query.shape[-2], key.shape[-2], self._world_size())
         return_aux = bound.get("return_aux")
+        if return_aux is not None and bound.get("return_lse"):  # as torch's flex_attention
+            raise ValueError("flex_attention: cannot specify both return_lse and return_aux")
         if return_aux is not None and getattr(return_aux, "max_scores", False):
             raise ValueError("flex_attention: RingFlexMode cannot return max_scores; request AuxRequest(lse=True) only")
         want_lse = bool(bound.get("return_lse")) or (return_aux is not None and return_aux.lse)

@@ -29,14 +29,15 @@ def _rank(group) -> int:
 
 def shard_batch(batch, *, dim: int = 1, group=None, layout: str = "zigzag"):
     """This rank's shard, along ``dim``, of every tensor of ``batch`` (a tensor, a mapping, a
-    list or a tuple); other values pass unchanged. Shard inputs, labels and position ids together
+    list or a (named) tuple); other values pass unchanged. Shard inputs, labels and position ids together
     so that every token keeps its label and its global position."""
     if isinstance(batch, Tensor):
         return shard(batch, dim, group, layout)
     if isinstance(batch, Mapping):
         return type(batch)({key: shard_batch(value, dim=dim, group=group, layout=layout) for key, value in batch.items()})
     if isinstance(batch, (list, tuple)):
-        return type(batch)(shard_batch(value, dim=dim, group=group, layout=layout) for value in batch)
+        values = [shard_batch(value, dim=dim, group=group, layout=layout) for value in batch]
+        return type(batch)(*values) if hasattr(batch, "_fields") else type(batch)(values)  # a namedtuple takes fields
     return batch
 
 

@@ -158,6 +158,7 @@ def _qkv(seq_len=8):
     (lambda q, k, v: flex_attention(q, k, v, block_mask=create_block_mask(mods.causal, None, None, 4, 4,
                                                                            device="cpu")), "built for lengths"),
     (lambda q, k, v: flex_attention(q, k, v, return_aux=AuxRequest(lse=True, max_scores=True)), "max_scores"),
+    (lambda q, k, v: flex_attention(q, k, v, return_lse=True, return_aux=AuxRequest(lse=True)), "both"),
 ])
 def test_calls_that_cannot_be_routed_raise(call, match):
     with RingFlexMode(), pytest.raises(ValueError, match=match):
@@ -303,6 +304,7 @@ def test_torch_attention_modules_match_single_process():
      "key_padding_mask"),
     (lambda m, x: m(x, x, x, need_weights=False, attn_mask=torch.zeros(8, 8, dtype=torch.float64)),
      "dense attn_mask"),
+    (lambda m, x: m(x, x, x, need_weights=False, is_causal=True), "is_causal=True without an attn_mask"),
     (lambda m, x: nn.MultiheadAttention(DIM, HEADS, add_zero_attn=True, batch_first=True).double()(
         x, x, x, need_weights=False), "add_zero_attn"),
     (lambda m, x: nn.MultiheadAttention(DIM, HEADS, dropout=0.1, batch_first=True).double()(
@@ -321,3 +323,12 @@ def test_torch_attention_ops_called_directly_are_refused(op):
     alone: the mode refuses them instead."""
     with RingFlexMode(), pytest.raises(RuntimeError, match="this rank's tokens alone"):
         op(*_qkv())
+
+
+def test_torch_varlen_attention_is_refused():
+    """torch's own packed-sequence attention (a custom op around the flash kernel, which the
+    mode never sees) would attend to this rank's tokens alone: refused at the op."""
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    q, lengths = torch.randn(16, 2, 8), torch.tensor([0, 7, 16], dtype=torch.int32)
+    with RingFlexMode(), pytest.raises(RuntimeError, match="tokens alone.*ringflex.varlen_attention"):
+        varlen.varlen_attn(q, q, q, lengths, lengths, 9, 9)

@@ -1,6 +1,8 @@
 """Training helpers: a sharded batch, global positions, next-token labels, and a loss whose value
 and (summed) parameter gradients equal the single-process ones, however unevenly the
 labelled tokens fall on the ranks."""
+import collections
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,9 @@ def test_shard_batch_keeps_structure_and_shape_errors():
     batch = {"input_ids": torch.arange(8).view(1, 8), "labels": [torch.arange(8).view(1, 8)], "name": "x"}
     assert shard_batch(batch)["name"] == "x"
     assert torch.equal(shard_batch(batch)["labels"][0], batch["labels"][0])  # one rank: everything
+    Batch = collections.namedtuple("Batch", "tokens labels")
+    sharded = shard_batch(Batch(torch.arange(8).view(1, 8), torch.arange(8).view(1, 8)))
+    assert type(sharded) is Batch and torch.equal(sharded.labels, torch.arange(8).view(1, 8))
     assert position_ids(8).tolist() == list(range(8))
     with pytest.raises(ValueError, match=r"logits \[..., vocab\] and labels"):
         sharded_cross_entropy(torch.zeros(2, 3, VOCAB), torch.zeros(2, 4, dtype=torch.long))
