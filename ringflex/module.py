@@ -119,12 +119,10 @@ class _FlexPatch:
         if len(sys.modules) != self._scanned_modules:
             self._scanned_modules = len(sys.modules)
             found = {}
-            for module in list(sys.modules.values()):
-                namespace = getattr(module, "__dict__", None)
-                if isinstance(namespace, dict) and namespace is not globals():  # ours keeps the original
-                    for name, value in list(namespace.items()):
-                        if _is_torch_flex(value):
-                            found[id(namespace), name] = (namespace, name, value)
+            for namespace in _namespaces():
+                for name, value in list(namespace.items()):
+                    if _is_torch_flex(value):
+                        found[id(namespace), name] = (namespace, name, value)
             self._holders = list(found.values())
         return self._holders
 
@@ -151,6 +149,23 @@ class _FlexPatch:
                 for namespace, name, original in self._holders:
                     if namespace.get(name) is self._stand_in_for(original):
                         namespace[name] = original
+
+
+def _namespaces():
+    """The globals of every module but this one (it keeps the original), and the globals its
+    functions were defined in where those differ: a script that multiprocessing's spawn (or
+    forkserver) runs as ``__mp_main__`` leaves its functions the dict runpy ran it in."""
+    seen = {id(globals())}
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        defined_in = [v.__globals__ for v in list(namespace.values())
+                      if type(v) is types.FunctionType and v.__globals__ is not namespace]
+        for candidate in [namespace, *defined_in]:
+            if id(candidate) not in seen:
+                seen.add(id(candidate))
+                yield candidate
 
 
 _PATCH = _FlexPatch()

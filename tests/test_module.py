@@ -209,6 +209,25 @@ def test_autocast_leaves_float64_alone():
     torch.testing.assert_close(got_mha, want_mha)
 
 
+def test_flex_in_a_script_spawned_by_multiprocessing_is_routed(tmp_path, monkeypatch):
+    """multiprocessing's spawn and forkserver run the launched script as ``__mp_main__`` with
+    runpy, copying its globals into a new module: the script's functions keep runpy's dict,
+    where the mode must replace flex_attention too (here as multiprocessing does it)."""
+    import runpy
+    import sys
+    import types
+    script = tmp_path / "launched.py"
+    script.write_text("from torch.nn.attention.flex_attention import flex_attention\n\n"
+                      "def attend(q, k, v):\n    return flex_attention(q, k, v)\n")
+    main = types.ModuleType("__mp_main__")
+    main.__dict__.update(runpy.run_path(str(script), run_name="__mp_main__"))
+    monkeypatch.setitem(sys.modules, "__mp_main__", main)
+    q, k, v = _qkv()
+    with RingFlexMode(backend="reference", mask_mod=mods.causal):  # routed: causal, else torch's full attention
+        out = main.attend(q, k, v)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
 def test_patch_is_scoped():
     import torch.nn.attention.flex_attention as torch_flex_module
     from ringflex.module import _TORCH_FLEX
