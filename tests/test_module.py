@@ -221,7 +221,7 @@ def test_flex_in_a_script_spawned_by_multiprocessing_is_routed(tmp_path, monkeyp
                       "def attend(q, k, v):\n    return flex_attention(q, k, v)\n")
     main = types.ModuleType("__mp_main__")
     main.__dict__.update(runpy.run_path(str(script), run_name="__mp_main__"))
-    monkeypatch.setitem(sys.modules, "__mp_main__", main)
+    monkeypatch.setitem(sys.modules, "launched_as_mp_main", main)  # a new name: the mode rescans new modules
     q, k, v = _qkv()
     with RingFlexMode(backend="reference", mask_mod=mods.causal):  # routed: causal, else torch's full attention
         out = main.attend(q, k, v)
