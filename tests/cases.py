@@ -49,6 +49,11 @@ def cases(seq_len: int, image_width: int = 4, device=None):
     def softcap_alibi(score, b, h, q_idx, kv_idx):
         return biased(capped(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
 
+    chunk = max(2, seq_len // 5)  # chunks that straddle the ranks' shards
+
+    def chunked(b, h, q_idx, kv_idx):  # Llama 4's chunked attention: causal within chunks of tokens
+        return (q_idx // chunk == kv_idx // chunk) & (kv_idx <= q_idx)
+
     def head_dependent(b, h, q_idx, kv_idx):  # even heads causal, odd heads a window of 3
         return (kv_idx <= q_idx) & ((h % 2 == 0) | (q_idx - kv_idx < 3))
 
@@ -59,6 +64,7 @@ def cases(seq_len: int, image_width: int = 4, device=None):
         "wide_window": Case(mask_mod=mods.sliding_window(max(2, seq_len // 6))),  # lends rows over contiguous
         "prefix_lm": Case(mask_mod=mods.prefix_lm(seq_len // 3)),
         "documents": Case(mask_mod=mods.document(doc_ids)),
+        "chunked": Case(mask_mod=chunked),
         "alibi": Case(score_mod=mods.alibi(slopes), mask_mod=mods.causal),
         "softcap": Case(score_mod=mods.softcap(2.0)),
         "causal_softcap": Case(score_mod=mods.softcap(2.0), mask_mod=mods.causal),
