@@ -43,7 +43,7 @@ def truth(seed: int, world_size: int, size: dict):
     return random_call(seed, world_size, **size, values_of=torch.bfloat16)
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs=2, default=[0, 200], metavar=("FIRST", "COUNT"))
     p.add_argument("--seconds", type=float, default=300, help="stop starting new calls after this long")
@@ -54,8 +54,12 @@ def main():
     p.add_argument("--tiles", action="store_true", help="plan every block from tiles of keys, as blocks of more "
                    "than 2**26 pairs are (ringflex/extents.py): their exact plans at the sizes of these calls")
     p.add_argument("--tolerance", type=float, default=3e-2, help="max error relative to the largest value (>= 0.1)")
-    args = p.parse_args()
-    device = ranks.init(args.device)
+    return p.parse_args(argv)
+
+
+def fuzz(args, device):
+    """Runs the calls of ``args`` on the default group's ranks (devices ``device``); returns
+    (calls run, seeds that failed)."""
     weigh_cudnn_calls_as_free()  # small blocks lend as large ones would
     if args.tiles:
         extents._DENSE_AREA = 0
@@ -102,9 +106,18 @@ def main():
             if rank == 0:
                 print(f"seed {seed}: {truth(seed, world_size, size).describe()}: {problem or 'failed on another rank'}",
                       flush=True)
-    if rank == 0:
+    lending.QUANTUM = quantum
+    return ran, failed
+
+
+def main():
+    args = parse_args()
+    device = ranks.init(args.device)
+    start = time.time()
+    ran, failed = fuzz(args, device)
+    if dist.get_rank() == 0:
         seeds = f" (seeds {failed})" if failed else ""
-        print(f"{ran} random calls over {world_size} rank(s), backend {args.backend}, "
+        print(f"{ran} random calls over {dist.get_world_size()} rank(s), backend {args.backend}, "
               f"{time.time() - start:.0f} s: {len(failed)} failed{seeds}", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)

@@ -3,12 +3,16 @@ the first and last step and at most one line per interval; scripts/determinism.p
 import io
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from harness import run_world
 from ringflex import env
 from ringflex.progress import Progress
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def test_env_report():
@@ -99,15 +103,16 @@ def test_ring_passes_lists_what_runs_outside_the_kernels():
         assert moved > 0
 
 
+def _fuzz(rank, world_size, argv):
+    sys.path.insert(0, str(SCRIPTS))
+    import fuzz_ring
+    return fuzz_ring.fuzz(fuzz_ring.parse_args(argv), torch.device("cpu"))
+
+
 def test_fuzz_script_weighs_calls_beyond_the_tolerance_against_the_reference_kernel():
     """``scripts/fuzz_ring.py`` over two gloo ranks on the reference kernel, with a tolerance no
     bf16 call meets: every call is run again on the reference kernel, which errs as much, so
     none fails (and no rank is left waiting in a collective the other skipped)."""
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_ring.py"
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(script), "--device", "cpu", "--backend", "reference", "--no-gathers", "--seeds", "0",
-                          "2", "--tolerance", "1e-9"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "2 random calls over 2 rank(s), backend reference" in out.stdout and "0 failed" in out.stdout
+    argv = ["--device", "cpu", "--backend", "reference", "--no-gathers", "--seeds", "0", "2", "--tolerance", "1e-9"]
+    for ran, failed in run_world(2, _fuzz, argv):
+        assert (ran, failed) == (2, [])
