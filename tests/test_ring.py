@@ -237,6 +237,33 @@ def _second_derivative(rank, world_size):
     return all(torch.equal(a, b.detach()) for a, b in zip(plain, graphed)), str(info.value)
 
 
+_GLOBAL_IDS = None
+
+
+def _global_documents(b, h, q_idx, kv_idx):  # a mask that reads a module global
+    return _GLOBAL_IDS[q_idx] == _GLOBAL_IDS[kv_idx]
+
+
+def _new_global_ids_every_call(rank, world_size):
+    global _GLOBAL_IDS
+    q, k, v, _ = make_inputs(cases(16)["no_mask"], 16, dtype=torch.float64)
+    errors = []
+    for lengths in ([8, 8], [4, 12], [13, 3]):  # a new packed batch per step, in the same global
+        _GLOBAL_IDS = ringflex.mods.document_ids(lengths)
+        out = ringflex.ring_flex_attention(*(ringflex.shard(t, 2) for t in (q, k, v)), mask_mod=_global_documents)
+        want = ringflex.shard(attention(q, k, v, None, _global_documents), 2)
+        errors.append((out - want).abs().max().item())
+    return errors
+
+
+def test_a_global_the_mask_reads_may_change_between_calls():
+    """A mask that reads document ids from a module global, reassigned at every call: each call
+    plans the ids it sees (the trace and the plans were cached by the function alone, and the
+    third call ran the first's documents on one rank: 0.78 off)."""
+    for errors in run_world(2, _new_global_ids_every_call):
+        assert max(errors) < 1e-12, errors
+
+
 def test_a_second_derivative_raises_instead_of_being_zero():
     """A gradient penalty differentiates the gradients: the ring has no second derivative, and
     says so where they are differentiated, instead of treating them as constants."""

@@ -212,6 +212,13 @@ def test_bad_arguments_are_rejected_clearly(call, expected):
     assert expected in str(info.value)
 
 
+_GLOBAL_IDS = None
+
+
+def _global_documents(b, h, q_idx, kv_idx):  # a mask that reads a module global
+    return _GLOBAL_IDS[q_idx] == _GLOBAL_IDS[kv_idx]
+
+
 def _debug_checks(rank, world_size):
     """RINGFLEX_DEBUG=1: what each injected fault makes every rank raise."""
     os.environ["RINGFLEX_DEBUG"] = "1"
@@ -239,6 +246,9 @@ def _debug_checks(rank, world_size):
     if rank == 1:
         doc_ids = mods.document_ids([4, 2, 6])  # same shape, other values: only debug mode sees it
     results["captured values differ"] = _error_text(lambda: ringflex.ring_flex_attention(q, k, v, mask_mod=mods.document(doc_ids)))
+    global _GLOBAL_IDS
+    _GLOBAL_IDS = doc_ids  # the same, read from this module's globals
+    results["global values differ"] = _error_text(lambda: ringflex.ring_flex_attention(q, k, v, mask_mod=_global_documents))
 
     ids = mods.document_ids([6, 6])
     mask = mods.document(ids)
@@ -278,6 +288,7 @@ def _debug_checks(rank, world_size):
 DEBUG_EXPECTED = {
     "nan input": "RingDebugError: ring_flex_attention: rank 1: k has 1 NaN/Inf values (the first at index (0, 1, 2, 3))",
     "captured values differ": "CallRejected: ring_flex_attention: the ranks disagree on the mask_mod",
+    "global values differ": "CallRejected: ring_flex_attention: the ranks disagree on the mask_mod",
     "stale plan": "CallRejected: ring_flex_attention: rank 0: ValueError: the cached plan differs from a fresh plan",
     "corrupted transfer": "RingDebugError: ring_flex_attention: rank 1 received other bytes than rank 0 sent "
                           "(forward transfer 0, tensor 0)",
