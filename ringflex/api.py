@@ -16,6 +16,7 @@ from .kernels.base import Mods
 from .parallel import comm, layout as layouts
 from .parallel.fault import GuardedComm
 from .parallel.ring import RingAttention, RingCall
+from .parallel.shard import warn_if_launched_alone
 from .plan import PlanCache, around, check_lookups, keys_read, plan_hops
 from .trace import tensors_requiring_grad
 
@@ -29,6 +30,7 @@ def _ring_group(group):
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise ValueError("group was given but torch.distributed is not initialized")
+        warn_if_launched_alone()
         return None
     return group if group is not None else dist.group.WORLD
 
@@ -52,8 +54,8 @@ def ring_flex_attention(
     q: [B, Hq, S_local, D]; k, v: [B, Hkv, S_local_kv, D(v)], each rank's shard of the
     sequence in ``layout`` (see ``ringflex.shard``). ``score_mod(score, b, h, q_idx, kv_idx)``
     and ``mask_mod(b, h, q_idx, kv_idx)`` are flex_attention's, and see GLOBAL positions.
-    Returns this rank's output [B, Hq, S_local, Dv] (and the fp32 log-sum-exp [B, Hq,
-    S_local] if ``return_lse``; differentiable, as flex_attention's: a loss that reads it
+    Returns this rank's output [B, Hq, S_local, Dv] (and the log-sum-exp [B, Hq, S_local],
+    fp32, fp64 for fp64 inputs, if ``return_lse``; differentiable, as flex_attention's: a loss that reads it
     costs a second backward call per hop). Tensors the score_mod reads that require grad (a
     learnable bias) get this rank's share of their gradient (cuDNN gives none: such calls run
     on flex_attention on a GPU). ``backend``: "auto", "cudnn", "flex" or "reference"

@@ -443,3 +443,17 @@ def test_a_call_captured_before_it_ran_eagerly_is_refused_clearly():
             "the ring and builds its kernels, which a capture cannot hold. Run the call once eagerly before "
             "capturing (torch.cuda.make_graphed_callables does) (while planning the ring, before any transfer)"), errors
         assert errors["warm"] is None, errors
+
+
+def test_processes_torchrun_launched_without_a_process_group_are_warned(monkeypatch, recwarn):
+    """WORLD_SIZE=2 but no process group: every process would work alone, with no error
+    anywhere; shard and the attention say so, once."""
+    from ringflex import kernels
+
+    monkeypatch.setattr(kernels, "_WARNED", set())
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    q = torch.randn(1, 2, 8, 4)
+    for _ in range(2):
+        ringflex.ring_flex_attention(ringflex.shard(q, 2), q, q)
+    messages = [str(w.message) for w in recwarn if "WORLD_SIZE" in str(w.message)]
+    assert len(messages) == 1 and "init_process_group" in messages[0]

@@ -1,18 +1,40 @@
 """Moving whole sequences in and out of a layout: ``shard`` splits, ``unshard`` gathers."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .. import validate
+from ..kernels import _warn_once
 from . import layout as layouts
+
+
+def warn_if_launched_alone() -> None:
+    """Says once that torchrun launched several processes (WORLD_SIZE) but no process group
+    joins them: each then works alone on what it holds, which raises no error anywhere."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        _warn_once(f"ringflex: WORLD_SIZE={os.environ['WORLD_SIZE']} but torch.distributed is not initialized: each "
+                   "process works alone (shard keeps the whole sequence, attention sees its own tokens only). Call "
+                   "torch.distributed.init_process_group() first")
 
 
 def _rank_and_size(group):
     if not dist.is_available() or not dist.is_initialized():
+        warn_if_launched_alone()
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _dim_error(what: str, x: Tensor, dim) -> str:
+    """What is wrong with ``dim`` of ``x``, or "" where nothing is."""
+    if not isinstance(x, Tensor):
+        return f"{what}: x must be a torch.Tensor, got {type(x).__name__}"
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        return f"{what}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim!r}"
+    return ""
 
 
 def shard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
@@ -20,6 +42,9 @@ def shard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
 
     Differentiable: the gradient flows back into the slice this rank took.
     """
+    error = _dim_error("shard", x, dim)
+    if error:
+        raise ValueError(error)
     rank, world_size = _rank_and_size(group)
     index = layouts.positions(layout, x.shape[dim], world_size, rank, x.device)
     return x.index_select(dim, index)
@@ -32,13 +57,13 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return validate.digest(str(dtype).encode())
 
 
-def _check_same_shards(x: Tensor, group) -> None:
+def _check_same_shards(x: Tensor, dim, group) -> None:
     """Raises the same error on every rank if the shards differ in shape or dtype (an
-    all_gather of unequal tensors would hang or kill a rank)."""
+    all_gather of unequal tensors would hang or kill a rank), or a rank's ``dim`` is not one of them."""
     if x.dim() > _MAX_DIMS:
         raise ValueError(f"unshard supports tensors of at most {_MAX_DIMS} dims, got {x.dim()}")
     mine = [_dtype_code(x.dtype), x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim())
-    records = validate.exchange(group, mine, None, "unshard")
+    records = validate.exchange(group, mine, _dim_error("unshard", x, dim) or None, "unshard")
     if any(r != mine for r in records):
         names = {_dtype_code(d): str(d).replace("torch.", "") for d in vars(torch).values() if isinstance(d, torch.dtype)}
         raise ValueError("unshard: the ranks' shards differ (" + ", ".join(
@@ -49,7 +74,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, layout):
         rank, world_size = _rank_and_size(group)
-        _check_same_shards(x, group)
+        _check_same_shards(x, dim, group)
         parts = [torch.empty_like(x) for _ in range(world_size)]
         dist.all_gather(parts, x.contiguous(), group=group)
         full_len = x.shape[dim] * world_size
@@ -70,5 +95,8 @@ def unshard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
     """
     _, world_size = _rank_and_size(group)
     if world_size == 1:
+        error = _dim_error("unshard", x, dim)
+        if error:
+            raise ValueError(error)
         return x
     return _Gather.apply(x, dim, group, layout)
