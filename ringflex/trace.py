@@ -539,9 +539,11 @@ def lookup_error(graph: ModGraph, values: Dict[str, Tensor]) -> Optional[str]:
             if len(bad):
                 i = int(bad[0])
                 where = "".join(f" (at {name} = {int(values[name][i])})" for name in subscript.deps)
-                return (f"{graph.kind} reads index {int(at[i])} of a captured tensor of shape {shape}{where}: a "
-                        "tensor a mod indexes by position must cover every position of the global sequence, "
-                        "not one rank's shard")
+                by_position = subscript.deps & {"q_idx", "kv_idx"}
+                why = ("a tensor a mod indexes by position must cover every position of the global sequence, not "
+                       "one rank's shard" if by_position else "it must have an entry for every batch element and "
+                       "head of the call")
+                return f"{graph.kind} reads index {int(at[i])} of a captured tensor of shape {shape}{where}: {why}"
     return None
 
 

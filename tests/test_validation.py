@@ -154,7 +154,8 @@ EXPECTED = {
         "shape (10,) (at q_idx = 10): a tensor a mod indexes by position must cover every position of the global "
         "sequence, not one rank's shard (while planning the ring, before any transfer)"),
     "score_mod reading past a captured tensor": "rank 0: ValueError: score_mod reads index 1 of a captured tensor of "
-                                                "shape (1,) (at h = 1)",
+                                                "shape (1,) (at h = 1): it must have an entry for every batch "
+                                                "element and head of the call",
     "long message on one rank": "CallRejected: ring_flex_attention: rank 1: ValueError: x" + "\u00e9" * 193 + "\ufffd",
 }
 
