@@ -53,11 +53,7 @@ _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 # Attention torch computes over the tensors it is given: under the mode, this rank's tokens
 # alone. Only code that calls these itself reaches them (torch's modules take SDPA or
 # F.multi_head_attention_forward while a mode is active); the mode refuses them.
-try:  # registers torch_attn::_varlen_attn (torch.nn.attention.varlen.varlen_attn), refused below
-    import torch.nn.attention.varlen  # noqa: F401
-except ImportError:  # a torch without it
-    pass
-_LOCAL_ATTENTION = frozenset(
+_LOCAL_ATTENTION = set(
     [getattr(torch.ops.aten, name) for name in (
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -65,10 +61,15 @@ _LOCAL_ATTENTION = frozenset(
         "_flash_attention_forward", "_efficient_attention_forward", "_cudnn_attention_forward")
      if hasattr(torch.ops.aten, name)]
     + [getattr(torch, name) for name in ("_native_multi_head_attention", "_transformer_encoder_layer_fwd")
-       if hasattr(torch, name)]
-    + [getattr(torch.ops.torch_attn, name) for name in ("_varlen_attn",)  # torch.nn.attention.varlen.varlen_attn
-       if hasattr(torch.ops.torch_attn, name)])
+       if hasattr(torch, name)])
 _FLEX_HOP = getattr(torch.ops.higher_order, "flex_attention", None)
+
+
+def _refuse_torch_varlen() -> None:
+    """Adds torch's ``varlen_attn`` op to ``_LOCAL_ATTENTION`` once its module has registered
+    it: importing that module here would add 0.9 s to ``import ringflex``."""
+    if "torch.nn.attention.varlen" in sys.modules and hasattr(torch.ops.torch_attn, "_varlen_attn"):
+        _LOCAL_ATTENTION.add(torch.ops.torch_attn._varlen_attn)
 
 
 def _stand_in(original):
@@ -233,6 +234,7 @@ class RingFlexMode(TorchFunctionMode):
         self._combine = _MaskCombiner()
 
     def __enter__(self):
+        _refuse_torch_varlen()
         _PATCH.acquire()
         try:
             return super().__enter__()
