@@ -76,10 +76,13 @@ def fuzz(args, device):
             break
         size = dict(max_chunks=SIZES[seed % len(SIZES)], gathers=not args.no_gathers, head_dims=(64, 128))
         lending.QUANTUM = 1 if seed % 2 else quantum  # half the calls lend any row that evens the ranks
+        def errors_on(backend):
+            return ring_errors(bf16_call(seed, world_size, device, size), truth(seed, world_size, size), backend,
+                               group, floor=0.1)
+
         errors, problem, broken = None, {}, False
         try:
-            errors = ring_errors(bf16_call(seed, world_size, device, size), truth(seed, world_size, size),
-                                 args.backend, group, floor=0.1)
+            errors = errors_on(args.backend)
         except Exception as e:  # noqa: BLE001 (reported, and the next call goes on)
             broken = not isinstance(e, CallRejected)  # raised before any transfer: the group still serves
             problem = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -92,8 +95,7 @@ def fuzz(args, device):
             # A sharp softmax makes some gradients ill-conditioned in bf16 (the backward reads the
             # rounded output): an error is the ring's only if the reference kernel, computing in
             # fp32 from the same bf16 values, comes out well closer.
-            reference = ring_errors(bf16_call(seed, world_size, device, size), truth(seed, world_size, size),
-                                    "reference", group, floor=0.1)
+            reference = errors_on("reference")
             problem = {name: f"{e:.2e} (reference kernel {reference[name]:.2e})" for name, e in errors.items()
                        if not e <= max(args.tolerance, 2 * reference[name])}
         flags = torch.tensor([int(bool(problem)), int(broken)], device=flags_on)

@@ -48,9 +48,7 @@ def test_progress_lines():
 
 def test_determinism_script_reports_bitwise_repeats_on_cpu():
     """``scripts/determinism.py`` (reference kernel, one process): every cell 0, and a time."""
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "scripts" / "determinism.py"
+    script = SCRIPTS / "determinism.py"
     out = subprocess.run([sys.executable, str(script), "--local-len", "32", "--heads", "1", "--head-dim", "8",
                           "--dtypes", "float32", "--runs", "2"], capture_output=True, text=True, check=True).stdout
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| reference")]
@@ -62,8 +60,7 @@ def test_balance_probe_plans_the_ranks_work_as_a_ring_call_does():
     """scripts/balance_probe.py times each rank's planned hops on one GPU; its plans (here on
     the CPU) lend a window's corner rows to rank 0 only where lending is on, and keep every
     pair: the busiest rank's pairs fall to the mean."""
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    sys.path.insert(0, str(SCRIPTS))
     from balance_probe import rank_hops
     from ringflex import lending, mods
 
@@ -93,8 +90,7 @@ def _ring_passes(rank, world_size):
 def test_ring_passes_lists_what_runs_outside_the_kernels():
     """scripts/ring_passes.py lists a ring call's operations outside its hop kernels: the
     merges and gradient sums, none of the reference kernel's own (no matmul)."""
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    sys.path.insert(0, str(SCRIPTS))
     from harness import run_world
 
     for ops, moved in run_world(2, _ring_passes):
