@@ -15,6 +15,7 @@ from .kernels import _warn_once, select_kernel
 from .kernels.base import Mods
 from .parallel import comm, layout as layouts
 from .parallel.fault import GuardedComm
+from .parallel.groups import process_group
 from .parallel.ring import RingAttention, RingCall
 from .parallel.shard import warn_if_launched_alone
 from .plan import PlanCache, around, check_lookups, keys_read, plan_hops
@@ -32,7 +33,7 @@ def _ring_group(group):
             raise ValueError("group was given but torch.distributed is not initialized")
         warn_if_launched_alone()
         return None
-    return group if group is not None else dist.group.WORLD
+    return process_group(group) if group is not None else dist.group.WORLD
 
 
 @torch.compiler.disable(reason="ring_flex_attention runs collectives and plans from the mask at run time: "
@@ -49,7 +50,9 @@ def ring_flex_attention(
     backend: str = "auto",
     sinks: Optional[Tensor] = None,
 ):
-    """Attention over a sequence sharded across the ranks of ``group``.
+    """Attention over a sequence sharded across the ranks of ``group`` (a ProcessGroup, a 1-D
+    DeviceMesh such as the context-parallel dimension ``mesh["cp"]`` of a larger mesh, or None:
+    the default group).
 
     q: [B, Hq, S_local, D]; k, v: [B, Hkv, S_local_kv, D(v)], each rank's shard of the
     sequence in ``layout`` (see ``ringflex.shard``). ``score_mod(score, b, h, q_idx, kv_idx)``

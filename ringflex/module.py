@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_
 
 from . import mods
 from .api import ring_flex_attention
+from .parallel.groups import process_group
 from .parallel.layout import check_layout
 from .validate import BACKENDS
 
@@ -230,7 +231,7 @@ class RingFlexMode(TorchFunctionMode):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if mask_mod is not None and not callable(mask_mod):
             raise TypeError(f"mask_mod must be callable or None, got {type(mask_mod).__name__}")
-        self.group, self.layout, self.backend, self.mask_mod = group, layout, backend, mask_mod
+        self.group, self.layout, self.backend, self.mask_mod = process_group(group), layout, backend, mask_mod
         self._combine = _MaskCombiner()
 
     def __enter__(self):

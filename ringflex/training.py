@@ -16,15 +16,12 @@ from torch import Tensor
 
 from . import validate
 from .parallel import layout as layouts
+from .parallel.groups import process_group, rank_and_size
 from .parallel.shard import shard
 
 
 def _group_size(group) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
-
-def _rank(group) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    return rank_and_size(group)[1]
 
 
 def shard_batch(batch, *, dim: int = 1, group=None, layout: str = "zigzag"):
@@ -43,7 +40,8 @@ def shard_batch(batch, *, dim: int = 1, group=None, layout: str = "zigzag"):
 
 def position_ids(seq_len: int, *, group=None, layout: str = "zigzag", device=None) -> Tensor:
     """Global positions [seq_len // world_size] of this rank's tokens: pass them to RoPE."""
-    return layouts.positions(layout, seq_len, _group_size(group), _rank(group), device)
+    rank, world_size = rank_and_size(group)
+    return layouts.positions(layout, seq_len, world_size, rank, device)
 
 
 def next_token_labels(tokens: Tensor, *, doc_ids: Optional[Tensor] = None, ignore_index: int = -100) -> Tensor:
@@ -79,7 +77,7 @@ class _SumOverRanks(torch.autograd.Function):
 
 def sum_over_ranks(x: Tensor, group=None) -> Tensor:
     """All-reduced sum of ``x`` over ``group``, differentiable (see ``_SumOverRanks``)."""
-    return _SumOverRanks.apply(x, group) if _group_size(group) > 1 else x
+    return _SumOverRanks.apply(x, process_group(group)) if _group_size(group) > 1 else x
 
 
 def sharded_cross_entropy(logits: Tensor, labels: Tensor, *, group=None, ignore_index: int = -100) -> Tensor:
@@ -97,6 +95,7 @@ def sharded_cross_entropy(logits: Tensor, labels: Tensor, *, group=None, ignore_
         flat = flat.float()
     local = F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction="sum")
     count = (labels != ignore_index).sum().to(local.dtype)
+    group = process_group(group)
     if _group_size(group) > 1:
         dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
     return sum_over_ranks(local, group) / count
@@ -114,6 +113,7 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group=None) -> No
     """
     if _group_size(group) == 1:
         return
+    group = process_group(group)
     buckets = {}
     for p in _with_grad_on_any_rank(list(parameters), group):
         if p.grad is None:

@@ -11,17 +11,13 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from . import mods
 from .api import ring_flex_attention
 from .parallel import layout as layouts
+from .parallel.groups import process_group, rank_and_size
 from .parallel.shard import shard, unshard
-
-
-def _world_size(group) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 class PackedSequences:
@@ -36,8 +32,8 @@ class PackedSequences:
         if not lengths or any(n <= 0 for n in lengths):
             raise ValueError(f"lengths must be a non-empty list of positive sequence lengths, got {lengths}")
         self.lengths = tuple(lengths)
-        self.group, self.layout = group, layouts.check_layout(layout)
-        self.world_size = _world_size(group)
+        self.group, self.layout = process_group(group), layouts.check_layout(layout)
+        _, self.world_size = rank_and_size(group)
         self.total = sum(lengths)
         multiple = layouts.divisor(layout, self.world_size)
         self.padded_len = -(-self.total // multiple) * multiple

@@ -10,6 +10,7 @@ from torch import Tensor
 from .. import validate
 from ..kernels import _warn_once
 from . import layout as layouts
+from .groups import process_group, rank_and_size
 
 
 def warn_if_launched_alone() -> None:
@@ -24,8 +25,7 @@ def warn_if_launched_alone() -> None:
 def _rank_and_size(group):
     if not dist.is_available() or not dist.is_initialized():
         warn_if_launched_alone()
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    return rank_and_size(group)
 
 
 def _dim_error(what: str, x: Tensor, dim) -> str:
@@ -94,6 +94,7 @@ def unshard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
     that rank's own shard (so a loss computed identically on every rank is counted once).
     """
     _, world_size = _rank_and_size(group)
+    group = process_group(group)
     if world_size == 1:
         error = _dim_error("unshard", x, dim)
         if error:

@@ -1,0 +1,29 @@
+"""Which process group a ``group`` argument names: a ProcessGroup, a 1-D DeviceMesh (the
+context-parallel dimension of a larger mesh, ``mesh["cp"]``) or None (the default group)."""
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def process_group(group):
+    """The ProcessGroup of ``group`` (None stays None: the callers read it as the default group)."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            names = f" {group.mesh_dim_names}" if group.mesh_dim_names else ""
+            raise ValueError(f"group must be a 1-D DeviceMesh (the ring's dimension, e.g. mesh['cp']), got a "
+                             f"{group.ndim}-D DeviceMesh of shape {tuple(group.shape)}{names}")
+        return group.get_group()
+    raise TypeError(f"group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, got "
+                    f"{type(group).__name__}")
+
+
+def rank_and_size(group):
+    """This rank's index in ``group`` and the group's size; (0, 1) where torch.distributed is
+    not initialized (one process holds the whole sequence)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    group = process_group(group)
+    return dist.get_rank(group), dist.get_world_size(group)
