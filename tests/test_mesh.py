@@ -1,6 +1,7 @@
 """A DeviceMesh as ``group``: the context-parallel dimension of a data x context mesh (as
 torch's own ``context_parallel`` takes it) names the same ring as its process group, in every
-function that takes a group; a mesh of more dimensions is refused on every rank alike."""
+function that takes a group; a mesh of more dimensions, another object, or a group that leaves
+the rank out is refused before any collective."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -62,7 +63,8 @@ def _refused(rank, world_size):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     q = torch.randn(1, 1, 4, 8)
     said = []
-    for group in (mesh, "cp"):
+    outside = dist.new_group([0, 1])  # on ranks 2 and 3: new_group's marker for "not a member"
+    for group in (mesh, "cp") + ((outside,) if rank >= 2 else ()):
         for call in (lambda: ringflex.ring_flex_attention(q, q, q, group=group), lambda: ringflex.shard(q, 2, group),
                      lambda: ringflex.RingFlexMode(group=group)):
             with pytest.raises((ValueError, TypeError)) as caught:
@@ -72,7 +74,11 @@ def _refused(rank, world_size):
 
 
 def test_a_mesh_of_two_dimensions_and_other_objects_are_refused_before_any_collective():
-    for said in run_world(4, _refused):
+    results = run_world(4, _refused)
+    for said in results:
         assert said[:3] == ["group must be a 1-D DeviceMesh (the ring's dimension, e.g. mesh['cp']), got a 2-D "
                             "DeviceMesh of shape (2, 2) ('dp', 'cp')"] * 3
-        assert said[3:] == ["group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, got str"] * 3
+        assert said[3:6] == ["group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, got str"] * 3
+    for rank in (2, 3):
+        assert results[rank][6:] == [f"group does not include this process (global rank {rank}): only the ranks "
+                                     "of the group may call ringflex with it"] * 3

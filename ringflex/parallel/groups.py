@@ -10,6 +10,9 @@ def process_group(group):
     """The ProcessGroup of ``group`` (None stays None: the callers read it as the default group)."""
     if group is None or isinstance(group, dist.ProcessGroup):
         return group
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on the ranks it leaves out
+        raise ValueError(f"group does not include this process (global rank {dist.get_rank()}): only the ranks of "
+                         "the group may call ringflex with it")
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             names = f" {group.mesh_dim_names}" if group.mesh_dim_names else ""
