@@ -19,17 +19,21 @@ _MAX_DEPTH = 8
 def parts(fn) -> List[object]:
     """The parts of ``fn`` in a fixed order: code objects; the values in its closure cells,
     default arguments and ``functools.partial`` arguments, and the module globals its code
-    reads (values, containers, tensors and functions: not modules or classes, a marker tuple
-    naming each first), followed into the functions, tuples, lists and dicts among them (a
-    container or a depth past 8 adds a marker tuple first); tensors and any other object as
-    they are, for the caller to judge. A global the caller reassigns between calls (document
-    ids of a new batch) is a new part, as a new closure's tensor is."""
+    reads (not modules or classes, a marker tuple naming each first), followed into the
+    functions, tuples, lists and dicts among them (a container or a depth past 8 adds a marker
+    tuple first), and into objects: a callable object's ``__call__``, and the attributes
+    stored on an object that the code reading it names (``cfg.window``, ``self.doc_ids``: a
+    marker tuple naming the class, then each attribute's name and value); tensors and any
+    other object as they are, for the caller to judge. A global the caller reassigns between
+    calls (document ids of a new batch), or an attribute it sets, is a new part, as a new
+    closure's tensor is."""
     found: List[object] = []
-    _walk(fn, found, 0)
+    _walk(fn, found, 0, frozenset())
     return found
 
 
-def _walk(value, found: List[object], depth: int) -> None:
+def _walk(value, found: List[object], depth: int, names: frozenset) -> None:
+    """``names``: the attribute names that the code reaching ``value`` reads."""
     if depth > _MAX_DEPTH:
         found.append(("too deep",))
     elif isinstance(value, PLAIN + (Tensor,)):
@@ -37,52 +41,82 @@ def _walk(value, found: List[object], depth: int) -> None:
     elif isinstance(value, (tuple, list)):
         found.append((type(value).__name__, len(value)))
         for item in value:
-            _walk(item, found, depth + 1)
+            _walk(item, found, depth + 1, names)
     elif isinstance(value, dict):
         found.append(("dict", len(value)))
         for key, item in value.items():
-            _walk(key, found, depth + 1)
-            _walk(item, found, depth + 1)
+            _walk(key, found, depth + 1, names)
+            _walk(item, found, depth + 1, names)
     elif isinstance(value, types.CodeType):
         found.append(value)
         for const in value.co_consts:
             if isinstance(const, types.CodeType):  # a function defined inside
-                _walk(const, found, depth + 1)
+                _walk(const, found, depth + 1, names)
     elif isinstance(value, types.FunctionType):
-        _walk(value.__code__, found, depth + 1)
+        names = names | _names_read(value.__code__)
+        _walk(value.__code__, found, depth + 1, names)
         for name, read in _globals_read(value):
             found.append(("global", name))
-            _walk(read, found, depth + 1)
+            _walk(read, found, depth + 1, names)
         for cell in value.__closure__ or ():
             try:
-                _walk(cell.cell_contents, found, depth + 1)
+                _walk(cell.cell_contents, found, depth + 1, names)
             except ValueError:  # an empty cell
                 found.append(("empty cell",))
-        _walk(value.__defaults__, found, depth + 1)
-        _walk(value.__kwdefaults__, found, depth + 1)
+        _walk(value.__defaults__, found, depth + 1, names)
+        _walk(value.__kwdefaults__, found, depth + 1, names)
     elif isinstance(value, types.MethodType):
-        _walk(value.__func__, found, depth + 1)
-        found.append(value.__self__)
+        _walk(value.__func__, found, depth + 1, names)
+        _walk(value.__self__, found, depth + 1, names | _names_read(value.__func__.__code__))
     elif isinstance(value, functools.partial):
-        _walk((value.func, value.args, value.keywords), found, depth + 1)
+        _walk((value.func, value.args, value.keywords), found, depth + 1, names)
+    elif _followed(value):
+        call = getattr(type(value), "__call__", None)
+        if isinstance(call, types.FunctionType):  # a callable object: its code, and what it reads
+            _walk(call, found, depth + 1, names)
+            names = names | _names_read(call.__code__)
+        found.append(("object", type(value).__qualname__))
+        for name, attribute in _attributes(value, names):
+            found.append(("attribute", name))
+            _walk(attribute, found, depth + 1, names)
     else:
         found.append(value)
 
 
-_VALUES = PLAIN + (Tensor, tuple, list, dict, types.FunctionType, functools.partial)
+def _followed(value) -> bool:
+    """Whether ``value`` is an object whose attributes a mod may read as values: an instance
+    of a Python class (not a module, class or function, whose attributes are code)."""
+    return hasattr(value, "__dict__") and not isinstance(value, (type, types.ModuleType, types.BuiltinFunctionType))
+
+
+def _attributes(value, names: frozenset):
+    """(name, value) of the attributes stored on ``value`` (its ``__dict__``, and an
+    ``nn.Module``'s parameters, buffers and submodules) whose names are in ``names``, by name."""
+    stores = [vars(value)] + [vars(value).get(k) or {} for k in ("_parameters", "_buffers", "_modules")]
+    for name in sorted(names):
+        for store in stores:
+            if isinstance(store, dict) and name in store:
+                yield name, store[name]
+                break
+
+
+def _names_read(code: types.CodeType) -> frozenset:
+    """The names ``code`` (and the code defined inside it) reads: globals and attributes."""
+    codes, names = [code], set()
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return frozenset(names)
+
+
 _ABSENT = object()
 
 
 def _globals_read(fn: types.FunctionType):
     """(name, value) of the module globals that ``fn``'s code (and the code defined inside it)
-    names, where the value is one ``parts`` follows: modules, classes and other objects are
-    where attributes are looked up, not values a mod computes with."""
-    codes, names = [fn.__code__], []
-    while codes:
-        code = codes.pop()
-        names += [n for n in code.co_names if n not in names]
-        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    for name in names:
+    names, by name; not modules and classes, which hold code, nor built-in functions."""
+    for name in sorted(_names_read(fn.__code__)):
         value = fn.__globals__.get(name, _ABSENT)
-        if value is not _ABSENT and isinstance(value, _VALUES):
+        if value is not _ABSENT and not isinstance(value, (type, types.ModuleType, types.BuiltinFunctionType)):
             yield name, value

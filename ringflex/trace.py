@@ -654,15 +654,21 @@ def _digest(nodes: Sequence[Node], identity: bool) -> str:
 
 # --------------------------------------------------------------------------- diagonal bands
 
+# Casts that keep every index an integer of the same value (float32 up to 2**24: 16M tokens).
+_EXACT_CASTS = (torch.int32, torch.int64, torch.float32, torch.float64)
+
+
 def _affine(n: Node) -> Optional[Tuple[float, float, float]]:
-    """(a, b, c) with n == a * q_idx + b * kv_idx + c, or None if n is not affine in them."""
+    """(a, b, c) with n == a * q_idx + b * kv_idx + c, or None if n is not affine in them.
+    Integer coefficients only, as torch computes them: ``(q_idx * 0.7)`` rounds in float32 and
+    ``.long()`` of it truncates, so a band derived from exact arithmetic would be off by a row."""
     if n.op == "q_idx":
         return 1.0, 0.0, 0.0
     if n.op == "kv_idx":
         return 0.0, 1.0, 0.0
-    if n.op == "const" and not isinstance(n.value, bool):
+    if n.op == "const" and not isinstance(n.value, bool) and float(n.value).is_integer():
         return 0.0, 0.0, float(n.value)
-    if n.op == "cast" and n.dtype != torch.bool:
+    if n.op == "cast" and n.dtype in _EXACT_CASTS and (n.args[0].dtype in _EXACT_CASTS[:2] or n.dtype.is_floating_point):
         return _affine(n.args[0])
     if n.op in ("add", "sub"):
         x, y = _affine(n.args[0]), _affine(n.args[1])

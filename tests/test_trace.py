@@ -165,7 +165,14 @@ class _Box:
         self.ids = ids
 
 
-def _boxed(box: _Box):
+class _Slotted:  # no __dict__: what it holds is not looked at
+    __slots__ = ("ids",)
+
+    def __init__(self, ids):
+        self.ids = ids
+
+
+def _boxed(box):
     return lambda b, h, q, kv: box.ids[q] == box.ids[kv]
 
 
@@ -175,8 +182,9 @@ def _aliased(a: torch.Tensor, b: torch.Tensor):
 
 def test_a_trace_is_reused_only_where_it_holds_for_the_new_closure(monkeypatch):
     """Traced anew: other captured numbers, other tensor shapes or dtypes, one captured tensor
-    where there were two, an object of unknown kind, and a mod that read a captured tensor's
-    values on the host while traced (what it computed from them is baked into its trace)."""
+    where there were two, an object whose contents are not looked at, and a mod that read a
+    captured tensor's values on the host while traced (what it computed from them is baked
+    into its trace). Reused: a tensor in an object's attribute, as one in a closure."""
     seen = _traces(monkeypatch)
     ids, other = mods.document_ids([10, 14]), mods.document_ids([12, 12])
     pairs = [(_capped(torch.tensor([9]), 3), _capped(torch.tensor([9]), 4)),
@@ -184,15 +192,16 @@ def test_a_trace_is_reused_only_where_it_holds_for_the_new_closure(monkeypatch):
              (_capped(torch.tensor([9]), 3), _capped(torch.tensor([9], dtype=torch.int32), 3)),
              (_read_on_host(torch.tensor([3])), _read_on_host(torch.tensor([5]))),
              (_aliased(ids, other), _aliased(ids, ids)),
-             (_boxed(_Box(ids)), _boxed(_Box(other)))]
+             (_boxed(_Slotted(ids)), _boxed(_Slotted(other)))]
     for first, second in pairs:
         graphs = [trace_mask_mod(first)]
         before = len(seen)
         graphs.append(trace_mask_mod(second))
         assert len(seen) == before + 1, second
         assert all(_same_mask(g, m) for g, m in zip(graphs, (first, second)))
+    trace_mask_mod(_boxed(_Box(ids)))
     before = len(seen)
-    for same_as_before in (_capped(torch.tensor([5]), 3), _aliased(other, ids)):
+    for same_as_before in (_capped(torch.tensor([5]), 3), _aliased(other, ids), _boxed(_Box(other))):
         assert _same_mask(trace_mask_mod(same_as_before), same_as_before)
     assert len(seen) == before
 
@@ -224,6 +233,11 @@ def test_diagonal_band():
     assert band(mods.prefix_lm(4)) is None
     assert band(lambda b, h, q, kv: (q >= kv) & (h == 0)) is None
     assert band(lambda b, h, q, kv: 2 * q >= kv) is None
+    # as torch computes them: exact integer casts keep a band, rounding and truncation do not
+    assert band(lambda b, h, q, kv: q.float() - kv.double() <= 4.0) == (None, 4)
+    assert band(lambda b, h, q, kv: (q * 0.5).long() >= (kv * 0.5).long()) is None  # blocks of 2, causal
+    assert band(lambda b, h, q, kv: (q - kv) * 0.7 >= 6.3) is None  # False at distance 9 in float32
+    assert band(lambda b, h, q, kv: q.half() >= kv.half()) is None  # float16 rounds positions past 2048
 
 
 @pytest.mark.parametrize("fn, match", [
