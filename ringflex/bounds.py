@@ -8,6 +8,11 @@ None, and the planner evaluates the block densely, so the answer is always exact
 sliding-window, prefix-LM, document and 2-D masks are decided in microseconds however long
 the sequence.
 
+Floating-point values are ranged as if computed exactly, then widened by what torch may round
+them by in the dtype it computes them in (``_widen``): a block whose answer lies within that
+rounding (an int32 distance of 9 times 0.7 gives 6.2999997 in float32, not 6.3) is left to
+dense evaluation. Integers and booleans are exact, so integer masks keep their exact answers.
+
 The same rules run on tensors of ranges (``tile_ranges``): every query of a block against
 every tile of its keys at once, which tells the cuDNN kernel's exact plan which tiles it need
 not evaluate pair by pair (``ringflex.extents``).
@@ -22,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .trace import UnsupportedModError, trace_mask_mod
+from .trace import COMPARISONS, UnsupportedModError, trace_mask_mod
 
 
 class Undecided(Exception):
@@ -224,12 +229,48 @@ _UNARY = {
 }
 
 
+_ULPS = 4  # eps a rounded op may be off by: half of one for + - * /, a few for exp, tanh, ...
+_ROUNDED = frozenset({"add", "sub", "mul", "div", "exp", "log", "sqrt", "tanh", "sigmoid"})
+
+
+def _widen(r: Range, dtype: torch.dtype) -> Range:
+    """``r`` grown outward by what a value computed in ``dtype`` may be rounded by: ``_ULPS``
+    eps of it, and the smallest normal number (underflow, flushed to zero on GPUs). Undecided
+    where the value may overflow to inf (inf - inf is nan, which no comparison holds for)."""
+    info = torch.finfo(dtype)
+    lo, hi = (_map(float, torch.Tensor.double, x) for x in (r.lo, r.hi))
+    _undecided_if((abs(lo) > info.max) | (abs(hi) > info.max), f"a value that may overflow {dtype}")
+    return Range(lo - abs(lo) * (_ULPS * info.eps) - info.tiny, hi + abs(hi) * (_ULPS * info.eps) + info.tiny)
+
+
+def _computed_in(n) -> Optional[torch.dtype]:
+    """The floating-point dtype torch computes node ``n`` in, its operands converted to it, or
+    None (integers and booleans are exact; a lookup reads the table's values as they are). A
+    comparison computes in its operands' common dtype: an index tensor against 6.3, float32."""
+    if n.op == "index":
+        return None
+    dtype = n.dtype
+    if n.op in COMPARISONS:
+        dtype = torch.result_type(*(a.value if a.op in ("const", "tensor") else torch.empty(1, dtype=a.dtype)
+                                    for a in n.args))
+    return dtype if dtype.is_floating_point else None
+
+
+def _converted(a, dtype: torch.dtype) -> bool:
+    """Whether operand node ``a`` is rounded on its way into a ``dtype`` op: a Python number
+    (exact here, 0.7 is not in float32) or a value of another dtype (positions past 2**24)."""
+    return a.dtype != torch.bool and (a.op == "const" or a.dtype != dtype)
+
+
 def _ranges(graph, env, tables):
     """The range of every node of ``graph``, inputs given by ``env`` and captured tensors by
     ``tables`` (by node id); the output's range."""
     memo = {}
     for n in graph.nodes:
         args = [memo[id(a)] for a in n.args]
+        dtype = _computed_in(n)
+        if dtype is not None:
+            args = [_widen(_as_range(r), dtype) if _converted(a, dtype) else r for a, r in zip(n.args, args)]
         if n.op in env:
             v = env[n.op]
         elif n.op == "const":
@@ -248,7 +289,7 @@ def _ranges(graph, env, tables):
             v = _BINARY[n.op](_as_range(args[0]), _as_range(args[1]))
         else:
             raise Undecided(f"no range rule for {n.op}")
-        memo[id(n)] = v
+        memo[id(n)] = _widen(v, dtype) if dtype is not None and n.op in _ROUNDED else v
     return _as_range(memo[id(graph.output)])
 
 
