@@ -36,6 +36,19 @@ def _ring_group(group):
     return process_group(group) if group is not None else dist.group.WORLD
 
 
+def _no_shares(world_size: int):
+    """What a rank that rejects a call shares of its plan: as many ints as a plan's shares."""
+    return [0] * (2 * world_size) + lending.NO_OFFER
+
+
+def reject(error: str, group=None):
+    """Raises ``error`` as the ``CallRejected`` of a ring call on every rank of ``group``: for a
+    call refused before ``ring_flex_attention`` (by ``RingFlexMode``, ``varlen_attention``),
+    which may be refused on one rank only while the others wait in their calls' check."""
+    group = _ring_group(group)
+    validate.reject(group, error, _no_shares(dist.get_world_size(group) if group is not None else 1))
+
+
 @torch.compiler.disable(reason="ring_flex_attention runs collectives and plans from the mask at run time: "
                         "it is a graph break by design, the code around it compiles")
 def ring_flex_attention(
@@ -124,7 +137,7 @@ def ring_flex_attention(
     agreement = validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group, layout=layout,
                                scale=scale, enable_gqa=enable_gqa, backend=backend, sinks=sinks,
                                return_lse=return_lse, debug=debugging, prepare=prepare, shares=shares,
-                               no_shares=[0] * (2 * world_size) + lending.NO_OFFER,
+                               no_shares=_no_shares(world_size),
                                kernel_of=lambda result: result[1].name)
     if agreement.failed_here or debugging:  # raises here (or, debugging, agrees before the checks below)
         agreement.wait()

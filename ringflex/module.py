@@ -43,7 +43,7 @@ from torch.nn.attention import flex_attention as _flex
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
 from . import mods
-from .api import ring_flex_attention
+from .api import reject, ring_flex_attention
 from .parallel.groups import process_group
 from .parallel.layout import check_layout
 from .validate import BACKENDS
@@ -93,12 +93,15 @@ def _is_torch_flex(value) -> bool:
     return type(value) is types.FunctionType and value.__dict__.get("_torchdynamo_orig_callable") is _TORCH_FLEX
 
 
-def attention(query, key, value, *, score_mod=None, mask_mod=None, scale=None, enable_gqa=False, sinks=None):
+def attention(query, key, value, *, score_mod=None, mask_mod=None, scale=None, enable_gqa=False, sinks=None,
+              error: Optional[str] = None):
     """Attention over the sharded sequence of the active ``RingFlexMode`` (its group, layout,
-    backend and extra mask). For integrations that call attention directly (Hugging Face)."""
+    backend and extra mask). For integrations that call attention directly (Hugging Face).
+    ``error``: the call cannot be routed; it raises on every rank of the mode's group, as a
+    bad ring call does (it may be refused on one rank only: a padding mask of its tokens)."""
     if has_torch_function((query, key, value)):
         return handle_torch_function(attention, (query, key, value), query, key, value, score_mod=score_mod,
-                                     mask_mod=mask_mod, scale=scale, enable_gqa=enable_gqa, sinks=sinks)
+                                     mask_mod=mask_mod, scale=scale, enable_gqa=enable_gqa, sinks=sinks, error=error)
     raise RuntimeError("ringflex attention was called outside RingFlexAttention / RingFlexMode: wrap the model "
                        "(RingFlexAttention(model, group=...)) or run it inside `with RingFlexMode(group=...)`")
 
@@ -258,6 +261,9 @@ class RingFlexMode(TorchFunctionMode):
         if func is flex_attention:
             return self._flex(*args, **kwargs)
         if func is attention:
+            error = kwargs.pop("error", None)
+            if error is not None:
+                self._refuse(error)
             return self._ring(*args, **kwargs)
         if _FLEX_HOP is not None and func is _FLEX_HOP:
             raise RuntimeError(
@@ -271,6 +277,11 @@ class RingFlexMode(TorchFunctionMode):
                                "cannot route it: call F.scaled_dot_product_attention, flex_attention or (for packed "
                                "sequences) ringflex.varlen_attention instead")
         return func(*args, **kwargs)
+
+    def _refuse(self, error: str):
+        """Raises ``error`` on every rank: a call may be refused on one rank only (a model that
+        reads its positions, which differ per rank), while the others' calls wait in the ring."""
+        reject(error, self.group)
 
     def _world_size(self) -> int:
         dist = torch.distributed
@@ -295,13 +306,14 @@ class RingFlexMode(TorchFunctionMode):
     def _sdpa(self, query, key, value, *args, **kwargs):
         attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_arguments(query, key, value, *args, **kwargs)
         if attn_mask is not None:
-            raise ValueError(
+            self._refuse(
                 "scaled_dot_product_attention: RingFlexMode cannot route a dense attn_mask (it describes local, not "
                 "global, positions); express the mask as a mask_mod: flex_attention with "
-                "create_block_mask(mask_mod, ...), or RingFlexMode(mask_mod=...) with is_causal")
+                "create_block_mask(mask_mod, ...), or RingFlexMode(mask_mod=...) with is_causal; a Hugging Face "
+                "model: load it with attn_implementation=\"ringflex\" (ringflex.integrations.hf.register())")
         if dropout_p:
-            raise ValueError(f"scaled_dot_product_attention: RingFlexMode does not support dropout, got "
-                             f"dropout_p={dropout_p}; pass dropout_p=0.0 (e.g. put the model in eval mode)")
+            self._refuse(f"scaled_dot_product_attention: RingFlexMode does not support dropout, got "
+                         f"dropout_p={dropout_p}; pass dropout_p=0.0 (e.g. put the model in eval mode)")
         return self._ring(query, key, value, mask_mod=mods.causal if is_causal else None, scale=scale,
                           enable_gqa=enable_gqa)
 
@@ -330,7 +342,7 @@ class RingFlexMode(TorchFunctionMode):
         ]
         for is_refused, why in refused:
             if is_refused:
-                raise ValueError(f"nn.MultiheadAttention: RingFlexMode cannot route {why}")
+                self._refuse(f"nn.MultiheadAttention: RingFlexMode cannot route {why}")
         inputs = [a[name] for name in ("query", "key", "value")]
         unbatched = inputs[0].dim() == 2
         if unbatched:
@@ -350,13 +362,16 @@ class RingFlexMode(TorchFunctionMode):
     def _flex(self, query, key, value, *args, **kwargs):
         bound = _FLEX_SIGNATURE.bind(query, key, value, *args, **kwargs).arguments
         block_mask = bound.get("block_mask")
-        mask_mod = None if block_mask is None else _mask_from_block_mask(
-            block_mask, query.shape[-2], key.shape[-2], self._world_size())
+        try:
+            mask_mod = None if block_mask is None else _mask_from_block_mask(
+                block_mask, query.shape[-2], key.shape[-2], self._world_size())
+        except (TypeError, ValueError) as e:
+            self._refuse(str(e))
         return_aux = bound.get("return_aux")
         if return_aux is not None and bound.get("return_lse"):  # as torch's flex_attention
-            raise ValueError("flex_attention: cannot specify both return_lse and return_aux")
+            self._refuse("flex_attention: cannot specify both return_lse and return_aux")
         if return_aux is not None and getattr(return_aux, "max_scores", False):
-            raise ValueError("flex_attention: RingFlexMode cannot return max_scores; request AuxRequest(lse=True) only")
+            self._refuse("flex_attention: RingFlexMode cannot return max_scores; request AuxRequest(lse=True) only")
         want_lse = bool(bound.get("return_lse")) or (return_aux is not None and return_aux.lse)
         result = self._ring(query, key, value, score_mod=bound.get("score_mod"), mask_mod=mask_mod,
                             scale=bound.get("scale"), enable_gqa=bool(bound.get("enable_gqa")), return_lse=want_lse)

@@ -310,10 +310,7 @@ def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, bac
     the ring must run, which rows of a block any rank still needs, and what work the ranks have.
     ``kernel_of(prepare())``: the name of the kernel chosen, which every rank must share."""
     world_size = dist.get_world_size(group) if group is not None else 1
-    failed = fault.failure(group)
-    if failed:
-        raise fault.RingFailure(f"ringflex: the ring on this process group failed earlier ({failed}); "
-                                "create a new process group")
+    _raise_if_failed_before(group)
     error = local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, group, sinks)
     result, cause = None, None
     if error is None and prepare is not None:
@@ -331,3 +328,23 @@ def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, bac
     values = [0] * len(_FIELDS) if error else [get(args) for _, get, _ in _FIELDS]
     return Agreement(result, error, cause, _Exchange(group, values + mine, error, "the argument check",
                                                      fault.CallRejected))
+
+
+def reject(group, error: str, no_shares: Sequence[int]):
+    """Raises ``error`` as ``CallRejected`` on every rank of ``group``, as ``check`` does for a
+    bad call: for a call this rank refuses before it reaches ``check`` (a model's attention
+    call that cannot be routed, which may depend on this rank's tokens), while the other
+    ranks' calls wait in their check. ``no_shares``: as ``check``'s, so the records match."""
+    _raise_if_failed_before(group)
+    exchange = None
+    if group is not None and dist.get_world_size(group) > 1:
+        exchange = _Exchange(group, [0] * len(_FIELDS) + list(no_shares), error, "the argument check",
+                             fault.CallRejected)
+    Agreement(error=error, exchange=exchange).wait()
+
+
+def _raise_if_failed_before(group) -> None:
+    failed = fault.failure(group)
+    if failed:
+        raise fault.RingFailure(f"ringflex: the ring on this process group failed earlier ({failed}); "
+                                "create a new process group")

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import mods
-from .api import ring_flex_attention
+from .api import reject, ring_flex_attention
 from .parallel import layout as layouts
 from .parallel.groups import process_group, rank_and_size
 from .parallel.shard import shard, unshard
@@ -132,9 +132,10 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, packed: PackedSequences, *
     """
     local = packed.padded_len // packed.world_size
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3 or t.shape[0] != local:
-            raise ValueError(f"{name} must be [{local}, heads, head_dim] (this rank's shard of {packed.padded_len} "
-                             f"packed tokens), got shape {tuple(t.shape)}")
+        if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[0] != local:  # raised on every rank: the others wait
+            got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            reject(f"varlen_attention: {name} must be [{local}, heads, head_dim] (this rank's shard of "
+                   f"{packed.padded_len} packed tokens), got {got}", packed.group)
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out = ring_flex_attention(q4, k4, v4, score_mod=score_mod, mask_mod=packed.mask_mod(causal), group=packed.group,
                               layout=packed.layout, scale=scale, enable_gqa=enable_gqa, backend=backend, sinks=sinks)

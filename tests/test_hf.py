@@ -141,9 +141,24 @@ def test_unroutable_calls_raise():
             hf.ringflex_attention_forward(_Layer(), q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
         with pytest.raises(ValueError, match="dropout"):
             hf.ringflex_attention_forward(_Layer(), q, q, q, None, dropout=0.1)
-    with pytest.raises(ValueError, match="padding attention_mask"):
-        hf.ringflex_mask(attention_mask=torch.tensor([[True, False]]))
+        padded = hf.ringflex_mask(attention_mask=torch.tensor([[True, False]]))  # raised by the attention call
+        with pytest.raises(ValueError, match="padding attention_mask"):
+            hf.ringflex_attention_forward(_Layer(), q, q, q, padded)
     assert hf.ringflex_mask(attention_mask=torch.ones(1, 2, dtype=torch.bool)) is None
+
+
+def _padded_on_one_rank(rank, world_size):
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    mask = hf.ringflex_mask(attention_mask=torch.tensor([[True, rank != 0]]))
+    with ringflex.RingFlexMode(), pytest.raises(ringflex.CallRejected) as refused:
+        hf.ringflex_attention_forward(_Layer(), q, q, q, mask)
+    return str(refused.value)
+
+
+def test_a_call_refused_on_one_rank_raises_on_every_rank():
+    """Rank 0's tokens are padded, rank 1's are not: rank 1 was left waiting in the ring."""
+    for message in run_world(2, _padded_on_one_rank):
+        assert message.startswith("ring_flex_attention: rank 0: ringflex attention cannot use a padding"), message
 
 
 def test_gpt_oss_attention_sinks_match_single_process():
@@ -187,8 +202,7 @@ def test_masks_are_read_from_the_mask_function():
     zero = torch.tensor(0)
     assert torch.equal(chunked.mask_mod(zero, zero, q, kv), (kv <= q) & (q // 4 == kv // 4))
     images = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.tensor([[0, 0, -1, -1]])))
-    with pytest.raises(ValueError, match="blockwise_overlay"):
-        hf.ringflex_mask(mask_function=images)
+    assert "built it with blockwise_overlay" in hf.ringflex_mask(mask_function=images).error
 
 
 def _compiled_layer_warnings(rank, world_size):

@@ -3,6 +3,7 @@ the single-process output, input gradients and (summed) parameter gradients, in 
 nn.MultiheadAttention and nn.TransformerEncoderLayer too); calls that cannot be routed raise."""
 import copy
 import functools
+import time
 
 import pytest
 import torch
@@ -163,6 +164,27 @@ def _qkv(seq_len=8):
 def test_calls_that_cannot_be_routed_raise(call, match):
     with RingFlexMode(), pytest.raises(ValueError, match=match):
         call(*_qkv())
+
+
+def _refused_on_one_rank(rank, world_size):
+    """Rank 0's model asks for a dense mask (as transformers does for positions it reads as two
+    packed sequences), the others' for causal attention: how each call ends, and how fast."""
+    q, k, v = (ringflex.shard(t, 2) for t in _qkv(8 * world_size))
+    start = time.monotonic()
+    with RingFlexMode(), pytest.raises(ringflex.CallRejected) as refused:
+        if rank == 0:
+            F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+        else:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return str(refused.value), time.monotonic() - start
+
+
+def test_a_call_refused_on_one_rank_raises_on_every_rank():
+    """The others were left waiting in the ring's argument check (20 s, until rank 0 exited)."""
+    for message, seconds in run_world(2, _refused_on_one_rank):
+        assert message.startswith("ring_flex_attention: rank 0: scaled_dot_product_attention: RingFlexMode cannot "
+                                  "route a dense attn_mask"), message
+        assert seconds < 10
 
 
 def test_unreplaceable_flex_reference_is_refused():

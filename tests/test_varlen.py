@@ -4,6 +4,7 @@ forward and backward), with the padding isolated."""
 import pytest
 import torch
 
+import ringflex
 from harness import run_world
 from oracle import attention as oracle
 from ringflex import mods
@@ -100,3 +101,18 @@ def test_varlen_ring_matches_each_sequence_alone(world_size, layout, causal, pad
     for rank, (got_len, errors) in enumerate(run_world(world_size, _ring, layout, causal, with_sinks)):
         assert got_len == padded_len
         assert max(errors) < 1e-12, (rank, errors)
+
+
+def _wrong_shape_on_one_rank(rank, world_size):
+    packed = PackedSequences.from_lengths([5, 11])
+    local = [torch.zeros(8 + (rank == 0 and name == "q"), 2, 4) for name in "qkv"]
+    with pytest.raises(ringflex.CallRejected) as refused:
+        varlen_attention(*local, packed)
+    return str(refused.value)
+
+
+def test_a_shape_wrong_on_one_rank_raises_on_every_rank():
+    """The other ranks were left waiting in the ring's argument check."""
+    for message in run_world(2, _wrong_shape_on_one_rank):
+        assert message == ("ring_flex_attention: rank 0: varlen_attention: q must be [8, heads, head_dim] (this "
+                           "rank's shard of 16 packed tokens), got shape (9, 2, 4)")

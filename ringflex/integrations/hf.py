@@ -17,6 +17,7 @@ know (image tokens attending bidirectionally), dropout, position biases.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -54,31 +55,43 @@ def _chunks(size: int):
 
 class LayerMask:
     """What ``ringflex_mask`` hands a layer whose mask its attention call's arguments do not
-    describe (Llama 4's chunked attention): the mask as a mod at global positions."""
+    describe (Llama 4's chunked attention): the mask as a mod at global positions; or, where
+    the mask cannot be routed, why (raised by the attention call, on every rank of the ring)."""
 
-    def __init__(self, mask_mod):
-        self.mask_mod = mask_mod
+    def __init__(self, mask_mod=None, error: Optional[str] = None):
+        self.mask_mod, self.error = mask_mod, error
 
 
 def ringflex_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                                is_causal=None, sliding_window=None, softcap=None, **kwargs):
     """The AttentionInterface function: q [B, Hq, S_local, D], k/v [B, Hkv, S_local, D] ->
-    ([B, S_local, Hq, D], None). Runs inside ``RingFlexAttention`` / ``RingFlexMode``."""
+    ([B, S_local, Hq, D], None). Runs inside ``RingFlexAttention`` / ``RingFlexMode``. A call
+    it cannot route raises on every rank (one rank's tokens may be padded, the others' not)."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    error = _unroutable(attention_mask, dropout, kwargs.get("position_bias"), causal, sliding_window)
+    if error is not None:
+        attention(query, key, value, error=error)
     if isinstance(attention_mask, LayerMask):
         return _attend(query, key, value, attention_mask, None, softcap, scaling, kwargs.get("s_aux")), None
-    if attention_mask is not None:
-        raise ValueError("ringflex attention got an attention_mask tensor: padding and custom masks describe local "
-                         "positions; pack sequences instead (ringflex.PackedSequences) and pass their mask_mod to "
-                         "RingFlexAttention")
-    if dropout:
-        raise ValueError(f"ringflex attention does not support dropout (got {dropout}); set the config's "
-                         "attention dropout to 0 or use model.eval()")
-    if kwargs.get("position_bias") is not None:
-        raise ValueError("ringflex attention cannot route position_bias")
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    if sliding_window and not causal:
-        raise ValueError("ringflex attention supports sliding_window only for causal attention")
     return _attend(query, key, value, causal, sliding_window, softcap, scaling, kwargs.get("s_aux")), None
+
+
+def _unroutable(attention_mask, dropout, position_bias, causal, sliding_window) -> Optional[str]:
+    """Why an attention call cannot run as a ring, or None."""
+    if isinstance(attention_mask, LayerMask):
+        return attention_mask.error
+    if attention_mask is not None:
+        return ("ringflex attention got an attention_mask tensor: padding and custom masks describe local "
+                "positions; pack sequences instead (ringflex.PackedSequences) and pass their mask_mod to "
+                "RingFlexAttention")
+    if dropout:
+        return (f"ringflex attention does not support dropout (got {dropout}); set the config's attention dropout "
+                "to 0 or use model.eval()")
+    if position_bias is not None:
+        return "ringflex attention cannot route position_bias"
+    if sliding_window and not causal:
+        return "ringflex attention supports sliding_window only for causal attention"
+    return None
 
 
 # Eager even inside compiled code: dynamo traces past lru_cache, and every call would then
@@ -102,12 +115,15 @@ def ringflex_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv
     is read from ``mask_function`` into a ``LayerMask``; a padding mask, which local positions
     cannot express, or a part of a mask ringflex does not know raises."""
     if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError("ringflex attention cannot use a padding attention_mask: pack the sequences "
-                         "(ringflex.PackedSequences) instead of padding them")
+        return LayerMask(error="ringflex attention cannot use a padding attention_mask: pack the sequences "
+                               "(ringflex.PackedSequences) instead of padding them")
     if mask_function is None:
         return None
     parts = set()
-    mask_mod = _as_mod(mask_function, parts)
+    try:
+        mask_mod = _as_mod(mask_function, parts)
+    except ValueError as e:
+        return LayerMask(error=str(e))
     return None if parts <= {"causal", "sliding window"} else LayerMask(mask_mod)
 
 
