@@ -229,7 +229,9 @@ _UNARY = {
 }
 
 
-_ULPS = 4  # eps a rounded op may be off by: half of one for + - * /, a few for exp, tanh, ...
+# eps by which one op may round: half of one for + - * / and conversions, a few for exp, tanh, ...
+# Each op widens its own result, so the margins of a formula's several ops add up.
+_ULPS = 4
 _ROUNDED = frozenset({"add", "sub", "mul", "div", "exp", "log", "sqrt", "tanh", "sigmoid"})
 
 
@@ -247,7 +249,7 @@ def _computed_in(n) -> Optional[torch.dtype]:
     """The floating-point dtype torch computes node ``n`` in, its operands converted to it, or
     None (integers and booleans are exact; a lookup reads the table's values as they are). A
     comparison computes in its operands' common dtype: an index tensor against 6.3, float32."""
-    if n.op == "index":
+    if n.op == "index" or not (n.dtype.is_floating_point or any(a.dtype.is_floating_point for a in n.args)):
         return None
     dtype = n.dtype
     if n.op in COMPARISONS:

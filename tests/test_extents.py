@@ -1,17 +1,28 @@
-"""Row extents from tiles of keys (``ringflex.extents``) against the whole mask evaluated."""
+"""Row extents from tiles of keys (``ringflex.extents``) against the whole mask evaluated, and
+the ranges they come from (``ringflex.bounds``) where the mask computes in floating point."""
 import random
 
 import pytest
 import torch
 
-from ringflex import extents, mods
-from ringflex.bounds import tile_ranges
+import ringflex
+from harness import run_world
+from oracle import attention
+from ringflex import bounds, extents, mods
+from ringflex.bounds import block_decider, tile_ranges
 from ringflex.plan import Segment, evaluate_mask
 from ringflex.trace import trace_mask_mod
 
 IDS = mods.document_ids([5, 11, 3, 13, 300, 1, 200, 90, 400, 2000])
 FLAGS = torch.arange(len(IDS)) % 7 < 2
 SCORES = (torch.arange(len(IDS)) * 0.37) % 1
+
+
+def float_distance(b, h, q, kv):
+    """Hides distance 9, as torch computes it: in float32, 9 * 0.7 is 6.2999997 < 6.3."""
+    return (q - kv) * 0.7 >= 6.3
+
+
 MASKS = {
     "causal": mods.causal,
     "documents": mods.document(IDS),
@@ -29,6 +40,7 @@ MASKS = {
     "shifted_lookup": lambda b, h, q, kv: IDS[q - 40] == IDS[kv],  # negative indices count from the end
     "flagged_keys": lambda b, h, q, kv: FLAGS[kv] | (kv <= q),  # a bool table
     "scored_keys": lambda b, h, q, kv: (SCORES[kv] > 0.3) & (kv <= q),  # a float table
+    "float_distance": float_distance,
 }
 
 
@@ -158,3 +170,47 @@ def test_dense_row_extents_follow_their_definition(name):
     """Rows of one run, of several (checkerboard, flagged and scored keys), and of none."""
     allowed = evaluate_mask(MASKS[name], 1, 1, torch.arange(256, 512), torch.arange(0, 384))[0, 0]
     assert torch.equal(extents.dense_row_extents(allowed), _by_definition(allowed))
+
+
+def test_a_float_comparison_decided_only_within_rounding_is_left_to_the_mask(monkeypatch):
+    """Distances 9 to 23 hold by exact arithmetic (9 * 0.7 >= 6.3) but not as torch computes
+    them: the block is not FULL. Integer masks never reach the rounding margin, and keep
+    their FULL and EMPTY blocks."""
+    decide, block = block_decider(float_distance, 1, 1), (Segment(16, 1, 8), Segment(0, 1, 8))
+    allowed = evaluate_mask(float_distance, 1, 1, block[0].positions(), block[1].positions())
+    assert decide(*block) is None and not allowed.all() and allowed.any()
+    assert decide(Segment(17, 1, 8), Segment(0, 1, 8)) is True and decide(Segment(0, 1, 8), Segment(0, 1, 8)) is False
+    half = block_decider(lambda b, h, q, kv: q.half() - kv.half() >= 1, 1, 1)  # 4097 is 4096 in float16
+    assert half(Segment(4097, 1, 1), Segment(4096, 1, 1)) is None
+
+    monkeypatch.setattr(bounds, "_widen", None)  # fails if called
+    docs = mods.document(mods.document_ids([16, 16]))
+    expected = [(mods.causal, 8, 0, True), (mods.causal, 0, 8, False), (mods.sliding_window(16), 8, 0, True),
+                (mods.sliding_window(4), 16, 0, False), (mods.prefix_lm(16), 0, 8, True), (mods.prefix_lm(8), 0, 8, False),
+                (docs, 8, 0, True), (docs, 16, 0, False), (mods.image_neighbourhood(16, 32, 2), 160, 0, False)]
+    for mask_mod, q_start, kv_start, kind in expected:
+        assert block_decider(mask_mod, 1, 1)(Segment(q_start, 1, 8), Segment(kv_start, 1, 8)) is kind
+    image = block_decider(mods.image_neighbourhood(16, 32, 2), 1, 1)
+    assert image(Segment(138, 1, 2), Segment(138, 1, 2)) is True
+
+
+def _float_distance_errors(rank, world_size, layout):
+    """Worst absolute error of output and q/k/v gradients on this rank, against one process."""
+    torch.manual_seed(0)
+    seq_len = 8 * world_size
+    q, k, v, dout = (torch.randn(1, 2, seq_len, 8, dtype=torch.float64) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = attention(*full, mask_mod=float_distance)
+    expected.backward(dout)
+    local = [ringflex.shard(t, 2, layout=layout).requires_grad_() for t in (q, k, v)]
+    out = ringflex.ring_flex_attention(*local, mask_mod=float_distance, layout=layout, backend="reference")
+    out.backward(ringflex.shard(dout, 2, layout=layout))
+    return [(got - ringflex.shard(want, 2, layout=layout)).abs().max().item()
+            for got, want in zip([out] + [t.grad for t in local], [expected] + [t.grad for t in full])]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_with_a_float_mask_matches_single_process(world_size, layout):
+    for rank, errors in enumerate(run_world(world_size, _float_distance_errors, layout)):
+        assert max(errors) < 1e-10, (rank, errors)
