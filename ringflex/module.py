@@ -386,7 +386,9 @@ class RingFlexAttention(nn.Module):
 
     ``RingFlexAttention(model, group=g, layout="zigzag")(*inputs)`` computes what ``model``
     computes on one device, given this rank's shards of the inputs (and the global position
-    ids, for RoPE). ``mask_mod`` may be changed between steps (new packed documents).
+    ids, for RoPE). ``mask_mod`` may be changed between steps (new packed documents), once the
+    backward of the forwards that used it ran: activation checkpointing recomputes them in
+    backward with the ``mask_mod`` set then (docs/guide.md, "Wrapping a model").
     """
 
     def __init__(self, module: nn.Module, *, group=None, layout: str = "zigzag", backend: str = "auto",
