@@ -7,6 +7,7 @@ and ``reduce_gradients`` sums them over the group.
 """
 from __future__ import annotations
 
+import sys
 from typing import Iterable, List, Mapping, Optional
 
 import torch
@@ -109,16 +110,20 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group=None) -> No
     A parameter that got no gradient on some ranks (a branch their tokens skipped) gets the
     sum of the others' (zero where it had none); one that got none anywhere keeps none. Every
     rank must pass the same parameters: checked first, so that a mismatch raises the same
-    ValueError on every rank instead of hanging the all-reduce.
+    ValueError on every rank instead of hanging the all-reduce. Parameters FSDP2 shards over
+    another dimension of the mesh (``fully_shard(model, mesh=mesh["dp"])``) sum their local
+    shards: each rank of the ring holds the same shard of them.
     """
     if _group_size(group) == 1:
         return
     group = process_group(group)
+    params = list(parameters)
     buckets = {}
-    for p in _with_grad_on_any_rank(list(parameters), group):
+    for p in _with_grad_on_any_rank(params, group, _sharded_over_ring(params, group)):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+        grad = p.grad.to_local() if isinstance(p.grad, _dtensor()) else p.grad
+        buckets.setdefault((grad.dtype, grad.device), []).append(grad)
     for grads in buckets.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
@@ -126,12 +131,32 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group=None) -> No
             g.copy_(part.view_as(g))
 
 
-def _with_grad_on_any_rank(params: List[torch.nn.Parameter], group) -> List[torch.nn.Parameter]:
+def _dtensor():
+    """torch's DTensor class, or () where no module imported it (importing it takes 0.5 s):
+    then no parameter is one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module.DTensor if module is not None else ()
+
+
+def _sharded_over_ring(params: List[torch.nn.Parameter], group) -> Optional[str]:
+    """Why the ranks of ``group`` cannot sum these gradients, or None: FSDP shards some of
+    them over ranks of the ring itself (a mesh that includes them), and reduces them itself."""
+    ring = set(dist.get_process_group_ranks(group))
+    for p in params:
+        if isinstance(p, _dtensor()) and len(ring & set(p.device_mesh.mesh.flatten().tolist())) > 1:
+            return ("reduce_gradients: FSDP shards these parameters over ranks of the ring's group (its mesh "
+                    f"{p.device_mesh}), and its reduce-scatter averages their gradients over them already: do not "
+                    "call reduce_gradients, multiply the loss by the ring's size instead")
+    return None
+
+
+def _with_grad_on_any_rank(params: List[torch.nn.Parameter], group, error: Optional[str] = None
+                           ) -> List[torch.nn.Parameter]:
     """The parameters that have a gradient on at least one rank, once every rank is known to
     have passed as many, of the same shapes and dtypes (over the group's CPU side, as the
-    ring's argument check)."""
+    ring's argument check), and none had an ``error``."""
     layout = validate.digest(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
-    records = validate.exchange(group, [len(params), layout], None, "reduce_gradients")
+    records = validate.exchange(group, [len(params), layout], error, "reduce_gradients")
     if any(r != records[0] for r in records):
         raise ValueError("reduce_gradients: the ranks passed different parameters ("
                          + ", ".join(f"rank {r}: {n} parameters, shapes and dtypes {code:016x}"

@@ -5,7 +5,10 @@ the rank out is refused before any collective."""
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import ringflex
 from cases import cases, make_inputs
@@ -82,3 +85,48 @@ def test_a_mesh_of_two_dimensions_and_other_objects_are_refused_before_any_colle
     for rank in (2, 3):
         assert results[rank][6:] == [f"group does not include this process (global rank {rank}): only the ranks "
                                      "of the group may call ringflex with it"] * 3
+
+
+class _Tiny(nn.Module):
+    """Embedding, one causal attention, a head: SDPA, which RingFlexAttention routes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.qkv, self.head = nn.Embedding(11, 16), nn.Linear(16, 48), nn.Linear(16, 11)
+        self.double()
+
+    def forward(self, tokens):
+        q, k, v = self.qkv(self.embed(tokens)).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        return self.head(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+
+
+def _fsdp_over_data_ring_over_context(rank, world_size):
+    """FSDP2 over ``dp``, the ring over ``cp``: every parameter's gradient against one process
+    that averages the two replicas' losses; and FSDP over all ranks, refused."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    tokens = torch.randint(0, 11, (2, 1, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 11, (2, 1, 16), generator=torch.Generator().manual_seed(1))
+    single = _Tiny()
+    sum(F.cross_entropy(single(t).flatten(0, 1), l.flatten()) for t, l in zip(tokens, labels)).div(2).backward()
+    model = _Tiny()
+    fully_shard(model, mesh=mesh["dp"])
+    wrapped = ringflex.RingFlexAttention(model, group=mesh["cp"], backend="reference")
+    replica = mesh.get_local_rank("dp")
+    local = training.shard_batch({"t": tokens[replica], "l": labels[replica]}, group=mesh["cp"])
+    training.sharded_cross_entropy(wrapped(local["t"]), local["l"], group=mesh["cp"]).backward()
+    training.reduce_gradients(model.parameters(), mesh["cp"])
+    errors = [(p.grad.full_tensor() - w.grad).abs().max().item() for p, w in zip(model.parameters(), single.parameters())]
+    everywhere = _Tiny()
+    fully_shard(everywhere, mesh=init_device_mesh("cpu", (4,)))
+    everywhere(tokens[0]).sum().backward()
+    with pytest.raises(ValueError, match="FSDP shards these parameters over ranks of the ring's group") as refused:
+        training.reduce_gradients(everywhere.parameters(), mesh["cp"])
+    return max(errors), str(refused.value)
+
+
+def test_fsdp_over_the_data_dimension_and_the_ring_over_the_context_dimension():
+    """reduce_gradients sums each rank's shard of FSDP2's gradients over the ring (it failed on
+    them: they are DTensors); where FSDP shards over the ring's ranks it reduces them itself."""
+    for error, _ in run_world(4, _fsdp_over_data_ring_over_context):
+        assert error < 1e-12
