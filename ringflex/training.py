@@ -156,11 +156,11 @@ def _with_grad_on_any_rank(params: List[torch.nn.Parameter], group, error: Optio
     have passed as many, of the same shapes and dtypes (over the group's CPU side, as the
     ring's argument check), and none had an ``error``."""
     layout = validate.digest(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
-    records = validate.exchange(group, [len(params), layout], error, "reduce_gradients")
+    records = validate.exchange(group, [len(params), layout], error, "reduce_gradients", caller=None)
     if any(r != records[0] for r in records):
         raise ValueError("reduce_gradients: the ranks passed different parameters ("
                          + ", ".join(f"rank {r}: {n} parameters, shapes and dtypes {code:016x}"
                                      for r, (n, code) in enumerate(records))
                          + "); pass the same model's parameters on every rank")
-    has_grad = validate.exchange(group, [p.grad is not None for p in params], None, "reduce_gradients")
+    has_grad = validate.exchange(group, [p.grad is not None for p in params], None, "reduce_gradients", caller=None)
     return [p for p, *anywhere in zip(params, *has_grad) if any(anywhere)]

@@ -246,7 +246,7 @@ def test_untraceable_mask_falls_back_to_dense():
 def _unshard_unequal(rank, world_size):
     messages = []
     for x, dim in ((torch.zeros(1, 2, 4 + 2 * rank), 2), (torch.zeros(1, 2, 4, dtype=torch.float64 if rank else torch.float32), 2),
-                   (torch.zeros(1, 2, 4), 5 if rank else 2)):
+                   (torch.zeros(1, 2, 4), 5 if rank else 2), (torch.zeros(2, 2, 2), 2 if rank else 1)):
         try:
             ringflex.unshard(x, dim, layout="contiguous")
             messages.append("no error")
@@ -256,13 +256,14 @@ def _unshard_unequal(rank, world_size):
 
 
 def test_unshard_of_unequal_shards_raises_on_every_rank():
-    """Shards that differ in shape or dtype, or a dim that is none of a rank's: the same error
-    on every rank, no hang."""
+    """Shards that differ in shape or dtype, a dim that is none of a rank's, or ranks that
+    gather along different dims: the same error on every rank, no hang."""
     messages = run_world(2, _unshard_unequal, timeout=60)
     assert messages[0] == messages[1]
-    shapes, dtypes, dims = messages[0]
-    assert "rank 0: (1, 2, 4) float32, rank 1: (1, 2, 6) float32" in shapes
-    assert "rank 0: (1, 2, 4) float32, rank 1: (1, 2, 4) float64" in dtypes
-    assert "rank 1: unshard: dim must be an int in [-3, 3) for x of shape (1, 2, 4), got 5" in dims
+    shapes, dtypes, dims, other_dims = messages[0]
+    assert "rank 0: (1, 2, 4) float32 along dim 2, rank 1: (1, 2, 6) float32 along dim 2" in shapes
+    assert "rank 0: (1, 2, 4) float32 along dim 2, rank 1: (1, 2, 4) float64 along dim 2" in dtypes
+    assert dims == "rank 1: unshard: dim must be an int in [-3, 3) for x of shape (1, 2, 4), got 5"
+    assert "rank 0: (2, 2, 2) float32 along dim 1, rank 1: (2, 2, 2) float32 along dim 2" in other_dims
     with pytest.raises(ValueError, match=r"shard: dim must be an int in \[-3, 3\)"):
         ringflex.shard(torch.zeros(1, 2, 4), 3)

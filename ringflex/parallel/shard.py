@@ -59,15 +59,18 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 def _check_same_shards(x: Tensor, dim, group) -> None:
     """Raises the same error on every rank if the shards differ in shape or dtype (an
-    all_gather of unequal tensors would hang or kill a rank), or a rank's ``dim`` is not one of them."""
+    all_gather of unequal tensors would hang or kill a rank), the ranks gather along different
+    dims, or a rank's ``dim`` is not one of its tensor's."""
     if x.dim() > _MAX_DIMS:
         raise ValueError(f"unshard supports tensors of at most {_MAX_DIMS} dims, got {x.dim()}")
-    mine = [_dtype_code(x.dtype), x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim())
-    records = validate.exchange(group, mine, _dim_error("unshard", x, dim) or None, "unshard")
+    error = _dim_error("unshard", x, dim) or None
+    mine = [_dtype_code(x.dtype), 0 if error else dim % x.dim(), x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim())
+    records = validate.exchange(group, mine, error, "unshard", caller=None)
     if any(r != mine for r in records):
         names = {_dtype_code(d): str(d).replace("torch.", "") for d in vars(torch).values() if isinstance(d, torch.dtype)}
-        raise ValueError("unshard: the ranks' shards differ (" + ", ".join(
-            f"rank {rank}: {tuple(r[2:2 + r[1]])} {names.get(r[0], '?')}" for rank, r in enumerate(records)) + ")")
+        raise ValueError("unshard: the ranks' shards or dims differ (" + ", ".join(
+            f"rank {rank}: {tuple(r[3:3 + r[2]])} {names.get(r[0], '?')} along dim {r[1]}"
+            for rank, r in enumerate(records)) + ")")
 
 
 class _Gather(torch.autograd.Function):
