@@ -196,7 +196,7 @@ _UNARY_ATEN = {
     aten.tanh: "tanh", aten.sigmoid: "sigmoid", aten.floor: "floor",
     aten.logical_not: "not", aten.bitwise_not: "not",
 }
-_IDENTITY_ATEN = {aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy, aten.expand, aten.contiguous}
+_IDENTITY_ATEN = {aten.clone, aten.alias, aten.lift_fresh_copy, aten.expand, aten.contiguous}
 _CAST_ATEN = {aten._to_copy, aten.to}
 _FILL_ATEN = {aten.full_like: None, aten.full: None, aten.zeros_like: 0, aten.ones_like: 1, aten.scalar_tensor: None,
               aten.new_zeros: 0, aten.new_ones: 1, aten.zeros: 0, aten.ones: 1}  # and_masks starts from new_ones
@@ -247,6 +247,9 @@ def _convert_call(n: torch.fx.Node, env) -> Node:
                                       f"{', '.join(str(x.dtype) for x in operands)}")
     if packet in _IDENTITY_ATEN:
         return arg(0)
+    if packet is aten.detach:  # the same values; a captured tensor read so takes no gradient
+        x = arg(0)
+        return Node("tensor", value=x.value.detach(), dtype=x.dtype) if x.op == "tensor" else x
     if packet in _BINARY_ATEN:
         y = arg(1) if kw.get("alpha", 1) == 1 else op("mul", arg(1), const(kw["alpha"]))
         return op(_BINARY_ATEN[packet], arg(0), y, dtype=dtype)

@@ -292,6 +292,8 @@ def test_tensors_requiring_grad_are_found_where_grad_mode_is_on():
     learnable = lambda score, b, h, q_idx, kv_idx: score + table[h] + frozen[h]  # noqa: E731
     assert tensors_requiring_grad(learnable) == (table,)
     assert tensors_requiring_grad(lambda score, b, h, q_idx, kv_idx: score + frozen[h]) == ()
+    # read through .detach(): no gradient (it got one of zeros, which weight decay then moved)
+    assert tensors_requiring_grad(lambda score, b, h, q_idx, kv_idx: score + table.detach()[h]) == ()
     assert tensors_requiring_grad(None) == ()
     with torch.no_grad():
         assert tensors_requiring_grad(learnable) == ()
