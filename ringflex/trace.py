@@ -663,8 +663,11 @@ _EXACT_CASTS = (torch.int32, torch.int64, torch.float32, torch.float64)
 
 def _affine(n: Node) -> Optional[Tuple[float, float, float]]:
     """(a, b, c) with n == a * q_idx + b * kv_idx + c, or None if n is not affine in them.
-    Integer coefficients only, as torch computes them: ``(q_idx * 0.7)`` rounds in float32 and
-    ``.long()`` of it truncates, so a band derived from exact arithmetic would be off by a row."""
+    Integer arithmetic only, as torch computes it: ``(q_idx * 0.7)`` rounds in float32 (so does
+    ``q_idx * 1e8``, past 2**24) and ``.long()`` of it truncates, so a band derived from exact
+    arithmetic would be off by a row. Integers cast to float32 or float64 stay exact."""
+    if n.op in ("add", "sub", "neg", "mul") and n.dtype.is_floating_point:
+        return None
     if n.op == "q_idx":
         return 1.0, 0.0, 0.0
     if n.op == "kv_idx":

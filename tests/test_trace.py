@@ -234,10 +234,11 @@ def test_diagonal_band():
     assert band(lambda b, h, q, kv: (q >= kv) & (h == 0)) is None
     assert band(lambda b, h, q, kv: 2 * q >= kv) is None
     # as torch computes them: exact integer casts keep a band, rounding and truncation do not
-    assert band(lambda b, h, q, kv: q.float() - kv.double() <= 4.0) == (None, 4)
+    assert band(lambda b, h, q, kv: (q - kv).float() <= 4.0) == (None, 4)
     assert band(lambda b, h, q, kv: (q * 0.5).long() >= (kv * 0.5).long()) is None  # blocks of 2, causal
     assert band(lambda b, h, q, kv: (q - kv) * 0.7 >= 6.3) is None  # False at distance 9 in float32
     assert band(lambda b, h, q, kv: q.half() >= kv.half()) is None  # float16 rounds positions past 2048
+    assert band(lambda b, h, q, kv: q * 1e8 >= kv * 1e8) is None  # float32 products round past 2**24
 
 
 @pytest.mark.parametrize("fn, match", [
