@@ -14,6 +14,7 @@ from ringflex.kernels.base import Mods
 from ringflex.kernels.flex import FlexKernel, _flex_attention
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.plan import Segment
+from test_numerics import _score_ignoring_errors
 from test_ring import TOLERANCE, _lse_gradient_errors, _max_errors, _tensor_gradient_errors, _with_kernel
 
 TILE = 4  # small tiles: the toy blocks of the ring tests hold several
@@ -100,6 +101,18 @@ def test_learnable_tensors_get_their_gradients_on_the_flex_kernel(world_size):
                 for rank, errors in enumerate(run_world(world_size, _flex_tensor_errors, "zigzag"))
                 for (name, reads_lse), errs in errors.items() if max(errs) > 1e-10]
     assert not failures, "\n".join(failures)
+
+
+def _flex_score_ignoring_errors(rank, world_size):
+    _with_kernel(_kernel())
+    return _score_ignoring_errors(rank, world_size)
+
+
+def test_score_mods_that_ignore_the_score_on_the_flex_kernel():
+    """dq = dk = 0 where the score is ignored, though the dense stand-in's LSE then has no gradient."""
+    for rank, errors in enumerate(run_world(2, _flex_score_ignoring_errors)):
+        failures = {name: errs for name, errs in errors.items() if max(errs) > 1e-10}
+        assert not failures, f"rank {rank}: out/dq/dk/dv/dbias errors {failures}"
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -287,8 +287,10 @@ class FlexKernel:
             weight = torch.where(hop_lse.isneginf(), 0.0, torch.exp(hop_lse.to(dtype) - lse.to(dtype)))
             d_out = (weight.unsqueeze(-1) * dout).to(hop_out.dtype)
             d_lse = (weight * (dout * (hop_out.to(dtype) - out.to(dtype))).sum(-1)).to(hop_lse.dtype)
-            grads = torch.autograd.grad((hop_out, hop_lse), (*inputs, *tensors), (d_out, d_lse), allow_unused=True)
-            return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (*inputs, *tensors))]
+            # An LSE computed from scores that ignore q and k (a score_mod that ignores the
+            # score) may have no gradient: only outputs that have one are differentiated.
+            outputs, upstream = zip(*((o, d) for o, d in ((hop_out, d_out), (hop_lse, d_lse)) if o.requires_grad))
+            return torch.autograd.grad(outputs, (*inputs, *tensors), upstream, allow_unused=True, materialize_grads=True)
 
         def uncompiled():
             return ReferenceKernel().backward(q, k, v, out, lse, dout, q_seg, kv_seg, mods, scale, masked, tensors)

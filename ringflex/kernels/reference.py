@@ -100,10 +100,13 @@ class ReferenceKernel:
             do_c = dof[:, :, begin:end]
             dv += torch.matmul(p.transpose(-1, -2), do_c)
             ds = p * (torch.matmul(do_c, vf.transpose(-1, -2)) - delta[:, :, begin:end].unsqueeze(-1))
-            gq, gk, *g_tensors = torch.autograd.grad(s, (qc, kc, *tensors), ds, allow_unused=True)
+            if not s.requires_grad:  # constant: the score_mod ignores the score and reads no learnable tensor
+                continue
+            # Unused inputs get zeros: the score_mod may read no score, or the mask hide every read.
+            gq, gk, *g_tensors = torch.autograd.grad(s, (qc, kc, *tensors), ds, allow_unused=True,
+                                                     materialize_grads=True)
             dq[:, :, begin:end] = gq
             dk += gk
             for total, g in zip(d_tensors, g_tensors):
-                if g is not None:  # None where the mask hid every score that reads it
-                    total += g
+                total += g
         return (dq, _reduce_heads(dk, groups), _reduce_heads(dv, groups), *d_tensors)

@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared test matrix lives in tests/
 from cases import Case, cases, make_inputs  # noqa: E402
 from oracle import visible_extent  # noqa: E402
+from test_numerics import score_ignoring_mods  # noqa: E402
 from test_trace import EXTRA_SCORE_MODS  # noqa: E402
 from ringflex import kernels, mods
 from ringflex.kernels.base import Mods
@@ -634,6 +635,8 @@ class _FakeGraph:
         self.kept = [(kw.get(name), lower) for name in ("score_mod", "score_mod_bprop")]
         self.modified = kw["score_mod"](shim, self.score) if kw.get("score_mod") else self.score
         self.ds_in = kw["score_mod_bprop"](shim, self.ds) if kw.get("score_mod_bprop") else self.ds
+        if not (self.modified.virtual and self.ds_in.virtual):
+            raise RuntimeError("a score_mod callback returned a graph input, not a tensor computed from the score")
 
     validate = check_support = build_plans = lambda self, *a: None
 
@@ -785,6 +788,25 @@ LOWERING_MODS = {  # operand orders and shapes the matrix does not reach
 def test_lowering_of_operand_orders_emulated(name, monkeypatch):
     module = _emulated(monkeypatch)
     _check_emulated(LOWERING_MODS[name], {k: SEGMENTS[k] for k in ("offsets", "striped")}, depths=(0, 2))
+    module.clear_cache()
+
+
+@needs_cudnn
+@pytest.mark.parametrize("name", sorted(score_ignoring_mods(SEQ, SLOPES)))
+def test_score_mods_that_ignore_the_score_match_reference(name):
+    """A modified score that was a graph input (a constant, a hoisted bias) got no engine from cuDNN
+    (std::bad_cast: H100, frontend 1.32); dq = dk = 0 where the score is ignored."""
+    case = Case(*score_ignoring_mods(SEQ, SLOPES.cuda())[name])
+    for segs, (q_seg, kv_seg) in SEGMENTS.items():
+        _check(f"{name} {segs}", case, q_seg, kv_seg, CudnnKernel())
+
+
+@pytest.mark.parametrize("name", sorted(score_ignoring_mods(SEQ, SLOPES)))
+def test_lowering_of_score_mods_that_ignore_the_score_emulated(name, monkeypatch):
+    """Their derivative by the score is 0 (in rows that never read it, for one of them): dq = dk
+    = 0 there, no NaN; a result that is a constant or a hoisted input is computed in the graph."""
+    module = _emulated(monkeypatch)
+    _check_emulated(Case(*score_ignoring_mods(SEQ, SLOPES)[name]), SEGMENTS, depths=(0, 2))
     module.clear_cache()
 
 

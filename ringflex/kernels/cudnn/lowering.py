@@ -127,7 +127,9 @@ class Emitter:
         out = score
         if self.lowering.score is not None:
             self.memo[id(self._leaf(self.lowering.score, "score"))] = score
-            out = self._number(self.lowering.score.output)
+            # A score_mod that ignores the score may give a graph input (a constant, a hoisted
+            # bias): the modified score must be computed from the score's, as cuDNN fuses it.
+            out = self._computed(self._number(self.lowering.score.output))
         if self.lowering.mask is not None:
             out = self._choose(self.lowering.mask.output, out, self._const(-math.inf))
         return out
