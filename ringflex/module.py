@@ -278,6 +278,15 @@ class RingFlexMode(TorchFunctionMode):
                                "sequences) ringflex.varlen_attention instead")
         return func(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def with_mask(self, mask_mod: Optional[Callable]):
+        """``mask_mod`` as the extra mask inside, the mode's own after."""
+        kept, self.mask_mod = self.mask_mod, mask_mod
+        try:
+            yield
+        finally:
+            self.mask_mod = kept
+
     def _refuse(self, error: str):
         """Raises ``error`` on every rank: a call may be refused on one rank only (a model that
         reads its positions, which differ per rank), while the others' calls wait in the ring."""
@@ -386,17 +395,19 @@ class RingFlexAttention(nn.Module):
 
     ``RingFlexAttention(model, group=g, layout="zigzag")(*inputs)`` computes what ``model``
     computes on one device, given this rank's shards of the inputs (and the global position
-    ids, for RoPE). ``mask_mod`` may be changed between steps (new packed documents), once the
-    backward of the forwards that used it ran: activation checkpointing recomputes them in
-    backward with the ``mask_mod`` set then (docs/guide.md, "Wrapping a model").
+    ids, for RoPE). ``mask_mod`` may be changed between steps (new packed documents).
+    ``checkpoint=True``: activation checkpointing of ``module`` (torch's, non-reentrant), whose
+    recompute runs in the ring too, with the ``mask_mod`` of its forward. A checkpoint taken
+    inside ``module`` recomputes with the ``mask_mod`` set when backward runs (docs/guide.md,
+    "Wrapping a model").
     """
 
     def __init__(self, module: nn.Module, *, group=None, layout: str = "zigzag", backend: str = "auto",
-                 mask_mod: Optional[Callable] = None):
+                 mask_mod: Optional[Callable] = None, checkpoint: bool = False):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        self.module = module
+        self.module, self.checkpoint = module, bool(checkpoint)
         self.mode = RingFlexMode(group=group, layout=layout, backend=backend, mask_mod=mask_mod)
 
     @property
@@ -411,5 +422,11 @@ class RingFlexAttention(nn.Module):
 
     @functools.partial(torch.compiler.disable, recursive=False)  # the model's frames still compile
     def forward(self, *args, **kwargs):
-        with self.mode:
+        if self.checkpoint and torch.is_grad_enabled():  # the mask is an input: the recompute gets it again
+            return torch.utils.checkpoint.checkpoint(self._run, self.mode.mask_mod, *args, use_reentrant=False,
+                                                     **kwargs)
+        return self._run(self.mode.mask_mod, *args, **kwargs)
+
+    def _run(self, mask_mod: Optional[Callable], *args, **kwargs):
+        with self.mode, self.mode.with_mask(mask_mod):
             return self.module(*args, **kwargs)
