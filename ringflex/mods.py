@@ -68,7 +68,9 @@ def alibi_slopes(num_heads: int) -> Tensor:
 
 
 def alibi(slopes: Tensor):
-    """ALiBi: a linear penalty of ``slopes[h]`` per token of distance."""
+    """ALiBi, causal form: ``slopes[h] * (kv_idx - q_idx)`` added to each score, a penalty per
+    token a key lies before its query (use it with a causal mask: keys after the query would
+    get a bonus)."""
     def alibi_score(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
     return alibi_score

@@ -18,8 +18,8 @@ How the calls are found:
   that hands the call to the mode. The patch is process-wide but harmless: outside a mode (in
   any thread) a stand-in calls the function it replaced, and the last mode to exit restores them.
 
-Limits: a reference the patch cannot see (an attribute, closure or default argument holding
-the function) still reaches torch's flex_attention, which the mode then refuses with an error
+Limits: a reference the patch cannot see (an attribute, closure, default argument or local
+variable holding the function) still reaches torch's flex_attention, which the mode then refuses with an error
 naming the cause. ``torch.compile(RingFlexAttention(model))`` compiles the model inside the
 mode: the wrapper's own frame runs eagerly, so the names are replaced before dynamo traces the
 model. A mode entered inside compiled code is traced without replacing them, and refused.
@@ -268,8 +268,9 @@ class RingFlexMode(TorchFunctionMode):
         if _FLEX_HOP is not None and func is _FLEX_HOP:
             raise RuntimeError(
                 "RingFlexMode: torch's flex_attention was reached through a reference ringflex could not replace "
-                "(the function kept in an attribute, closure or default argument): call it through a module-level "
-                "name (torch.nn.attention.flex_attention.flex_attention, or a name imported or compiled from it); "
+                "(the function kept in an attribute, closure, default argument or local variable): call it through a "
+                "module-level name (torch.nn.attention.flex_attention.flex_attention, or a name imported or compiled "
+                "from it); "
                 "or the mode was entered inside torch.compile'd code, which traces its entry without replacing "
                 "the names: enter it outside, or compile the model inside RingFlexAttention")
         if getattr(func, "overloadpacket", func) in _LOCAL_ATTENTION:
