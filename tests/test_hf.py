@@ -88,8 +88,9 @@ MODELS = {"llama": (_llama, "sdpa", 2), "gpt_oss": (_gpt_oss, "eager", 1), "gemm
           "llama4_chunked": (_llama4_chunked, "eager", 1)}
 
 
-def _compare(rank, world_size, layout, model_name="llama"):
-    """Logits and summed parameter gradients: the model on the ring against one process."""
+def _compare(rank, world_size, layout, model_name="llama", checkpointed_layers=False):
+    """Logits and summed parameter gradients: the model on the ring against one process. With
+    ``checkpointed_layers`` each decoder layer is wrapped and checkpointed by the wrapper."""
     build, single_attention, batch = MODELS[model_name]
     hf.register()
     seq_len = SEQ_PER_RANK * world_size
@@ -104,6 +105,11 @@ def _compare(rank, world_size, layout, model_name="llama"):
     model = build()
     model.set_attn_implementation("ringflex")
     wrapped = ringflex.RingFlexAttention(model, layout=layout, backend="reference")
+    if checkpointed_layers:
+        layers = model.model.layers
+        for i, layer in enumerate(layers):
+            layers[i] = ringflex.RingFlexAttention(layer, layout=layout, backend="reference", checkpoint=True)
+        wrapped = model
     local = shard_batch({"tokens": tokens, "weight": weight}, layout=layout)
     got = wrapped(input_ids=local["tokens"], position_ids=position_ids(seq_len, layout=layout).expand(batch, -1),
                   use_cache=False).logits
@@ -117,6 +123,13 @@ def _compare(rank, world_size, layout, model_name="llama"):
 @pytest.mark.parametrize("world_size,layout", [(2, "zigzag")])
 def test_llama_ring_matches_single_process(world_size, layout):
     for out_error, grad_error in run_world(world_size, _compare, layout):
+        assert out_error < 1e-10 and grad_error < 1e-10, (out_error, grad_error)
+
+
+def test_llama_layers_checkpointed_by_their_wrappers_match_single_process():
+    """Gradient checkpointing of a Hugging Face model: each decoder layer wrapped with
+    ``checkpoint=True``, its recompute in the ring."""
+    for out_error, grad_error in run_world(2, _compare, "zigzag", "llama", True):
         assert out_error < 1e-10 and grad_error < 1e-10, (out_error, grad_error)
 
 
