@@ -102,6 +102,11 @@ def attention(query, key, value, *, score_mod=None, mask_mod=None, scale=None, e
     if has_torch_function((query, key, value)):
         return handle_torch_function(attention, (query, key, value), query, key, value, score_mod=score_mod,
                                      mask_mod=mask_mod, scale=scale, enable_gqa=enable_gqa, sinks=sinks, error=error)
+    if torch._C._current_graph_task_id() != -1:  # inside a backward: a checkpointed layer's recompute
+        raise RuntimeError("ringflex attention was called outside RingFlexAttention / RingFlexMode during backward: "
+                           "activation checkpointing recomputes a layer there, outside the wrapper (transformers' "
+                           "activation_checkpointing_enable / gradient_checkpointing_enable do); wrap each "
+                           "checkpointed layer instead: RingFlexAttention(layer, group=..., checkpoint=True)")
     raise RuntimeError("ringflex attention was called outside RingFlexAttention / RingFlexMode: wrap the model "
                        "(RingFlexAttention(model, group=...)) or run it inside `with RingFlexMode(group=...)`")
 

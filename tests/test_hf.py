@@ -126,6 +126,30 @@ def test_llama_ring_matches_single_process(world_size, layout):
         assert out_error < 1e-10 and grad_error < 1e-10, (out_error, grad_error)
 
 
+def _checkpointed_by_transformers(rank, world_size):
+    hf.register()
+    model = _llama()
+    model.set_attn_implementation("ringflex")
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    wrapped = ringflex.RingFlexAttention(model, backend="reference")
+    tokens = shard_batch(torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1)))
+    logits = wrapped(input_ids=tokens, position_ids=position_ids(16).expand(1, -1), use_cache=False).logits
+    with pytest.raises(RuntimeError) as raised:
+        logits.sum().backward()
+    return str(raised.value)
+
+
+def test_checkpointing_inside_the_wrapper_says_how_to_checkpoint():
+    """transformers' checkpointing recomputes the layers outside the wrapper: the attention call
+    says so, where it told the user to wrap the model they had wrapped."""
+    for message in run_world(2, _checkpointed_by_transformers):
+        assert "during backward" in message and "RingFlexAttention(layer, group=..., checkpoint=True)" in message
+
+
 def test_llama_layers_checkpointed_by_their_wrappers_match_single_process():
     """Gradient checkpointing of a Hugging Face model: each decoder layer wrapped with
     ``checkpoint=True``, its recompute in the ring."""
