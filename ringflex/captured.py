@@ -100,6 +100,7 @@ def _attributes(value, names: frozenset):
                 break
 
 
+@functools.lru_cache(maxsize=1024)  # every ring call walks its mods: read each code object once
 def _names_read(code: types.CodeType) -> frozenset:
     """The names ``code`` (and the code defined inside it) reads: globals and attributes."""
     codes, names = [code], set()
