@@ -34,7 +34,7 @@ import inspect
 import sys
 import threading
 import types
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -179,6 +179,20 @@ def _namespaces():
 
 
 _PATCH = _FlexPatch()
+_ENTERED = threading.local()
+
+
+def _entered() -> List["RingFlexMode"]:
+    """The RingFlexModes this thread is inside, outermost first."""
+    if not hasattr(_ENTERED, "modes"):
+        _ENTERED.modes = []
+    return _ENTERED.modes
+
+
+def _ring_of(group):
+    """``group`` as the ring it names (None: the default group)."""
+    dist = torch.distributed
+    return group if group is not None or not (dist.is_available() and dist.is_initialized()) else dist.group.WORLD
 
 
 class _MaskCombiner:
@@ -227,7 +241,8 @@ class RingFlexMode(TorchFunctionMode):
     Every q/k/v that reaches attention must be this rank's shard of the sequence in ``layout``
     (see ``ringflex.shard``); every rank must make the same calls. ``mask_mod`` (optional) is
     ANDed onto every call's mask -- the document mask of a packed batch, for a model that only
-    knows ``is_causal``. Calls that cannot be routed exactly raise instead of computing
+    knows ``is_causal`` -- and so are those of the modes it is entered inside on the same ring
+    and layout (a wrapped block inside a wrapped model). Calls that cannot be routed exactly raise instead of computing
     something else: a dense ``attn_mask``, ``dropout_p > 0``, a BlockMask without mask_mod,
     ``nn.MultiheadAttention`` asked for its attention weights.
     """
@@ -241,21 +256,35 @@ class RingFlexMode(TorchFunctionMode):
             raise TypeError(f"mask_mod must be callable or None, got {type(mask_mod).__name__}")
         self.group, self.layout, self.backend, self.mask_mod = process_group(group), layout, backend, mask_mod
         self._combine = _MaskCombiner()
+        self._outer: List[Optional[Callable]] = []  # per entry: the extra mask of the modes around it
 
     def __enter__(self):
+        enclosing = _entered()[-1] if _entered() else None
+        if enclosing is not None and (_ring_of(enclosing.group), enclosing.layout) != (_ring_of(self.group), self.layout):
+            enclosing = None  # another ring: the positions its masks read are not this one's
         _refuse_torch_varlen()
         _PATCH.acquire()
         try:
-            return super().__enter__()
+            entered = super().__enter__()
         except BaseException:
             _PATCH.release()
             raise
+        self._outer.append(enclosing.extra_mask() if enclosing is not None else None)
+        _entered().append(self)
+        return entered
 
     def __exit__(self, *exc):
+        _entered().pop()
+        self._outer.pop()
         try:
             return super().__exit__(*exc)
         finally:
             _PATCH.release()
+
+    def extra_mask(self) -> Optional[Callable]:
+        """The mask this mode ANDs onto every call: its ``mask_mod`` and those of the modes it
+        was entered inside on the same ring and layout (a wrapped block inside a wrapped model)."""
+        return self._combine(self.mask_mod, self._outer[-1] if self._outer else None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -285,13 +314,15 @@ class RingFlexMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
     @contextlib.contextmanager
-    def with_mask(self, mask_mod: Optional[Callable]):
-        """``mask_mod`` as the extra mask inside, the mode's own after."""
-        kept, self.mask_mod = self.mask_mod, mask_mod
+    def with_mask(self, mask_mod: Optional[Callable], outer: Optional[Callable]):
+        """Inside: ``mask_mod`` as this entered mode's own mask, ``outer`` as what the modes around
+        it add (a checkpoint's recompute runs outside them); the mode's own after."""
+        kept = self.mask_mod, self._outer[-1]
+        self.mask_mod, self._outer[-1] = mask_mod, outer
         try:
             yield
         finally:
-            self.mask_mod = kept
+            self.mask_mod, self._outer[-1] = kept
 
     def _refuse(self, error: str):
         """Raises ``error`` on every rank: a call may be refused on one rank only (a model that
@@ -314,7 +345,7 @@ class RingFlexMode(TorchFunctionMode):
             query, key, value = (t if t.dtype == torch.float64 else t.to(dtype) for t in (query, key, value))
         with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
             return ring_flex_attention(query, key, value, score_mod=score_mod,
-                                       mask_mod=self._combine(mask_mod, self.mask_mod), group=self.group,
+                                       mask_mod=self._combine(mask_mod, self.extra_mask()), group=self.group,
                                        layout=self.layout, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
                                        backend=self.backend, sinks=sinks)
 
@@ -428,11 +459,12 @@ class RingFlexAttention(nn.Module):
 
     @functools.partial(torch.compiler.disable, recursive=False)  # the model's frames still compile
     def forward(self, *args, **kwargs):
-        if self.checkpoint and torch.is_grad_enabled():  # the mask is an input: the recompute gets it again
-            return torch.utils.checkpoint.checkpoint(self._run, self.mode.mask_mod, *args, use_reentrant=False,
-                                                     **kwargs)
-        return self._run(self.mode.mask_mod, *args, **kwargs)
+        masks = self.mode.mask_mod, (_entered()[-1].extra_mask() if _entered() else None)
+        if self.checkpoint and torch.is_grad_enabled():  # the masks are inputs: the recompute gets them again
+            return torch.utils.checkpoint.checkpoint(self._run, *masks, args, kwargs, use_reentrant=False)
+        return self._run(*masks, args, kwargs)
 
-    def _run(self, mask_mod: Optional[Callable], *args, **kwargs):
-        with self.mode, self.mode.with_mask(mask_mod):
+    @functools.partial(torch.compiler.disable, recursive=False)  # as forward: the mode enters eagerly
+    def _run(self, mask_mod: Optional[Callable], outer: Optional[Callable], args, kwargs):
+        with self.mode, self.mode.with_mask(mask_mod, outer):
             return self.module(*args, **kwargs)

@@ -7,6 +7,7 @@ import torch.utils.checkpoint as cp
 import ringflex
 from harness import run_world
 from ringflex import mods
+from ringflex.training import reduce_gradients
 
 WORLD, S, DIM, HEADS = 2, 16, 16, 2
 
@@ -69,8 +70,9 @@ class SdpaBlock(torch.nn.Module):
         self.qkv = torch.nn.Linear(DIM, 3 * DIM, dtype=torch.float64)
         self.forwards = 0
 
-    def forward(self, x):
+    def forward(self, x, debug=False):
         self.forwards += 1
+        x = x * 2 if debug else x
         q, k, v = self.qkv(x).unflatten(-1, (3, HEADS, DIM // HEADS)).permute(2, 0, 3, 1, 4)
         return x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
 
@@ -99,6 +101,48 @@ def test_the_wrappers_checkpointing_recomputes_with_the_mask_of_the_forward():
     (0.45 off in an audit); the wrapper's own keeps each forward's."""
     for error, forwards in run_world(WORLD, _micro_batches_with_their_masks, timeout=120):
         assert error < 1e-12 and forwards == [2, 4]
+
+
+def _nested(rank, world_size):
+    """Blocks wrapped (checkpointed or not, a ``debug`` keyword for the block) inside a model
+    wrapped with the documents' mask: the gradients against one process with that mask."""
+    documents = mods.document(mods.document_ids([5, 11]))
+    x = torch.randn(1, S, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    single = _Chain([SdpaBlock(), SdpaBlock()])
+    alone = [torch.distributed.new_group([r]) for r in range(world_size)][rank]  # a ring of this rank alone
+    with ringflex.RingFlexMode(group=alone, mask_mod=documents, backend="reference"):
+        (single(x, debug=True) ** 2).sum().backward()
+    errors = []
+    for checkpoint in (False, True):
+        torch.manual_seed(0)
+        blocks = [SdpaBlock(), SdpaBlock()]
+        inner = [ringflex.RingFlexAttention(b, checkpoint=checkpoint, backend="reference") for b in blocks]
+        model = ringflex.RingFlexAttention(_Chain(inner), mask_mod=documents, backend="reference")
+        (model(ringflex.shard(x, 1), debug=True) ** 2).sum().backward()
+        reduce_gradients(model.parameters())  # each rank's share: its tokens'
+        errors.append(max(((b.qkv.weight.grad - s.qkv.weight.grad).abs().max() / s.qkv.weight.grad.abs().max()).item()
+                          for b, s in zip(blocks, single.blocks)))
+    return errors
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x, debug=False):  # ``debug``: a keyword torch's checkpoint takes for itself
+        for block in self.blocks:
+            x = block(x, debug=debug)
+        return x
+
+
+def test_nested_wrappers_add_their_masks():
+    """A wrapped block inside a wrapped model: the outer wrapper's mask applies to the block's
+    calls too (it was dropped: gradients 10 off), also in the recompute of checkpoint=True, and
+    the block's own keywords reach it (checkpoint took ``debug`` for itself)."""
+    for errors in run_world(WORLD, _nested, timeout=120):
+        assert max(errors) < 1e-12, errors
 
 
 def _compiled(rank, world_size):
