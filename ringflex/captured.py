@@ -32,6 +32,14 @@ def parts(fn) -> List[object]:
     return found
 
 
+def snapshot(fn) -> tuple:
+    """What ``fn`` computes with, as it is now: its parts, tensors by identity and version (which
+    a write in place bumps), other objects by identity. Two snapshots differ where something it
+    reads changed in between (writes torch does not count, through ``.data``, excepted)."""
+    return tuple((id(p), p._version) if isinstance(p, Tensor) else p if isinstance(p, PLAIN + (tuple, types.CodeType))
+                 else id(p) for p in parts(fn))
+
+
 def _walk(value, found: List[object], depth: int, names: frozenset) -> None:
     """``names``: the attribute names that the code reaching ``value`` reads."""
     if depth > _MAX_DEPTH:

@@ -289,6 +289,25 @@ def test_what_the_mask_reads_may_change_between_calls():
         assert all(max(e) < 1e-12 for e in errors.values()), errors
 
 
+def _changed_before_backward(rank, world_size):
+    """What backward says where the documents a mask reads change between forward and backward
+    (as training code that sets the next batch's ids before the last backward might)."""
+    q, k, v, _ = make_inputs(cases(16)["no_mask"], 16, dtype=torch.float64)
+    local = [ringflex.shard(t, 2).requires_grad_() for t in (q, k, v)]
+    documents = _Documents(ringflex.mods.document_ids([5, 11]))
+    out = ringflex.ring_flex_attention(*local, mask_mod=documents)
+    documents.ids = ringflex.mods.document_ids([9, 7])
+    with pytest.raises(RuntimeError) as raised:
+        out.sum().backward()
+    return str(raised.value)
+
+
+def test_a_mask_changed_before_its_backward_raises():
+    """Backward evaluates the mask again: with the new documents it gave gradients 32 off."""
+    for message in run_world(2, _changed_before_backward):
+        assert "what the mask_mod reads changed since its forward" in message, message
+
+
 def test_a_second_derivative_raises_instead_of_being_zero():
     """A gradient penalty differentiates the gradients: the ring has no second derivative, and
     says so where they are differentiated, instead of treating them as constants."""

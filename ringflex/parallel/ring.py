@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from torch._C import _functions as autograd_nodes
 
+from .. import captured
 from ..kernels.base import HopKernel, Mods
 from ..kernels.reference import compute_dtype
 from ..lending import Loan, Offer
@@ -476,6 +477,22 @@ def _sink_grad(out: Tensor, lse: Tensor, dout: Optional[Tensor], dlse: Optional[
     return (weight * ((0.0 if dlse is None else dlse) - delta)).sum((0, 2)).to(sinks.dtype)
 
 
+def _mods_read(mods: Mods) -> Tuple[tuple, tuple]:
+    return captured.snapshot(mods.score_mod), captured.snapshot(mods.mask_mod)
+
+
+def _check_mods_unchanged(at_forward: Tuple[tuple, tuple], mods: Mods) -> None:
+    """Backward evaluates the mods again: raises where what they read changed since forward (a
+    captured tensor written in place, an attribute set, a global reassigned), which would give
+    the gradients of another attention than the forward computed."""
+    for name, before, now in zip(("score_mod", "mask_mod"), at_forward, _mods_read(mods)):
+        if before != now:
+            raise RuntimeError(f"ring_flex_attention backward: what the {name} reads changed since its forward (a "
+                               "captured tensor written in place, an attribute set or a global reassigned), and "
+                               "backward evaluates it again: change it only after backward, or pass a new mod (and "
+                               "keep the tensors the old one reads)")
+
+
 class RingAttention(torch.autograd.Function):
     """Autograd of the ring. ``call`` carries the plan, kernel, mods and scale to backward;
     ``sinks`` (or None) and ``call.tensors`` are inputs for their gradients."""
@@ -487,6 +504,7 @@ class RingAttention(torch.autograd.Function):
         if sinks is not None:
             out, lse = _with_sinks(out, lse, sinks)
         ctx.call = call
+        ctx.mods_read = _mods_read(call.mods)
         ctx.save_for_backward(q, k, v, out, lse, last_k, last_v, sinks, borrowed_q)
         ctx.set_materialize_grads(False)  # a loss that does not read the LSE costs no LSE backward
         return out, lse
@@ -499,6 +517,7 @@ class RingAttention(torch.autograd.Function):
             raise RuntimeError(f"ring_flex_attention backward: {capture}")
         dout = None if dout is None else dout.contiguous()  # None: the loss reads the LSE alone
         with guard(ctx.call.comm, "backward"), torch.no_grad():  # also under create_graph=True
+            _check_mods_unchanged(ctx.mods_read, ctx.call.mods)
             dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, last_k, last_v, dlse=dlse,
                                                   borrowed_q=borrowed_q)
             d_sinks = _sink_grad(out, lse, dout, dlse, sinks) if ctx.needs_input_grad[4] else None
