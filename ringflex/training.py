@@ -88,17 +88,25 @@ def sharded_cross_entropy(logits: Tensor, labels: Tensor, *, group=None, ignore_
     summed over the ranks, divided by the global count of labelled tokens: exactly the loss
     of the unsharded batch, however unevenly the labelled tokens fall on the ranks.
     """
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits [..., vocab] and labels [...] must match, got shapes {tuple(logits.shape)} "
-                         f"and {tuple(labels.shape)}")
-    flat = logits.reshape(-1, logits.shape[-1])
-    if flat.dtype in (torch.float16, torch.bfloat16):  # a sum over many tokens needs fp32
-        flat = flat.float()
-    local = F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction="sum")
-    count = (labels != ignore_index).sum().to(local.dtype)
     group = process_group(group)
-    if _group_size(group) > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    error, local = None, None
+    try:
+        if logits.shape[:-1] != labels.shape:
+            raise ValueError(f"logits [..., vocab] and labels [...] must match, got shapes {tuple(logits.shape)} "
+                             f"and {tuple(labels.shape)}")
+        flat = logits.reshape(-1, logits.shape[-1])
+        if flat.dtype in (torch.float16, torch.bfloat16):  # a sum over many tokens needs fp32
+            flat = flat.float()
+        local = F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction="sum")
+    except (ValueError, IndexError, RuntimeError) as e:  # a label out of range, on the CPU
+        if _group_size(group) == 1:
+            raise
+        error = f"sharded_cross_entropy: {type(e).__name__}: {e}"
+    if _group_size(group) == 1:
+        return local / (labels != ignore_index).sum().to(local.dtype)
+    validate.exchange(group, [], error, "sharded_cross_entropy", caller=None)  # the others' all-reduce would wait
+    count = (labels != ignore_index).sum().to(local.dtype)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
     return sum_over_ranks(local, group) / count
 
 

@@ -246,7 +246,8 @@ def test_untraceable_mask_falls_back_to_dense():
 def _unshard_unequal(rank, world_size):
     messages = []
     for x, dim in ((torch.zeros(1, 2, 4 + 2 * rank), 2), (torch.zeros(1, 2, 4, dtype=torch.float64 if rank else torch.float32), 2),
-                   (torch.zeros(1, 2, 4), 5 if rank else 2), (torch.zeros(2, 2, 2), 2 if rank else 1)):
+                   (torch.zeros(1, 2, 4), 5 if rank else 2), (torch.zeros(2, 2, 2), 2 if rank else 1),
+                   (torch.zeros((1,) * 9) if rank else torch.zeros((1,) * 8), 0), (None if rank else torch.zeros(1), 0)):
         try:
             ringflex.unshard(x, dim, layout="contiguous")
             messages.append("no error")
@@ -260,10 +261,12 @@ def test_unshard_of_unequal_shards_raises_on_every_rank():
     gather along different dims: the same error on every rank, no hang."""
     messages = run_world(2, _unshard_unequal, timeout=60)
     assert messages[0] == messages[1]
-    shapes, dtypes, dims, other_dims = messages[0]
+    shapes, dtypes, dims, other_dims, too_many_dims, not_a_tensor = messages[0]
     assert "rank 0: (1, 2, 4) float32 along dim 2, rank 1: (1, 2, 6) float32 along dim 2" in shapes
     assert "rank 0: (1, 2, 4) float32 along dim 2, rank 1: (1, 2, 4) float64 along dim 2" in dtypes
     assert dims == "rank 1: unshard: dim must be an int in [-3, 3) for x of shape (1, 2, 4), got 5"
     assert "rank 0: (2, 2, 2) float32 along dim 1, rank 1: (2, 2, 2) float32 along dim 2" in other_dims
+    assert too_many_dims == "rank 1: unshard supports tensors of at most 8 dims, got 9"  # rank 0 waited
+    assert not_a_tensor == "rank 1: unshard: x must be a torch.Tensor, got NoneType"
     with pytest.raises(ValueError, match=r"shard: dim must be an int in \[-3, 3\)"):
         ringflex.shard(torch.zeros(1, 2, 4), 3)

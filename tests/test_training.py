@@ -129,3 +129,18 @@ def test_reduce_gradients_of_different_parameters_raises_on_every_rank():
     messages = run_world(2, _reduce_different_models, timeout=60)
     assert messages[0] == messages[1]
     assert "rank 0: 2 parameters" in messages[0] and "rank 1: 3 parameters" in messages[0]
+
+
+def _bad_labels_on_one_rank(rank, world_size):
+    logits, labels = torch.randn(1, 8, 5, dtype=torch.float64), torch.randint(0, 5, (1, 8))
+    if rank == 0:
+        labels[0, 0] = 7  # past the vocabulary
+    with pytest.raises(ValueError) as raised:
+        sharded_cross_entropy(logits, labels)
+    return str(raised.value)
+
+
+def test_a_loss_refused_on_one_rank_raises_on_every_rank():
+    """The other ranks waited in the all-reduce of the labelled tokens' count."""
+    for message in run_world(2, _bad_labels_on_one_rank):
+        assert message == "rank 0: sharded_cross_entropy: IndexError: Target 7 is out of bounds."

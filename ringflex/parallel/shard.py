@@ -61,10 +61,11 @@ def _check_same_shards(x: Tensor, dim, group) -> None:
     """Raises the same error on every rank if the shards differ in shape or dtype (an
     all_gather of unequal tensors would hang or kill a rank), the ranks gather along different
     dims, or a rank's ``dim`` is not one of its tensor's."""
-    if x.dim() > _MAX_DIMS:
-        raise ValueError(f"unshard supports tensors of at most {_MAX_DIMS} dims, got {x.dim()}")
     error = _dim_error("unshard", x, dim) or None
-    mine = [_dtype_code(x.dtype), 0 if error else dim % x.dim(), x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim())
+    if error is None and x.dim() > _MAX_DIMS:
+        error = f"unshard supports tensors of at most {_MAX_DIMS} dims, got {x.dim()}"
+    mine = ([_dtype_code(x.dtype), dim % x.dim(), x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim()) if error is None
+            else [0] * (3 + _MAX_DIMS))
     records = validate.exchange(group, mine, error, "unshard", caller=None)
     if any(r != mine for r in records):
         names = {_dtype_code(d): str(d).replace("torch.", "") for d in vars(torch).values() if isinstance(d, torch.dtype)}
