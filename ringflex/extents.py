@@ -9,14 +9,13 @@ tiles it leaves open (a diagonal, a document's edge) are evaluated pair by pair.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from .bounds import tile_ranges
-from .cache import remember
+from .cache import ByObjects
 from .plan import Segment, evaluate_mask
 from .trace import ModGraph
 
@@ -32,12 +31,12 @@ _MAX_TILES = 1 << 24  # (query, tile) pairs ranged at once (64k x 32k keys: 2**2
 
 def mask_key(mask: ModGraph, *rest) -> tuple:
     """A key for what is computed from a traced mask's values: its captured tensors count by
-    identity and version, so new document ids are a new key."""
+    identity and version (kept in a ``cache.ByObjects`` with ``mask.tensors()``, so new
+    document ids are a new key even where they take the old ones' freed id)."""
     return (mask.fingerprint, tuple((id(t), t._version) for t in mask.tensors())) + rest
 
 
-_EXTENTS: "OrderedDict[tuple, Optional[Tensor]]" = OrderedDict()
-_MAX_EXTENTS = 16  # the blocks of a ring call or two: the cuDNN kernel's exact plans and lending read them
+_EXTENTS = ByObjects(16)  # the blocks of a ring call or two: the cuDNN kernel's exact plans and lending read them
 
 
 def row_extents(mask_mod: Callable, mask: ModGraph, q_seg: Segment, kv_seg: Segment, device) -> Optional[Tensor]:
@@ -49,10 +48,8 @@ def row_extents(mask_mod: Callable, mask: ModGraph, q_seg: Segment, kv_seg: Segm
     planned again is looked up."""
     if mask.deps & {"b", "h"}:
         return None
-    key = mask_key(mask, q_seg, kv_seg, str(device))
-    if key not in _EXTENTS:
-        remember(_EXTENTS, key, _row_extents(mask_mod, mask, q_seg, kv_seg, device), _MAX_EXTENTS)
-    return _EXTENTS[key]
+    return _EXTENTS.get(mask_key(mask, q_seg, kv_seg, str(device)), mask.tensors(),
+                        lambda: _row_extents(mask_mod, mask, q_seg, kv_seg, device))
 
 
 def _row_extents(mask_mod: Callable, mask: ModGraph, q_seg: Segment, kv_seg: Segment, device) -> Optional[Tensor]:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -17,8 +15,8 @@ import torch
 from torch import Tensor
 
 from . import captured
-from .cache import remember
 from .bounds import block_decider
+from .cache import ByObjects
 from .trace import (UnsupportedModError, diagonal_band, lookup_error, subscripts_read_tensors, trace_mask_mod,
                     trace_score_mod)
 
@@ -264,8 +262,7 @@ def _local_order_hop(mask_mod, has_score_mod: bool, q_segs, kv_segs, device) -> 
     return Hop((0, length), (0, length), local, local, BlockKind.PARTIAL)
 
 
-_CHECKED: "OrderedDict[tuple, None]" = OrderedDict()  # mods and segments whose lookups stay in bounds
-_MAX_CHECKED = 64
+_CHECKED = ByObjects(64)  # mods and segments whose lookups stay in bounds
 
 
 def check_lookups(mod, kind: str, batch: int, heads: int, q_segs, kv_segs_per_step, device) -> None:
@@ -278,17 +275,19 @@ def check_lookups(mod, kind: str, batch: int, heads: int, q_segs, kv_segs_per_st
         graph = (trace_score_mod if kind == "score_mod" else trace_mask_mod)(mod, device)
     except UnsupportedModError:  # evaluated as the user wrote it; torch raises its own error
         return
-    tables = tuple((id(t), t._version) for t in graph.tensors()) if subscripts_read_tensors(graph) else ()
-    key = (graph.structure, tables, batch, heads, tuple(q_segs), tuple(map(tuple, kv_segs_per_step)), str(device))
-    if key in _CHECKED:
-        return
-    values = {"b": torch.arange(batch, device=device), "h": torch.arange(heads, device=device),
-              "q_idx": torch.cat([seg.positions(device) for seg in q_segs]),
-              "kv_idx": torch.cat([seg.positions(device) for segs in kv_segs_per_step for seg in segs])}
-    error = lookup_error(graph, values)
-    if error:
-        raise ValueError(error)
-    remember(_CHECKED, key, None, _MAX_CHECKED)
+    tables = graph.tensors() if subscripts_read_tensors(graph) else []
+    key = (graph.structure, tuple((id(t), t._version) for t in tables), batch, heads, tuple(q_segs),
+           tuple(map(tuple, kv_segs_per_step)), str(device))
+
+    def check():
+        values = {"b": torch.arange(batch, device=device), "h": torch.arange(heads, device=device),
+                  "q_idx": torch.cat([seg.positions(device) for seg in q_segs]),
+                  "kv_idx": torch.cat([seg.positions(device) for segs in kv_segs_per_step for seg in segs])}
+        error = lookup_error(graph, values)
+        if error:
+            raise ValueError(error)
+
+    _CHECKED.get(key, tables, check)
 
 
 def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_segs_per_step, device=None,
@@ -375,29 +374,15 @@ class MaskCache:
     def __init__(self, size: int = 64):
         from .validate import fingerprint  # content hash of code and captured values
         self._fingerprint = fingerprint
-        self.size = size
-        self.entries: OrderedDict = OrderedDict()
+        self.cache = ByObjects(size)
 
     def lookup(self, mask_mod, key: tuple, compute: Optional[Callable]):
         """The value of ``compute()`` for ``mask_mod`` and the hashable rest of its inputs ``key``;
         with ``compute`` None only a value computed before, else ``LookupError``."""
         parts = captured.parts(mask_mod)
         tensors = [p for p in parts if isinstance(p, Tensor)]
-        try:
-            ref = weakref.ref(mask_mod) if mask_mod is not None else (lambda: None)
-        except TypeError:  # cannot tell whether the object lives on: do not cache
-            return _computed(compute)
         key = (id(mask_mod), self._fingerprint(mask_mod, parts=parts), tuple((id(t), t._version) for t in tensors)) + key
-        entry = self.entries.get(key)
-        if entry is not None and entry[0]() is mask_mod and all(r() is t for r, t in zip(entry[1], tensors)):
-            return entry[2]
-        return remember(self.entries, key, (ref, [weakref.ref(t) for t in tensors], _computed(compute)), self.size)[2]
-
-
-def _computed(compute: Optional[Callable]):
-    if compute is None:
-        raise LookupError("not computed before")
-    return compute()
+        return self.cache.get(key, ([mask_mod] if mask_mod is not None else []) + tensors, compute)
 
 
 class PlanCache(MaskCache):

@@ -214,3 +214,26 @@ def _float_distance_errors(rank, world_size, layout):
 def test_ring_with_a_float_mask_matches_single_process(world_size, layout):
     for rank, errors in enumerate(run_world(world_size, _float_distance_errors, layout)):
         assert max(errors) < 1e-10, (rank, errors)
+
+
+def test_new_document_ids_that_take_a_freed_tensors_id_are_planned_anew(monkeypatch):
+    """Packed batches of one length, each freed before the next, often give the new ids the old
+    ids' address and id (version 0 both): the cached extents and exact plans were the old
+    batch's (6 of 20 steps in an audit; over 2 ranks one rank planned the other's documents and
+    the ring aborted in gloo or hung). Here every tensor takes the same id in the keys."""
+    from ringflex.kernels.base import Mods
+    from ringflex.kernels.cudnn import blocks
+
+    def same_id_for_all(mask, *rest):
+        return (mask.structure, tuple((0, t._version) for t in mask.tensors())) + rest
+
+    monkeypatch.setattr(extents, "mask_key", same_id_for_all)
+    monkeypatch.setattr(blocks, "mask_key", same_id_for_all)
+    q_seg, kv_seg = Segment(128, 1, 128), Segment(0, 1, 128)  # rank 1's queries, rank 0's keys: 2 ranks, contiguous
+    for lengths in ([250, 6], [60, 60, 136], [250, 6]):
+        mask_mod = mods.document(mods.document_ids(lengths))
+        mask = trace_mask_mod(mask_mod, "cpu")
+        truth = mask_mod(0, 0, q_seg.positions("cpu")[:, None], kv_seg.positions("cpu")[None])
+        assert torch.equal(extents.row_extents(mask_mod, mask, q_seg, kv_seg, "cpu")[3].long(), truth.sum(1))
+        fresh = blocks._grouped_runs(extents._row_extents(mask_mod, mask, q_seg, kv_seg, "cpu"))
+        assert blocks.exact_runs(Mods(None, mask_mod), mask, q_seg, kv_seg, "cpu") == fresh

@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...cache import remember
+from ...cache import ByObjects, remember
 from ...extents import mask_key, row_extents
 from ...plan import BlockKind, Segment, block_kinds
 from ...trace import ModGraph, diagonal_band
@@ -20,7 +20,7 @@ from .batches import Batch, batched
 from .frontend import MAX_PLANS, TILE
 from .lowering import Program
 
-_PLANS: "OrderedDict[tuple, List[Run]]" = OrderedDict()
+_PLANS = ByObjects(MAX_PLANS)  # a block's runs, by its mask's traced values and segments
 
 
 @dataclass(frozen=True)
@@ -130,17 +130,20 @@ def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segmen
     block_kv = TILE * _ceil_div(_ceil_div(kv_seg.length, n), TILE)
     batch, heads = (batch if "b" in mask.deps else 1), (heads if "h" in mask.deps else 1)
     key = mask_key(mask, "split", batch, heads, q_seg, kv_seg, block_q, block_kv, str(device))
-    if key in _PLANS:
-        return _PLANS[key]
-    runs = []
-    for i, row in enumerate(block_kinds(mods.mask_mod, batch, heads, q_seg, kv_seg, block_q, block_kv, device).tolist()):
-        tiles = [j for j, kind in enumerate(row) if kind != BlockKind.EMPTY]
-        if tiles:
-            span = row[tiles[0]:tiles[-1] + 1]
-            runs.append(Run((i * block_q, min(q_seg.length, (i + 1) * block_q)),
-                             (tiles[0] * block_kv, min(kv_seg.length, (tiles[-1] + 1) * block_kv)),
-                             masked=any(kind != BlockKind.FULL for kind in span)))
-    return remember(_PLANS, key, runs, MAX_PLANS)
+
+    def runs():
+        found = []
+        for i, row in enumerate(block_kinds(mods.mask_mod, batch, heads, q_seg, kv_seg, block_q, block_kv,
+                                            device).tolist()):
+            tiles = [j for j, kind in enumerate(row) if kind != BlockKind.EMPTY]
+            if tiles:
+                span = row[tiles[0]:tiles[-1] + 1]
+                found.append(Run((i * block_q, min(q_seg.length, (i + 1) * block_q)),
+                                 (tiles[0] * block_kv, min(kv_seg.length, (tiles[-1] + 1) * block_kv)),
+                                 masked=any(kind != BlockKind.FULL for kind in span)))
+        return found
+
+    return _PLANS.get(key, mask.tensors(), runs)
 
 
 # Row groups and calls of an exact plan. Groups whose runs join one ragged batch (packed
@@ -157,11 +160,11 @@ def exact_runs(mods: Mods, mask: ModGraph, q_seg: Segment, kv_seg: Segment, devi
     keys every row sees run unmasked, and the rest with cuDNN's native band mask where the mask
     is a band there (causal inside a document), else masked. None where that is too fragmented
     (or too large to evaluate: ``extents.row_extents``)."""
-    key = mask_key(mask, "exact", q_seg, kv_seg, str(device))
-    if key in _PLANS:
-        return _PLANS[key]
-    extents = row_extents(mods.mask_mod, mask, q_seg, kv_seg, device)
-    return remember(_PLANS, key, None if extents is None else _grouped_runs(extents), MAX_PLANS)
+    def runs():
+        extents = row_extents(mods.mask_mod, mask, q_seg, kv_seg, device)
+        return None if extents is None else _grouped_runs(extents)
+
+    return _PLANS.get(mask_key(mask, "exact", q_seg, kv_seg, str(device)), mask.tensors(), runs)
 
 
 def _grouped_runs(extents: Tensor) -> Optional[List[Run]]:
