@@ -7,6 +7,7 @@ and ``reduce_gradients`` sums them over the group.
 """
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Iterable, List, Mapping, Optional
 
@@ -32,7 +33,12 @@ def shard_batch(batch, *, dim: int = 1, group=None, layout: str = "zigzag"):
     if isinstance(batch, Tensor):
         return shard(batch, dim, group, layout)
     if isinstance(batch, Mapping):
-        return type(batch)({key: shard_batch(value, dim=dim, group=group, layout=layout) for key, value in batch.items()})
+        sharded = {key: shard_batch(value, dim=dim, group=group, layout=layout) for key, value in batch.items()}
+        if isinstance(batch, dict):  # a copy keeps what the type holds besides its items (a defaultdict's factory)
+            copied = copy.copy(batch)
+            copied.update(sharded)
+            return copied
+        return type(batch)(sharded)
     if isinstance(batch, (list, tuple)):
         values = [shard_batch(value, dim=dim, group=group, layout=layout) for value in batch]
         return type(batch)(*values) if hasattr(batch, "_fields") else type(batch)(values)  # a namedtuple takes fields

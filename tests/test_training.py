@@ -34,6 +34,8 @@ def test_shard_batch_keeps_structure_and_shape_errors():
     Batch = collections.namedtuple("Batch", "tokens labels")
     sharded = shard_batch(Batch(torch.arange(8).view(1, 8), torch.arange(8).view(1, 8)))
     assert type(sharded) is Batch and torch.equal(sharded.labels, torch.arange(8).view(1, 8))
+    defaulting = shard_batch(collections.defaultdict(list, batch))  # could not be built from its items alone
+    assert type(defaulting) is collections.defaultdict and defaulting.default_factory is list
     assert position_ids(8).tolist() == list(range(8))
     with pytest.raises(ValueError, match=r"logits \[..., vocab\] and labels"):
         sharded_cross_entropy(torch.zeros(2, 3, VOCAB), torch.zeros(2, 4, dtype=torch.long))
