@@ -92,7 +92,8 @@ def sharded_cross_entropy(logits: Tensor, labels: Tensor, *, group=None, ignore_
 
     logits [..., V] and labels [...] are this rank's tokens. Sum of the local token losses,
     summed over the ranks, divided by the global count of labelled tokens: exactly the loss
-    of the unsharded batch, however unevenly the labelled tokens fall on the ranks.
+    of the unsharded batch, however unevenly the labelled tokens fall on the ranks. Bad
+    arguments on one rank raise on every rank (the ranks agree first, over the CPU).
     """
     group = process_group(group)
     error, local = None, None
