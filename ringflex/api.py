@@ -15,7 +15,7 @@ from .kernels import _warn_once, select_kernel
 from .kernels.base import Mods
 from .parallel import comm, layout as layouts
 from .parallel.fault import GuardedComm
-from .parallel.groups import process_group
+from .parallel.groups import ring_of
 from .parallel.ring import RingAttention, RingCall
 from .parallel.shard import warn_if_launched_alone
 from .plan import PlanCache, around, check_lookups, keys_read, plan_hops
@@ -32,8 +32,7 @@ def _ring_group(group):
         if group is not None:
             raise ValueError("group was given but torch.distributed is not initialized")
         warn_if_launched_alone()
-        return None
-    return process_group(group) if group is not None else dist.group.WORLD
+    return ring_of(group)
 
 
 def _no_shares(world_size: int):

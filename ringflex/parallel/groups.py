@@ -23,6 +23,14 @@ def process_group(group):
                     f"{type(group).__name__}")
 
 
+def ring_of(group):
+    """The ProcessGroup of the ring ``group`` names: the default group for None, None where
+    torch.distributed is not initialized (one process)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return process_group(group) if group is not None else dist.group.WORLD
+
+
 def rank_and_size(group):
     """This rank's index in ``group`` and the group's size; (0, 1) where torch.distributed is
     not initialized (one process holds the whole sequence)."""

@@ -97,8 +97,8 @@ def unshard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
     The result is a value every rank holds alike; its gradient on each rank flows back into
     that rank's own shard (so a loss computed identically on every rank is counted once).
     """
-    _, world_size = _rank_and_size(group)
     group = process_group(group)
+    _, world_size = _rank_and_size(group)
     if world_size == 1:
         error = _dim_error("unshard", x, dim)
         if error:
