@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_
 
 from . import mods
 from .api import reject, ring_flex_attention
-from .parallel.groups import process_group
+from .parallel.groups import process_group, rank_and_size, ring_of
 from .parallel.layout import check_layout
 from .validate import BACKENDS
 
@@ -189,10 +189,14 @@ def _entered() -> List["RingFlexMode"]:
     return _ENTERED.modes
 
 
-def _ring_of(group):
-    """``group`` as the ring it names (None: the default group)."""
-    dist = torch.distributed
-    return group if group is not None or not (dist.is_available() and dist.is_initialized()) else dist.group.WORLD
+def _enclosing_mask(mode: "RingFlexMode") -> Optional[Callable]:
+    """What the modes this thread is inside add to ``mode``'s calls: the extra mask of the
+    innermost, where it runs on the same ring and layout (another ring's positions are not
+    this one's)."""
+    enclosing = _entered()[-1] if _entered() else None
+    if enclosing is None or (ring_of(enclosing.group), enclosing.layout) != (ring_of(mode.group), mode.layout):
+        return None
+    return enclosing.extra_mask()
 
 
 class _MaskCombiner:
@@ -259,9 +263,7 @@ class RingFlexMode(TorchFunctionMode):
         self._outer: List[Optional[Callable]] = []  # per entry: the extra mask of the modes around it
 
     def __enter__(self):
-        enclosing = _entered()[-1] if _entered() else None
-        if enclosing is not None and (_ring_of(enclosing.group), enclosing.layout) != (_ring_of(self.group), self.layout):
-            enclosing = None  # another ring: the positions its masks read are not this one's
+        outer = _enclosing_mask(self)
         _refuse_torch_varlen()
         _PATCH.acquire()
         try:
@@ -269,7 +271,7 @@ class RingFlexMode(TorchFunctionMode):
         except BaseException:
             _PATCH.release()
             raise
-        self._outer.append(enclosing.extra_mask() if enclosing is not None else None)
+        self._outer.append(outer)
         _entered().append(self)
         return entered
 
@@ -328,10 +330,6 @@ class RingFlexMode(TorchFunctionMode):
         """Raises ``error`` on every rank: a call may be refused on one rank only (a model that
         reads its positions, which differ per rank), while the others' calls wait in the ring."""
         reject(error, self.group)
-
-    def _world_size(self) -> int:
-        dist = torch.distributed
-        return dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
 
     # Eager even inside compiled code: plans are cached by mod object, and dynamo, tracing the
     # combination of masks, handed the ring a new object at every call (or failed inside).
@@ -410,7 +408,7 @@ class RingFlexMode(TorchFunctionMode):
         block_mask = bound.get("block_mask")
         try:
             mask_mod = None if block_mask is None else _mask_from_block_mask(
-                block_mask, query.shape[-2], key.shape[-2], self._world_size())
+                block_mask, query.shape[-2], key.shape[-2], rank_and_size(self.group)[1])
         except (TypeError, ValueError) as e:
             self._refuse(str(e))
         return_aux = bound.get("return_aux")
@@ -459,7 +457,7 @@ class RingFlexAttention(nn.Module):
 
     @functools.partial(torch.compiler.disable, recursive=False)  # the model's frames still compile
     def forward(self, *args, **kwargs):
-        masks = self.mode.mask_mod, (_entered()[-1].extra_mask() if _entered() else None)
+        masks = self.mode.mask_mod, _enclosing_mask(self.mode)
         if self.checkpoint and torch.is_grad_enabled():  # the masks are inputs: the recompute gets them again
             return torch.utils.checkpoint.checkpoint(self._run, *masks, args, kwargs, use_reentrant=False)
         return self._run(*masks, args, kwargs)

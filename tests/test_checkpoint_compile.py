@@ -137,6 +137,23 @@ class _Chain(torch.nn.Module):
         return x
 
 
+def _nested_on_another_ring(rank, world_size):
+    """A block wrapped on a ring of its rank alone, inside a model wrapped on the whole group
+    with a documents mask: the block's calls are its own ring's, without that mask."""
+    alone = [torch.distributed.new_group([r]) for r in range(world_size)][rank]
+    x = torch.randn(1, S, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    block = ringflex.RingFlexAttention(SdpaBlock(), group=alone, backend="reference")
+    model = ringflex.RingFlexAttention(_Chain([block]), mask_mod=mods.document(mods.document_ids([5, 11])),
+                                       backend="reference")
+    return (model(x) - block(x)).abs().max().item()
+
+
+def test_a_wrapper_on_another_ring_adds_no_mask():
+    for error in run_world(WORLD, _nested_on_another_ring, timeout=120):
+        assert error == 0
+
+
 def test_nested_wrappers_add_their_masks():
     """A wrapped block inside a wrapped model: the outer wrapper's mask applies to the block's
     calls too (it was dropped: gradients 10 off), also in the recompute of checkpoint=True, and
