@@ -203,7 +203,26 @@ def _cast(a: Range, dtype: torch.dtype) -> Range:
         return _ne(a, Range(0, 0))
     if dtype.is_floating_point:
         return a
-    return Range(_map(math.trunc, torch.trunc, a.lo), _map(math.trunc, torch.trunc, a.hi))  # monotone
+    truncated = Range(*(_map(math.trunc, _truncated, x) for x in (a.lo, a.hi)))  # monotone
+    # torch wraps what the type cannot hold (-1 as uint8 is 255): such a range may take any value of it
+    info = torch.iinfo(dtype)
+    wraps = (truncated.lo < info.min) | (truncated.hi > info.max)
+    return Range(_select(wraps, info.min, truncated.lo), _select(wraps, info.max, truncated.hi))
+
+
+def _truncated(t: torch.Tensor) -> torch.Tensor:
+    """Toward zero, as an int64 tensor: ranges of integers are held in int64 (``_exact``)."""
+    return (torch.trunc(t) if t.is_floating_point() else t).long()
+
+
+def _exact(r: Range, dtype: torch.dtype) -> Range:
+    """``r``, the range of an integer op computed in ``dtype``; undecided where torch's result
+    would wrap around, which the range (exact, in Python ints or int64) does not."""
+    if dtype.is_floating_point or dtype == torch.bool:
+        return r
+    info = torch.iinfo(dtype)
+    _undecided_if((r.lo < info.min) | (r.hi > info.max), f"a value that may overflow {dtype}")
+    return r
 
 
 def _div(a, b):
@@ -219,9 +238,11 @@ _BINARY = {
     "lt": _compare(True), "le": _compare(False), "gt": _compare(True, flip=True), "ge": _compare(False, flip=True),
     "eq": _eq, "ne": _ne, "and": _and, "or": _or,
 }
+_BOOLEAN = {"add": "or", "mul": "and"}
 _UNARY = {
     "abs": _abs, "neg": lambda a: Range(-a.hi, -a.lo), "not": _not,
-    "floor": _monotone(math.floor, torch.floor), "exp": _monotone(math.exp, torch.exp),
+    "floor": _monotone(math.floor, torch.floor),
+    "exp": _monotone(lambda x: math.exp(x) if x < 710 else math.inf, torch.exp),
     "tanh": _monotone(math.tanh, torch.tanh),
     "sigmoid": _monotone(lambda x: 1 / (1 + math.exp(-x)) if x > -700 else 0.0, torch.sigmoid),
     "sqrt": _monotone(math.sqrt, torch.sqrt, lowest=0),
@@ -288,7 +309,9 @@ def _ranges(graph, env, tables):
         elif n.op in _UNARY:
             v = _UNARY[n.op](_as_range(args[0]))
         elif n.op in _BINARY:
-            v = _BINARY[n.op](_as_range(args[0]), _as_range(args[1]))
+            # booleans add and multiply as or and and: torch keeps them booleans
+            rule = _BOOLEAN.get(n.op, n.op) if n.dtype == torch.bool else n.op
+            v = _exact(_BINARY[rule](_as_range(args[0]), _as_range(args[1])), n.dtype)
         else:
             raise Undecided(f"no range rule for {n.op}")
         memo[id(n)] = _widen(v, dtype) if dtype is not None and n.op in _ROUNDED else v
@@ -328,9 +351,10 @@ def tile_ranges(graph, q_positions: torch.Tensor, kv_first: torch.Tensor, kv_las
     once: whether the mask holds for all of the keys (``lo``) and for some (``hi``), as
     [len(q_positions), len(kv_first)] bools; None where the ranges cannot decide an op. For
     masks that depend on neither batch nor head (both taken as 0)."""
-    q, shape = q_positions.view(-1, 1), (len(q_positions), len(kv_first))
+    # int64: the ranges of integer ops are exact where the mask computes in int64 (``_exact``)
+    q, shape = q_positions.long().view(-1, 1), (len(q_positions), len(kv_first))
     env = {"b": Range(0, 0), "h": Range(0, 0), "q_idx": Range(q, q),
-           "kv_idx": Range(kv_first.view(1, -1), kv_last.view(1, -1))}
+           "kv_idx": Range(kv_first.long().view(1, -1), kv_last.long().view(1, -1))}
     tables = {id(n): n.value for n in graph.nodes if n.op == "tensor"}
     try:
         result = _ranges(graph, env, tables)

@@ -11,6 +11,7 @@ import types
 from typing import List
 
 from torch import Tensor
+from torch.nn import Module
 
 PLAIN = (type(None), bool, int, float, complex, str, bytes)
 _MAX_DEPTH = 8
@@ -21,7 +22,7 @@ def parts(fn) -> List[object]:
     default arguments and ``functools.partial`` arguments, and the module globals its code
     reads (not modules or classes, a marker tuple naming each first), followed into the
     functions, tuples, lists and dicts among them (a container or a depth past 8 adds a marker
-    tuple first), and into objects: a callable object's ``__call__``, and the attributes
+    tuple first), and into objects: a callable object's ``__call__`` (an ``nn.Module``'s ``forward``), and the attributes
     stored on an object that the code reading it names (``cfg.window``, ``self.doc_ids``: a
     marker tuple naming the class, then each attribute's name and value); tensors and any
     other object as they are, for the caller to judge. A global the caller reassigns between
@@ -33,11 +34,16 @@ def parts(fn) -> List[object]:
 
 
 def snapshot(fn) -> tuple:
-    """What ``fn`` computes with, as it is now: its parts, tensors by identity and version (which
-    a write in place bumps), other objects by identity. Two snapshots differ where something it
-    reads changed in between (writes torch does not count, through ``.data``, excepted)."""
+    """What ``fn`` computes with, as it is now (``state`` of its ``parts``)."""
+    return state(parts(fn))
+
+
+def state(found: List[object]) -> tuple:
+    """``parts`` as they are now: tensors by identity and version (which a write in place
+    bumps), other objects by identity. Two states differ where something the mod reads changed
+    in between (writes torch does not count, through ``.data``, excepted)."""
     return tuple((id(p), p._version) if isinstance(p, Tensor) else p if isinstance(p, PLAIN + (tuple, types.CodeType))
-                 else id(p) for p in parts(fn))
+                 else id(p) for p in found)
 
 
 def _walk(value, found: List[object], depth: int, names: frozenset) -> None:
@@ -79,8 +85,9 @@ def _walk(value, found: List[object], depth: int, names: frozenset) -> None:
     elif isinstance(value, functools.partial):
         _walk((value.func, value.args, value.keywords), found, depth + 1, names)
     elif _followed(value):
-        call = getattr(type(value), "__call__", None)
-        if isinstance(call, types.FunctionType):  # a callable object: its code, and what it reads
+        # a callable object: its code, and what it reads (an nn.Module's call runs its forward)
+        call = getattr(type(value), "forward" if isinstance(value, Module) else "__call__", None)
+        if isinstance(call, types.FunctionType):
             _walk(call, found, depth + 1, names)
             names = names | _names_read(call.__code__)
         found.append(("object", type(value).__qualname__))

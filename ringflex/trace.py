@@ -18,6 +18,7 @@ import hashlib
 import math
 import weakref
 from collections import OrderedDict
+from fractions import Fraction
 from dataclasses import dataclass, field
 from types import CodeType
 from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
@@ -277,10 +278,9 @@ def _convert_call(n: torch.fx.Node, env) -> Node:
         if packet is aten.clamp_max:
             lo, hi = None, lo
         x = arg(0)
-        if lo is not None:
-            x = op("maximum", x, _as_node(lo, env), dtype=dtype)
-        if hi is not None:
-            x = op("minimum", x, _as_node(hi, env), dtype=dtype)
+        for name, bound in (("maximum", lo), ("minimum", hi)):
+            if bound is not None:  # marked: at the bound itself clamp passes x its whole gradient
+                x = dataclasses.replace(op(name, x, _as_node(bound, env), dtype=dtype), value="clamp")
         return x
     if packet in _CAST_ATEN:
         return _cast(arg(0), dtype) if dtype is not None else arg(0)
@@ -372,11 +372,6 @@ _TEMPLATES: "OrderedDict[tuple, Tuple[ModGraph, Dict[int, int]]]" = OrderedDict(
 _MAX_TEMPLATES = 32
 
 
-def _state(parts) -> tuple:
-    """Identities of what a mod captured: a changed closure invalidates its cached trace."""
-    return tuple(p if isinstance(p, captured.PLAIN + (tuple, CodeType)) else id(p) for p in parts)
-
-
 def _signature(parts) -> Optional[tuple]:
     """What a trace of a mod depends on: its code, its captured values, and its tensors by
     shape, dtype, device and which of them are one object. None where it captured an object
@@ -446,7 +441,9 @@ def _debugging() -> bool:
 def _cached(fn, inputs, kind, device) -> ModGraph:
     parts = captured.parts(fn)
     where = str(torch.device(device)) if device is not None else "cpu"
-    key = (kind, where, _state(parts))
+    # a write into a captured tensor is a new key: a trace may have read its values on the host
+    # (``int(window)``); where it read none, the mod takes its template again (``_traced``)
+    key = (kind, where, captured.state(parts))
     try:
         per_fn = _CACHE.setdefault(fn, {})
     except TypeError:  # not weak-referenceable: trace every time
@@ -599,8 +596,10 @@ def _vjp(n: Node, g: Node) -> List[Optional[Node]]:
     if n.op in ("minimum", "maximum"):
         win = op("lt" if n.op == "minimum" else "gt", a[0], a[1])
         lose = op("lt" if n.op == "minimum" else "gt", a[1], a[0])
-        half = op("mul", g, const(0.5))
         zero = _zero()
+        if n.value == "clamp":  # x = a[0] takes the gradient unless it lies beyond the bound
+            return [op("where", lose, zero, g), op("where", lose, g, zero)]
+        half = op("mul", g, const(0.5))
         # torch splits the gradient evenly between equal operands.
         return [op("where", win, g, op("where", lose, zero, half)),
                 op("where", lose, g, op("where", win, zero, half))]
@@ -657,30 +656,47 @@ def _digest(nodes: Sequence[Node], identity: bool) -> str:
 
 # --------------------------------------------------------------------------- diagonal bands
 
-# Casts that keep every index an integer of the same value (float32 up to 2**24: 16M tokens).
-_EXACT_CASTS = (torch.int32, torch.int64, torch.float32, torch.float64)
+# Casts that keep an integer affine form's values: between integer types, and to a float type
+# where they stay within its integers (``_cast_exact``).
+_INTEGER_CASTS = (torch.int32, torch.int64)
+_FLOAT_CASTS = (torch.float32, torch.float64)
+_MAX_POSITION = 2 ** 31  # positions are int32
 
 
-def _affine(n: Node) -> Optional[Tuple[float, float, float]]:
-    """(a, b, c) with n == a * q_idx + b * kv_idx + c, or None if n is not affine in them.
-    Integer arithmetic only, as torch computes it: ``(q_idx * 0.7)`` rounds in float32 (so does
-    ``q_idx * 1e8``, past 2**24) and ``.long()`` of it truncates, so a band derived from exact
-    arithmetic would be off by a row. Integers cast to float32 or float64 stay exact."""
+def _cast_exact(form: Tuple[int, int, int], dtype: torch.dtype) -> bool:
+    """Whether ``form``'s values (a * q_idx + b * kv_idx + c) stay exact as ``dtype``: float64
+    holds every integer up to 2**53; float32 up to 2**24, taken for a position, or a distance,
+    plus an offset (``(q_idx - kv_idx).float()``): exact below 2**24 - 2**20 positions (15.7M tokens)."""
+    a, b, c = form
+    scale = max(abs(a), abs(b)) if a * b <= 0 else abs(a) + abs(b)  # |value| <= scale * position + |c|
+    if dtype == torch.float64:
+        return scale * _MAX_POSITION + abs(c) < 2 ** 53
+    return scale <= 1 and abs(c) <= 2 ** 20
+
+
+def _affine(n: Node) -> Optional[Tuple[int, int, int]]:
+    """(a, b, c) with n == a * q_idx + b * kv_idx + c in exact integers, or None if n is not
+    affine in them. Integer arithmetic only, as torch computes it: ``(q_idx * 0.7)`` rounds in
+    float32 (so does ``q_idx * 1e8``, past 2**24) and ``.long()`` of it truncates, so a band
+    derived from exact arithmetic would be off by a row."""
     if n.op in ("add", "sub", "neg", "mul") and n.dtype.is_floating_point:
         return None
     if n.op == "q_idx":
-        return 1.0, 0.0, 0.0
+        return 1, 0, 0
     if n.op == "kv_idx":
-        return 0.0, 1.0, 0.0
+        return 0, 1, 0
     if n.op == "const" and not isinstance(n.value, bool) and float(n.value).is_integer():
-        return 0.0, 0.0, float(n.value)
-    if n.op == "cast" and n.dtype in _EXACT_CASTS and (n.args[0].dtype in _EXACT_CASTS[:2] or n.dtype.is_floating_point):
-        return _affine(n.args[0])
+        return 0, 0, int(n.value)
+    if n.op == "cast" and n.dtype in _INTEGER_CASTS + _FLOAT_CASTS:
+        x = _affine(n.args[0])
+        exact = n.args[0].dtype in _INTEGER_CASTS + _FLOAT_CASTS and (
+            n.dtype in _INTEGER_CASTS or (x is not None and _cast_exact(x, n.dtype)))
+        return x if exact else None
     if n.op in ("add", "sub"):
         x, y = _affine(n.args[0]), _affine(n.args[1])
         if x is None or y is None:
             return None
-        s = 1.0 if n.op == "add" else -1.0
+        s = 1 if n.op == "add" else -1
         return x[0] + s * y[0], x[1] + s * y[1], x[2] + s * y[2]
     if n.op == "neg":
         x = _affine(n.args[0])
@@ -689,9 +705,9 @@ def _affine(n: Node) -> Optional[Tuple[float, float, float]]:
         x, y = _affine(n.args[0]), _affine(n.args[1])
         if x is None or y is None:
             return None
-        if x[:2] == (0.0, 0.0):
+        if x[:2] == (0, 0):
             x, y = y, x
-        if y[:2] != (0.0, 0.0):
+        if y[:2] != (0, 0):
             return None
         return x[0] * y[2], x[1] * y[2], x[2] * y[2]
     return None
@@ -712,7 +728,7 @@ def _atom_bounds(n: Node) -> Optional[Tuple[float, float]]:
     cmp = n.op
     if a < 0:  # divide by a < 0 flips the comparison
         cmp = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq"}[cmp]
-    t = -c / a  # delta (op) t with delta = q_idx - kv_idx, an integer
+    t = Fraction(-c, a)  # delta (op) t with delta = q_idx - kv_idx, an integer
     lo, hi = -math.inf, math.inf
     if cmp in ("ge", "eq"):
         lo = math.ceil(t)
@@ -741,7 +757,7 @@ def diagonal_band(mask: ModGraph) -> Optional[Tuple[Optional[int], Optional[int]
         return _atom_bounds(n)
 
     result = bounds(mask.output)
-    if result is None:
+    if result is None or result[0] > result[1]:  # no band, or no pair at all (a False conjunct)
         return None
     lo, hi = result
     return (None if lo == -math.inf else int(lo)), (None if hi == math.inf else int(hi))

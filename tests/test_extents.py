@@ -41,6 +41,13 @@ MASKS = {
     "flagged_keys": lambda b, h, q, kv: FLAGS[kv] | (kv <= q),  # a bool table
     "scored_keys": lambda b, h, q, kv: (SCORES[kv] > 0.3) & (kv <= q),  # a float table
     "float_distance": float_distance,
+    # integers as torch computes them: booleans add as `or`, narrow casts wrap, int64 holds what
+    # int32 cannot, and a bool cast to int is a 0/1 mask
+    "bool_sum": lambda b, h, q, kv: ((q >= kv) + (kv < 16)) == 1,
+    "uint8_distance": lambda b, h, q, kv: (q - kv).to(torch.uint8) < 40,
+    "int16_scaled": lambda b, h, q, kv: (q * 1500).to(torch.int16) >= (kv * 1500).to(torch.int16),
+    "int64_scaled": lambda b, h, q, kv: q.long() * 3_000_000 >= kv.long() * 3_000_000,
+    "int_mask": lambda b, h, q, kv: ((q - kv) % 3 != 0).int(),
 }
 
 
@@ -192,6 +199,22 @@ def test_a_float_comparison_decided_only_within_rounding_is_left_to_the_mask(mon
         assert block_decider(mask_mod, 1, 1)(Segment(q_start, 1, 8), Segment(kv_start, 1, 8)) is kind
     image = block_decider(mods.image_neighbourhood(16, 32, 2), 1, 1)
     assert image(Segment(138, 1, 2), Segment(138, 1, 2)) is True
+
+
+@pytest.mark.parametrize("name", ["bool_sum", "uint8_distance", "int16_scaled", "int64_scaled", "int_mask",
+                                  "exp_growth", "int32_wraps"])
+def test_block_decisions_follow_torchs_integer_arithmetic(name):
+    """A block decided FULL or EMPTY from ranges is so where the mask is evaluated: bool + bool
+    is True + True = True, -1 as uint8 is 255, an int32 product wraps past 2**31 (undecided
+    then), exp overflows to inf."""
+    mask_mod = {**MASKS, "exp_growth": lambda b, h, q, kv: torch.exp((kv - q).float()) < 0.5,
+                "int32_wraps": lambda b, h, q, kv: q * 3_000_000 >= kv * 3_000_000}[name]
+    decide = block_decider(mask_mod, 1, 1)
+    for q_start, kv_start in [(16, 0), (0, 16), (24, 8), (1000, 0), (800, 900), (5000, 4000), (0, 1000)]:
+        q_seg, kv_seg = Segment(q_start, 1, 16), Segment(kv_start, 1, 16)
+        allowed = evaluate_mask(mask_mod, 1, 1, q_seg.positions(), kv_seg.positions())
+        verdict = decide(q_seg, kv_seg)
+        assert verdict is None or (bool(allowed.all()) if verdict else not allowed.any()), (q_seg, kv_seg)
 
 
 def _float_distance_errors(rank, world_size, layout):

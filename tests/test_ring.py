@@ -260,18 +260,30 @@ class _Documents:
         return self.ids[q_idx] == self.ids[kv_idx]
 
 
+class _WindowModule(torch.nn.Module):
+    """A mask as an nn.Module: calling it runs its forward, which reads the window attribute."""
+
+    def __init__(self, window):
+        super().__init__()
+        self.window = window
+
+    def forward(self, b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < self.window)
+
+
 def _what_the_mask_reads_changes_every_call(rank, world_size):
     """Per way of changing what a mask reads between calls, the error of each call."""
     global _GLOBAL_IDS
     q, k, v, _ = make_inputs(cases(16)["no_mask"], 16, dtype=torch.float64)
     local = [ringflex.shard(t, 2) for t in (q, k, v)]
-    documents, config = _Documents(None), types.SimpleNamespace(window=2)
+    documents, config, module = _Documents(None), types.SimpleNamespace(window=2), _WindowModule(2)
     in_closure = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < config.window)  # noqa: E731
     errors = {}
     for lengths, window in (([8, 8], 2), ([4, 12], 16), ([13, 3], 5)):  # a new packed batch, a new window
         _GLOBAL_IDS = documents.ids = ringflex.mods.document_ids(lengths)
-        _GLOBAL_CONFIG.window = config.window = window
+        _GLOBAL_CONFIG.window = config.window = module.window = window
         for name, mask in (("global reassigned", _global_documents), ("object's attribute set", documents),
+                           ("module's attribute set", module),
                            ("global object's attribute set", _global_config_window),
                            ("closure's object's attribute set", in_closure)):
             out = ringflex.ring_flex_attention(*local, mask_mod=mask)
@@ -284,7 +296,8 @@ def test_what_the_mask_reads_may_change_between_calls():
     """A mask that reads document ids from a module global reassigned at every call, or a
     window or ids from an attribute set on an object: each call plans what it sees (the trace
     and the plans were cached by the function alone: the third call ran the first's documents
-    on one rank, 0.78 off; an object's attributes were not looked at: 2.4 off)."""
+    on one rank, 0.78 off; an object's attributes were not looked at: 2.4 off; an nn.Module's,
+    whose call runs its forward, neither)."""
     for errors in run_world(2, _what_the_mask_reads_changes_every_call):
         assert all(max(e) < 1e-12 for e in errors.values()), errors
 

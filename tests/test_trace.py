@@ -125,6 +125,16 @@ def test_trace_is_cached_and_follows_the_closure():
     assert trace_mask_mod(mask).fingerprint != trace_mask_mod(make(4)).fingerprint
 
 
+def test_a_write_into_a_tensor_the_trace_read_on_the_host_traces_anew():
+    """``int(limit)`` is baked into the trace: written in place, the mod is traced again."""
+    limit = torch.tensor([3])
+    mask = _read_on_host(limit)
+    before = trace_mask_mod(mask)
+    limit.fill_(5)
+    after = trace_mask_mod(mask)
+    assert after is not before and _same_mask(after, mask) and not _same_mask(before, mask)
+
+
 def _traces(monkeypatch) -> list:
     """Records every fresh trace (``make_fx``) of a mod from here on."""
     from ringflex import trace
@@ -239,6 +249,25 @@ def test_diagonal_band():
     assert band(lambda b, h, q, kv: (q - kv) * 0.7 >= 6.3) is None  # False at distance 9 in float32
     assert band(lambda b, h, q, kv: q.half() >= kv.half()) is None  # float16 rounds positions past 2048
     assert band(lambda b, h, q, kv: q * 1e8 >= kv * 1e8) is None  # float32 products round past 2**24
+    # in exact integers: offsets past 2**53, and casts only where the type holds the values
+    assert band(lambda b, h, q, kv: q.long() + (2**53 + 1) >= kv.long() + 2**53) == (-1, None)
+    assert band(lambda b, h, q, kv: (q * 100000).float() >= (kv * 100000 + 1).float()) is None
+    assert band(lambda b, h, q, kv: (q * 100000).double() >= (kv * 100000 + 1).double()) == (1, None)
+    assert band(lambda b, h, q, kv: (q - kv).to(torch.int16) >= 0) is None  # wraps past 32767
+    # no pair at all is no band (the planner evaluates such a mask as any other)
+    assert band(lambda b, h, q, kv: (q >= kv) & False) is None
+    assert band(lambda b, h, q, kv: torch.zeros_like(q, dtype=torch.bool)) is None
+
+
+def test_clamp_passes_the_whole_gradient_at_its_bounds():
+    """As torch's clamp does (torch.minimum and torch.maximum split it between equal operands)."""
+    zero = torch.zeros((), dtype=torch.int32)
+    for fn in (lambda s, b, h, q, kv: s.clamp(-1.0, 1.0), lambda s, b, h, q, kv: torch.clamp(s, min=0.5),
+               lambda s, b, h, q, kv: s.clamp(max=-1.0)):
+        score = torch.tensor([1.0, -1.0, 0.5, 2.0, -3.0], requires_grad=True)
+        fn(score, zero, zero, zero, zero).backward(torch.ones(5))
+        got = score_grad(trace_score_mod(fn))(torch.ones(5), score.detach(), zero, zero, zero, zero)
+        assert torch.equal(torch.broadcast_to(got, (5,)), score.grad)
 
 
 @pytest.mark.parametrize("fn, match", [
