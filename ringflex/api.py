@@ -137,7 +137,7 @@ def ring_flex_attention(
                                scale=scale, enable_gqa=enable_gqa, backend=backend, sinks=sinks,
                                return_lse=return_lse, debug=debugging, prepare=prepare, shares=shares,
                                no_shares=_no_shares(world_size),
-                               kernel_of=lambda result: result[1].name)
+                               kernel_of=lambda result: result[1].name, learned_of=lambda result: result[3])
     if agreement.failed_here or debugging:  # raises here (or, debugging, agrees before the checks below)
         agreement.wait()
     schedule, kernel, own_rows_read, tensors, offer = agreement.result

@@ -7,13 +7,15 @@ before with other tensors (``trace``), as ``mods.document(ids)`` is at every tra
 from __future__ import annotations
 
 import functools
+import numbers
 import types
 from typing import List
 
 from torch import Tensor
 from torch.nn import Module
 
-PLAIN = (type(None), bool, int, float, complex, str, bytes)
+# values by value (numbers.Number: numpy's scalars too, a captured np.int64 window)
+PLAIN = (type(None), bool, int, float, complex, str, bytes, numbers.Number)
 _MAX_DEPTH = 8
 
 

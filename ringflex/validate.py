@@ -101,6 +101,10 @@ def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend
         return capture
     if _transport() == len(peer.CHOICES):
         return f"RINGFLEX_TRANSPORT must be one of {peer.CHOICES}, got {os.environ['RINGFLEX_TRANSPORT']!r}"
+    try:
+        fault.straggler_seconds()
+    except ValueError as e:
+        return str(e)
     per_rank = divisor(layout, world_size) // world_size
     for name, t in (("q", q), ("k", k)):
         if t.shape[2] % per_rank:
@@ -283,6 +287,7 @@ class Agreement:
     def wait(self):
         if self.exchange is None:
             if self.error:
+                self._raise_interruption()
                 raise fault.CallRejected(f"ring_flex_attention: {self.error}") from self.cause
             return self.result
         exchange, self.exchange = self.exchange, None
@@ -291,6 +296,7 @@ class Agreement:
         except fault.CallRejected as e:
             if self.cause is None:
                 raise
+            self._raise_interruption()
             raise e from self.cause
         for i, (name, _, show) in enumerate(_FIELDS):
             seen = [rec[i] for rec in records]
@@ -301,18 +307,27 @@ class Agreement:
         self.shared = [rec[len(_FIELDS):] for rec in records]
         return self.result
 
+    def _raise_interruption(self) -> None:
+        """An interruption (KeyboardInterrupt, SystemExit) while planning stays itself on this
+        rank, once the others have learnt of it: the caller's handlers of it must see it."""
+        if self.cause is not None and not isinstance(self.cause, Exception):
+            raise self.cause
+
 
 def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, backend, sinks=None,
           return_lse: bool = False, debug: bool = False, prepare: Optional[Callable] = None,
           shares: Optional[Callable[[Any], List[int]]] = None, no_shares: Sequence[int] = (),
-          kernel_of: Optional[Callable[[Any], str]] = None) -> Agreement:
+          kernel_of: Optional[Callable[[Any], str]] = None,
+          learned_of: Optional[Callable[[Any], Sequence[torch.Tensor]]] = None) -> Agreement:
     """Checks this rank's arguments, runs ``prepare()`` and starts comparing with the other
     ranks of ``group``. No rank may start a transfer before ``wait()`` on the result returned:
     it raises the same ValueError on every rank if any rank's arguments are bad, ``prepare()``
     raised on any rank, or the ranks disagree. ``shares(prepare())``: ints of this rank's plan
     that every rank learns (``no_shares`` where it has none: it failed), so each knows how far
     the ring must run, which rows of a block any rank still needs, and what work the ranks have.
-    ``kernel_of(prepare())``: the name of the kernel chosen, which every rank must share."""
+    ``kernel_of(prepare())``: the name of the kernel chosen, which every rank must share;
+    ``learned_of(prepare())``: the tensors the mods read that require grad (with q, k, v and
+    ``sinks``, whether backward will run the ring)."""
     world_size = dist.get_world_size(group) if group is not None else 1
     _raise_if_failed_before(group)
     error = local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, group, sinks)
@@ -320,12 +335,16 @@ def check(q, k, v, *, score_mod, mask_mod, group, layout, scale, enable_gqa, bac
     if error is None and prepare is not None:
         try:
             result = prepare()
-        except Exception as e:  # noqa: BLE001 (reported to every rank, re-raised by wait())
+        except BaseException as e:  # noqa: BLE001 (reported to every rank, re-raised by wait())
+            # a KeyboardInterrupt too: leaving before the exchange would pair the other ranks'
+            # check with this rank's next call
             error, cause = f"{type(e).__name__}: {e} (while planning the ring, before any transfer)", e
     mine = list(shares(result)) if shares is not None and error is None else list(no_shares)
     if group is None or world_size == 1:
         return Agreement(result, error, cause, shared=[mine])
-    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    learned = learned_of(result) if learned_of is not None and error is None else ()
+    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (q, k, v, sinks, *learned))
     args = dict(q=q, k=k, v=v, layout=layout, backend=backend, enable_gqa=enable_gqa, scale=scale,
                 score_mod=score_mod, mask_mod=mask_mod, sinks=sinks, return_lse=return_lse, grad=grad, debug=debug,
                 kernel=kernel_of(result) if kernel_of is not None and error is None else "auto")

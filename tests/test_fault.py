@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import ringflex
 from harness import run_world
+from ringflex.parallel import fault
 
 WORLD = 4
 L = 4  # local tokens
@@ -118,3 +119,22 @@ def test_ranks_that_wait_long_for_a_rank_name_it():
             assert "for rank(s) [2], which have not reached it: every rank of the group must make the same " \
                    "ring_flex_attention calls" in messages[0], messages
     assert run_world(3, _late_rank, 1.0, timeout=120) == [[], [], []]
+
+
+
+class _Group:
+    """A process group as ``fault`` sees it: a name, and a store (shared, as torch shares it)."""
+
+    group_name = "ranks 0 to 3"
+
+
+def test_a_failure_stays_with_its_group_object(monkeypatch):
+    """A group made anew with the same ranks (``new_group(..., use_local_synchronization=True)``,
+    as after a failure the error asks) gets the old group's name and store from torch: the old
+    group's failure mark made its first call raise RingFailure."""
+    store = dist.HashStore()
+    monkeypatch.setattr(fault, "_store", lambda group: store)
+    failed, anew = _Group(), _Group()
+    fault.fail(failed, "rank 1 raised in the ring's forward")
+    assert fault._remote_failure(failed) == "rank 1 raised in the ring's forward"
+    assert fault._remote_failure(anew) is None

@@ -3,7 +3,9 @@
 Each distributed test injects mismatches one after another in a single world: a rejected
 call leaves the group usable, which the final good call of every world checks too.
 """
+import contextlib
 import os
+import types
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from ringflex.debug import RingDebugError
 from ringflex.kernels.reference import ReferenceKernel
 
 WORLD = 3
+LEARNABLE = torch.zeros(2, requires_grad=True)  # a per-head bias (or sinks) a model learns
 L = 4  # local tokens (zigzag: 2 chunks of 2)
 TIMEOUT = 120
 
@@ -77,6 +80,22 @@ def _mismatches(rank, world_size):
         finally:
             os.environ["RINGFLEX_DEBUG"] = "0"
 
+    def with_env_on_rank_1(name, value, call):
+        def run():
+            if odd:
+                os.environ[name] = value
+            try:
+                return call()
+            finally:
+                os.environ.pop(name, None)
+        return run
+
+    def without_grad_on_rank_1(call):
+        def run():
+            with torch.no_grad() if odd else contextlib.nullcontext():
+                return call()
+        return run
+
     def with_transport_on_rank_1(value):
         def call():
             os.environ["RINGFLEX_TRANSPORT"] = value if odd else "auto"
@@ -103,6 +122,12 @@ def _mismatches(rank, world_size):
         "mask_mod fingerprint": lambda: attn(q, k, v, mask_mod=mods.sliding_window(3 if odd else 4)),
         "score_mod on one rank": lambda: attn(q, k, v, score_mod=mods.softcap(5.0) if odd else None),
         "gradient tracking": lambda: attn(q.detach().requires_grad_(odd), k, v),
+        # what else backward runs the ring for: learnable sinks, a learnable bias a score_mod reads
+        "gradient tracking of sinks": without_grad_on_rank_1(lambda: attn(q, k, v, sinks=LEARNABLE)),
+        "gradient tracking of a score_mod's tensor": without_grad_on_rank_1(
+            lambda: attn(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + LEARNABLE[h])),
+        "bad RINGFLEX_STRAGGLER_S on one rank": with_env_on_rank_1("RINGFLEX_STRAGGLER_S", "60s",
+                                                                   lambda: attn(q, k, v)),
         "debug mode": with_debug_on_rank_1,
         "transport": with_transport_on_rank_1("nccl"),
         "bad transport on one rank": with_transport_on_rank_1("ipc"),
@@ -141,6 +166,12 @@ EXPECTED = {
     "score_mod on one rank": "disagree on the score_mod (rank 0: fingerprint 0000000000000000, rank 1: fingerprint",
     "gradient tracking": "disagree on the gradient tracking (whether backward will run the ring) "
                          "(rank 0: False, rank 1: True, rank 2: False)",
+    "gradient tracking of sinks": "disagree on the gradient tracking (whether backward will run the ring) "
+                                  "(rank 0: True, rank 1: False, rank 2: True)",
+    "gradient tracking of a score_mod's tensor": "disagree on the gradient tracking (whether backward will run "
+                                                 "the ring) (rank 0: True, rank 1: False, rank 2: True)",
+    "bad RINGFLEX_STRAGGLER_S on one rank": "CallRejected: ring_flex_attention: rank 1: RINGFLEX_STRAGGLER_S must "
+                                            "be a number of seconds, got '60s'",
     "debug mode": "disagree on the RINGFLEX_DEBUG mode (rank 0: False, rank 1: True, rank 2: False)",
     "transport": "disagree on the RINGFLEX_TRANSPORT (rank 0: 'auto', rank 1: 'nccl', rank 2: 'auto')",
     "bad transport on one rank": "CallRejected: ring_flex_attention: rank 1: RINGFLEX_TRANSPORT must be one of "
@@ -168,9 +199,6 @@ def test_every_rank_raises_the_same_clear_error():
         text = texts.pop()
         assert text is not None and expected in text, f"{name}: got {text!r}, expected {expected!r}"
     assert all(r["good call afterwards"] < 1e-5 for r in per_rank)
-
-
-LEARNABLE = torch.zeros(2, requires_grad=True)  # a per-head bias a model learns
 
 
 @pytest.mark.parametrize("call, expected", [
@@ -458,3 +486,57 @@ def test_processes_torchrun_launched_without_a_process_group_are_warned(monkeypa
         ringflex.ring_flex_attention(ringflex.shard(q, 2), q, q)
     messages = [str(w.message) for w in recwarn if "WORLD_SIZE" in str(w.message)]
     assert len(messages) == 1 and "init_process_group" in messages[0]
+
+
+def _interrupted_while_planning(rank, world_size):
+    """Rank 1's mask raises KeyboardInterrupt while it plans the call; then two good calls."""
+    full, (q, k, v) = _inputs()
+
+    def interrupting(b, h, q_idx, kv_idx):
+        raise KeyboardInterrupt("stopped by the user")
+
+    try:
+        ringflex.ring_flex_attention(q, k, v, mask_mod=interrupting if rank == 1 else mods.causal)
+        first = None
+    except BaseException as e:  # noqa: BLE001 (the test compares what each rank raised)
+        first = f"{type(e).__name__}: {e}"
+    expected = ringflex.shard(attention(*full, mask_mod=mods.causal), 2)
+    errors = [(ringflex.ring_flex_attention(q, k, v, mask_mod=mods.causal) - expected).abs().max().item()
+              for _ in range(2)]
+    return first, errors
+
+
+def test_an_interruption_while_planning_rejects_the_call_on_every_rank():
+    """The interrupted rank raises the interruption itself, after the others learnt of it (it
+    left before the exchange, which then paired their call with its next one: calls matched
+    up wrongly, then a hang); the group stays in step."""
+    for rank, (first, errors) in enumerate(run_world(WORLD, _interrupted_while_planning, timeout=TIMEOUT)):
+        if rank == 1:
+            assert first == "KeyboardInterrupt: stopped by the user"
+        else:
+            assert first.startswith("CallRejected: ring_flex_attention: rank 1: KeyboardInterrupt: stopped by the "
+                                    "user"), first
+        assert max(errors) < 1e-5, (rank, errors)
+
+
+def _numpy_windows(rank, world_size):
+    np = pytest.importorskip("numpy")
+    full, (q, k, v) = _inputs()
+    window = types.SimpleNamespace(size=np.int64(2))
+    mask = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < window.size)  # noqa: E731
+    results = {"other window on rank 1": _error_text(lambda: ringflex.ring_flex_attention(
+        q, k, v, mask_mod=mods.sliding_window(np.int64(3 if rank == 1 else 2))))}
+    for size in (2, 5):  # set on the object between calls: planned anew
+        window.size = np.int64(size)
+        expected = ringflex.shard(attention(*full, mask_mod=mods.sliding_window(size)), 2)
+        results[size] = (ringflex.ring_flex_attention(q, k, v, mask_mod=mask) - expected).abs().max().item()
+    return results
+
+
+def test_numpy_numbers_a_mod_captures_count_by_value():
+    """A window held as a numpy integer was fingerprinted by its type alone: ranks with other
+    windows passed the check (1.35 off), and a window set anew reused the old plan (0.29 off)."""
+    pytest.importorskip("numpy")
+    for results in run_world(WORLD, _numpy_windows, timeout=TIMEOUT):
+        assert "disagree on the mask_mod" in results["other window on rank 1"], results
+        assert results[2] < 1e-5 and results[5] < 1e-5, results

@@ -22,6 +22,7 @@ raises ``RingFailure`` at its next call.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -36,12 +37,15 @@ from torch import Tensor
 from . import peer
 from .comm import RingComm
 
-_KEY = "ringflex/failed"
+_KEY = "failed"
 _POLL_STORE_S = 0.01  # how often a waiting rank looks for a failure in the store
 _SPIN_S = 0.002  # a collective wait polls without sleeping this long (the argument check's latency)
 _FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> what failed
 _ARRIVED_S = 1.0  # a collective waited on this long is marked reached in the store
+_STRAGGLER_S = 60.0  # RINGFLEX_STRAGGLER_S by default
 _COLLECTIVES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> collectives waited on
+_INCARNATIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> its number among its name's
+_MET: dict = {}  # group name -> how many groups of that name this process has met
 
 
 class RingFailure(RuntimeError):
@@ -63,6 +67,30 @@ def _store(group):
         return None
 
 
+def _key(group, name: str) -> str:
+    """``name`` as a key of ``group``'s store, which a group made anew with the same ranks may
+    share (``new_group(..., use_local_synchronization=True)`` names it as the old one): scoped
+    to the group object, by how many groups of its name came before it here. Every rank meets
+    them in the same order, as it makes them and calls the ring on them."""
+    if group not in _INCARNATIONS:
+        name_of_group = getattr(group, "group_name", "")
+        _INCARNATIONS[group] = _MET.get(name_of_group, 0)
+        _MET[name_of_group] = _INCARNATIONS[group] + 1
+    return f"ringflex/{_INCARNATIONS[group]}/{name}"
+
+
+def straggler_seconds() -> float:
+    """``RINGFLEX_STRAGGLER_S``, checked (the argument check reports a bad value on every rank)."""
+    value = os.environ.get("RINGFLEX_STRAGGLER_S", str(_STRAGGLER_S))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not seconds >= 0 or math.isinf(seconds):
+        raise ValueError(f"RINGFLEX_STRAGGLER_S must be a number of seconds, got {value!r}")
+    return seconds
+
+
 def failure(group) -> Optional[str]:
     """What made ``group`` fail, as this rank knows it, or None."""
     return _FAILED.get(group) if group is not None else None
@@ -77,7 +105,7 @@ def fail(group, message: str) -> None:
     store = _store(group)
     if store is not None:
         try:
-            store.set(_KEY, message)
+            store.set(_key(group, _KEY), message)
         except (RuntimeError, ValueError):  # the store lived on a rank that is gone
             pass
 
@@ -86,9 +114,10 @@ def _remote_failure(group) -> Optional[str]:
     store = _store(group)
     if store is None:
         return None
+    key = _key(group, _KEY)
     try:
-        if store.check([_KEY]):
-            return store.get(_KEY).decode(errors="replace")
+        if store.check([key]):
+            return store.get(key).decode(errors="replace")
     except (RuntimeError, ValueError) as e:
         return f"the rendezvous store cannot be reached ({e})"
     return None
@@ -154,7 +183,7 @@ class Stragglers:
     def __init__(self, group, what: str):
         count = _COLLECTIVES.get(group, 0)
         _COLLECTIVES[group] = count + 1
-        self.group, self.what, self.prefix = group, what, f"ringflex/arrived/{count}/"
+        self.group, self.what, self.prefix = group, what, _key(group, f"arrived/{count}/")
         self.marked = self.done = False
         self.missing: Optional[set] = None
 
@@ -165,7 +194,10 @@ class Stragglers:
         if store is None:
             self.done = True
             return
-        after = max(float(os.environ.get("RINGFLEX_STRAGGLER_S", 60)), 2 * _ARRIVED_S)
+        try:
+            after = max(straggler_seconds(), 2 * _ARRIVED_S)
+        except ValueError:  # the argument check rejects this very call with the message
+            after = _STRAGGLER_S
         try:
             if not self.marked:
                 store.set(self.prefix + str(rank), "1")
