@@ -810,6 +810,16 @@ def test_lowering_of_score_mods_that_ignore_the_score_emulated(name, monkeypatch
     module.clear_cache()
 
 
+def test_integer_tables_beyond_float32_are_refused():
+    """cuDNN reads what a mod looks up as float32: document ids 2**24 and 2**24 + 1 would be
+    one document there (``auto`` then takes flex_attention, saying why)."""
+    from ringflex.kernels.cudnn import lowering_error
+    ids = mods.document_ids([5, 11])
+    assert lowering_error(Mods(None, mods.document(ids))) is None
+    assert "holds integers beyond 2**24" in lowering_error(Mods(None, mods.document(ids + 2**24)))
+    assert lowering_error(Mods(mods.alibi(mods.alibi_slopes(4) * 2**30), None)) is None  # floats stay as they are
+
+
 @pytest.mark.parametrize("mods_,converted", [
     (Mods(None, mods.causal), False), (Mods(None, mods.sliding_window(50)), False),
     (Mods(None, mods.document(mods.document_ids([100, 156]))), False), (Mods(), False),

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...cache import remember
+from ...cache import ByObjects, remember
 from ...plan import Segment
 from ...trace import ModGraph, Node, UnsupportedModError, evaluate, score_grad, trace_mask_mod, trace_score_mod
 from ..base import Mods
@@ -103,6 +103,33 @@ def lowering_error(mods: Mods, device=None) -> Optional[str]:
         lowered(program.score, program.mask, backward=True)
     except UnsupportedModError as e:
         return str(e)
+    return _inexact_lookup(program)
+
+
+_FLOAT32_INTEGERS = 2 ** 24  # every integer up to this is exact in float32
+_LARGE_INTEGERS = ByObjects(64)  # whether a captured integer tensor holds values beyond it
+
+
+def _inexact_lookup(program: Program) -> Optional[str]:
+    """Why the kernel cannot read these mods' integer lookups exactly, or None: it takes what
+    they look up as float32 inputs (``Inputs.buffers``), where integers past 2**24 round, and
+    two documents' ids (dataset-wide ids, say) would compare equal. Each tensor is looked at
+    once per version (a device-to-host copy), never inside a CUDA-graph capture (a call that
+    meets new tensors there is refused as not planned before)."""
+    for graph in (program.score, program.mask):
+        for t in graph.tensors() if graph is not None else ():
+            if t.is_floating_point() or t.dtype == torch.bool or t.numel() == 0:
+                continue
+            capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
+            try:
+                large = _LARGE_INTEGERS.get((id(t), t._version), [t], None if capturing else
+                                            lambda: int(t.abs().max()) > _FLOAT32_INTEGERS)
+            except LookupError:  # new inside a capture: the call is refused as not planned before
+                continue
+            if large:
+                return (f"a captured {t.dtype} tensor of shape {tuple(t.shape)} holds integers beyond 2**24, which the "
+                        "cuDNN kernel reads as float32 (they would round, and unequal ids compare equal): number them "
+                        "from 0 (torch.unique(t, return_inverse=True)[1]), or pass backend='flex'")
     return None
 
 
