@@ -99,7 +99,7 @@ def ring_flex_attention(
         kv_segs_per_step = [layouts.segments(layout, kv_len, world_size, (rank - step) % world_size)
                             for step in range(world_size)]
         tensors = tensors_requiring_grad(score_mod, q.device)
-        kernel = select_kernel(backend, q, k, v, mods, tensor_grads=bool(tensors))
+        kernel = select_kernel(backend, q, k, v, mods, tensor_grads=bool(tensors), lengths=(q_len, kv_len))
         min_tile = int(os.environ.get("RINGFLEX_MIN_TILE", 1024))
 
         def plan_args(q_segs, kv_segs_per_step):

@@ -159,10 +159,9 @@ def _index(table, indices):
     i = _as_range(indices[0])
     if isinstance(i.lo, torch.Tensor) or isinstance(i.hi, torch.Tensor):
         return _lookups(table, i)
-    lo, hi = max(0, int(i.lo)), min(table.numel() - 1, int(i.hi))
-    if lo > hi or i.lo < 0:
-        raise Undecided("lookup out of range or with negative indices")
-    part = table[lo:hi + 1]
+    lo, hi = int(i.lo), int(i.hi)
+    # a range that reaches outside the table may take any of its values (negative indices count from its end)
+    part = table[lo:hi + 1] if 0 <= lo <= hi < table.numel() else table
     return Range(*torch.stack([part.min(), part.max()]).tolist())
 
 
@@ -285,37 +284,56 @@ def _converted(a, dtype: torch.dtype) -> bool:
     return a.dtype != torch.bool and (a.op == "const" or a.dtype != dtype)
 
 
+def _range_of(n, args, env, tables):
+    """The range of node ``n`` from its arguments' ``args``, inputs given by ``env`` and captured
+    tensors by ``tables`` (by node id)."""
+    dtype = _computed_in(n)
+    if dtype is not None:
+        args = [_widen(_as_range(r), dtype) if _converted(a, dtype) else r for a, r in zip(n.args, args)]
+    if n.op in env:
+        v = env[n.op]
+    elif n.op == "const":
+        v = Range(n.value, n.value)
+    elif n.op == "tensor":
+        v = tables[id(n)]
+    elif n.op == "index":
+        v = _index(args[0], args[1:])
+    elif n.op == "cast":
+        v = _cast(_as_range(args[0]), n.value)
+    elif n.op == "where":
+        v = _where(*(_as_range(a) for a in args))
+    elif n.op in _UNARY:
+        v = _UNARY[n.op](_as_range(args[0]))
+    elif n.op in _BINARY:
+        # booleans add and multiply as or and and: torch keeps them booleans
+        rule = _BOOLEAN.get(n.op, n.op) if n.dtype == torch.bool else n.op
+        v = _exact(_BINARY[rule](_as_range(args[0]), _as_range(args[1])), n.dtype)
+    else:
+        raise Undecided(f"no range rule for {n.op}")
+    return _widen(v, dtype) if dtype is not None and n.op in _ROUNDED else v
+
+
 def _ranges(graph, env, tables):
-    """The range of every node of ``graph``, inputs given by ``env`` and captured tensors by
-    ``tables`` (by node id); the output's range."""
+    """The range of ``graph``'s output (``_range_of`` every node)."""
+    memo = {}
+    for n in graph.nodes:
+        memo[id(n)] = _range_of(n, [memo[id(a)] for a in n.args], env, tables)
+    return _as_range(memo[id(graph.output)])
+
+
+def node_ranges(graph, env) -> dict:
+    """By node id, the range of every node of ``graph`` over the ranges ``env`` gives its
+    inputs (numbers), or None where they cannot decide it (inputs ``env`` leaves out, the
+    score say, are undecided). Lookups read a host copy of the captured tensors."""
+    tables = {id(n): n.value.detach().cpu() for n in graph.nodes if n.op == "tensor"}
     memo = {}
     for n in graph.nodes:
         args = [memo[id(a)] for a in n.args]
-        dtype = _computed_in(n)
-        if dtype is not None:
-            args = [_widen(_as_range(r), dtype) if _converted(a, dtype) else r for a, r in zip(n.args, args)]
-        if n.op in env:
-            v = env[n.op]
-        elif n.op == "const":
-            v = Range(n.value, n.value)
-        elif n.op == "tensor":
-            v = tables[id(n)]
-        elif n.op == "index":
-            v = _index(args[0], args[1:])
-        elif n.op == "cast":
-            v = _cast(_as_range(args[0]), n.value)
-        elif n.op == "where":
-            v = _where(*(_as_range(a) for a in args))
-        elif n.op in _UNARY:
-            v = _UNARY[n.op](_as_range(args[0]))
-        elif n.op in _BINARY:
-            # booleans add and multiply as or and and: torch keeps them booleans
-            rule = _BOOLEAN.get(n.op, n.op) if n.dtype == torch.bool else n.op
-            v = _exact(_BINARY[rule](_as_range(args[0]), _as_range(args[1])), n.dtype)
-        else:
-            raise Undecided(f"no range rule for {n.op}")
-        memo[id(n)] = _widen(v, dtype) if dtype is not None and n.op in _ROUNDED else v
-    return _as_range(memo[id(graph.output)])
+        try:
+            memo[id(n)] = None if None in args else _range_of(n, args, env, tables)
+        except Undecided:
+            memo[id(n)] = None
+    return memo
 
 
 def block_decider(mask_mod: Callable, batch: int, heads: int, device=None) -> Optional[Callable]:

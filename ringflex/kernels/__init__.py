@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 from .base import HopKernel, Mods
 from .reference import ReferenceKernel
@@ -17,7 +17,7 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-def _cudnn_reason(q, k, v, mods) -> Optional[str]:
+def _cudnn_reason(q, k, v, mods, lengths) -> Optional[str]:
     """Why the cuDNN kernel cannot run this call, or None if it can."""
     if not q.is_cuda:
         return "inputs are not on a CUDA device"
@@ -25,16 +25,18 @@ def _cudnn_reason(q, k, v, mods) -> Optional[str]:
         from .cudnn import cudnn_unavailable_reason
     except ImportError as e:  # the optional extra is missing
         return f"nvidia-cudnn-frontend is not installed ({e}); pip install 'ringflex[cudnn]'"
-    return cudnn_unavailable_reason(q, k, v, mods)
+    return cudnn_unavailable_reason(q, k, v, mods, lengths)
 
 
-def select_kernel(backend: str, q, k, v, mods: Mods, tensor_grads: bool = False) -> HopKernel:
+def select_kernel(backend: str, q, k, v, mods: Mods, tensor_grads: bool = False,
+                  lengths: Optional[Tuple[int, int]] = None) -> HopKernel:
     """The kernel for ``backend``. "auto" prefers cuDNN; on a GPU where cuDNN cannot run the
     call it takes flex_attention, else the reference kernel, and says once why.
     ``tensor_grads``: the score_mod reads tensors that require grad
-    (``trace.tensors_requiring_grad``)."""
+    (``trace.tensors_requiring_grad``); ``lengths``: the global query and key lengths whose
+    positions the mods see (default: q's and k's own)."""
     if backend in ("cudnn", "auto"):
-        reason = _TENSOR_GRADS if tensor_grads else _cudnn_reason(q, k, v, mods)
+        reason = _TENSOR_GRADS if tensor_grads else _cudnn_reason(q, k, v, mods, lengths)
         if reason is None:
             from .cudnn import CudnnKernel
             return CudnnKernel()

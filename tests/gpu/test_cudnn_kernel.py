@@ -780,6 +780,13 @@ LOWERING_MODS = {  # operand orders and shapes the matrix does not reach
     "not_and_or": Case(mask_mod=lambda b, h, q, kv: ~(q < kv) & ((q % 3 != 1) | (kv % 4 == 0))),
     "bool_arith": Case(score_mod=lambda s, b, h, q, kv: s * (q >= kv) - 2.0 * (q % 2 == 0) + (h == 1)),
     "index_arith": Case(mask_mod=lambda b, h, q, kv: (q // 7 - kv // 7).abs() + (q % 7 - kv % 7).abs() <= 9),
+    # booleans multiplied (and) and added (or), and a mask of ints (nonzero): all but the first
+    # operand were dropped (a window written as (q >= kv) * (q - kv < 16) ran as causal)
+    "bool_product": Case(mask_mod=lambda b, h, q, kv: (q >= kv) * (q - kv < 40)),
+    "bool_sum": Case(mask_mod=lambda b, h, q, kv: (q - kv >= 300) + (kv % 3 == 0)),
+    "bool_min_max": Case(mask_mod=lambda b, h, q, kv: torch.maximum(torch.minimum(q >= kv, q - kv < 60), kv % 5 == 0)),
+    "int_mask": Case(score_mod=mods.softcap(5.0), mask_mod=lambda b, h, q, kv: (q - kv) % 3),
+    "bool_factors_score": Case(score_mod=lambda s, b, h, q, kv: s * ((q >= kv) * (q % 2 == 0)) + 2.0 * ((kv % 3 == 0) + (q < kv))),
     **{f"score_{name}": Case(score_mod=fn, mask_mod=mods.sliding_window(50)) for name, fn in EXTRA_SCORE_MODS.items()},
 }
 
@@ -810,14 +817,24 @@ def test_lowering_of_score_mods_that_ignore_the_score_emulated(name, monkeypatch
     module.clear_cache()
 
 
-def test_integer_tables_beyond_float32_are_refused():
-    """cuDNN reads what a mod looks up as float32: document ids 2**24 and 2**24 + 1 would be
-    one document there (``auto`` then takes flex_attention, saying why)."""
+def test_integers_beyond_float32_are_refused():
+    """cuDNN computes in float32, where integers past 2**24 round: document ids 2**24 and 2**24 + 1
+    are one document there, a hashed block pattern turns dense, positions past 16.7M tokens tie
+    (``auto`` then takes flex_attention, saying why). Ranged over the call's positions, so the
+    same mod runs where its integers stay small; narrowing casts, which wrap, are refused."""
     from ringflex.kernels.cudnn import lowering_error
     ids = mods.document_ids([5, 11])
-    assert lowering_error(Mods(None, mods.document(ids))) is None
-    assert "holds integers beyond 2**24" in lowering_error(Mods(None, mods.document(ids + 2**24)))
-    assert lowering_error(Mods(mods.alibi(mods.alibi_slopes(4) * 2**30), None)) is None  # floats stay as they are
+    hashed = Mods(None, lambda b, h, q, kv: ((q * 1000 + kv) % 64 == 0) | (q == kv))
+    exact = [(Mods(None, mods.document(ids)), 16), (hashed, 8192), (Mods(None, mods.causal), 2**24),
+             (Mods(mods.alibi(mods.alibi_slopes(4) * 2**30), mods.image_neighbourhood(1024, 1024, 3)), 2**20),
+             (Mods(None, lambda b, h, q, kv, ids=ids: ids[q - 1] == ids[kv]), 16)]  # negative indices: the table's values
+    for mods_, length in exact:
+        assert lowering_error(mods_, None, (length, length), 2, 4) is None, mods_
+    rounded = [(Mods(None, mods.document(ids + 2**24)), 16), (hashed, 32768), (Mods(None, mods.causal), 2**24 + 2),
+               (Mods(mods.softcap(5.0), lambda b, h, q, kv, base=torch.tensor([0, 2**24]): base[b] + q >= kv), 16)]
+    for mods_, length in rounded:
+        assert "integers past 2**24 round" in lowering_error(mods_, None, (length, length), 2, 4), mods_
+    assert "wraps values" in lowering_error(Mods(None, lambda b, h, q, kv: (q - kv).to(torch.uint8) < 16))
 
 
 @pytest.mark.parametrize("mods_,converted", [

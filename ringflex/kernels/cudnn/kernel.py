@@ -272,8 +272,10 @@ def _device_reason(index: int) -> Optional[str]:
     return None
 
 
-def cudnn_unavailable_reason(q: Tensor, k: Tensor, v: Tensor, mods: Mods) -> Optional[str]:
-    """Why ``CudnnKernel`` cannot run this call, or None if it can."""
+def cudnn_unavailable_reason(q: Tensor, k: Tensor, v: Tensor, mods: Mods,
+                             lengths: Optional[Tuple[int, int]] = None) -> Optional[str]:
+    """Why ``CudnnKernel`` cannot run this call, or None if it can; ``lengths``: the global query
+    and key lengths whose positions the mods see (default: q's and k's own)."""
     if not q.is_cuda:
         return "inputs are not on a CUDA device"
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -286,4 +288,4 @@ def cudnn_unavailable_reason(q: Tensor, k: Tensor, v: Tensor, mods: Mods) -> Opt
             return f"the {name} head dim must be a multiple of 8 and at most 256 for cuDNN, got {dim}"
     if q.shape[1] % k.shape[1]:
         return f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
-    return lowering_error(mods, q.device)
+    return lowering_error(mods, q.device, lengths or (q.shape[2], k.shape[2]), q.shape[0], q.shape[1])

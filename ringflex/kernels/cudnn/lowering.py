@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ...bounds import Range, node_ranges
 from ...cache import ByObjects, remember
 from ...plan import Segment
 from ...trace import ModGraph, Node, UnsupportedModError, evaluate, score_grad, trace_mask_mod, trace_score_mod
@@ -49,6 +50,9 @@ def _needs_torch(n: Node, memo: Dict[int, bool]) -> bool:
     return memo[id(n)]
 
 
+_NARROW_INTEGERS = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.uint32)
+
+
 class Lowering:
     """Splits the mods into cuDNN's per-element graph and its inputs: constants, the hop's
     offsets for the generated indices, and sub-expressions computed in torch (``hoisted``).
@@ -60,6 +64,7 @@ class Lowering:
         self.consts = {0.0, 1.0, -math.inf}
         self.indices = set()
         self.hoisted: List[Node] = []
+        self.integers: List[Node] = []  # integer values the kernel holds in float32: computed or hoisted
         seen, memo = set(), {}
         for graph in (score, mask, self.grad):
             if graph is not None:
@@ -78,6 +83,8 @@ class Lowering:
         if n.op == "const":
             self.consts.add(float(n.value))
             return
+        if not n.dtype.is_floating_point and n.dtype != torch.bool:
+            self.integers.append(n)
         if n.op in ("q_idx", "kv_idx"):
             self.indices.add(n.op)
             return
@@ -92,44 +99,64 @@ class Lowering:
             raise UnsupportedModError(f"casting to {n.dtype} inside the mod is not supported by the cuDNN kernel")
         if n.op == "cast" and n.args[0].dtype.is_floating_point and not n.dtype.is_floating_point and n.dtype != torch.bool:
             raise UnsupportedModError("casting a float to an integer inside the mod is not supported by the cuDNN kernel")
+        if n.op == "cast" and n.dtype in _NARROW_INTEGERS:
+            raise UnsupportedModError(f"casting to {n.dtype} inside the mod (which wraps values it cannot hold) is not "
+                                      "supported by the cuDNN kernel, which computes in float32")
         for a in n.args:
             self._visit(a, seen, memo)
 
 
-def lowering_error(mods: Mods, device=None) -> Optional[str]:
-    """Why the cuDNN kernel cannot compile these mods, or None."""
+def lowering_error(mods: Mods, device=None, lengths: Optional[Tuple[int, int]] = None, batch: int = 1,
+                   heads: int = 1) -> Optional[str]:
+    """Why the cuDNN kernel cannot compile these mods, or None; with ``lengths`` (the global
+    query and key lengths) and the call's ``batch`` and ``heads``, also why it cannot hold
+    their integers exactly (``_inexact_integers``)."""
     try:
         program = traced(mods, True, device)
-        lowered(program.score, program.mask, backward=True)
+        lowering = lowered(program.score, program.mask, backward=True)
     except UnsupportedModError as e:
         return str(e)
-    return _inexact_lookup(program)
+    return None if lengths is None else _inexact_integers(program, lowering, lengths, batch, heads)
 
 
 _FLOAT32_INTEGERS = 2 ** 24  # every integer up to this is exact in float32
-_LARGE_INTEGERS = ByObjects(64)  # whether a captured integer tensor holds values beyond it
+_INEXACT = ByObjects(64)  # by mods, their tensors' versions and the call's sizes: ``_inexact_integers``
 
 
-def _inexact_lookup(program: Program) -> Optional[str]:
-    """Why the kernel cannot read these mods' integer lookups exactly, or None: it takes what
-    they look up as float32 inputs (``Inputs.buffers``), where integers past 2**24 round, and
-    two documents' ids (dataset-wide ids, say) would compare equal. Each tensor is looked at
-    once per version (a device-to-host copy), never inside a CUDA-graph capture (a call that
-    meets new tensors there is refused as not planned before)."""
-    for graph in (program.score, program.mask):
-        for t in graph.tensors() if graph is not None else ():
-            if t.is_floating_point() or t.dtype == torch.bool or t.numel() == 0:
-                continue
-            capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
-            try:
-                large = _LARGE_INTEGERS.get((id(t), t._version), [t], None if capturing else
-                                            lambda: int(t.abs().max()) > _FLOAT32_INTEGERS)
-            except LookupError:  # new inside a capture: the call is refused as not planned before
-                continue
-            if large:
-                return (f"a captured {t.dtype} tensor of shape {tuple(t.shape)} holds integers beyond 2**24, which the "
-                        "cuDNN kernel reads as float32 (they would round, and unequal ids compare equal): number them "
-                        "from 0 (torch.unique(t, return_inverse=True)[1]), or pass backend='flex'")
+def _inexact_integers(program: Program, lowering: "Lowering", lengths: Tuple[int, int], batch: int,
+                      heads: int) -> Optional[str]:
+    """Why the kernel cannot hold the mods' integers exactly, or None. It computes in float32
+    (and takes what torch computes for it as float32 inputs), where integers past 2**24 round
+    and compare equal, as torch's int32 and int64 do not: dataset-wide document ids merge, a
+    hashed block pattern turns dense, positions past 16.7M tokens tie. Each integer is ranged
+    from the mods' formulas over every position, batch and head (``bounds.node_ranges``): once
+    per mods, versions of their tensors and sizes (lookups read a host copy of the tensors),
+    never inside a CUDA-graph capture (a call that meets new mods there is refused as not
+    planned before)."""
+    tensors = [t for graph in (program.score, program.mask) if graph is not None for t in graph.tensors()]
+    key = (lowering.key, tuple((id(t), t._version) for t in tensors), lengths, batch, heads)
+    capturing = any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing()
+    try:
+        return _INEXACT.get(key, tensors, None if capturing else lambda: _integer_error(lowering, lengths, batch, heads))
+    except LookupError:
+        return None
+
+
+def _integer_error(lowering: "Lowering", lengths: Tuple[int, int], batch: int, heads: int) -> Optional[str]:
+    env = {"b": Range(0, batch - 1), "h": Range(0, heads - 1), "q_idx": Range(0, lengths[0] - 1),
+           "kv_idx": Range(0, lengths[1] - 1)}
+    ranges = {}
+    for graph in (lowering.score, lowering.mask, lowering.grad):
+        if graph is not None:
+            ranges.update(node_ranges(graph, env))
+    for n in lowering.integers:
+        r = ranges.get(id(n))
+        largest = None if r is None else max(abs(r.lo), abs(r.hi))
+        if largest is None or largest > _FLOAT32_INTEGERS:
+            what = "cannot be bounded" if r is None else f"reaches {largest}"
+            return (f"the cuDNN kernel computes the mods in float32, where integers past 2**24 round, and an integer "
+                    f"{n.op} in them {what} over {lengths[0]} query and {lengths[1]} key positions: keep integers "
+                    "within 2**24 (ids numbered from 0, small multipliers), or pass backend='flex'")
     return None
 
 
@@ -218,9 +245,10 @@ class Emitter:
     def _choose(self, n: Node, t, f):
         """``n ? t : f`` for a boolean node ``n``."""
         computed = not self.lowering.is_input(n)
-        if computed and n.op == "and":
+        op = _LOGICAL.get(n.op, n.op) if n.dtype == torch.bool else n.op
+        if computed and op == "and":
             return self._choose(n.args[0], self._choose(n.args[1], t, f), f)
-        if computed and n.op == "or":
+        if computed and op == "or":
             return self._choose(n.args[0], t, self._choose(n.args[1], t, f))
         if computed and n.op == "not":
             return self._choose(n.args[0], f, t)
@@ -243,8 +271,10 @@ class Emitter:
                 value = self._emit(n)  # hoisted and constant conditions arrive as 1.0 / 0.0
             elif n.op == "where":
                 value = self._choose(n.args[0], self._number(n.args[1]), self._number(n.args[2]))
-            else:  # a cast to bool
+            elif n.op == "cast":  # to bool: whether its operand is nonzero
                 value = self._number(n.args[0])
+            else:  # a number as a condition (a mask of ints): whether it is nonzero
+                value = self._number(n)
             t = self._op("cmp_eq" if negate else "cmp_neq", value, self._const(0.0))
         self.memo[key] = t
         return t
@@ -283,6 +313,8 @@ class Emitter:
         raise UnsupportedModError(f"operation {op} cannot be lowered to cuDNN")
 
 
+# booleans multiply as and, add as or (torch keeps them booleans), and so do their min and max
+_LOGICAL = {"mul": "and", "minimum": "and", "add": "or", "maximum": "or"}
 _UNARY_CUDNN = {"neg", "abs", "exp", "log", "sqrt", "tanh", "sigmoid", "floor"}
 _BINARY_CUDNN = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "minimum": "min", "maximum": "max",
                  "pow": "pow", "tanh_backward": "tanh_backward", "sigmoid_backward": "sigmoid_backward"}
