@@ -791,6 +791,13 @@ LOWERING_MODS = {  # operand orders and shapes the matrix does not reach
 }
 
 
+@needs_cudnn
+@pytest.mark.parametrize("name", ["bool_product", "bool_sum", "bool_min_max", "int_mask", "bool_factors_score"])
+def test_booleans_as_numbers_match_reference(name):
+    for segs in ("offsets", "striped"):
+        _check(f"{name} {segs}", LOWERING_MODS[name], *SEGMENTS[segs], CudnnKernel())
+
+
 @pytest.mark.parametrize("name", sorted(LOWERING_MODS))
 def test_lowering_of_operand_orders_emulated(name, monkeypatch):
     module = _emulated(monkeypatch)
