@@ -720,7 +720,9 @@ class _FakeGraph:
 
 _FAKE_OPS = {
     "add": lambda x: x["a"] + x["b"], "sub": lambda x: x["a"] - x["b"], "mul": lambda x: x["a"] * x["b"],
-    "div": lambda x: x["a"] / x["b"], "min": lambda x: torch.minimum(x["input0"], x["input1"]),
+    # as cuDNN divides: by multiplying with the float32 reciprocal (one too low at some exact
+    # multiples: 41 / 41 is 0.99999994 on an H100)
+    "div": lambda x: (x["a"].float() * (1 / x["b"].float())).to(x["a"].dtype), "min": lambda x: torch.minimum(x["input0"], x["input1"]),
     "max": lambda x: torch.maximum(x["input0"], x["input1"]), "pow": lambda x: x["input0"] ** x["input1"],
     "binary_select": lambda x: torch.where(x["mask"].bool(), x["input0"], x["input1"]),
     "tanh_backward": lambda x: x["loss"] * (1 - torch.tanh(x["input"]) ** 2),
@@ -782,6 +784,10 @@ LOWERING_MODS = {  # operand orders and shapes the matrix does not reach
     "index_arith": Case(mask_mod=lambda b, h, q, kv: (q // 7 - kv // 7).abs() + (q % 7 - kv % 7).abs() <= 9),
     # booleans multiplied (and) and added (or), and a mask of ints (nonzero): all but the first
     # operand were dropped (a window written as (q >= kv) * (q - kv < 16) ran as causal)
+    # integer division at exact multiples (of 41: cuDNN's reciprocal rounds them one low)
+    "dilated": Case(score_mod=mods.softcap(5.0), mask_mod=lambda b, h, q, kv: ((q - kv) % 41 == 0) | (q == kv)),
+    "divided": Case(mask_mod=lambda b, h, q, kv: (torch.floor(q / 47) == kv // 47) | (kv // -55 == q // -55)),
+    "divided_by_tensor": Case(mask_mod=lambda b, h, q, kv: (q - kv) % (kv % 3 + 41) == 0),
     "bool_product": Case(mask_mod=lambda b, h, q, kv: (q >= kv) * (q - kv < 40)),
     "bool_sum": Case(mask_mod=lambda b, h, q, kv: (q - kv >= 300) + (kv % 3 == 0)),
     "bool_min_max": Case(mask_mod=lambda b, h, q, kv: torch.maximum(torch.minimum(q >= kv, q - kv < 60), kv % 5 == 0)),
@@ -792,8 +798,9 @@ LOWERING_MODS = {  # operand orders and shapes the matrix does not reach
 
 
 @needs_cudnn
-@pytest.mark.parametrize("name", ["bool_product", "bool_sum", "bool_min_max", "int_mask", "bool_factors_score"])
-def test_booleans_as_numbers_match_reference(name):
+@pytest.mark.parametrize("name", ["bool_product", "bool_sum", "bool_min_max", "int_mask", "bool_factors_score",
+                                  "dilated", "divided", "divided_by_tensor"])
+def test_booleans_and_divisions_match_reference(name):
     for segs in ("offsets", "striped"):
         _check(f"{name} {segs}", LOWERING_MODS[name], *SEGMENTS[segs], CudnnKernel())
 

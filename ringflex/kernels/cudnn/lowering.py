@@ -279,6 +279,31 @@ class Emitter:
         self.memo[key] = t
         return t
 
+    def _integer_floor(self, x, y, divisor: Node):
+        """floor(x / y) of integers, exact. cuDNN divides by multiplying with a rounded reciprocal,
+        one too low at some exact multiples (H100: (q - kv) % 41 == 0 missed every 41st key);
+        the remainder says which way the quotient is off (|x| and |y| within 2**24, where float32
+        holds every integer: ``_inexact_integers``)."""
+        zero, one = self._const(0.0), self._const(1.0)
+        quotient = self._op("floor", self._op("div", x, y))
+        rest = self._op("sub", x, self._op("mul", y, quotient))  # in [0, y) for y > 0, (y, 0] for y < 0
+
+        def bit(comparison, u, v):
+            return self._typed(self.g.binary_select(input0=self._computed(one), input1=zero,
+                                                    mask=self._op(comparison, u, v)), "FLOAT")
+
+        def correction(positive: bool):  # +1 where the rest reached y, -1 where it has the wrong sign
+            up, down = (bit("cmp_ge", rest, y), bit("cmp_lt", rest, zero)) if positive else \
+                (bit("cmp_le", rest, y), bit("cmp_gt", rest, zero))
+            return self._op("sub", up, down)
+
+        if divisor.op == "const":
+            fix = correction(divisor.value > 0)
+        else:
+            fix = self._typed(self.g.binary_select(input0=correction(True), input1=correction(False),
+                                                   mask=self._op("cmp_gt", y, zero)), "FLOAT")
+        return self._op("add", quotient, fix)
+
     def _emit(self, n: Node):
         if id(n) not in self.memo:
             self.memo[id(n)] = self._lower(n)
@@ -298,13 +323,16 @@ class Emitter:
             start = self.inputs.use(self.inputs.starts[n.op])
             return self._typed(self.g.add(a=index, b=start, compute_data_type=I), "INT32")
         op, a = n.op, n.args
+        if op == "floor" and a[0].op == "div" and not any(x.dtype.is_floating_point for x in a[0].args):
+            op, a = "floordiv", a[0].args  # floor(q / 41) of integers: as q // 41
         if op in _UNARY_CUDNN:
             return self._op(op, self._number(a[0]))
         if op in _BINARY_CUDNN:
             return self._op(_BINARY_CUDNN[op], self._number(a[0]), self._number(a[1]))
         if op in ("floordiv", "mod"):
             x, y = self._number(a[0]), self._number(a[1])
-            floor = self._op("floor", self._op("div", x, y))
+            integers = not any(v.dtype.is_floating_point for v in a)
+            floor = self._integer_floor(x, y, a[1]) if integers else self._op("floor", self._op("div", x, y))
             return floor if op == "floordiv" else self._op("sub", x, self._op("mul", y, floor))  # Python's sign
         if op == "where":
             return self._choose(a[0], self._number(a[1]), self._number(a[2]))
