@@ -786,7 +786,7 @@ LOWERING_MODS = {  # operand orders and shapes the matrix does not reach
     # operand were dropped (a window written as (q >= kv) * (q - kv < 16) ran as causal)
     # integer division at exact multiples (of 41: cuDNN's reciprocal rounds them one low)
     "dilated": Case(score_mod=mods.softcap(5.0), mask_mod=lambda b, h, q, kv: ((q - kv) % 41 == 0) | (q == kv)),
-    "divided": Case(mask_mod=lambda b, h, q, kv: (torch.floor(q / 47) == kv // 47) | (kv // -55 == q // -55)),
+    "divided": Case(mask_mod=lambda b, h, q, kv: (q // 47 == kv // 47) | (kv // -55 == q // -55)),
     "divided_by_tensor": Case(mask_mod=lambda b, h, q, kv: (q - kv) % (kv % 3 + 41) == 0),
     "bool_product": Case(mask_mod=lambda b, h, q, kv: (q >= kv) * (q - kv < 40)),
     "bool_sum": Case(mask_mod=lambda b, h, q, kv: (q - kv >= 300) + (kv % 3 == 0)),

@@ -323,8 +323,6 @@ class Emitter:
             start = self.inputs.use(self.inputs.starts[n.op])
             return self._typed(self.g.add(a=index, b=start, compute_data_type=I), "INT32")
         op, a = n.op, n.args
-        if op == "floor" and a[0].op == "div" and not any(x.dtype.is_floating_point for x in a[0].args):
-            op, a = "floordiv", a[0].args  # floor(q / 41) of integers: as q // 41
         if op in _UNARY_CUDNN:
             return self._op(op, self._number(a[0]))
         if op in _BINARY_CUDNN:
