@@ -7,6 +7,7 @@ its own, with a timeout far above the bound the test asserts.
 import datetime
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -138,3 +139,14 @@ def test_a_failure_stays_with_its_group_object(monkeypatch):
     fault.fail(failed, "rank 1 raised in the ring's forward")
     assert fault._remote_failure(failed) == "rank 1 raised in the ring's forward"
     assert fault._remote_failure(anew) is None
+
+
+def test_a_transfer_the_transport_fails_is_named():
+    """A peer's process that exits resets its connections: the error says which transfer broke
+    (the rank marking the ring failed was named as if it had raised of itself)."""
+    class Reset:
+        def wait(self):
+            raise RuntimeError("Connection reset by peer")
+
+    with pytest.raises(RuntimeError, match="^the forward transfer from rank 1 failed: RuntimeError: Connection reset"):
+        fault.wait([Reset()], None, "the forward transfer from rank 1")

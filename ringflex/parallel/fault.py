@@ -146,8 +146,8 @@ def wait(works: Sequence, group, what: str, ring_group=None) -> None:
     threading.Thread(target=wait_all, name="ringflex-wait", daemon=True).start()
     while not done.wait(_POLL_STORE_S):
         _raise_if_failed(ring_group, what)
-    if errors:
-        raise errors[0]
+    if errors:  # the transport's own error (a connection reset: the peer's process may be gone)
+        raise RuntimeError(f"{what} failed: {type(errors[0]).__name__}: {errors[0]}") from errors[0]
 
 
 def wait_collective(work, group, what: str, ring_group=None, stragglers: Optional["Stragglers"] = None) -> None:
