@@ -150,3 +150,17 @@ def test_a_transfer_the_transport_fails_is_named():
 
     with pytest.raises(RuntimeError, match="^the forward transfer from rank 1 failed: RuntimeError: Connection reset"):
         fault.wait([Reset()], None, "the forward transfer from rank 1")
+
+
+def test_a_long_wait_for_a_transfer_says_which(monkeypatch, recwarn):
+    """A peer that skips its backward leaves the others in the backward ring: after
+    ``RINGFLEX_STRAGGLER_S`` (at least 2 s) the waiting rank says which transfer it waits for."""
+    class Late:
+        def wait(self):
+            time.sleep(2.3)
+
+    monkeypatch.setenv("RINGFLEX_STRAGGLER_S", "0")
+    fault.wait([Late()], None, "the backward transfer from rank 1")
+    messages = [str(w.message) for w in recwarn if "ringflex" in str(w.message)]
+    assert messages == ["ringflex: this rank has waited 2 s for the backward transfer from rank 1: every rank of the "
+                        "group must make the same ring_flex_attention calls and backward passes"]

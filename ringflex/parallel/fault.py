@@ -91,6 +91,14 @@ def straggler_seconds() -> float:
     return seconds
 
 
+def _straggler_after() -> float:
+    """How long a rank waits before it says which ranks (or transfer) it waits for."""
+    try:
+        return max(straggler_seconds(), 2 * _ARRIVED_S)
+    except ValueError:  # the argument check rejects the call with the message
+        return _STRAGGLER_S
+
+
 def failure(group) -> Optional[str]:
     """What made ``group`` fail, as this rank knows it, or None."""
     return _FAILED.get(group) if group is not None else None
@@ -144,8 +152,15 @@ def wait(works: Sequence, group, what: str, ring_group=None) -> None:
             done.set()
 
     threading.Thread(target=wait_all, name="ringflex-wait", daemon=True).start()
+    start, said = time.monotonic(), False
     while not done.wait(_POLL_STORE_S):
         _raise_if_failed(ring_group, what)
+        waited = time.monotonic() - start
+        if not said and waited >= _straggler_after():  # a peer that never reached this pass (its backward)
+            said = True
+            who = f"rank {dist.get_rank(group)}" if group is not None else "this rank"
+            warnings.warn(f"ringflex: {who} has waited {waited:.0f} s for {what}: every rank of the group must make "
+                          "the same ring_flex_attention calls and backward passes", RuntimeWarning, stacklevel=2)
     if errors:  # the transport's own error (a connection reset: the peer's process may be gone)
         raise RuntimeError(f"{what} failed: {type(errors[0]).__name__}: {errors[0]}") from errors[0]
 
@@ -194,10 +209,7 @@ class Stragglers:
         if store is None:
             self.done = True
             return
-        try:
-            after = max(straggler_seconds(), 2 * _ARRIVED_S)
-        except ValueError:  # the argument check rejects this very call with the message
-            after = _STRAGGLER_S
+        after = _straggler_after()
         try:
             if not self.marked:
                 store.set(self.prefix + str(rank), "1")
