@@ -841,7 +841,12 @@ def test_integers_beyond_float32_are_refused():
     hashed = Mods(None, lambda b, h, q, kv: ((q * 1000 + kv) % 64 == 0) | (q == kv))
     exact = [(Mods(None, mods.document(ids)), 16), (hashed, 8192), (Mods(None, mods.causal), 2**24),
              (Mods(mods.alibi(mods.alibi_slopes(4) * 2**30), mods.image_neighbourhood(1024, 1024, 3)), 2**20),
-             (Mods(None, lambda b, h, q, kv, ids=ids: ids[q - 1] == ids[kv]), 16)]  # negative indices: the table's values
+             (Mods(None, lambda b, h, q, kv, ids=ids: ids[q - 1] == ids[kv]), 16),  # negative indices: the table's values
+             # attention-gym's masks at a million tokens
+             (Mods(None, lambda b, h, q, kv: ((q - kv) % 4 == 0) & (q >= kv) & (q - kv < 8192)), 2**20),
+             (Mods(None, lambda b, h, q, kv: (kv < 64) | (q < 64) | ((q - kv).abs() < 512)), 2**20),
+             (Mods(None, lambda b, h, q, kv: (q // 128) % 4 == (kv // 128) % 4), 2**20),
+             (Mods(mods.softcap(50.0), lambda b, h, q, kv: q // 8192 == kv // 8192), 2**20)]
     for mods_, length in exact:
         assert lowering_error(mods_, None, (length, length), 2, 4) is None, mods_
     rounded = [(Mods(None, mods.document(ids + 2**24)), 16), (hashed, 32768), (Mods(None, mods.causal), 2**24 + 2),
