@@ -18,8 +18,8 @@ import hashlib
 import math
 import weakref
 from collections import OrderedDict
-from fractions import Fraction
 from dataclasses import dataclass, field
+from fractions import Fraction
 from types import CodeType
 from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
