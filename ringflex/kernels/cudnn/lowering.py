@@ -255,8 +255,11 @@ class Emitter:
         negate = self.inputs.is_input(t) and not self.inputs.is_input(f)
         if negate:
             t, f = f, t
-        select = self.g.binary_select(input0=self._computed(t), input1=f, mask=self._condition(n, negate))
-        return self._typed(select, "FLOAT")
+        return self._select(self._condition(n, negate), t, f)
+
+    def _select(self, mask, t, f):
+        """``mask ? t : f`` for a BOOLEAN tensor ``mask`` (``t`` computed in the graph first)."""
+        return self._typed(self.g.binary_select(input0=self._computed(t), input1=f, mask=mask), "FLOAT")
 
     def _condition(self, n: Node, negate: bool):
         """A BOOLEAN tensor of ``n`` (of ``not n`` if ``negate``), ``n`` not an and / or / not."""
@@ -284,13 +287,12 @@ class Emitter:
         one too low at some exact multiples (H100: (q - kv) % 41 == 0 missed every 41st key);
         the remainder says which way the quotient is off (|x| and |y| within 2**24, where float32
         holds every integer: ``_inexact_integers``)."""
-        zero, one = self._const(0.0), self._const(1.0)
+        zero, one = self._const(0.0), self._computed(self._const(1.0))
         quotient = self._op("floor", self._op("div", x, y))
         rest = self._op("sub", x, self._op("mul", y, quotient))  # in [0, y) for y > 0, (y, 0] for y < 0
 
         def bit(comparison, u, v):
-            return self._typed(self.g.binary_select(input0=self._computed(one), input1=zero,
-                                                    mask=self._op(comparison, u, v)), "FLOAT")
+            return self._select(self._op(comparison, u, v), one, zero)
 
         def correction(positive: bool):  # +1 where the rest reached y, -1 where it has the wrong sign
             up, down = (bit("cmp_ge", rest, y), bit("cmp_lt", rest, zero)) if positive else \
@@ -300,8 +302,7 @@ class Emitter:
         if divisor.op == "const":
             fix = correction(divisor.value > 0)
         else:
-            fix = self._typed(self.g.binary_select(input0=correction(True), input1=correction(False),
-                                                   mask=self._op("cmp_gt", y, zero)), "FLOAT")
+            fix = self._select(self._op("cmp_gt", y, zero), correction(True), correction(False))
         return self._op("add", quotient, fix)
 
     def _emit(self, n: Node):
