@@ -15,6 +15,12 @@ def remember(cache: OrderedDict, key, value, limit: int):
     return value
 
 
+def tensor_versions(tensors) -> tuple:
+    """``tensors`` by identity and version (which a write in place bumps): the part of a
+    ``ByObjects`` key that names them."""
+    return tuple((id(t), t._version) for t in tensors)
+
+
 class ByObjects:
     """Values computed from objects (a mod, the tensors it captured) kept by a ``key`` that
     names them by ``id`` (and version), and given back only while those very objects live: a

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .bounds import tile_ranges
-from .cache import ByObjects
+from .cache import ByObjects, tensor_versions
 from .plan import Segment, evaluate_mask
 from .trace import ModGraph
 
@@ -33,7 +33,7 @@ def mask_key(mask: ModGraph, *rest) -> tuple:
     """A key for what is computed from a traced mask's values: its captured tensors count by
     identity and version (kept in a ``cache.ByObjects`` with ``mask.tensors()``, so new
     document ids are a new key even where they take the old ones' freed id)."""
-    return (mask.fingerprint, tuple((id(t), t._version) for t in mask.tensors())) + rest
+    return (mask.fingerprint, tensor_versions(mask.tensors())) + rest
 
 
 _EXTENTS = ByObjects(16)  # the blocks of a ring call or two: the cuDNN kernel's exact plans and lending read them

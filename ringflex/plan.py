@@ -16,7 +16,7 @@ from torch import Tensor
 
 from . import captured
 from .bounds import block_decider
-from .cache import ByObjects
+from .cache import ByObjects, tensor_versions
 from .trace import (UnsupportedModError, diagonal_band, lookup_error, subscripts_read_tensors, trace_mask_mod,
                     trace_score_mod)
 
@@ -276,7 +276,7 @@ def check_lookups(mod, kind: str, batch: int, heads: int, q_segs, kv_segs_per_st
     except UnsupportedModError:  # evaluated as the user wrote it; torch raises its own error
         return
     tables = graph.tensors() if subscripts_read_tensors(graph) else []
-    key = (graph.structure, tuple((id(t), t._version) for t in tables), batch, heads, tuple(q_segs),
+    key = (graph.structure, tensor_versions(tables), batch, heads, tuple(q_segs),
            tuple(map(tuple, kv_segs_per_step)), str(device))
 
     def check():
@@ -381,7 +381,7 @@ class MaskCache:
         with ``compute`` None only a value computed before, else ``LookupError``."""
         parts = captured.parts(mask_mod)
         tensors = [p for p in parts if isinstance(p, Tensor)]
-        key = (id(mask_mod), self._fingerprint(mask_mod, parts=parts), tuple((id(t), t._version) for t in tensors)) + key
+        key = (id(mask_mod), self._fingerprint(mask_mod, parts=parts), tensor_versions(tensors)) + key
         return self.cache.get(key, ([mask_mod] if mask_mod is not None else []) + tensors, compute)
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ...bounds import Range, node_ranges
-from ...cache import ByObjects, remember
+from ...cache import ByObjects, remember, tensor_versions
 from ...plan import Segment
 from ...trace import ModGraph, Node, UnsupportedModError, evaluate, score_grad, trace_mask_mod, trace_score_mod
 from ..base import Mods
@@ -134,7 +134,7 @@ def _inexact_integers(program: Program, lowering: "Lowering", lengths: Tuple[int
     never inside a CUDA-graph capture (a call that meets new mods there is refused as not
     planned before)."""
     tensors = [t for graph in (program.score, program.mask) if graph is not None for t in graph.tensors()]
-    key = (lowering.key, tuple((id(t), t._version) for t in tensors), lengths, batch, heads)
+    key = (lowering.key, tensor_versions(tensors), lengths, batch, heads)
     capturing = any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing()
     try:
         return _INEXACT.get(key, tensors, None if capturing else lambda: _integer_error(lowering, lengths, batch, heads))
