@@ -1,6 +1,6 @@
 """Ring benchmark: ringflex vs the best single-GPU kernel vs PyTorch's context_parallel.
 
-    torchrun --nproc_per_node=2 scripts/bench.py --seq-lens 16384 32768 65536 \
+    torchrun --nproc_per_node=2 benchmarks/bench.py --seq-lens 16384 32768 65536 \
         --masks none causal window documents causal_softcap --json out/bench.json --plot out/eff.png
 
 For every total sequence length and mask it times forward and forward+backward of
@@ -20,87 +20,15 @@ import argparse
 import functools
 import json
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import ranks  # scripts/ is on sys.path when this runs as a script
+from common import MASKS, init, make_mods, max_over_ranks, timed  # benchmarks/ is on sys.path as a script
 import ringflex
-from ringflex import lending, mods
+from ringflex import lending
 from ringflex.parallel import peer
-
-MASKS = ("none", "causal", "window", "documents", "causal_softcap")
-
-
-def make_mods(mask: str, seq_len: int, device, window: int, doc_len: int, seed: int = 0):
-    """(score_mod, mask_mod) of a named workload over ``seq_len`` global tokens (``seed``: of
-    the document lengths)."""
-    if mask == "none":
-        return None, None
-    if mask == "causal":
-        return None, mods.causal
-    if mask == "window":
-        return None, mods.sliding_window(window)
-    if mask == "documents":  # documents of random lengths around doc_len
-        g = torch.Generator().manual_seed(seed)
-        lengths, total = [], 0
-        while total < seq_len:
-            n = min(seq_len - total, int(torch.randint(doc_len // 2, 3 * doc_len // 2, (), generator=g)))
-            lengths.append(n)
-            total += n
-        return None, mods.document(mods.document_ids(lengths, device=device))
-    if mask == "causal_softcap":
-        return mods.softcap(30.0), mods.causal
-    raise ValueError(f"unknown mask {mask!r}; choose from {MASKS}")
-
-
-def timed(fn, iters: int, warmup: int, device) -> float:
-    """Mean seconds per call of ``fn`` after ``warmup`` calls. The ranks start the timed calls
-    together: a rank still finishing earlier work would otherwise hold up the other's first
-    ring call, and that wait would count as ring time."""
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    if _CPU_GROUP is not None:
-        dist.barrier(group=_CPU_GROUP)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters
-
-
-def replayed_ms(fn, iters: int = 20) -> float:
-    """Milliseconds per call of ``fn`` replayed from a CUDA graph: the GPU's time, not the
-    host's (which packed documents' planning or a Triton launch from Python can exceed)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def fwd_and_fwdbwd(attn, q, k, v, iters, warmup, *, device):
@@ -115,7 +43,8 @@ def fwd_and_fwdbwd(attn, q, k, v, iters, warmup, *, device):
     def forward_backward():
         attn(q, k, v).backward(grad)
 
-    return timed(forward, iters, warmup, device), timed(forward_backward, iters, warmup, device)
+    return (timed(forward, iters, warmup, device, _CPU_GROUP),
+            timed(forward_backward, iters, warmup, device, _CPU_GROUP))
 
 
 SINGLES = ("sdpa-cudnn", "flex", "ringflex-1gpu")
@@ -224,7 +153,7 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
     for name, times in samples.items():
         if "error" not in results.get(name, {}):
             fwd, both = (statistics.median(t[i] for t in times) for i in (0, 1))
-            results[name] = dict(zip(("fwd", "fwd_bwd"), ranks.max_over_ranks([fwd, both], device, _CPU_GROUP)))
+            results[name] = dict(zip(("fwd", "fwd_bwd"), max_over_ranks([fwd, both], device, _CPU_GROUP)))
         log(f"  {name}: {results[name]}")
     rows = []
     for label, (layout, local) in variants.items():
@@ -232,7 +161,7 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
                **{n: r for n, r in results.items() if not n.startswith("ringflex/")},
                "ringflex": dict(results[f"ringflex/{label}"])}
         if device.type == "cuda" and label == layout:
-            row["ringflex"]["peak_mem_gib"] = ranks.max_over_ranks([ring_peak_memory(ring(layout), local) / 2**30],
+            row["ringflex"]["peak_mem_gib"] = max_over_ranks([ring_peak_memory(ring(layout), local) / 2**30],
                                                                    device, _CPU_GROUP)[0]
         singles = {n: row[n] for n in SINGLES if "fwd" in row.get(n, {})}
         if singles:
@@ -364,7 +293,7 @@ def run(args):
 
 def main():
     args = parse_args()
-    ranks.init(args.device)  # ranks sharing a GPU (a smoke test on one) run over gloo
+    init(args.device)  # ranks sharing a GPU (a smoke test on one) run over gloo
     try:
         run(args)
     finally:

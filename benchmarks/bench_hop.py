@@ -5,22 +5,18 @@ flex_attention (compiled, with a block mask) and torch's cuDNN SDPA (no mask, ca
 Each time is the median over interleaved rounds of 20 back-to-back calls (every
 implementation in turn in each round), so drift of the GPU's clock favours none of them.
 
-    python scripts/bench_hop.py                      # B=1 H=32 D=128 bf16 S=8192, every mod
-    python scripts/bench_hop.py --depths 0 1 2 3     # also the split-depth sweep
+    python benchmarks/bench_hop.py                      # B=1 H=32 D=128 bf16 S=8192, every mod
+    python benchmarks/bench_hop.py --depths 0 1 2 3     # also the split-depth sweep
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-import torch.nn.functional as F
 
+from common import add_shape_arguments, autograd_calls, interleaved, ringflex_calls, sdpa_calls  # a sibling
 from ringflex import mods
 from ringflex.kernels import cudnn as cudnn_kernel
-from ringflex.kernels.base import Mods
-from ringflex.plan import Segment
 
 
 def matrix(seq: int, heads: int, device):
@@ -52,45 +48,6 @@ def _doc_lengths(seq: int):
     return lengths
 
 
-def timed(fn, warmup=3, iters=20):
-    """(GPU ms per call, host us per call) of ``fn`` run back to back, the way a ring enqueues
-    its hops: the host runs ahead, so its overhead is hidden unless it exceeds the kernel time."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    host = time.perf_counter()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    host = time.perf_counter() - host
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters, 1e6 * host / iters
-
-
-def ringflex_calls(q, k, v, dout, score_mod, mask_mod, depth):
-    """(forward, backward, seconds of the first forward + backward) of ringflex's cuDNN hop."""
-    kernel = cudnn_kernel.CudnnKernel(split_depth=depth)
-    seg = Segment(0, 1, q.shape[2])
-    m = Mods(score_mod, mask_mod)
-    masked = mask_mod is not None
-    segs = (seg, seg) if (masked or score_mod is not None) else (None, None)
-    scale = q.shape[-1] ** -0.5
-    t0 = time.perf_counter()
-    out, lse = kernel.forward(q, k, v, *segs, m, scale, masked)
-    kernel.backward(q, k, v, out, lse, dout, *segs, m, scale, masked)
-    torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    return (lambda: kernel.forward(q, k, v, *segs, m, scale, masked),
-            lambda: kernel.backward(q, k, v, out, lse, dout, *segs, m, scale, masked), first)
-
-
-def _autograd_calls(run, inputs, dout):
-    out = run()
-    return run, lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
-
-
 def flex_calls(q, k, v, dout, score_mod, mask_mod):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -101,39 +58,8 @@ def flex_calls(q, k, v, dout, score_mod, mask_mod):
         block_mask = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], device=q.device)
     gqa = q.shape[1] != k.shape[1]
     inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
-    return _autograd_calls(lambda: flex(*inputs, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa),
-                           inputs, dout)
-
-
-def sdpa_calls(q, k, v, dout, causal):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    gqa = q.shape[1] != k.shape[1]
-    inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
-
-    def run():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(*inputs, is_causal=causal, enable_gqa=gqa)
-
-    return _autograd_calls(run, inputs, dout)
-
-
-def interleaved(calls: dict, rounds: int) -> dict:
-    """name -> (median GPU ms, median host us) of each call, measured in ``rounds`` rounds that
-    take every call in turn, so clock and temperature drift falls on all of them alike."""
-    times = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, fn in calls.items():
-            times[name].append(timed(fn))
-    return {name: tuple(statistics.median(t[i] for t in ts) for i in range(2)) for name, ts in times.items()}
-
-
-def add_shape_arguments(p: argparse.ArgumentParser) -> None:
-    """The attention shape a per-hop benchmark times: B=1 H=32 D=128 S=8192 by default."""
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--dim", type=int, default=128)
+    return autograd_calls(lambda: flex(*inputs, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa),
+                          inputs, dout)
 
 
 def main():

@@ -1,6 +1,6 @@
 """Where a ring call's time goes: host time, GPU time, and the GPU time by kernel family.
 
-    torchrun --nproc_per_node=2 scripts/profile_ring.py --seq-lens 16384 --masks none causal \
+    torchrun --nproc_per_node=2 benchmarks/profile_ring.py --seq-lens 16384 --masks none causal \
         --trace out/ring_causal.json.gz
 
 For every total sequence length and mask it prints, for forward and forward+backward:
@@ -31,9 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-import ranks
+from common import init, make_mods, timed  # benchmarks/ is on sys.path when this runs as a script
 import ringflex
-from bench import make_mods, timed  # scripts/ is on sys.path when this runs as a script
 from ringflex import validate
 
 
@@ -136,7 +135,7 @@ def main():
     p.add_argument("--trace", help="write a chrome trace (gzip) of rank 0's first workload here, or, if the "
                                    "name has a {} (filled with tokens_mask_rank), of every workload and rank")
     args = p.parse_args()
-    device = ranks.init()
+    device = init()
     rank, world = dist.get_rank(), dist.get_world_size()
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     trace = args.trace

@@ -1,8 +1,8 @@
 """A ring of processes computes causal, softcapped attention over one long sequence and checks
 it against one process computing the whole sequence.
 
-    torchrun --nproc_per_node=4 scripts/example.py                    # CPU, gloo
-    torchrun --nproc_per_node=2 scripts/example.py --device cuda      # GPUs, NCCL
+    torchrun --nproc_per_node=4 examples/example.py                    # CPU, gloo
+    torchrun --nproc_per_node=2 examples/example.py --device cuda      # GPUs, NCCL
 """
 import argparse
 import os

@@ -6,10 +6,10 @@ around it, not in it: the batch is sharded with its global position ids, the mod
 ``ringflex.RingFlexAttention``, the loss is ``sharded_cross_entropy`` and the gradients are
 summed with ``reduce_gradients``. One process runs the plain model: the reference curve.
 
-    python scripts/train_example.py --device cpu --dtype float64 --out single.json        # reference
-    torchrun --nproc_per_node=4 scripts/train_example.py --device cpu --dtype float64 --out ring.json
-    python scripts/train_example.py --compare single.json ring.json --plot docs/train_loss.png
-    torchrun --nproc_per_node=2 scripts/train_example.py --device cuda --dtype bfloat16 \\
+    python examples/train_example.py --device cpu --dtype float64 --out single.json        # reference
+    torchrun --nproc_per_node=4 examples/train_example.py --device cpu --dtype float64 --out ring.json
+    python examples/train_example.py --compare single.json ring.json --plot train_loss.png
+    torchrun --nproc_per_node=2 examples/train_example.py --device cuda --dtype bfloat16 \\
         --seq-len 65536 --dim 1024 --layers 4 --heads 16 --kv-heads 4 --packed --softcap 30
 
 On CPU, flex_attention has no backward: a one-process run that needs it (--packed, --window or --softcap)
@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-import ranks  # scripts/ is on sys.path when this runs as a script
 import ringflex
 from ringflex.progress import Progress
 from ringflex.training import next_token_labels, reduce_gradients, shard_batch, sharded_cross_entropy
@@ -144,11 +143,22 @@ def make_batch(step, args, group):
 
 # ----------------------------------------------------------------------------- training
 
+def _init_ranks(device_type: str) -> None:
+    """Joins the ranks under torchrun: a GPU per rank over NCCL, or, where the ranks outnumber
+    the GPUs, ranks sharing them over gloo (NCCL refuses ranks that share a GPU)."""
+    if device_type != "cuda":
+        dist.init_process_group("gloo")
+        return
+    gpus = torch.cuda.device_count()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % gpus)
+    dist.init_process_group("gloo" if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > gpus else "nccl")
+
+
 def _setup(args):
     """(group, rank, world size, device) for torchrun, or a plain single process."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1 and not dist.is_initialized():
-        ranks.init(args.device)
+        _init_ranks(args.device)
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
     else:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from harness import run_world
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 def _bench(rank, world_size):

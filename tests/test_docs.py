@@ -8,7 +8,7 @@ import pytest
 
 import ringflex
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 
 def test_api_reference_covers_the_public_api():

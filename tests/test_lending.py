@@ -221,8 +221,8 @@ def _borrower_copies(rank, world_size):
     """The copies into a result this rank runs in a lending window's fwd+bwd, and its loan."""
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from ring_passes import Passes
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.probes.ring_passes import Passes
     from ringflex.kernels.flex import FlexKernel
     from ringflex.kernels.reference import ReferenceKernel
     from ringflex.parallel.ring import RingCall

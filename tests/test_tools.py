@@ -1,5 +1,5 @@
 """python -m ringflex.env reports versions and why each backend can or cannot run; Progress prints
-the first and last step and at most one line per interval; scripts/determinism.py runs."""
+the first and last step and at most one line per interval; tools/determinism.py runs."""
 import io
 import subprocess
 import sys
@@ -12,7 +12,8 @@ from harness import run_world
 from ringflex import env
 from ringflex.progress import Progress
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"
 
 
 def test_env_report():
@@ -47,8 +48,8 @@ def test_progress_lines():
 
 
 def test_determinism_script_reports_bitwise_repeats_on_cpu():
-    """``scripts/determinism.py`` (reference kernel, one process): every cell 0, and a time."""
-    script = SCRIPTS / "determinism.py"
+    """``tools/determinism.py`` (reference kernel, one process): every cell 0, and a time."""
+    script = TOOLS / "determinism.py"
     out = subprocess.run([sys.executable, str(script), "--local-len", "32", "--heads", "1", "--head-dim", "8",
                           "--dtypes", "float32", "--runs", "2"], capture_output=True, text=True, check=True).stdout
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| reference")]
@@ -57,11 +58,11 @@ def test_determinism_script_reports_bitwise_repeats_on_cpu():
 
 
 def test_balance_probe_plans_the_ranks_work_as_a_ring_call_does():
-    """scripts/balance_probe.py times each rank's planned hops on one GPU; its plans (here on
+    """benchmarks/probes/balance_probe.py times each rank's planned hops on one GPU; its plans (here on
     the CPU) lend a window's corner rows to rank 0 only where lending is on, and keep every
     pair: the busiest rank's pairs fall to the mean."""
-    sys.path.insert(0, str(SCRIPTS))
-    from balance_probe import rank_hops
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.probes.balance_probe import rank_hops
     from ringflex import lending, mods
 
     mask = mods.sliding_window(256)
@@ -74,7 +75,7 @@ def test_balance_probe_plans_the_ranks_work_as_a_ring_call_does():
 
 
 def _ring_passes(rank, world_size):
-    from ring_passes import Passes
+    from benchmarks.probes.ring_passes import Passes
     import ringflex
     from ringflex import mods
 
@@ -88,9 +89,9 @@ def _ring_passes(rank, world_size):
 
 
 def test_ring_passes_lists_what_runs_outside_the_kernels():
-    """scripts/ring_passes.py lists a ring call's operations outside its hop kernels: the
+    """benchmarks/probes/ring_passes.py lists a ring call's operations outside its hop kernels: the
     merges and gradient sums, none of the reference kernel's own (no matmul)."""
-    sys.path.insert(0, str(SCRIPTS))
+    sys.path.insert(0, str(ROOT))
     from harness import run_world
 
     for ops, moved in run_world(2, _ring_passes):
@@ -100,13 +101,13 @@ def test_ring_passes_lists_what_runs_outside_the_kernels():
 
 
 def _fuzz(rank, world_size, argv):
-    sys.path.insert(0, str(SCRIPTS))
+    sys.path.insert(0, str(TOOLS))
     import fuzz_ring
     return fuzz_ring.fuzz(fuzz_ring.parse_args(argv), torch.device("cpu"))
 
 
 def test_fuzz_script_weighs_calls_beyond_the_tolerance_against_the_reference_kernel():
-    """``scripts/fuzz_ring.py`` over two gloo ranks on the reference kernel, with a tolerance no
+    """``tools/fuzz_ring.py`` over two gloo ranks on the reference kernel, with a tolerance no
     bf16 call meets: every call is run again on the reference kernel, which errs as much, so
     none fails (and no rank is left waiting in a collective the other skipped)."""
     argv = ["--device", "cpu", "--backend", "reference", "--no-gathers", "--seeds", "0", "2", "--tolerance", "1e-9"]

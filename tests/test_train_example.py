@@ -1,4 +1,4 @@
-"""scripts/train_example.py, short: training with ring attention on 2 ranks gives the loss curve
+"""examples/train_example.py, short: training with ring attention on 2 ranks gives the loss curve
 of the plain model in one process (fp64, relative 1e-6 over 20 steps), also with packed
 documents and a softcap, and with a sliding window over the contiguous layout; the
 comparison tool agrees."""
@@ -10,7 +10,7 @@ import pytest
 
 from harness import run_world
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 SMALL = ["--device", "cpu", "--dtype", "float64", "--batch", "2", "--seq-len", "32", "--dim", "32", "--heads", "4",
          "--kv-heads", "2", "--progress-every", "1000"]

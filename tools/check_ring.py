@@ -1,9 +1,9 @@
 """Checks the ring against one device computing the whole sequence, for the whole test matrix.
 
-    torchrun --nproc_per_node=2 scripts/check_ring.py --device cuda --backend cudnn   # GPUs, NCCL
-                                          # (fewer GPUs than ranks: they share them, scripts/ranks.py)
-    torchrun --nproc_per_node=3 scripts/check_ring.py --device cpu --local-len 16     # CPU, gloo
-    torchrun --nproc_per_node=2 scripts/check_ring.py --lse-grad    # a loss that reads the LSE too
+    torchrun --nproc_per_node=2 tools/check_ring.py --device cuda --backend cudnn   # GPUs, NCCL
+                                          # (fewer GPUs than ranks: they share them, tools/ranks.py)
+    torchrun --nproc_per_node=3 tools/check_ring.py --device cpu --local-len 16     # CPU, gloo
+    torchrun --nproc_per_node=2 tools/check_ring.py --lse-grad    # a loss that reads the LSE too
 
 Each rank compares its shard of the output and of dq/dk/dv with the reference kernel run
 in fp32 on the unsharded sequence; rank 0 prints one line per case and layout (with the
@@ -24,8 +24,9 @@ from ringflex.parallel import peer
 from ringflex.parallel.ring import RingCall
 from ringflex.plan import Segment
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import ranks  # noqa: E402
+import ranks  # tools/ is on sys.path when this runs as a script
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the cases and the fp64 oracle of tests/
 from cases import cases, make_inputs  # noqa: E402
 from harness import weigh_cudnn_calls_as_free  # noqa: E402
 from oracle import attention  # noqa: E402

@@ -1,7 +1,7 @@
 """Draws docs/ring.svg: the ring of ranks and, for causal attention in the zigzag layout, which
 rank computes which (query chunk, key chunk) block at which ring step. Plain SVG, no dependencies.
 
-    python scripts/draw_ring.py [--world-size 4] [--out docs/ring.svg]
+    python tools/draw_ring.py [--world-size 4] [--out docs/ring.svg]
 """
 import argparse
 import math

@@ -1,8 +1,8 @@
 """Random ring calls on GPUs against the definition (run with torchrun).
 
-    torchrun --nproc_per_node=2 scripts/fuzz_ring.py --seeds 0 500 --seconds 300   # ranks may share a GPU
-    torchrun --nproc_per_node=1 scripts/fuzz_ring.py --no-gathers                 # the cuDNN kernel alone
-    torchrun --nproc_per_node=1 scripts/fuzz_ring.py --no-gathers --tiles         # blocks planned from tiles
+    torchrun --nproc_per_node=2 tools/fuzz_ring.py --seeds 0 500 --seconds 300   # ranks may share a GPU
+    torchrun --nproc_per_node=1 tools/fuzz_ring.py --no-gathers                 # the cuDNN kernel alone
+    torchrun --nproc_per_node=1 tools/fuzz_ring.py --no-gathers --tiles         # blocks planned from tiles
 
 Each seed is a call of ``tests/random_calls.py`` (layout, lengths, heads, mixed masks and
 score_mods, sinks, an LSE the loss reads), run in bf16 on the backend given and compared
@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import ranks  # noqa: E402
+import ranks  # tools/ is on sys.path when this runs as a script
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the random calls and the harness of tests/
 from harness import weigh_cudnn_calls_as_free  # noqa: E402
 from random_calls import random_call, ring_errors  # noqa: E402
 from ringflex import extents, lending  # noqa: E402

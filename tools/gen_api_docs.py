@@ -3,7 +3,7 @@
 It reads the sources with ``ast`` (nothing is imported), so the reference is the same whatever
 optional packages are installed. Run it after changing a public signature or docstring:
 
-    python scripts/gen_api_docs.py [--out docs/api.md]
+    python tools/gen_api_docs.py [--out docs/api.md]
 """
 import argparse
 import ast
@@ -102,7 +102,7 @@ def document(module: str) -> list:
 
 def render() -> str:
     lines = ["# ringflex API reference", "",
-             "Generated from the docstrings by `scripts/gen_api_docs.py`; edit the docstrings, not this file.", "",
+             "Generated from the docstrings by `tools/gen_api_docs.py`; edit the docstrings, not this file.", "",
              "Modules: " + ", ".join(f"[`{m}`](#{m.replace('.', '')})" for m in MODULES), ""]
     for module in MODULES:
         lines += document(module)

@@ -1,8 +1,8 @@
 """The ring's error against a float64 oracle by world size, as a markdown table (CPU, gloo).
 
-    python scripts/numerics_table.py                       # world sizes 1 2 4 8
-    python scripts/numerics_table.py --world-sizes 1 8 16
-    python scripts/numerics_table.py --bf16-merge          # control: a ring that rounds per hop
+    python tools/numerics_table.py                       # world sizes 1 2 4 8
+    python tools/numerics_table.py --world-sizes 1 8 16
+    python tools/numerics_table.py --bf16-merge          # control: a ring that rounds per hop
 
 Errors are relative to the reference's largest magnitude over the whole sequence (see
 tests/numerics.py, which tests/test_numerics.py bounds). ``--bf16-merge`` rounds the running

@@ -1,4 +1,4 @@
-"""How the GPU scripts join their ranks under torchrun: a GPU per rank over NCCL, or, where
+"""How the tools join their ranks under torchrun: a GPU per rank over NCCL, or, where
 the ranks outnumber the GPUs, ranks sharing them over gloo (NCCL refuses ranks that share a
 GPU; ringflex's copy-engine transport carries their ring, through CUDA IPC)."""
 from __future__ import annotations

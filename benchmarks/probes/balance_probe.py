@@ -1,6 +1,6 @@
 """Each rank's attention work, timed alone on one GPU: what lending does to the busiest rank.
 
-    python scripts/balance_probe.py --seq-len 16384 --world-size 2 --layout contiguous --masks window documents
+    python -m benchmarks.probes.balance_probe --seq-len 16384 --world-size 2 --layout contiguous --masks window documents
 
 A ring runs as fast as its busiest rank. Without a GPU per rank, this plans every rank's
 hops as a ring call would (the planner, the ranks' shared counts, ``ringflex.lending``),
@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from bench import make_mods, replayed_ms
+from benchmarks.common import make_mods, replayed_ms
 from ringflex import lending
 from ringflex.kernels.base import Mods
 from ringflex.kernels.cudnn import CudnnKernel

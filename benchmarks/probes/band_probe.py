@@ -1,6 +1,6 @@
 """How cuDNN's band masks cost against their causal counterparts, forward and backward.
 
-    python scripts/band_probe.py
+    python -m benchmarks.probes.band_probe
 
 One GPU, B=1, H=32, D=128, bf16. For blocks a ring hands the kernel under a sliding window
 (the window's diagonal block, the block before it, a two-sided band over two blocks, the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-import bench  # scripts/ is on sys.path when this runs as a script
+from benchmarks import common
 from ringflex import mods
 from ringflex.kernels.base import Mods
 from ringflex.kernels.cudnn import CudnnKernel
@@ -24,7 +24,7 @@ from ringflex.plan import Segment, evaluate_mask
 
 def timed(fn) -> float:
     """Milliseconds per call of ``fn``, 20 calls back to back after 3 warm-up calls."""
-    return bench.timed(fn, iters=20, warmup=3, device=torch.device("cuda")) * 1e3
+    return common.timed(fn, iters=20, warmup=3, device=torch.device("cuda")) * 1e3
 
 
 def tensors(n_q: int, n_k: int):

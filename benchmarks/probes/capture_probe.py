@@ -2,8 +2,8 @@
 cuDNN hop's forward and backward, and a ``ring_flex_attention`` fwd+bwd (causal, then packed
 documents, 8192 tokens in all), each replayed, compared with eager calls and timed.
 
-    python scripts/capture_probe.py                             # one GPU, one rank
-    torchrun --nproc_per_node=2 scripts/capture_probe.py        # a ring of two ranks (they share
+    python -m benchmarks.probes.capture_probe                             # one GPU, one rank
+    torchrun --nproc_per_node=2 -m benchmarks.probes.capture_probe        # a ring of two ranks (they share
                                                                 # GPU 0 where there is only one)
 """
 from __future__ import annotations
@@ -14,9 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import init, make_mods, max_over_ranks
 import ringflex
-import ranks
-from bench import make_mods  # scripts/ is on sys.path
 from ringflex import mods
 from ringflex.kernels import cudnn
 from ringflex.kernels.base import Mods
@@ -111,14 +110,14 @@ def ring_call(mask_mod, seq_len: int, dev, group=None) -> str:
         torch.cuda.synchronize()
         times.append(1e3 * (time.perf_counter() - start) / 20)
     if group is not None:
-        times = ranks.max_over_ranks(times, dev, group)
+        times = max_over_ranks(times, dev, group)
     return f"max diff out, dq, dk, dv {diffs}; eager {times[0]:.2f} ms, replay {times[1]:.2f} ms"
 
 
 def main():
     group = None
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        ranks.init()
+        init()
         group = dist.group.WORLD
     dev = torch.device("cuda", torch.cuda.current_device())
     documents = make_mods("documents", 8192, dev, 0, 1024, seed=1)[1]

@@ -1,7 +1,7 @@
 """cuDNN's integer division at exact multiples: dilated and chunked masks (with and without a
 softcap) at 1M-token offsets, on the cuDNN kernel against the reference kernel (one GPU).
 
-    python3 scripts/division_probe.py
+    python3 -m benchmarks.probes.division_probe
 
 Prints every (mask, divisor, block) whose output or LSE differs, then the worst error.
 cuDNN divides by multiplying with a rounded reciprocal, which lands one low at some exact

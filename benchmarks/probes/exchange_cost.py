@@ -1,7 +1,7 @@
 """Host time of one copy-engine exchange and of the calls it is made of (run with torchrun;
-ranks may share a GPU, scripts/ranks.py).
+ranks may share a GPU, benchmarks/common.py).
 
-    torchrun --nproc_per_node=2 scripts/exchange_cost.py
+    torchrun --nproc_per_node=2 -m benchmarks.probes.exchange_cost
 
 An exchange here sends a K and a V of 64 MiB each (8192 tokens, 32 heads of 128, bf16: two
 mailbox chunks each) and receives the same, then ends its pass, as a forward step of the
@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import ranks
+from benchmarks.common import init
 from ringflex.parallel import peer
 
 
@@ -34,7 +34,7 @@ def per_call(fn, calls: int) -> float:
 
 def main():
     os.environ.setdefault("RINGFLEX_TRANSPORT", "copy-engine")
-    device = ranks.init()
+    device = init()
     transport = peer.transport(dist.group.WORLD, device)
     k, v = (torch.randn(1, 32, 8192, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
     got_k, got_v = torch.empty_like(k), torch.empty_like(v)

@@ -1,7 +1,7 @@
 """What planning one block exactly costs on a GPU: the mask evaluated on every pair, against
 tiles of keys ranged by the mask's formula with only the open tiles evaluated (``ringflex.extents``).
 
-    python scripts/extents_cost.py
+    python -m benchmarks.probes.extents_cost
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from bench import make_mods  # scripts/ is on sys.path
+from benchmarks.common import make_mods
 from ringflex import extents, mods
 from ringflex.plan import Segment, evaluate_mask
 from ringflex.trace import trace_mask_mod

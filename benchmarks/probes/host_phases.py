@@ -5,7 +5,7 @@ prints, for every rank, the host time per fwd+bwd of each phase over calls issue
 back, beside the call's host time and its back-to-back time with the GPU drained. Cheaper
 than cProfile (``profile_ring.py --host-profile``), which inflates every Python call.
 
-    torchrun --nproc_per_node=2 scripts/host_phases.py --seq-len 16384
+    torchrun --nproc_per_node=2 -m benchmarks.probes.host_phases --seq-len 16384
 
 The mask ``new_documents`` is packed documents with new lengths at every call, as in training
 on packed batches: each call then plans anew. ``--one-at-a-time`` issues each call on a
@@ -23,9 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import init, make_mods
 import ringflex
-import ranks
-from bench import make_mods  # scripts/ is on sys.path when this runs as a script
 from ringflex import api, lending, plan, trace, validate
 from ringflex.kernels import cudnn
 from ringflex.parallel import merge, peer, ring
@@ -76,7 +75,7 @@ def main():
     p.add_argument("--one-at-a-time", action="store_true", help="each call on a drained GPU, after a barrier")
     p.add_argument("--no-timers", action="store_true", help="the call's host time alone, without the phases' timers")
     args = p.parse_args()
-    device, world = ranks.init(), dist.get_world_size()
+    device, world = init(), dist.get_world_size()
     for owner, name, label in [] if args.no_timers else PHASES:
         _timed(owner, name, label)
     for case in args.cases:

@@ -7,8 +7,8 @@ forward and backward, for a new packed batch at every call, and prints the cuDNN
 so far after so many calls, and the GPU time per call once they are built, beside one mask
 used every call.
 
-    python scripts/new_documents_probe.py --seq-len 16384 --calls 150
-    python scripts/new_documents_probe.py --seq-len 65536 --heads 1 --check   # numerics of those hops
+    python -m benchmarks.probes.new_documents_probe --seq-len 16384 --calls 150
+    python -m benchmarks.probes.new_documents_probe --seq-len 65536 --heads 1 --check   # numerics of those hops
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench import make_mods  # scripts/ is on sys.path
+from benchmarks.common import make_mods
 from ringflex.kernels import cudnn
 from ringflex.kernels.base import Mods
 from ringflex.parallel import layout as layouts

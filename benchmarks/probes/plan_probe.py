@@ -9,10 +9,10 @@ attention, forward and backward (B=1, H=32, D=128, bf16; the per-hop benchmark's
 - lists the kernels of the default backward with their GPU time per call, and checks whether
   a dQ declared fp32 comes back in fp32 (skipping cuDNN's conversion pass) (``kernels``).
 
-Plans are timed as ``bench_hop.py`` times calls: interleaved rounds, medians, so clock drift
+Plans are timed as ``benchmarks/bench_hop.py`` times calls: interleaved rounds, medians, so clock drift
 favours none of them.
 
-    python scripts/plan_probe.py --seq-len 8192 --window 1024
+    python -m benchmarks.probes.plan_probe --seq-len 8192 --window 1024
 """
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ import argparse
 
 import torch
 
-from bench_hop import interleaved  # scripts/ is on sys.path
-from sdpa_ab import kernels as kernel_times
+from benchmarks.common import interleaved, kernel_times
 
 _NAMES = {False: (("q", "k", "v"), ("out", "lse")), True: (("q", "k", "v", "out", "dout", "lse"), ("dq", "dk", "dv"))}
 

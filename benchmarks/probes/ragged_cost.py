@@ -5,18 +5,17 @@ and one document over all of it, it measures, forward and backward, the GPU time
 kernels (torch.profiler, per call) and the host time per call, once with the block's
 documents as one ragged batch and once with a call per document.
 
-    python scripts/ragged_cost.py
+    python -m benchmarks.probes.ragged_cost
 """
 from __future__ import annotations
 
 import torch
 
-from bench_hop import timed  # scripts/ is on sys.path
+from benchmarks.common import hop_timed, kernel_times
 from ringflex import mods
 from ringflex.kernels import cudnn as cudnn_kernel
 from ringflex.kernels.base import Mods
 from ringflex.plan import Segment
-from sdpa_ab import kernels
 
 ROWS = 8192
 LAYOUTS = ([ROWS], [4096, 4096], [2048] * 4, [1024] * 8, [512] * 16, [512, 1536, 768, 2048, 1024, 256, 2048])
@@ -33,7 +32,7 @@ def costs(q, k, v, dout, m: Mods, batched: bool):
     backward = lambda: kernel.backward(q, k, v, out, lse, dout, seg, seg, m, scale, True)  # noqa: E731
     backward()
     torch.cuda.synchronize()
-    return [x for fn in (forward, backward) for x in (sum(kernels(fn).values()) / 1e3, timed(fn)[1])]
+    return [x for fn in (forward, backward) for x in (sum(kernel_times(fn).values()) / 1e3, hop_timed(fn)[1])]
 
 
 def main():

@@ -1,6 +1,6 @@
 """The tensor operations a ring call runs outside its attention kernels, and where in ringflex.
 
-    torchrun --nproc_per_node=2 scripts/ring_passes.py --seq-len 16384 --masks causal none --layout zigzag
+    torchrun --nproc_per_node=2 -m benchmarks.probes.ring_passes --seq-len 16384 --masks causal none --layout zigzag
 
 On a GPU every pass over a buffer outside the hop kernels (a merge, a sum of partial
 gradients, a copy, a zero fill) is time the kernels wait for. This runs one fwd+bwd per
@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import ranks
+from benchmarks.common import init, make_mods
 import ringflex
-from bench import make_mods
 from ringflex.kernels.cudnn import CudnnKernel
 from ringflex.kernels.flex import FlexKernel
 from ringflex.kernels.reference import ReferenceKernel
@@ -99,7 +98,7 @@ def main():
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
-    device = ranks.init(args.device)
+    device = init(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     passes = Passes()

@@ -1,10 +1,10 @@
 """ringflex's cuDNN hop against torch's cuDNN SDPA, no mask and causal: are they the same
 kernels, and how far apart are their times?
 
-    python scripts/sdpa_ab.py --rounds 15
+    python -m benchmarks.probes.sdpa_ab --rounds 15
 
 Times forward and backward of both in ``--rounds`` interleaved rounds of 20 calls (medians,
-as ``bench_hop.py``), then lists the GPU kernels each call launches with their time per
+as ``benchmarks/bench_hop.py``), then lists the GPU kernels each call launches with their time per
 call (torch.profiler), so that a gap can be told apart from GPU clock drift.
 """
 from __future__ import annotations
@@ -12,20 +12,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from bench_hop import add_shape_arguments, interleaved, ringflex_calls, sdpa_calls  # scripts/ is on sys.path
+from benchmarks.common import add_shape_arguments, interleaved, kernel_times, ringflex_calls, sdpa_calls
 from ringflex import mods
-
-
-def kernels(fn, calls: int = 5) -> dict:
-    """Kernel name -> GPU us per call of ``fn``."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key[:90]: round(e.self_device_time_total / calls, 1)
-            for e in prof.key_averages() if e.self_device_time_total > 0}
 
 
 def main():
@@ -45,7 +34,7 @@ def main():
         for phase in ("fwd", "bwd"):
             print(f"  {phase}: ringflex / torch = {times[f'ringflex {phase}'] / times[f'torch {phase}']:.3f}")
         for n, fn in calls.items():
-            print(f"  {n} kernels (us per call): {kernels(fn)}")
+            print(f"  {n} kernels (us per call): {kernel_times(fn)}")
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import make_mods  # noqa: E402
-from capture_probe import capture_ring_call  # noqa: E402
+from benchmarks.common import make_mods  # noqa: E402
+from benchmarks.probes.capture_probe import capture_ring_call  # noqa: E402
 from harness import gpu_backend, on_a_gpu, run_world, weigh_cudnn_calls_as_free  # noqa: E402
 import ringflex  # noqa: E402
 from ringflex import mods  # noqa: E402
