@@ -1,8 +1,11 @@
 """Host time of the pieces a ring call is made of, one process on one GPU (no ring, so no
 second rank's GPU work or host shares the measurement).
 
-    python3 -m benchmarks.probes.host_cost            # the ringflex on PYTHONPATH
-    PYTHONPATH=/path/to/other/tree python3 -m benchmarks.probes.host_cost   # another version, to compare
+    python3 benchmarks/probes/host_cost.py            # the ringflex on PYTHONPATH
+    PYTHONPATH=/path/to/other/tree python3 benchmarks/probes/host_cost.py   # another version, to compare
+
+(It imports nothing from benchmarks/, so it runs as a script: ``python -m`` would put the
+current tree's ringflex ahead of ``PYTHONPATH``.)
 
 Prints, for each piece, the min and median over 7 rounds of the host time per call (GPU work
 queued, not waited for): torch's CUDA calls that a ring call makes dozens of, one bare Triton
