@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from common import MASKS, init, make_mods, max_over_ranks, timed  # benchmarks/ is on sys.path as a script
 import ringflex
-from ringflex import lending
+from ringflex import config
 from ringflex.parallel import peer
 
 
@@ -281,7 +281,7 @@ def run(args):
             done = len(rows) // (len(args.layouts) * (1 + args.graph))  # rows per length and mask
             log(f"[{done + 1}/{len(args.seq_lens) * len(args.masks)}] {seq_len} tokens, mask {mask}")
             rows += bench_one(args, seq_len, mask, device, dtype, rank, world_size, log)
-    transport, lends = peer.in_use(dist.group.WORLD, device), lending.mode()
+    transport, lends = peer.in_use(dist.group.WORLD, device), config.LENDING.value()
     log(table(rows) + f"\nring transfers: {transport}; RINGFLEX_LENDING={lends}")
     if rank == 0 and args.json:
         with open(args.json, "w") as f:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import os
 import types
 from typing import Callable, Optional
 
@@ -10,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import debug, lending, validate
+from . import config, debug, lending, validate
 from .kernels import _warn_once, select_kernel
 from .kernels.base import Mods
 from .parallel import comm, layout as layouts
@@ -91,7 +90,7 @@ def ring_flex_attention(
     mods = Mods(score_mod, mask_mod)
     world_size = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
-    debugging = debug.enabled()
+    debugging = config.debugging()
 
     def prepare():  # inside the argument check: a mask_mod that raises on one rank fails all
         q_len, kv_len = q.shape[2] * world_size, k.shape[2] * world_size
@@ -100,7 +99,7 @@ def ring_flex_attention(
                             for step in range(world_size)]
         tensors = tensors_requiring_grad(score_mod, q.device)
         kernel = select_kernel(backend, q, k, v, mods, tensor_grads=bool(tensors), lengths=(q_len, kv_len))
-        min_tile = int(os.environ.get("RINGFLEX_MIN_TILE", 1024))
+        min_tile = config.MIN_TILE.value()
 
         def plan_args(q_segs, kv_segs_per_step):
             return (mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device,

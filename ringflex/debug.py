@@ -16,7 +16,6 @@ tensors a mod captures, such as document ids), it checks:
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
@@ -28,10 +27,6 @@ from .parallel.fault import GuardedComm, RaisedTogether
 
 class RingDebugError(RaisedTogether, RuntimeError):
     """A RINGFLEX_DEBUG check failed (raised on every rank alike)."""
-
-
-def enabled() -> bool:
-    return os.environ.get("RINGFLEX_DEBUG", "0") not in ("", "0")
 
 
 def _agree(group, error: Optional[str], what: str, values: Sequence[int] = ()):

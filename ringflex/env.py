@@ -5,7 +5,6 @@ missing optional package or a CPU build of torch.
 """
 from __future__ import annotations
 
-import os
 import platform
 from importlib import metadata
 from typing import Dict, Optional
@@ -13,7 +12,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from . import __version__
+from . import __version__, config
 from .kernels import _cudnn_reason
 from .kernels.flex import flex_unavailable_reason
 from .kernels.base import Mods
@@ -48,10 +47,7 @@ def devices() -> Dict[str, str]:
     engines = peer.local_reason(torch.device("cuda", 0)) if gpus else "no CUDA device"
     return {"cuda devices": ", ".join(gpus) or "none",
             "distributed backends": ", ".join(backends) if dist.is_available() else "torch.distributed unavailable",
-            "ring transfers": f"RINGFLEX_TRANSPORT={os.environ.get('RINGFLEX_TRANSPORT', 'auto')}; copy engines "
-                              + ("available (GPUs of one host)" if engines is None else f"unavailable: {engines}"),
-            "lending": f"RINGFLEX_LENDING={os.environ.get('RINGFLEX_LENDING', 'auto')} (auto: where the busiest "
-                       "rank's kernels hide its host work; 1: at any size; 0: never)"}
+            "copy engines": "available (GPUs of one host)" if engines is None else f"unavailable: {engines}"}
 
 
 def backends() -> Dict[str, Optional[str]]:
@@ -65,6 +61,8 @@ def backends() -> Dict[str, Optional[str]]:
 
 def report() -> str:
     lines = [f"{k:24s}{v}" for k, v in {**versions(), **devices()}.items()]
+    lines.append("settings:")
+    lines += [f"  {line}" for line in config.describe()] + [f"  error: {e}" for e in config.errors()]
     lines.append("kernels (backend=...):")
     lines += [f"  {name:22s}{'available' if reason is None else 'unavailable: ' + reason}"
               for name, reason in backends().items()]

@@ -30,7 +30,6 @@ work to hide), ``0`` never; ``0`` on any rank turns lending off for the call.
 from __future__ import annotations
 
 import functools
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -38,6 +37,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from . import config
 from .cache import remember
 from .extents import row_extents
 from .plan import BlockKind, Hop, MaskCache, around, within
@@ -52,16 +52,7 @@ MIN_GAIN = 0.03  # lending must shorten the busiest rank's work by this share, o
 # the host work lending adds. A window of 4096 over contiguous on 2x H200, eager: lending made
 # the call slower at 8k tokens per GPU (28 calls' worth), faster at 16k (54 calls' worth).
 MIN_CALLS = 40
-MODES = ("auto", "1", "0")
 NO_OFFER = [-1, 0, 0, 0, 0]  # what a rank shares where lending is off: load, step-1 pairs, 2 digests, min_load
-
-
-def mode() -> str:
-    """``RINGFLEX_LENDING``, checked (the argument check reports a bad value on every rank)."""
-    value = os.environ.get("RINGFLEX_LENDING", "auto")
-    if value not in MODES:
-        raise ValueError(f"RINGFLEX_LENDING={value!r}: expected one of {', '.join(MODES)}")
-    return value
 
 
 _OFFERS = MaskCache(64)
@@ -72,7 +63,7 @@ def offer(mask_mod, schedule: Sequence[Sequence[Hop]], next_hops: Sequence[Hop],
     """This rank's ``Offer`` for a plan (``schedule``, and ``next_hops``: the next rank's hops
     against this rank's block) made by ``kernel``, whose calls cost ``call`` pairs each beyond
     their pairs (``HopKernel.call_pairs``); made once per plan, None where lending is off."""
-    chosen = mode()
+    chosen = config.LENDING.value()
     if chosen == "0":
         return None
     min_load = MIN_CALLS * call if chosen == "auto" else 0

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from . import captured
+from . import captured, config
 from .cache import remember
 
 aten = torch.ops.aten
@@ -420,7 +420,7 @@ def _traced(fn, parts, inputs, kind, device, where: str) -> ModGraph:
     if key in _TEMPLATES:
         _TEMPLATES.move_to_end(key)
         graph = _rebound(*_TEMPLATES[key], tensors)
-        if _debugging():  # the shortcut checked against a trace of this very mod
+        if config.debugging():  # the shortcut checked against a trace of this very mod
             fresh, _ = _trace(fn, inputs, kind, device)
             if fresh.fingerprint != graph.fingerprint:
                 raise RuntimeError(f"ringflex: a {kind} reused the trace of an earlier one of the same code and "
@@ -431,11 +431,6 @@ def _traced(fn, parts, inputs, kind, device, where: str) -> ModGraph:
     if slots is not None:
         remember(_TEMPLATES, key, (graph, slots), _MAX_TEMPLATES)
     return graph
-
-
-def _debugging() -> bool:
-    from .debug import enabled  # debug imports the modules that import this one
-    return enabled()
 
 
 def _cached(fn, inputs, kind, device) -> ModGraph:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
-import os
 import struct
 import types
 import weakref
@@ -24,8 +23,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import captured
-from .parallel import comm, fault, peer
+from . import captured, config
+from .parallel import comm, fault
 from .parallel.layout import LAYOUTS, divisor
 
 BACKENDS = ("auto", "cudnn", "reference", "flex")
@@ -99,12 +98,9 @@ def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend
     capture = comm.capture_error(q, group)
     if capture:
         return capture
-    if _transport() == len(peer.CHOICES):
-        return f"RINGFLEX_TRANSPORT must be one of {peer.CHOICES}, got {os.environ['RINGFLEX_TRANSPORT']!r}"
-    try:
-        fault.straggler_seconds()
-    except ValueError as e:
-        return str(e)
+    settings = config.errors()
+    if settings:
+        return "; ".join(settings)
     per_rank = divisor(layout, world_size) // world_size
     for name, t in (("q", q), ("k", k)):
         if t.shape[2] % per_rank:
@@ -255,18 +251,18 @@ _FIELDS: Tuple[_Field, ...] = (
     ("mask_mod", lambda a: fingerprint(a["mask_mod"], a["debug"]), lambda n: f"fingerprint {n:016x}"),
     ("gradient tracking (whether backward will run the ring)", lambda a: int(a["grad"]), lambda n: str(bool(n))),
     ("RINGFLEX_DEBUG mode", lambda a: int(a["debug"]), lambda n: str(bool(n))),
-    ("RINGFLEX_TRANSPORT", lambda a: _transport(), lambda n: repr((*peer.CHOICES, "invalid")[n])),
+    ("RINGFLEX_TRANSPORT", lambda a: _transport(), lambda n: repr(_TRANSPORTS[n])),
     ("CUDA-graph capture", lambda a: int(comm.capturing(a["q"])), lambda n: "capturing" if n else "not capturing"),
     ("return_lse", lambda a: int(a["return_lse"]), lambda n: str(bool(n))),
 )
 
 
+_TRANSPORTS = ("auto", "copy-engine", "nccl")
+
+
 def _transport() -> int:
-    """The index of RINGFLEX_TRANSPORT in ``peer.CHOICES`` (their number if it is none of them)."""
-    try:
-        return peer.CHOICES.index(peer.choice())
-    except ValueError:
-        return len(peer.CHOICES)
+    """RINGFLEX_TRANSPORT as an index into ``_TRANSPORTS`` (a bad value is refused before this)."""
+    return _TRANSPORTS.index(config.TRANSPORT.value())
 
 
 class Agreement:

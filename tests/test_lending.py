@@ -95,12 +95,6 @@ def test_the_largest_min_load_shared_holds_for_every_rank():
     assert Offer(1500, step, step).agree(shared, 1, None) is None
 
 
-def test_the_lending_mode_is_checked(monkeypatch):
-    monkeypatch.setenv("RINGFLEX_LENDING", "on")
-    with pytest.raises(ValueError, match="RINGFLEX_LENDING='on': expected one of auto, 1, 0"):
-        lending.mode()
-
-
 def _pairs_of(mask_mod, q_seg, kv_seg, rows: int, keys: int) -> int:
     """How many (query, key) pairs a kernel call over these segments computes that the mask shows."""
     if q_seg is None or mask_mod is None:

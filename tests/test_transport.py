@@ -25,16 +25,6 @@ def test_slots_are_reused_in_turn_with_alternating_marks():
     assert peer.odd_slots(peer.SLOTS + 1) == list(range(1, peer.SLOTS))
 
 
-def test_transport_choice_is_checked(monkeypatch):
-    monkeypatch.setenv("RINGFLEX_TRANSPORT", "shm")
-    with pytest.raises(ValueError, match="RINGFLEX_TRANSPORT='shm'.*auto, copy-engine, nccl"):
-        peer.choice()
-    monkeypatch.setenv("RINGFLEX_TRANSPORT", "nccl")
-    assert peer.choice() == "nccl"
-    monkeypatch.delenv("RINGFLEX_TRANSPORT")
-    assert peer.choice() == "auto"
-
-
 class _Flags:
     """The driver's flag operations on a dict (every flag starts as the mailbox's does): a
     wait must already hold when it is issued (the simulation below runs every rank's

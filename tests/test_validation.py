@@ -128,6 +128,7 @@ def _mismatches(rank, world_size):
             lambda: attn(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + LEARNABLE[h])),
         "bad RINGFLEX_STRAGGLER_S on one rank": with_env_on_rank_1("RINGFLEX_STRAGGLER_S", "60s",
                                                                    lambda: attn(q, k, v)),
+        "bad RINGFLEX_MIN_TILE on one rank": with_env_on_rank_1("RINGFLEX_MIN_TILE", "abc", lambda: attn(q, k, v)),
         "debug mode": with_debug_on_rank_1,
         "transport": with_transport_on_rank_1("nccl"),
         "bad transport on one rank": with_transport_on_rank_1("ipc"),
@@ -170,12 +171,14 @@ EXPECTED = {
                                   "(rank 0: True, rank 1: False, rank 2: True)",
     "gradient tracking of a score_mod's tensor": "disagree on the gradient tracking (whether backward will run "
                                                  "the ring) (rank 0: True, rank 1: False, rank 2: True)",
-    "bad RINGFLEX_STRAGGLER_S on one rank": "CallRejected: ring_flex_attention: rank 1: RINGFLEX_STRAGGLER_S must "
-                                            "be a number of seconds, got '60s'",
+    "bad RINGFLEX_STRAGGLER_S on one rank": "CallRejected: ring_flex_attention: rank 1: RINGFLEX_STRAGGLER_S='60s': "
+                                            "expected a number of seconds >= 0",
+    "bad RINGFLEX_MIN_TILE on one rank": "CallRejected: ring_flex_attention: rank 1: RINGFLEX_MIN_TILE='abc': "
+                                         "expected a whole number of rows >= 1",
     "debug mode": "disagree on the RINGFLEX_DEBUG mode (rank 0: False, rank 1: True, rank 2: False)",
     "transport": "disagree on the RINGFLEX_TRANSPORT (rank 0: 'auto', rank 1: 'nccl', rank 2: 'auto')",
-    "bad transport on one rank": "CallRejected: ring_flex_attention: rank 1: RINGFLEX_TRANSPORT must be one of "
-                                 "('auto', 'copy-engine', 'nccl'), got 'ipc'",
+    "bad transport on one rank": "CallRejected: ring_flex_attention: rank 1: RINGFLEX_TRANSPORT='ipc': expected one "
+                                 "of auto, copy-engine, nccl",
     "bad argument on one rank": "CallRejected: ring_flex_attention: rank 1: q must be 4-D [batch, heads, "
                                 "local_seq_len, head_dim], got shape (2, 4, 8)",
     "bad layout name on one rank": "CallRejected: ring_flex_attention: rank 1: layout must be one of "

@@ -22,8 +22,6 @@ raises ``RingFailure`` at its next call.
 """
 from __future__ import annotations
 
-import math
-import os
 import threading
 import time
 import warnings
@@ -34,6 +32,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import config
 from . import peer
 from .comm import RingComm
 
@@ -42,7 +41,6 @@ _POLL_STORE_S = 0.01  # how often a waiting rank looks for a failure in the stor
 _SPIN_S = 0.002  # a collective wait polls without sleeping this long (the argument check's latency)
 _FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> what failed
 _ARRIVED_S = 1.0  # a collective waited on this long is marked reached in the store
-_STRAGGLER_S = 60.0  # RINGFLEX_STRAGGLER_S by default
 _COLLECTIVES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> collectives waited on
 _INCARNATIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> its number among its name's
 _MET: dict = {}  # group name -> how many groups of that name this process has met
@@ -79,24 +77,12 @@ def _key(group, name: str) -> str:
     return f"ringflex/{_INCARNATIONS[group]}/{name}"
 
 
-def straggler_seconds() -> float:
-    """``RINGFLEX_STRAGGLER_S``, checked (the argument check reports a bad value on every rank)."""
-    value = os.environ.get("RINGFLEX_STRAGGLER_S", str(_STRAGGLER_S))
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not seconds >= 0 or math.isinf(seconds):
-        raise ValueError(f"RINGFLEX_STRAGGLER_S must be a number of seconds, got {value!r}")
-    return seconds
-
-
 def _straggler_after() -> float:
     """How long a rank waits before it says which ranks (or transfer) it waits for."""
     try:
-        return max(straggler_seconds(), 2 * _ARRIVED_S)
+        return max(config.STRAGGLER_S.value(), 2 * _ARRIVED_S)
     except ValueError:  # the argument check rejects the call with the message
-        return _STRAGGLER_S
+        return float(config.STRAGGLER_S.default)
 
 
 def failure(group) -> Optional[str]:
@@ -138,6 +124,9 @@ def wait(works: Sequence, group, what: str, ring_group=None) -> None:
     gloo completes a transfer only inside ``wait()`` and closes the connection when a wait
     times out, so a helper thread does the (blocking) wait while this one polls the store.
     After a failure the helper stays blocked until the group's own timeout; it is a daemon.
+    Otherwise it is joined before this returns: a daemon thread still inside torch's C++ code
+    when the interpreter exits is stopped there, and the process aborts ("terminate called
+    without an active exception").
     """
     ring_group = group if ring_group is None else ring_group
     done, errors = threading.Event(), []
@@ -151,7 +140,8 @@ def wait(works: Sequence, group, what: str, ring_group=None) -> None:
         finally:
             done.set()
 
-    threading.Thread(target=wait_all, name="ringflex-wait", daemon=True).start()
+    helper = threading.Thread(target=wait_all, name="ringflex-wait", daemon=True)
+    helper.start()
     start, said = time.monotonic(), False
     while not done.wait(_POLL_STORE_S):
         _raise_if_failed(ring_group, what)
@@ -161,6 +151,7 @@ def wait(works: Sequence, group, what: str, ring_group=None) -> None:
             who = f"rank {dist.get_rank(group)}" if group is not None else "this rank"
             warnings.warn(f"ringflex: {who} has waited {waited:.0f} s for {what}: every rank of the group must make "
                           "the same ring_flex_attention calls and backward passes", RuntimeWarning, stacklevel=2)
+    helper.join()
     if errors:  # the transport's own error (a connection reset: the peer's process may be gone)
         raise RuntimeError(f"{what} failed: {type(errors[0]).__name__}: {errors[0]}") from errors[0]
 

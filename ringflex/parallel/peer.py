@@ -43,7 +43,6 @@ with a one-time warning), ``copy-engine`` (an error where it cannot run) or ``nc
 from __future__ import annotations
 
 import ctypes
-import os
 import socket
 import weakref
 from typing import List, Optional, Sequence, Tuple
@@ -52,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import config
 from ..kernels import _warn_once
 
 SLOT_BYTES = 32 << 20
@@ -60,16 +60,7 @@ _FLAGS_BYTES = 4096
 _READY, _FREE = 0, 1
 MARKS = (1, 2)  # a slot's flag after its even / odd uses in a pass; it starts as after an odd one
 _RELEASED = MARKS[0] | MARKS[1]  # passes every wait (see ``release``)
-CHOICES = ("auto", "copy-engine", "nccl")
 _TRANSPORTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> PeerTransport or None
-
-
-def choice() -> str:
-    """``RINGFLEX_TRANSPORT``, checked (the argument check reports a bad value before any transfer)."""
-    value = os.environ.get("RINGFLEX_TRANSPORT", "auto")
-    if value not in CHOICES:
-        raise ValueError(f"RINGFLEX_TRANSPORT={value!r}: expected one of {', '.join(CHOICES)}")
-    return value
 
 
 def chunks(nbytes: int) -> List[Tuple[int, int]]:
@@ -329,7 +320,7 @@ def transport(group, device: torch.device) -> Optional[PeerTransport]:
     where the ring uses the process group's P2P. See the module for ``RINGFLEX_TRANSPORT``."""
     if group in _TRANSPORTS:
         return _TRANSPORTS[group]
-    wanted = choice()
+    wanted = config.TRANSPORT.value()
     found = None
     if wanted != "nccl":
         with torch.cuda.device(device):

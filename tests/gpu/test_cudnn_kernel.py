@@ -951,7 +951,7 @@ def test_ragged_batches_only_where_cudnn_computes_them_right_emulated(monkeypatc
 def test_full_graph_cache_says_so_once_emulated(monkeypatch):
     """More call shapes than the cache holds: graphs are rebuilt (slow), and the user is told once."""
     module = _emulated(monkeypatch)
-    monkeypatch.setattr(module.graphs, "_MAX_GRAPHS", 2)
+    monkeypatch.setenv("RINGFLEX_CUDNN_GRAPHS", "2")
     monkeypatch.setattr("ringflex.kernels._WARNED", set())
     kernel = module.CudnnKernel()
     with pytest.warns(UserWarning) as record:

@@ -1,7 +1,6 @@
 """Built cuDNN graphs: one per call shape, built on first use (0.1 to 1.5 s) and kept (LRU)."""
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -9,6 +8,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ... import config
 from ...cache import remember
 from ...plan import Segment
 from .. import _warn_once
@@ -18,7 +18,6 @@ from .lowering import Emitter, Inputs, Lowering
 
 # Built graphs kept (LRU). Every distinct call shape needs its own: packed documents that
 # cannot batch give one per document length, fwd and bwd, so a long packed sequence needs hundreds.
-_MAX_GRAPHS = int(os.environ.get("RINGFLEX_CUDNN_GRAPHS", 2048))
 _GRAPHS: "OrderedDict[tuple, Graph]" = OrderedDict()
 
 
@@ -83,12 +82,13 @@ def graph(backward: bool, tensors: Dict[str, Tensor], scale: float, band, loweri
     if q.is_cuda and torch.cuda.is_current_stream_capturing():  # building would invalidate the capture
         raise RuntimeError("ringflex: a cuDNN graph for this call's shapes is not built yet, and building one cannot "
                            "be captured in a CUDA graph: run the call once eagerly before capturing")
-    if len(_GRAPHS) >= _MAX_GRAPHS:
-        _warn_once(f"ringflex: the cuDNN graph cache is full ({_MAX_GRAPHS} graphs): older graphs are dropped and "
+    most = config.CUDNN_GRAPHS.value()
+    if len(_GRAPHS) >= most:
+        _warn_once(f"ringflex: the cuDNN graph cache is full ({most} graphs): older graphs are dropped and "
                    "rebuilt when needed again (0.1 to 1.5 s each); raise RINGFLEX_CUDNN_GRAPHS if this "
                    "workload has that many call shapes")
     built = _build(backward, tensors, scale, band, lowering, strided, ragged, deterministic)
-    return remember(_GRAPHS, key, built, _MAX_GRAPHS)
+    return remember(_GRAPHS, key, built, most)
 
 
 def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lowering: Optional[Lowering],
