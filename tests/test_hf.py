@@ -226,20 +226,35 @@ def test_masks_are_read_from_the_mask_function():
     """Causal and sliding-window masks are rebuilt from the attention call's arguments; chunks
     become a mod; a packed-sequence part (local position ids) is left out; an unknown part raises."""
     mu = transformers.masking_utils
-    no_padding = torch.zeros(1, dtype=torch.long)
     assert hf.ringflex_mask(mask_function=mu.causal_mask_function) is None
     assert hf.ringflex_mask(mask_function=mu.sliding_window_causal_mask_function(3)) is None
-    packed = mu.packed_sequence_compatibility_function(mu.causal_mask_function, torch.tensor([[0, 1, 0, 1]]),
-                                                       torch.tensor([[0, 0, 1, 1]]))
-    assert hf.ringflex_mask(mask_function=packed) is None
-    chunked = hf.ringflex_mask(mask_function=mu.chunked_causal_mask_function(4, no_padding))
-    again = hf.ringflex_mask(mask_function=mu.chunked_causal_mask_function(4, no_padding))
+    assert hf.ringflex_mask(mask_function=_packed_causal(mu)) is None
+    chunked = hf.ringflex_mask(mask_function=_chunked_causal(mu, 4))
+    again = hf.ringflex_mask(mask_function=_chunked_causal(mu, 4))
     assert chunked.mask_mod is again.mask_mod  # one mod object: the ring plans it once
     q, kv = torch.arange(12).view(-1, 1), torch.arange(12).view(1, -1)
     zero = torch.tensor(0)
     assert torch.equal(chunked.mask_mod(zero, zero, q, kv), (kv <= q) & (q // 4 == kv // 4))
-    images = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.tensor([[0, 0, -1, -1]])))
-    assert "built it with blockwise_overlay" in hf.ringflex_mask(mask_function=images).error
+    unknown = mu.or_masks(mu.causal_mask_function, mu.padding_mask_function(torch.tensor([[True, False]])))
+    assert "built it with padding_mask_function" in hf.ringflex_mask(mask_function=unknown).error
+
+
+def _packed_causal(mu):
+    """A causal mask over two packed sequences, as the installed transformers builds it (with
+    its positions remapped where it does that)."""
+    positions, documents = torch.tensor([[0, 1, 0, 1]]), torch.tensor([[0, 0, 1, 1]])
+    causal = mu.causal_mask_function
+    if hasattr(mu, "remap_positions_for_packed_sequence"):
+        causal = mu.remap_positions_for_packed_sequence(causal, positions)
+    return mu.and_masks(causal, mu.packed_sequence_mask_function(documents))
+
+
+def _chunked_causal(mu, size):
+    """Newer transformers also take the batch's left padding (none here)."""
+    try:
+        return mu.chunked_causal_mask_function(size, torch.zeros(1, dtype=torch.long))
+    except TypeError:
+        return mu.chunked_causal_mask_function(size)
 
 
 def _compiled_layer_warnings(rank, world_size):

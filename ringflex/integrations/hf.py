@@ -144,7 +144,7 @@ def _as_mod(fn, parts: set):
     if name.startswith("sliding_window_overlay."):
         parts.add("sliding window")
         return _window_overlay(int(cells["sliding_window"]))
-    if name.startswith("chunked_overlay.") and not bool(torch.as_tensor(cells["left_padding"]).any()):
+    if name.startswith("chunked_overlay.") and not bool(torch.as_tensor(cells.get("left_padding", 0)).any()):
         parts.add("chunks")
         return _chunks(int(cells["chunk_size"]))
     if name in ("and_masks.<locals>.and_mask", "or_masks.<locals>.or_mask"):
