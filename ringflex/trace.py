@@ -206,7 +206,7 @@ _FILL_ATEN = {aten.full_like: None, aten.full: None, aten.zeros_like: 0, aten.on
 def _convert(gm: torch.fx.GraphModule, inputs: Sequence[str], kind: str) -> ModGraph:
     env: Dict[torch.fx.Node, Node] = {}
     placeholders = iter(inputs)
-    result = None
+    result = val = None
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             name = next(placeholders)
@@ -220,6 +220,8 @@ def _convert(gm: torch.fx.GraphModule, inputs: Sequence[str], kind: str) -> ModG
             out = n.args[0]
             out = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
             result = _as_node(out, env) if isinstance(out, (torch.fx.Node, bool, int, float)) else None
+            # the traced shape: a constant result (``torch.ones(5)``) is one number once converted
+            val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
     if result is None or (result.op == "tensor" and result.value.numel() != 1):
         raise UnsupportedModError(f"{kind} must return one value per score element, computed from its arguments")
     nodes = _topological(result)
@@ -229,7 +231,20 @@ def _convert(gm: torch.fx.GraphModule, inputs: Sequence[str], kind: str) -> ModG
                 raise UnsupportedModError(
                     f"a captured tensor of shape {tuple(a.value.shape)} is used without indexing it by "
                     "b, h, q_idx or kv_idx")
+    error = isinstance(val, Tensor) and result_shape_error(kind, val.shape, (1,))
+    if error:
+        raise ValueError(error)
     return ModGraph(kind, tuple(inputs), nodes)
+
+
+def result_shape_error(kind: str, shape: Sequence[int], grid: Sequence[int]) -> Optional[str]:
+    """Why a mod's result of ``shape`` is not one value per score element, for arguments that
+    broadcast to ``grid``, or None. flex_attention refuses such a result: the trace would fold
+    a constant one into a single number, and the kernels would broadcast others over the keys."""
+    if len(shape) <= len(grid) and all(n in (1, g) for n, g in zip(reversed(shape), reversed(grid))):
+        return None
+    return (f"{kind} returned a tensor of shape {tuple(shape)} for arguments of shape {tuple(grid)}: it must return "
+            "one value per score element (a scalar, or a tensor of its arguments' broadcast shape)")
 
 
 def _convert_call(n: torch.fx.Node, env) -> Node:

@@ -1,5 +1,7 @@
 """The tracer reproduces every mod exactly, differentiates score_mods like autograd,
 fingerprints structurally and refuses what it cannot lower with a clear error."""
+import re
+
 import pytest
 import torch
 
@@ -313,6 +315,24 @@ def test_lookup_error_names_a_read_past_a_captured_tensor():
     assert lookup_error(trace_mask_mod(lambda b, h, q, kv: shifted[kv - 100] | (kv <= q)), values) is None
     both = torch.zeros(200, dtype=torch.bool)  # a subscript of two inputs is not checked
     assert lookup_error(trace_mask_mod(lambda b, h, q, kv: both[q + kv] | (kv <= q)), values) is None
+
+
+def test_a_result_that_is_not_one_value_per_score_element_is_refused():
+    """The trace folds a constant into a number, so a constant's shape is checked before:
+    create_block_mask refuses torch.ones(5) as a mask, and so does ringflex, as a ValueError
+    (an UnsupportedModError would leave the mod to the kernels, which broadcast it). Constants
+    that broadcast to every element stay."""
+    for trace, mod, shape in ((trace_mask_mod, lambda b, h, q, kv: torch.ones(5, dtype=torch.bool), "(5,)"),
+                              (trace_score_mod, lambda s, b, h, q, kv: s + torch.zeros(5), "(5,)"),
+                              (trace_mask_mod, lambda b, h, q, kv: (q >= kv) & torch.ones(2, 1, dtype=torch.bool),
+                               "(2, 1)")):
+        with pytest.raises(ValueError, match=re.escape(f"returned a tensor of shape {shape} for arguments of shape "
+                                                       "(1,): it must return one value per score element")) as info:
+            trace(mod)
+        assert info.type is ValueError
+    for constant in (lambda b, h, q, kv: True, lambda b, h, q, kv: torch.tensor(True),
+                     lambda b, h, q, kv: torch.ones(1, dtype=torch.bool), lambda b, h, q, kv: b.new_ones(())):
+        assert trace_mask_mod(constant)(*_grid(*SEGMENTS[1])).all()
 
 
 def test_tensors_requiring_grad_are_found_where_grad_mode_is_on():

@@ -137,6 +137,11 @@ def _mismatches(rank, world_size):
         "mask_mod reading past a captured tensor": lambda: attn(q, k, v, mask_mod=_query_flags(flags),
                                                                layout="contiguous"),
         "score_mod reading past a captured tensor": lambda: attn(q, k, v, score_mod=mods.alibi(mods.alibi_slopes(1))),
+        # the trace folds a constant into a number: its shape is checked before
+        "mask_mod returning a constant of the wrong shape": lambda: attn(
+            q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: torch.ones(5, dtype=torch.bool)),
+        "score_mod adding a constant of the wrong shape": lambda: attn(
+            q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + torch.zeros(5)),
         # the record carries 400 bytes of the message: cut inside a character, it still decodes
         "long message on one rank": lambda: attn(q, k, v, mask_mod=_raising("x" + "\u00e9" * 300) if odd else mods.causal),
     }
@@ -144,6 +149,14 @@ def _mismatches(rank, world_size):
     out = attn(q, k, v, mask_mod=mods.causal)  # the group still works
     expected = ringflex.shard(attention(*full, mask_mod=mods.causal), 2)
     results["good call afterwards"] = (out - expected).abs().max().item()
+    # constants that broadcast as flex_attention's do (a Python bool, 0-d tensors): every key seen
+    for name, mask_mod, score_mod in (
+            ("True", lambda b, h, q_idx, kv_idx: True, lambda s, b, h, q_idx, kv_idx: s * torch.tensor(0.5)),
+            ("0-d", lambda b, h, q_idx, kv_idx: torch.ones((), dtype=torch.bool), None)):
+        with torch.no_grad():
+            out = attn(q, k, v, mask_mod=mask_mod, score_mod=score_mod)
+        expected = ringflex.shard(attention(*full, score_mod=score_mod), 2)
+        results[f"constant {name}"] = (out - expected).abs().max().item()
     return results
 
 
@@ -188,6 +201,9 @@ EXPECTED = {
                                                 "shape (1,) (at h = 1): it must have an entry for every batch "
                                                 "element and head of the call",
     "long message on one rank": "CallRejected: ring_flex_attention: rank 1: ValueError: x" + "\u00e9" * 193 + "\ufffd",
+    "mask_mod returning a constant of the wrong shape": "rank 0: ValueError: mask_mod returned a tensor of shape (5,) "
+                                                        "for arguments of shape (1,)",
+    "score_mod adding a constant of the wrong shape": "rank 0: ValueError: score_mod returned a tensor of shape (5,)",
 }
 
 
@@ -198,7 +214,7 @@ def test_every_rank_raises_the_same_clear_error():
         assert len(texts) == 1, f"{name}: the ranks raised different errors: {texts}"
         text = texts.pop()
         assert text is not None and expected in text, f"{name}: got {text!r}, expected {expected!r}"
-    assert all(r["good call afterwards"] < 1e-5 for r in per_rank)
+    assert all(r[name] < 1e-5 for r in per_rank for name in ("good call afterwards", "constant True", "constant 0-d"))
 
 
 @pytest.mark.parametrize("call, expected", [
