@@ -51,6 +51,17 @@ def _raising(message):
     return mask_that_raises
 
 
+def _undefined_name(score, b, h, q_idx, kv_idx):
+    return score + undefined_bias  # noqa: F821 (a name nothing defines)
+
+
+def _without_grad(call):
+    def run():
+        with torch.no_grad():
+            return call()
+    return run
+
+
 def _with_kernel_named(name, call):
     """``call`` with ``backend="auto"`` choosing a kernel named ``name`` here (a rank whose GPU
     cuDNN cannot use, say); None: as it chooses."""
@@ -72,6 +83,7 @@ def _mismatches(rank, world_size):
     full, (q, k, v) = _inputs()
     attn = ringflex.ring_flex_attention
     flags = torch.zeros(L * world_size - 2, dtype=torch.bool)  # too short for the last rank's queries
+    per_head = torch.zeros(1)  # one entry, for two heads
 
     def with_debug_on_rank_1():
         os.environ["RINGFLEX_DEBUG"] = "1" if odd else "0"
@@ -137,11 +149,20 @@ def _mismatches(rank, world_size):
         "mask_mod reading past a captured tensor": lambda: attn(q, k, v, mask_mod=_query_flags(flags),
                                                                layout="contiguous"),
         "score_mod reading past a captured tensor": lambda: attn(q, k, v, score_mod=mods.alibi(mods.alibi_slopes(1))),
+        # without grad mode no gradient check evaluates a score_mod that cannot be traced: the lookup check does
+        "score_mod raising without grad": _without_grad(lambda: attn(q, k, v, score_mod=_undefined_name)),
+        "score_mod of the wrong shape without grad": _without_grad(
+            lambda: attn(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s.reshape(-1)[:3])),
         # the trace folds a constant into a number: its shape is checked before
         "mask_mod returning a constant of the wrong shape": lambda: attn(
             q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: torch.ones(5, dtype=torch.bool)),
         "score_mod adding a constant of the wrong shape": lambda: attn(
             q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + torch.zeros(5)),
+        # mods that cannot be traced, tried at every batch element and head
+        "untraceable score_mod reading past its table": lambda: attn(
+            q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + torch.sin(per_head[h])),
+        "untraceable mask_mod reading past its table": lambda: attn(
+            q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: torch.sin(per_head[h]) == 0),
         # the record carries 400 bytes of the message: cut inside a character, it still decodes
         "long message on one rank": lambda: attn(q, k, v, mask_mod=_raising("x" + "\u00e9" * 300) if odd else mods.causal),
     }
@@ -204,6 +225,15 @@ EXPECTED = {
     "mask_mod returning a constant of the wrong shape": "rank 0: ValueError: mask_mod returned a tensor of shape (5,) "
                                                         "for arguments of shape (1,)",
     "score_mod adding a constant of the wrong shape": "rank 0: ValueError: score_mod returned a tensor of shape (5,)",
+    "score_mod raising without grad": "CallRejected: ring_flex_attention: rank 0: NameError: name 'undefined_bias' is "
+                                      "not defined (while planning the ring, before any transfer)",
+    "score_mod of the wrong shape without grad": "rank 0: ValueError: score_mod returned a tensor of shape (3,) for "
+                                                 "arguments of shape (1, 2, 4, 10): it must return one value per score "
+                                                 "element",
+    "untraceable score_mod reading past its table": "rank 0: IndexError: index 1 is out of bounds for dimension 0 with "
+                                                    "size 1 (while planning the ring, before any transfer)",
+    "untraceable mask_mod reading past its table": "rank 0: IndexError: index 1 is out of bounds for dimension 0 with "
+                                                   "size 1 (while planning the ring, before any transfer)",
 }
 
 
