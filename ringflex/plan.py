@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import captured
-from .bounds import block_decider
+from .bounds import block_decider, ranged_lookup_error
 from .cache import ByObjects, tensor_versions
 from .trace import (UnsupportedModError, diagonal_band, lookup_error, result_shape_error, subscripts_read_tensors,
                     trace_mask_mod, trace_score_mod)
@@ -267,11 +267,12 @@ _CHECKED = ByObjects(64)  # mods and segments whose lookups stay in bounds
 
 def check_lookups(mod, kind: str, batch: int, heads: int, q_segs, kv_segs_per_step, device) -> None:
     """Raises where ``mod`` (a ``kind``, "score_mod" or "mask_mod") reads a captured tensor out
-    of bounds at this rank's queries, any key, batch or head (``trace.lookup_error``), before
-    anything evaluates it on the device. Remembered by what the mod computes with tensors of
-    which shapes (and, where a subscript reads a tensor, which tensors) and by the segments: a
-    mod of the same code used every call is checked once, whatever tensors it captures. A mod
-    that cannot be traced is tried on a sample of the call instead (``_try_untraced``)."""
+    of bounds at this rank's queries, any key, batch or head (``trace.lookup_error``; subscripts
+    of several inputs, ``bounds.ranged_lookup_error``), before anything evaluates it on the
+    device. Remembered by what the mod computes with tensors of which shapes (and, where a
+    subscript reads a tensor, which tensors) and by the segments: a mod of the same code used
+    every call is checked once, whatever tensors it captures. A mod that cannot be traced is
+    tried on a sample of the call instead (``_try_untraced``)."""
     kv_segs = [seg for segs in kv_segs_per_step for seg in segs]
     try:
         graph = (trace_score_mod if kind == "score_mod" else trace_mask_mod)(mod, device)
@@ -286,7 +287,7 @@ def check_lookups(mod, kind: str, batch: int, heads: int, q_segs, kv_segs_per_st
         values = {"b": torch.arange(batch, device=device), "h": torch.arange(heads, device=device),
                   "q_idx": torch.cat([seg.positions(device) for seg in q_segs]),
                   "kv_idx": torch.cat([seg.positions(device) for seg in kv_segs])}
-        error = lookup_error(graph, values)
+        error = lookup_error(graph, values) or ranged_lookup_error(graph, batch, heads, q_segs, kv_segs, device)
         if error:
             raise ValueError(error)
 

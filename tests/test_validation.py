@@ -83,6 +83,8 @@ def _mismatches(rank, world_size):
     full, (q, k, v) = _inputs()
     attn = ringflex.ring_flex_attention
     flags = torch.zeros(L * world_size - 2, dtype=torch.bool)  # too short for the last rank's queries
+    seq_len = L * world_size
+    relative = torch.zeros(2 * seq_len - 4)  # a table of q_idx - kv_idx: 2 * seq_len - 1 entries cover every pair
     per_head = torch.zeros(1)  # one entry, for two heads
 
     def with_debug_on_rank_1():
@@ -158,6 +160,13 @@ def _mismatches(rank, world_size):
             q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: torch.ones(5, dtype=torch.bool)),
         "score_mod adding a constant of the wrong shape": lambda: attn(
             q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + torch.zeros(5)),
+        # subscripts of two inputs, ranged over the blocks
+        "relative-position bias past its table": lambda: attn(
+            q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + relative[q_idx - kv_idx + seq_len - 1]),
+        "relative-position mask past its table": lambda: attn(
+            q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: relative[q_idx - kv_idx + seq_len - 1] == 0),
+        "bias by batch and head past its table": lambda: attn(
+            q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + per_head[b * 2 + h]),
         # mods that cannot be traced, tried at every batch element and head
         "untraceable score_mod reading past its table": lambda: attn(
             q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + torch.sin(per_head[h])),
@@ -230,6 +239,16 @@ EXPECTED = {
     "score_mod of the wrong shape without grad": "rank 0: ValueError: score_mod returned a tensor of shape (3,) for "
                                                  "arguments of shape (1, 2, 4, 10): it must return one value per score "
                                                  "element",
+    "relative-position bias past its table": (
+        "CallRejected: ring_flex_attention: rank 0: ValueError: score_mod reads index 21 of a captured tensor of shape "
+        "(20,) (at q_idx = 10, kv_idx = 0): a tensor a mod indexes by q_idx and kv_idx together must cover every pair "
+        "of the global sequence's positions (for q_idx - kv_idx, every distance), not one rank's shard (while planning "
+        "the ring, before any transfer)"),
+    "relative-position mask past its table": "rank 0: ValueError: mask_mod reads index 21 of a captured tensor of "
+                                             "shape (20,) (at q_idx = 10, kv_idx = 0)",
+    "bias by batch and head past its table": "rank 0: ValueError: score_mod reads index 1 of a captured tensor of shape "
+                                             "(1,) (at b = 0, h = 1): it must have an entry for every batch element "
+                                             "and head of the call",
     "untraceable score_mod reading past its table": "rank 0: IndexError: index 1 is out of bounds for dimension 0 with "
                                                     "size 1 (while planning the ring, before any transfer)",
     "untraceable mask_mod reading past its table": "rank 0: IndexError: index 1 is out of bounds for dimension 0 with "
