@@ -106,9 +106,12 @@ def ring_flex_attention(
                     min_tile, kernel)
 
         def planned(q_segs, kv_segs_per_step):
+            capturing = comm.capturing(q)
             try:  # planning works on the host and the device at once: never inside a CUDA-graph capture
-                return _PLANS.get(*plan_args(q_segs, kv_segs_per_step), planned_only=comm.capturing(q))
+                return _PLANS.get(*plan_args(q_segs, kv_segs_per_step), planned_only=capturing)
             except LookupError:
+                if not capturing:  # an IndexError or KeyError of the mask_mod itself
+                    raise
                 raise RuntimeError(_COLD_CAPTURE) from None
 
         schedule = planned(q_segs, kv_segs_per_step)

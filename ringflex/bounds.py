@@ -20,6 +20,7 @@ not evaluate pair by pair (``ringflex.extents``).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 from dataclasses import dataclass
@@ -27,7 +28,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .trace import COMPARISONS, UnsupportedModError, trace_mask_mod
+from .trace import (COMPARISONS, MASK_INPUTS, ModGraph, UnsupportedModError, lookup_message, read_outside,
+                    subscripts, trace_mask_mod)
 
 
 class Undecided(Exception):
@@ -381,3 +383,85 @@ def tile_ranges(graph, q_positions: torch.Tensor, kv_first: torch.Tensor, kv_las
     except Undecided:
         return None
     return tuple(torch.as_tensor(x, device=q.device).expand(shape) for x in (result.lo, result.hi))
+
+
+_LOOKUP_TILE = 128  # positions a side of the tiles a lookup's subscript is ranged over, at least
+_MAX_LOOKUP_TILES = 1 << 20  # tiles of a block ranged at once: longer blocks take larger tiles
+_MAX_LOOKUP_READS = 1 << 26  # reads of a block evaluated one by one, where the ranges leave them open
+
+
+def ranged_lookup_error(graph: ModGraph, batch: int, heads: int, q_segs, kv_segs, device) -> Optional[str]:
+    """What ``graph`` reads outside a captured tensor through a subscript of several inputs (a
+    table of relative positions, ``bias[q_idx - kv_idx + c]``) at any batch element, head and
+    pair of a query of ``q_segs`` and a key of ``kv_segs``, or None. A rank's queries times
+    the sequence's keys are too many pairs to evaluate each, so the subscript is ranged over
+    tiles of them, and evaluated pair by pair only in tiles whose range reaches outside the
+    tensor: a read outside is named where it happens. Where those hold too many reads (ranges
+    that do not settle the subscript: no rule for an op, a guard the ranges cannot follow), the
+    error says that the reads could not be checked."""
+    for shape, size, subscript in subscripts(graph):
+        if len(subscript.deps) < 2 or not subscript.deps <= set(MASK_INPUTS):
+            continue
+        tables = {id(n): n.value.detach().cpu() for n in subscript.nodes if n.op == "tensor"}
+        for q_seg, kv_seg in itertools.product(q_segs, kv_segs):
+            try:
+                found = _read_outside(subscript, size, tables, batch, heads, q_seg, kv_seg, device)
+            except Undecided as e:
+                inputs = " and ".join(name for name in MASK_INPUTS if name in subscript.deps)
+                return (f"{graph.kind} indexes a captured tensor of shape {shape} by {inputs}, and its ranges cannot "
+                        f"show that every read stays inside it: {e}. Clamp the subscript into the tensor "
+                        f"(.clamp(0, {size - 1})) to settle them")
+            if found:
+                return lookup_message(graph.kind, shape, *found)
+    return None
+
+
+def _read_outside(subscript: ModGraph, size: int, tables, batch: int, heads: int, q_seg, kv_seg, device):
+    """``trace.read_outside`` over every batch element, head and pair of a query of ``q_seg``
+    and a key of ``kv_seg``, evaluated in the tiles whose range reaches outside (``tables``:
+    host copies of the tensors the subscript reads, by node id); raises Undecided where those
+    hold more than ``_MAX_LOOKUP_READS`` reads."""
+    if not q_seg.length or not kv_seg.length:
+        return None
+    whole = _tiles(q_seg, q_seg.length), _tiles(kv_seg, kv_seg.length)
+    if not _reaching_outside(subscript, size, batch, heads, *whole, tables).any():
+        return None  # the block's range settles most subscripts at once
+    tile = _LOOKUP_TILE
+    while -(-q_seg.length // tile) * -(-kv_seg.length // tile) > _MAX_LOOKUP_TILES:
+        tile *= 2
+    q_tiles, kv_tiles = _tiles(q_seg, tile), _tiles(kv_seg, tile)
+    values = {"b": torch.arange(batch, device=device), "h": torch.arange(heads, device=device)}
+    reads = 0
+    for i, j in _reaching_outside(subscript, size, batch, heads, q_tiles, kv_tiles, tables).nonzero().tolist():
+        values["q_idx"] = q_seg.slice(int(q_tiles[0][i]), int(q_tiles[1][i])).positions(device)
+        values["kv_idx"] = kv_seg.slice(int(kv_tiles[0][j]), int(kv_tiles[1][j])).positions(device)
+        reads += math.prod(len(values[name]) for name in subscript.deps)
+        if reads > _MAX_LOOKUP_READS:
+            raise Undecided(f"more than {_MAX_LOOKUP_READS} reads at queries {q_seg.start} to {int(q_tiles[3][-1])} "
+                            f"and keys {kv_seg.start} to {int(kv_tiles[3][-1])} are left to evaluate one by one")
+        found = read_outside(subscript, size, values)
+        if found:
+            return found
+    return None
+
+
+def _reaching_outside(subscript: ModGraph, size: int, batch: int, heads: int, q_tiles, kv_tiles, tables):
+    """[query tiles, key tiles]: whether the subscript's range over a tile pair (every batch
+    element and head) reaches outside a dimension of ``size``; True where the ranges cannot tell."""
+    env = {"b": Range(0, batch - 1), "h": Range(0, heads - 1),
+           "q_idx": Range(q_tiles[2].view(-1, 1), q_tiles[3].view(-1, 1)),
+           "kv_idx": Range(kv_tiles[2].view(1, -1), kv_tiles[3].view(1, -1))}
+    try:
+        r = _ranges(subscript, env, tables)
+        outside = torch.as_tensor((r.lo < -size) | (r.hi >= size))
+    except Undecided:
+        outside = torch.tensor(True)
+    return outside.expand(len(q_tiles[0]), len(kv_tiles[0]))
+
+
+def _tiles(seg, size: int):
+    """The tiles of ``size`` positions of segment ``seg``: their local begins and ends, and
+    their first and last positions."""
+    begins = torch.arange(0, seg.length, size)
+    ends = (begins + size).clamp(max=seg.length)
+    return begins, ends, seg.start + seg.stride * begins, seg.start + seg.stride * (ends - 1)

@@ -15,10 +15,10 @@ import torch
 from torch import Tensor
 
 from . import captured
-from .bounds import block_decider
+from .bounds import block_decider, ranged_lookup_error
 from .cache import ByObjects, tensor_versions
-from .trace import (UnsupportedModError, diagonal_band, lookup_error, subscripts_read_tensors, trace_mask_mod,
-                    trace_score_mod)
+from .trace import (UnsupportedModError, diagonal_band, lookup_error, result_shape_error, subscripts_read_tensors,
+                    trace_mask_mod, trace_score_mod)
 
 # Mask evaluations per chunk: bounds the planner's memory whatever the segment lengths.
 _CHUNK_ELEMENTS = 1 << 24
@@ -267,13 +267,17 @@ _CHECKED = ByObjects(64)  # mods and segments whose lookups stay in bounds
 
 def check_lookups(mod, kind: str, batch: int, heads: int, q_segs, kv_segs_per_step, device) -> None:
     """Raises where ``mod`` (a ``kind``, "score_mod" or "mask_mod") reads a captured tensor out
-    of bounds at this rank's queries, any key, batch or head (``trace.lookup_error``), before
-    anything evaluates it on the device. Remembered by what the mod computes with tensors of
-    which shapes (and, where a subscript reads a tensor, which tensors) and by the segments: a
-    mod of the same code used every call is checked once, whatever tensors it captures."""
+    of bounds at this rank's queries, any key, batch or head (``trace.lookup_error``; subscripts
+    of several inputs, ``bounds.ranged_lookup_error``), before anything evaluates it on the
+    device. Remembered by what the mod computes with tensors of which shapes (and, where a
+    subscript reads a tensor, which tensors) and by the segments: a mod of the same code used
+    every call is checked once, whatever tensors it captures. A mod that cannot be traced is
+    tried on a sample of the call instead (``_try_untraced``)."""
+    kv_segs = [seg for segs in kv_segs_per_step for seg in segs]
     try:
         graph = (trace_score_mod if kind == "score_mod" else trace_mask_mod)(mod, device)
-    except UnsupportedModError:  # evaluated as the user wrote it; torch raises its own error
+    except UnsupportedModError:
+        _try_untraced(mod, kind, batch, heads, q_segs, kv_segs, device)
         return
     tables = graph.tensors() if subscripts_read_tensors(graph) else []
     key = (graph.structure, tensor_versions(tables), batch, heads, tuple(q_segs),
@@ -282,12 +286,29 @@ def check_lookups(mod, kind: str, batch: int, heads: int, q_segs, kv_segs_per_st
     def check():
         values = {"b": torch.arange(batch, device=device), "h": torch.arange(heads, device=device),
                   "q_idx": torch.cat([seg.positions(device) for seg in q_segs]),
-                  "kv_idx": torch.cat([seg.positions(device) for segs in kv_segs_per_step for seg in segs])}
-        error = lookup_error(graph, values)
+                  "kv_idx": torch.cat([seg.positions(device) for seg in kv_segs])}
+        error = lookup_error(graph, values) or ranged_lookup_error(graph, batch, heads, q_segs, kv_segs, device)
         if error:
             raise ValueError(error)
 
     _CHECKED.get(key, tables, check)
+
+
+def _try_untraced(mod, kind: str, batch: int, heads: int, q_segs, kv_segs, device) -> None:
+    """Evaluates a mod that cannot be traced, which the kernels evaluate as written, at every
+    batch element and head and at the first and last position of every segment: what it raises
+    there (a name it lacks, a tensor it reads past its end) or a result that is not one value
+    per score element then fails the call's check on every rank, not a rank's ring."""
+    def ends(segs):
+        positions = {p for seg in segs if seg.length for p in (seg.start, seg.start + seg.stride * (seg.length - 1))}
+        return torch.tensor(sorted(positions), dtype=torch.int32, device=device)
+
+    b, h, q_idx, kv_idx = index_grid(batch, heads, ends(q_segs), ends(kv_segs))
+    grid = (batch, heads, q_idx.shape[2], kv_idx.shape[3])
+    scores = (torch.zeros(grid, device=device),) if kind == "score_mod" else ()
+    error = result_shape_error(kind, torch.as_tensor(mod(*scores, b, h, q_idx, kv_idx)).shape, grid)
+    if error:
+        raise ValueError(error)
 
 
 def plan_hops(mask_mod, has_score_mod: bool, batch: int, heads: int, q_segs, kv_segs_per_step, device=None,

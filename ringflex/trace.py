@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from fractions import Fraction
 from types import CodeType
-from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -206,7 +206,7 @@ _FILL_ATEN = {aten.full_like: None, aten.full: None, aten.zeros_like: 0, aten.on
 def _convert(gm: torch.fx.GraphModule, inputs: Sequence[str], kind: str) -> ModGraph:
     env: Dict[torch.fx.Node, Node] = {}
     placeholders = iter(inputs)
-    result = None
+    result = val = None
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             name = next(placeholders)
@@ -220,6 +220,8 @@ def _convert(gm: torch.fx.GraphModule, inputs: Sequence[str], kind: str) -> ModG
             out = n.args[0]
             out = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
             result = _as_node(out, env) if isinstance(out, (torch.fx.Node, bool, int, float)) else None
+            # the traced shape: a constant result (``torch.ones(5)``) is one number once converted
+            val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
     if result is None or (result.op == "tensor" and result.value.numel() != 1):
         raise UnsupportedModError(f"{kind} must return one value per score element, computed from its arguments")
     nodes = _topological(result)
@@ -229,7 +231,20 @@ def _convert(gm: torch.fx.GraphModule, inputs: Sequence[str], kind: str) -> ModG
                 raise UnsupportedModError(
                     f"a captured tensor of shape {tuple(a.value.shape)} is used without indexing it by "
                     "b, h, q_idx or kv_idx")
+    error = isinstance(val, Tensor) and result_shape_error(kind, val.shape, (1,))
+    if error:
+        raise ValueError(error)
     return ModGraph(kind, tuple(inputs), nodes)
+
+
+def result_shape_error(kind: str, shape: Sequence[int], grid: Sequence[int]) -> Optional[str]:
+    """Why a mod's result of ``shape`` is not one value per score element, for arguments that
+    broadcast to ``grid``, or None. flex_attention refuses such a result: the trace would fold
+    a constant one into a single number, and the kernels would broadcast others over the keys."""
+    if len(shape) <= len(grid) and all(n in (1, g) for n, g in zip(reversed(shape), reversed(grid))):
+        return None
+    return (f"{kind} returned a tensor of shape {tuple(shape)} for arguments of shape {tuple(grid)}: it must return "
+            "one value per score element (a scalar, or a tensor of its arguments' broadcast shape)")
 
 
 def _convert_call(n: torch.fx.Node, env) -> Node:
@@ -511,34 +526,62 @@ def evaluate(out: Node, env: Dict[str, Tensor]) -> Tensor:
     return memo[id(out)]
 
 
+def subscripts(graph: ModGraph) -> Iterator[Tuple[Tuple[int, ...], int, ModGraph]]:
+    """Every subscript of a lookup into a captured tensor: (the tensor's shape, the size of the
+    dimension it indexes, the subscript's graph)."""
+    for n in graph.nodes:
+        if n.op == "index":
+            shape = tuple(n.args[0].value.shape)
+            for size, subscript in zip(shape, n.args[1:]):
+                yield shape, size, ModGraph(graph.kind, graph.inputs, _topological(subscript))
+
+
 def subscripts_read_tensors(graph: ModGraph) -> bool:
     """Whether a lookup's subscript itself reads a captured tensor (``t[ids[q_idx]]``): then
     whether the lookups stay in bounds depends on tensor values, not only on their shapes."""
-    return any(m.op == "tensor" for n in graph.nodes if n.op == "index" for a in n.args[1:] for m in _topological(a))
+    return any(n.op == "tensor" for _, _, subscript in subscripts(graph) for n in subscript.nodes)
+
+
+def read_outside(subscript: ModGraph, size: int, values: Dict[str, Tensor]) -> Optional[Tuple[int, Dict[str, int]]]:
+    """The first index outside a dimension of ``size`` that ``subscript`` takes at any
+    combination of the ``values`` (1-D, by input name) of the inputs it reads, and those
+    inputs' values there; None where it takes none. Negative indices count from the end, as
+    torch reads them."""
+    grid = {name: values[name].view([-1 if other == name else 1 for other in MASK_INPUTS]) for name in subscript.deps}
+    at = evaluate(subscript.output, grid).long()
+    bad = ((at >= size) | (at < -size)).nonzero()
+    if not len(bad):
+        return None
+    first = bad[0].tolist()
+    return int(at[tuple(first)]), {name: int(values[name][first[MASK_INPUTS.index(name)]])
+                                    for name in MASK_INPUTS if name in subscript.deps}
+
+
+def lookup_message(kind: str, shape: Tuple[int, ...], index: int, at: Dict[str, int]) -> str:
+    """The refusal of a ``kind`` that reads ``index`` of a captured tensor of ``shape`` at the inputs ``at``."""
+    where = f" (at {', '.join(f'{name} = {value}' for name, value in at.items())})" if at else ""
+    positions = at.keys() & {"q_idx", "kv_idx"}
+    if len(positions) == 2:
+        why = ("a tensor a mod indexes by q_idx and kv_idx together must cover every pair of the global sequence's "
+               "positions (for q_idx - kv_idx, every distance), not one rank's shard")
+    elif positions:
+        why = "a tensor a mod indexes by position must cover every position of the global sequence, not one rank's shard"
+    else:
+        why = "it must have an entry for every batch element and head of the call"
+    return f"{kind} reads index {index} of a captured tensor of shape {shape}{where}: {why}"
 
 
 def lookup_error(graph: ModGraph, values: Dict[str, Tensor]) -> Optional[str]:
     """What ``graph`` reads outside a captured tensor, or None. Every lookup whose subscript
     depends on one input at most is evaluated at all of that input's ``values`` (the positions,
     batches and heads of a call): on a GPU such a read would end the process's CUDA context
-    with a device-side assert. Subscripts that depend on two inputs are not checked."""
-    for n in graph.nodes:
-        if n.op != "index":
-            continue
-        shape = tuple(n.args[0].value.shape)
-        for size, subscript in zip(shape, n.args[1:]):
-            if len(subscript.deps) > 1 or not subscript.deps <= values.keys():
-                continue
-            at = evaluate(subscript, {name: values[name] for name in subscript.deps}).long().flatten()
-            bad = ((at >= size) | (at < -size)).nonzero().flatten()
-            if len(bad):
-                i = int(bad[0])
-                where = "".join(f" (at {name} = {int(values[name][i])})" for name in subscript.deps)
-                by_position = subscript.deps & {"q_idx", "kv_idx"}
-                why = ("a tensor a mod indexes by position must cover every position of the global sequence, not "
-                       "one rank's shard" if by_position else "it must have an entry for every batch element and "
-                       "head of the call")
-                return f"{graph.kind} reads index {int(at[i])} of a captured tensor of shape {shape}{where}: {why}"
+    with a device-side assert. Subscripts of several inputs take too many values to evaluate
+    at each: ``bounds.ranged_lookup_error`` checks them on ranges."""
+    for shape, size, subscript in subscripts(graph):
+        if len(subscript.deps) <= 1 and subscript.deps <= values.keys():
+            found = read_outside(subscript, size, values)
+            if found:
+                return lookup_message(graph.kind, shape, *found)
     return None
 
 

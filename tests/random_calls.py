@@ -1,7 +1,9 @@
 """Random ring calls: a layout, lengths (cross-attention too), heads (GQA), a mask drawn from
-a pool and combined with and / or, a score_mod, sinks, an LSE the loss reads, a scale. The
-matrix in ``cases.py`` names the mods users write; these mix them as nobody listed, which is
-how the per-batch inputs cuDNN read wrong were found (docs/cudnn.md). Shared by the CPU test
+a pool (lookups by position, by distance, constants) and combined with and / or, a score_mod
+(lookups by head, by batch element and head, by clamped distance), sinks, an LSE the loss
+reads, a scale, and some calls forward only, without grad mode. The matrix in ``cases.py``
+names the mods users write; these mix them as nobody listed, which is how the per-batch
+inputs cuDNN read wrong were found (docs/cudnn.md). Shared by the CPU test
 (``test_random_calls.py``) and the GPU script (``scripts/fuzz_ring.py``); the same seed gives
 the same call on every rank and device."""
 from __future__ import annotations
@@ -35,12 +37,14 @@ class RandomCall:
     parts: List[str]  # what the mods are made of
     bshd: bool  # the ranks' q, k, v in [B, S, H, D] memory, as models pass them
     learnable: Optional[torch.Tensor]  # a tensor the score_mod reads that requires grad (a learnable bias)
+    grad: bool  # False: forward only, without grad mode (as at evaluation)
 
     def describe(self) -> str:
         (b, hq, s, d), hkv, s_kv = self.q.shape, self.k.shape[1], self.k.shape[2]
         extras = [name for name, on in (("sinks", self.sinks is not None), ("lse", self.dlse is not None),
                                          ("a loss of the LSE alone", self.dout is None),
-                                         ("[B, S, H, D] memory", self.bshd), ("learnable", self.learnable is not None))
+                                         ("[B, S, H, D] memory", self.bshd), ("learnable", self.learnable is not None),
+                                         ("no grad", not self.grad))
                   if on]
         return (f"{self.layout}, {s} x {s_kv} tokens, B={b}, heads {hq}/{hkv}, D={d}, scale {self.scale}, "
                 f"{' + '.join(self.parts) or 'no mods'}{', ' + ', '.join(extras) if extras else ''}")
@@ -72,7 +76,8 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(table_values).to(device, table_dtype)
 
     def mask(depth: int = 0):
-        kinds = ["causal", "window", "prefix", "documents", "late", "sparse", "band"] + ["table"] * gathers
+        kinds = ["causal", "window", "prefix", "documents", "late", "sparse", "band", "everything"] + [
+            "table", "distances"] * gathers
         if depth == 0:
             kinds += ["head", "batch", "padding", "keys_kept", "nothing", "combined", "combined"]
         kind = rnd.choice(kinds)
@@ -112,13 +117,19 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
         if kind == "table":
             allowed = (torch.rand(s, s_kv, generator=gen) < rnd.choice([0.1, 0.5, 0.9])).to(device)
             return lambda b, h, q, kv: allowed[q, kv]
+        if kind == "distances":  # a table of every distance q - kv
+            near = (torch.rand(s + s_kv - 1, generator=gen) < rnd.choice([0.1, 0.5, 0.9])).to(device)
+            return lambda b, h, q, kv: near[q - kv + s_kv - 1]
+        if kind == "everything":  # a constant that broadcasts, as flex_attention's noop_mask
+            return lambda b, h, q, kv: b.new_ones((), dtype=torch.bool)
         if kind == "nothing":
             return lambda b, h, q, kv: kv < 0
         first, second = mask(1), mask(1)
         return (mods.and_masks if rnd.random() < 0.5 else mods.or_masks)(first, second)
 
     def score():
-        kinds = [None, None, "softcap", "alibi", "relative", "per_head", "per_batch", "head_query"] + ["table"] * gathers
+        kinds = [None, None, "softcap", "alibi", "relative", "per_head", "per_batch", "head_query", "batch_head"] + [
+            "table", "clamped_relative"] * gathers
         kind = rnd.choice(kinds)
         if kind is None:
             return None
@@ -139,6 +150,13 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
         if kind == "head_query":  # a bias per head and query
             per_query = table(heads, s)
             return lambda sc, b, h, q, kv: sc + per_query[h, q]
+        if kind == "batch_head":  # a bias per batch element and head, in one subscript
+            per_batch_head = table(batch * heads)
+            return lambda sc, b, h, q, kv: sc + per_batch_head[b * heads + h]
+        if kind == "clamped_relative":  # a bias per head and distance, as far as ``reach``
+            reach = rnd.randint(1, longest)
+            per_distance = table(heads, 2 * reach + 1)
+            return lambda sc, b, h, q, kv: sc + per_distance[h, (q - kv).clamp(-reach, reach) + reach]
         scores = table(s, s_kv)
         return lambda sc, b, h, q, kv: sc + scores[q, kv]
 
@@ -147,6 +165,7 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
     sinks = table(heads) if rnd.random() < 0.2 else None
     return_lse, scale, bshd = rnd.random() < 0.3, rnd.choice([None, 0.3]), rnd.random() < 0.25
     lse_only = return_lse and rnd.random() < 0.25
+    grad = rnd.random() < 0.85
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(values_of).to(device, dtype)
@@ -155,7 +174,7 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
     k, v = randn(batch, kv_heads, s_kv, head_dim), randn(batch, kv_heads, s_kv, head_dim)
     dout, dlse = randn(batch, heads, s, head_dim), randn(batch, heads, s)
     return RandomCall(layout, q, k, v, None if lse_only else dout, dlse if return_lse else None, mask_mod, score_mod,
-                      sinks, scale, parts, bshd, learnable[0] if learnable else None)
+                      sinks, scale, parts, bshd, learnable[0] if learnable else None, grad)
 
 
 def ring_errors(call: RandomCall, truth: RandomCall, backend: str = "reference", group=None,
@@ -180,19 +199,20 @@ def ring_errors(call: RandomCall, truth: RandomCall, backend: str = "reference",
         local = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in local]
     local = [t.requires_grad_() for t in local]
     sinks = call.sinks.detach().requires_grad_() if call.sinks is not None else None
-    got = ringflex.ring_flex_attention(*local, score_mod=call.score_mod, mask_mod=call.mask_mod, group=group,
-                                       layout=call.layout, scale=call.scale, enable_gqa=True, backend=backend,
-                                       return_lse=call.dlse is not None, sinks=sinks)
+    with torch.set_grad_enabled(call.grad):
+        got = ringflex.ring_flex_attention(*local, score_mod=call.score_mod, mask_mod=call.mask_mod, group=group,
+                                           layout=call.layout, scale=call.scale, enable_gqa=True, backend=backend,
+                                           return_lse=call.dlse is not None, sinks=sinks)
     out, lse = got if call.dlse is not None else (got, None)
-    _loss(out, lse, *(shard(t) if t is not None else None for t in (call.dout, call.dlse))).backward()
-    pairs = {"out": (out, want_out), **{name: (_grad(got), _grad(want)) for name, got, want in
-                                        zip(("dq", "dk", "dv"), local, full)}}  # a loss of the LSE alone: dv None
-    pairs = {name: (got, shard(want.to(got.device))) for name, (got, want) in pairs.items()}
-    if lse is not None:
-        pairs["lse"] = (lse, shard(want_lse.to(lse.device)))
+    pairs = {"out": (out, want_out), "lse": (lse, want_lse)}
+    if call.grad:
+        _loss(out, lse, *(shard(t) if t is not None else None for t in (call.dout, call.dlse))).backward()
+        pairs.update({name: (_grad(got), _grad(want)) for name, got, want in
+                      zip(("dq", "dk", "dv"), local, full)})  # a loss of the LSE alone: dv None
+    pairs = {name: (got, shard(want.to(got.device))) for name, (got, want) in pairs.items() if got is not None}
     # Each rank holds its queries' share of the gradients of the sinks and of a learnable bias.
     for name, got, want in (("dsinks", sinks, full_sinks), ("dlearnable", call.learnable, truth.learnable)):
-        if got is not None:
+        if got is not None and call.grad:
             total = torch.zeros_like(got, dtype=torch.float64) if got.grad is None else got.grad.detach().double()
             total = total.cpu() if "gloo" in str(dist.get_backend(group)) else total
             dist.all_reduce(total, group=group)

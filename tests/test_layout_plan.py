@@ -4,7 +4,7 @@ import torch
 
 import ringflex
 from harness import run_world
-from oracle import visible_extent
+from oracle import attention, visible_extent
 from ringflex import mods
 from ringflex.parallel import layout as layouts
 from ringflex.plan import (BlockKind, Segment, block_kinds, classify, keys_read, plan_hops, steps_needed,
@@ -270,3 +270,32 @@ def test_unshard_of_unequal_shards_raises_on_every_rank():
     assert not_a_tensor == "rank 1: unshard: x must be a torch.Tensor, got NoneType"
     with pytest.raises(ValueError, match=r"shard: dim must be an int in \[-3, 3\)"):
         ringflex.shard(torch.zeros(1, 2, 4), 3)
+
+
+def _unshard_in_other_layouts(rank, world_size):
+    full = [torch.randn(1, 2, 4 * world_size, 8, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+            for i in range(3)]
+    q, k, v = (ringflex.shard(t, 2) for t in full)
+    messages = []
+    for layout in ("striped" if rank == 1 else "zigzag", "zigzig" if rank == 1 else "zigzag"):
+        try:
+            ringflex.unshard(q, 2, layout=layout)
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+    out = ringflex.unshard(ringflex.ring_flex_attention(q, k, v, mask_mod=mods.causal), 2)  # the group still works
+    return messages, (out - attention(*full, mask_mod=mods.causal)).abs().max().item()
+
+
+def test_unshard_in_another_layout_raises_on_every_rank():
+    """A layout that differs on one rank, or is misspelt there, is refused on every rank before
+    the gather: the odd rank's result came out in another order, or it alone raised."""
+    results = run_world(3, _unshard_in_other_layouts, timeout=60)
+    assert all(messages == results[0][0] for messages, _ in results)
+    other, misspelt = results[0][0]
+    assert other == ("unshard: the ranks differ in layout (rank 0: 'zigzag', rank 1: 'striped', rank 2: 'zigzag'); "
+                     "every rank must gather in the layout the shards were made in")
+    assert misspelt == "rank 1: unshard: layout must be one of ('contiguous', 'zigzag', 'striped'), got 'zigzig'"
+    assert all(error < 1e-12 for _, error in results)
+    with pytest.raises(ValueError, match="unshard: layout must be one of"):
+        ringflex.unshard(torch.zeros(1, 2, 4), 2, layout="zigzig")  # one process: no gather, the same check

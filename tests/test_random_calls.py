@@ -1,9 +1,9 @@
 """Random ring calls (``random_calls.py``: layouts, lengths, heads, mixed masks and
-score_mods, sinks, LSE losses, learnable biases, [B, S, H, D] memory) equal the definition,
-forward and backward: over 2 to 4 ranks and over rings of part of the ranks (reference
-kernel, fp64; half of them lend any row that evens the ranks' work), and on the cuDNN kernel
-with its frontend emulated (``tests/gpu/test_cudnn_kernel.py``), which runs its planning,
-batching and lowering on the CPU."""
+score_mods, sinks, LSE losses, learnable biases, [B, S, H, D] memory, calls without grad
+mode) equal the definition, forward and backward: over 2 to 4 ranks and over rings of part
+of the ranks (reference kernel, fp64; half of them lend any row that evens the ranks' work),
+and on the cuDNN kernel with its frontend emulated (``tests/gpu/test_cudnn_kernel.py``),
+which runs its planning, batching and lowering on the CPU."""
 import sys
 from pathlib import Path
 

@@ -1,5 +1,7 @@
 """The tracer reproduces every mod exactly, differentiates score_mods like autograd,
 fingerprints structurally and refuses what it cannot lower with a clear error."""
+import re
+
 import pytest
 import torch
 
@@ -311,8 +313,61 @@ def test_lookup_error_names_a_read_past_a_captured_tensor():
     assert lookup_error(trace_mask_mod(lambda b, h, q, kv: coarse[kv // 64] | (kv <= q)), values) is None
     shifted = torch.zeros(128, dtype=torch.bool)
     assert lookup_error(trace_mask_mod(lambda b, h, q, kv: shifted[kv - 100] | (kv <= q)), values) is None
-    both = torch.zeros(200, dtype=torch.bool)  # a subscript of two inputs is not checked
-    assert lookup_error(trace_mask_mod(lambda b, h, q, kv: both[q + kv] | (kv <= q)), values) is None
+
+
+def test_lookups_by_two_inputs_are_ranged_over_the_blocks(monkeypatch):
+    """A subscript of two inputs (a table of relative positions) takes a rank's queries times
+    the sequence's keys values: ranged over tiles of them, it is evaluated pair by pair only
+    where its range reaches outside, which names the read, at any length; where that would take
+    too many reads, the error says that it cannot tell."""
+    from ringflex import bounds
+
+    def error(mod, q_segs=(Segment(64, 1, 64),), kv_segs=(Segment(0, 1, 64), Segment(64, 1, 64)), batch=2):
+        return bounds.ranged_lookup_error(trace_score_mod(mod), batch, 4, q_segs, kv_segs, None)
+
+    every_distance, one_short = torch.zeros(255), torch.zeros(254)  # 2 * 128 - 1 distances
+    assert error(lambda s, b, h, q, kv: s + every_distance[q - kv + 127]) is None
+    assert ("score_mod reads index 254 of a captured tensor of shape (254,) (at q_idx = 127, kv_idx = 0): a tensor "
+            "a mod indexes by q_idx and kv_idx together must cover every pair") in error(
+        lambda s, b, h, q, kv: s + one_short[q - kv + 127])
+    per_head = torch.zeros(4, 9)
+    assert error(lambda s, b, h, q, kv: s + per_head[h, (q - kv).clamp(-4, 4) + 4]) is None
+    per_batch_and_head = torch.zeros(4)  # for one batch element of two
+    assert "reads index 4 of a captured tensor of shape (4,) (at b = 1, h = 0)" in error(
+        lambda s, b, h, q, kv: s + per_batch_and_head[b * 4 + h])
+    # a million tokens: the last rank's 128k queries against every key
+    long_q, long_kv = [Segment((1 << 20) - (1 << 17), 1, 1 << 17)], [Segment(0, 1, 1 << 20)]
+    every_distance, one_short = torch.zeros(2 ** 21 - 1), torch.zeros(2 ** 21 - 2)
+    assert error(lambda s, b, h, q, kv: s + every_distance[q - kv + 2 ** 20 - 1], long_q, long_kv) is None
+    assert f"reads index {2 ** 21 - 2} of a captured tensor of shape ({2 ** 21 - 2},) (at q_idx = {2 ** 20 - 1}, " \
+           "kv_idx = 0)" in error(lambda s, b, h, q, kv: s + one_short[q - kv + 2 ** 20 - 1], long_q, long_kv)
+    # a guard the ranges cannot follow: the tiles it leaves open are evaluated pair by pair
+    window = torch.zeros(9)
+    guarded = lambda s, b, h, q, kv: s + window[torch.where((q >= kv) & (q - kv <= 8), q - kv, 0)]  # noqa: E731
+    assert error(guarded) is None
+    monkeypatch.setattr(bounds, "_MAX_LOOKUP_READS", 1000)
+    assert error(guarded) == (
+        "score_mod indexes a captured tensor of shape (9,) by q_idx and kv_idx, and its ranges cannot show that every "
+        "read stays inside it: more than 1000 reads at queries 64 to 127 and keys 0 to 63 are left to evaluate one by "
+        "one. Clamp the subscript into the tensor (.clamp(0, 8)) to settle them")
+
+
+def test_a_result_that_is_not_one_value_per_score_element_is_refused():
+    """The trace folds a constant into a number, so a constant's shape is checked before:
+    create_block_mask refuses torch.ones(5) as a mask, and so does ringflex, as a ValueError
+    (an UnsupportedModError would leave the mod to the kernels, which broadcast it). Constants
+    that broadcast to every element stay."""
+    for trace, mod, shape in ((trace_mask_mod, lambda b, h, q, kv: torch.ones(5, dtype=torch.bool), "(5,)"),
+                              (trace_score_mod, lambda s, b, h, q, kv: s + torch.zeros(5), "(5,)"),
+                              (trace_mask_mod, lambda b, h, q, kv: (q >= kv) & torch.ones(2, 1, dtype=torch.bool),
+                               "(2, 1)")):
+        with pytest.raises(ValueError, match=re.escape(f"returned a tensor of shape {shape} for arguments of shape "
+                                                       "(1,): it must return one value per score element")) as info:
+            trace(mod)
+        assert info.type is ValueError
+    for constant in (lambda b, h, q, kv: True, lambda b, h, q, kv: torch.tensor(True),
+                     lambda b, h, q, kv: torch.ones(1, dtype=torch.bool), lambda b, h, q, kv: b.new_ones(())):
+        assert trace_mask_mod(constant)(*_grid(*SEGMENTS[1])).all()
 
 
 def test_tensors_requiring_grad_are_found_where_grad_mode_is_on():

@@ -51,6 +51,17 @@ def _raising(message):
     return mask_that_raises
 
 
+def _undefined_name(score, b, h, q_idx, kv_idx):
+    return score + undefined_bias  # noqa: F821 (a name nothing defines)
+
+
+def _without_grad(call):
+    def run():
+        with torch.no_grad():
+            return call()
+    return run
+
+
 def _with_kernel_named(name, call):
     """``call`` with ``backend="auto"`` choosing a kernel named ``name`` here (a rank whose GPU
     cuDNN cannot use, say); None: as it chooses."""
@@ -72,6 +83,9 @@ def _mismatches(rank, world_size):
     full, (q, k, v) = _inputs()
     attn = ringflex.ring_flex_attention
     flags = torch.zeros(L * world_size - 2, dtype=torch.bool)  # too short for the last rank's queries
+    seq_len = L * world_size
+    relative = torch.zeros(2 * seq_len - 4)  # a table of q_idx - kv_idx: 2 * seq_len - 1 entries cover every pair
+    per_head = torch.zeros(1)  # one entry, for two heads
 
     def with_debug_on_rank_1():
         os.environ["RINGFLEX_DEBUG"] = "1" if odd else "0"
@@ -138,6 +152,27 @@ def _mismatches(rank, world_size):
         "mask_mod reading past a captured tensor": lambda: attn(q, k, v, mask_mod=_query_flags(flags),
                                                                layout="contiguous"),
         "score_mod reading past a captured tensor": lambda: attn(q, k, v, score_mod=mods.alibi(mods.alibi_slopes(1))),
+        # without grad mode no gradient check evaluates a score_mod that cannot be traced: the lookup check does
+        "score_mod raising without grad": _without_grad(lambda: attn(q, k, v, score_mod=_undefined_name)),
+        "score_mod of the wrong shape without grad": _without_grad(
+            lambda: attn(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s.reshape(-1)[:3])),
+        # the trace folds a constant into a number: its shape is checked before
+        "mask_mod returning a constant of the wrong shape": lambda: attn(
+            q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: torch.ones(5, dtype=torch.bool)),
+        "score_mod adding a constant of the wrong shape": lambda: attn(
+            q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + torch.zeros(5)),
+        # subscripts of two inputs, ranged over the blocks
+        "relative-position bias past its table": lambda: attn(
+            q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + relative[q_idx - kv_idx + seq_len - 1]),
+        "relative-position mask past its table": lambda: attn(
+            q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: relative[q_idx - kv_idx + seq_len - 1] == 0),
+        "bias by batch and head past its table": lambda: attn(
+            q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + per_head[b * 2 + h]),
+        # mods that cannot be traced, tried at every batch element and head
+        "untraceable score_mod reading past its table": lambda: attn(
+            q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + torch.sin(per_head[h])),
+        "untraceable mask_mod reading past its table": lambda: attn(
+            q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: torch.sin(per_head[h]) == 0),
         # the record carries 400 bytes of the message: cut inside a character, it still decodes
         "long message on one rank": lambda: attn(q, k, v, mask_mod=_raising("x" + "\u00e9" * 300) if odd else mods.causal),
     }
@@ -145,6 +180,14 @@ def _mismatches(rank, world_size):
     out = attn(q, k, v, mask_mod=mods.causal)  # the group still works
     expected = ringflex.shard(attention(*full, mask_mod=mods.causal), 2)
     results["good call afterwards"] = (out - expected).abs().max().item()
+    # constants that broadcast as flex_attention's do (a Python bool, 0-d tensors): every key seen
+    for name, mask_mod, score_mod in (
+            ("True", lambda b, h, q_idx, kv_idx: True, lambda s, b, h, q_idx, kv_idx: s * torch.tensor(0.5)),
+            ("0-d", lambda b, h, q_idx, kv_idx: torch.ones((), dtype=torch.bool), None)):
+        with torch.no_grad():
+            out = attn(q, k, v, mask_mod=mask_mod, score_mod=score_mod)
+        expected = ringflex.shard(attention(*full, score_mod=score_mod), 2)
+        results[f"constant {name}"] = (out - expected).abs().max().item()
     return results
 
 
@@ -191,6 +234,28 @@ EXPECTED = {
                                                 "shape (1,) (at h = 1): it must have an entry for every batch "
                                                 "element and head of the call",
     "long message on one rank": "CallRejected: ring_flex_attention: rank 1: ValueError: x" + "\u00e9" * 193 + "\ufffd",
+    "mask_mod returning a constant of the wrong shape": "rank 0: ValueError: mask_mod returned a tensor of shape (5,) "
+                                                        "for arguments of shape (1,)",
+    "score_mod adding a constant of the wrong shape": "rank 0: ValueError: score_mod returned a tensor of shape (5,)",
+    "score_mod raising without grad": "CallRejected: ring_flex_attention: rank 0: NameError: name 'undefined_bias' is "
+                                      "not defined (while planning the ring, before any transfer)",
+    "score_mod of the wrong shape without grad": "rank 0: ValueError: score_mod returned a tensor of shape (3,) for "
+                                                 "arguments of shape (1, 2, 4, 10): it must return one value per score "
+                                                 "element",
+    "relative-position bias past its table": (
+        "CallRejected: ring_flex_attention: rank 0: ValueError: score_mod reads index 21 of a captured tensor of shape "
+        "(20,) (at q_idx = 10, kv_idx = 0): a tensor a mod indexes by q_idx and kv_idx together must cover every pair "
+        "of the global sequence's positions (for q_idx - kv_idx, every distance), not one rank's shard (while planning "
+        "the ring, before any transfer)"),
+    "relative-position mask past its table": "rank 0: ValueError: mask_mod reads index 21 of a captured tensor of "
+                                             "shape (20,) (at q_idx = 10, kv_idx = 0)",
+    "bias by batch and head past its table": "rank 0: ValueError: score_mod reads index 1 of a captured tensor of shape "
+                                             "(1,) (at b = 0, h = 1): it must have an entry for every batch element "
+                                             "and head of the call",
+    "untraceable score_mod reading past its table": "rank 0: IndexError: index 1 is out of bounds for dimension 0 with "
+                                                    "size 1 (while planning the ring, before any transfer)",
+    "untraceable mask_mod reading past its table": "rank 0: IndexError: index 1 is out of bounds for dimension 0 with "
+                                                   "size 1 (while planning the ring, before any transfer)",
 }
 
 
@@ -201,7 +266,7 @@ def test_every_rank_raises_the_same_clear_error():
         assert len(texts) == 1, f"{name}: the ranks raised different errors: {texts}"
         text = texts.pop()
         assert text is not None and expected in text, f"{name}: got {text!r}, expected {expected!r}"
-    assert all(r["good call afterwards"] < 1e-5 for r in per_rank)
+    assert all(r[name] < 1e-5 for r in per_rank for name in ("good call afterwards", "constant True", "constant 0-d"))
 
 
 @pytest.mark.parametrize("call, expected", [

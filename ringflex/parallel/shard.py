@@ -57,20 +57,30 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return validate.digest(str(dtype).encode())
 
 
-def _check_same_shards(x: Tensor, dim, group) -> None:
-    """Raises the same error on every rank if the shards differ in shape or dtype (an
-    all_gather of unequal tensors would hang or kill a rank), the ranks gather along different
-    dims, or a rank's ``dim`` is not one of its tensor's."""
-    error = _dim_error("unshard", x, dim) or None
+def _layout_error(layout) -> str:
+    return "" if layout in layouts.LAYOUTS else f"unshard: layout must be one of {layouts.LAYOUTS}, got {layout!r}"
+
+
+def _check_same_shards(x: Tensor, dim, layout, group) -> None:
+    """Raises the same error on every rank, before any data moves, if the ranks gather in
+    different layouts (a rank's result would come out in another order), the shards differ in
+    shape or dtype (an all_gather of unequal tensors would hang or kill a rank), the ranks
+    gather along different dims, or a rank's ``dim`` is not one of its tensor's or its
+    ``layout`` is no layout."""
+    error = _dim_error("unshard", x, dim) or _layout_error(layout) or None
     if error is None and x.dim() > _MAX_DIMS:
         error = f"unshard supports tensors of at most {_MAX_DIMS} dims, got {x.dim()}"
-    mine = ([_dtype_code(x.dtype), dim % x.dim(), x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim()) if error is None
-            else [0] * (3 + _MAX_DIMS))
+    mine = ([layouts.LAYOUTS.index(layout), _dtype_code(x.dtype), dim % x.dim(), x.dim(), *x.shape]
+            + [0] * (_MAX_DIMS - x.dim()) if error is None else [0] * (4 + _MAX_DIMS))
     records = validate.exchange(group, mine, error, "unshard", caller=None)
+    if any(r[0] != mine[0] for r in records):
+        raise ValueError("unshard: the ranks differ in layout (" + ", ".join(
+            f"rank {rank}: {layouts.LAYOUTS[r[0]]!r}" for rank, r in enumerate(records)) + "); every rank must "
+            "gather in the layout the shards were made in")
     if any(r != mine for r in records):
         names = {_dtype_code(d): str(d).replace("torch.", "") for d in vars(torch).values() if isinstance(d, torch.dtype)}
         raise ValueError("unshard: the ranks' shards or dims differ (" + ", ".join(
-            f"rank {rank}: {tuple(r[3:3 + r[2]])} {names.get(r[0], '?')} along dim {r[1]}"
+            f"rank {rank}: {tuple(r[4:4 + r[3]])} {names.get(r[1], '?')} along dim {r[2]}"
             for rank, r in enumerate(records)) + ")")
 
 
@@ -78,7 +88,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, layout):
         rank, world_size = _rank_and_size(group)
-        _check_same_shards(x, dim, group)
+        _check_same_shards(x, dim, layout, group)
         parts = [torch.empty_like(x) for _ in range(world_size)]
         dist.all_gather(parts, x.contiguous(), group=group)
         full_len = x.shape[dim] * world_size
@@ -100,7 +110,7 @@ def unshard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
     group = process_group(group)
     _, world_size = _rank_and_size(group)
     if world_size == 1:
-        error = _dim_error("unshard", x, dim)
+        error = _dim_error("unshard", x, dim) or _layout_error(layout)
         if error:
             raise ValueError(error)
         return x
