@@ -101,6 +101,39 @@ def context_parallel_attention(mask, world_size, device):
     return run
 
 
+def flex_context_parallel(score_mod, mask_mod, shape, world_size, device, head_tail: bool):
+    """PyTorch's flex_attention context parallel, the path torchtitan takes: K/V all-gathered,
+    each rank's queries against the whole sequence under a context-parallel block mask,
+    optionally with its head-tail load balancer; None where it does not apply (its sequence
+    must be a multiple of world_size * 128)."""
+    batch, heads, seq_len, _ = shape
+    if device.type != "cuda" or seq_len % (world_size * 128):
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import (_context_parallel_shard, _ContextParallel,
+                                                                  _HeadTailLoadBalancer)
+    from torch.distributed.tensor.experimental._context_parallel._attention import _create_cp_block_mask
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.attention.flex_attention import flex_attention
+    mesh = init_device_mesh("cuda", (world_size,))
+    balancer = _HeadTailLoadBalancer(seq_len, world_size, device) if head_tail else None
+    block_mask = _create_cp_block_mask(mask_mod or (lambda b, h, q_idx, kv_idx: q_idx >= 0), batch, heads, seq_len,
+                                       seq_len, mesh, load_balancer=balancer)
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+    attention = parallelize_module(Attention(), mesh, _ContextParallel(
+        seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+
+    def run(q_full, k_full, v_full, iters, warmup):
+        local = _context_parallel_shard(mesh, [q_full, k_full, v_full], [2, 2, 2], load_balancer=balancer)
+        return fwd_and_fwdbwd(attention, *local, iters, warmup, device=device)
+    return run
+
+
 _SELF_GROUP = _CPU_GROUP = None  # set by run(): a one-rank group, and a gloo group of every rank
 
 
@@ -128,6 +161,11 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
     cp = context_parallel_attention(mask, world_size, device) if not args.no_cp else None
     if cp is not None:
         timers["context_parallel"] = functools.partial(cp, q, k, v)
+    if not args.no_flex_cp and mask != "none":
+        for name, head_tail in (("flex_cp", False), ("flex_cp_headtail", True)):
+            peer = flex_context_parallel(score_mod, mask_mod, shape, world_size, device, head_tail)
+            if peer is not None:
+                timers[name] = functools.partial(peer, q, k, v)
     variants = {layout: (layout, local) for layout, local in shards.items()}  # row label -> (layout, shards)
     if args.graph:
         variants.update({f"{layout}+graph": (layout, local) for layout, local in shards.items()})
@@ -169,8 +207,9 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
                 best = min(singles, key=lambda n: singles[n][phase])
                 row[f"best_single_{phase}"] = best
                 row["ringflex"][f"efficiency_{phase}"] = singles[best][phase] / (world_size * row["ringflex"][phase])
-        if "fwd" in row.get("context_parallel", {}):
-            row["ringflex"]["speedup_vs_cp_fwd_bwd"] = row["context_parallel"]["fwd_bwd"] / row["ringflex"]["fwd_bwd"]
+        for peer in ("context_parallel", "flex_cp", "flex_cp_headtail"):
+            if "fwd" in row.get(peer, {}):
+                row["ringflex"][f"speedup_vs_{peer}_fwd_bwd"] = row[peer]["fwd_bwd"] / row["ringflex"]["fwd_bwd"]
         log(f"  ringflex ({label}): {row['ringflex']}")
         rows.append(row)
     return rows
@@ -188,23 +227,26 @@ def ring_peak_memory(ring, local) -> int:
 
 
 def table(rows) -> str:
-    ms = lambda r, n, p: f"{r[n][p] * 1e3:9.2f}" if "fwd" in r.get(n, {}) else f"{'-':>9}"
-    head = (f"{'tokens':>8} {'mask':>15} {'layout':>10} | {'single fwd':>10} {'fwd+bwd':>9} | "
-            f"{'cp fwd':>9} {'fwd+bwd':>9} | {'ring fwd':>9} {'fwd+bwd':>9} | {'eff fwd':>7} {'eff f+b':>7} | "
-            f"{'vs cp':>6} | {'mem GiB':>7}")
+    ms = lambda r, n: f"{r[n]['fwd_bwd'] * 1e3:9.2f}" if "fwd" in r.get(n, {}) else f"{'-':>9}"
+    peers = ("context_parallel", "flex_cp", "flex_cp_headtail")
+    head = (f"{'tokens':>8} {'mask':>15} {'layout':>10} | {'single':>9} | {'cp':>9} {'flex cp':>9} {'+h/t':>9} | "
+            f"{'ring fwd':>9} {'fwd+bwd':>9} | {'eff fwd':>7} {'eff f+b':>7} | {'vs best peer':>12} | {'mem GiB':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        best = lambda p: r.get(f"best_single_{p}")
-        single = lambda p: f"{r[best(p)][p] * 1e3:10.2f}" if best(p) else f"{'-':>10}"
+        best = r.get("best_single_fwd_bwd")
+        single = f"{r[best]['fwd_bwd'] * 1e3:9.2f}" if best else f"{'-':>9}"
         rf = r["ringflex"]
         eff = lambda p: f"{rf[f'efficiency_{p}']:7.3f}" if f"efficiency_{p}" in rf else f"{'-':>7}"
-        vs = f"{rf['speedup_vs_cp_fwd_bwd']:6.2f}" if "speedup_vs_cp_fwd_bwd" in rf else f"{'-':>6}"
+        speedups = [rf[f"speedup_vs_{p}_fwd_bwd"] for p in peers if f"speedup_vs_{p}_fwd_bwd" in rf]
+        vs = f"{min(speedups):12.2f}" if speedups else f"{'-':>12}"
         mem = f"{rf['peak_mem_gib']:7.2f}" if "peak_mem_gib" in rf else f"{'-':>7}"
-        lines.append(f"{r['seq_len']:>8} {r['mask']:>15} {r['layout']:>10} | {single('fwd')} {single('fwd_bwd'):>9} | "
-                     f"{ms(r, 'context_parallel', 'fwd')} {ms(r, 'context_parallel', 'fwd_bwd')} | "
-                     f"{ms(r, 'ringflex', 'fwd')} {ms(r, 'ringflex', 'fwd_bwd')} | {eff('fwd')} {eff('fwd_bwd')} | "
-                     f"{vs} | {mem}")
-    return "\n".join(lines) + "\n(times in ms; single = best single-GPU kernel on the whole sequence)"
+        lines.append(f"{r['seq_len']:>8} {r['mask']:>15} {r['layout']:>10} | {single} | "
+                     f"{' '.join(ms(r, p) for p in peers)} | {rf['fwd'] * 1e3:9.2f} {rf['fwd_bwd'] * 1e3:9.2f} | "
+                     f"{eff('fwd')} {eff('fwd_bwd')} | {vs} | {mem}")
+    return "\n".join(lines) + ("\n(fwd+bwd times in ms unless named fwd; single = the best single-GPU kernel on the "
+                               "whole sequence; cp = torch context_parallel (SDPA), flex cp = torch's flex_attention "
+                               "context parallel, +h/t with its head-tail balancer; vs best peer = the fastest peer's "
+                               "time / ringflex's)")
 
 
 def plot(rows, path):
@@ -253,6 +295,7 @@ def parse_args(argv=None):
     p.add_argument("--singles", nargs="+", default=list(SINGLES), choices=SINGLES,
                    help="the single-GPU kernels to time (flex compiles for minutes per length)")
     p.add_argument("--no-cp", action="store_true", help="skip PyTorch context_parallel")
+    p.add_argument("--no-flex-cp", action="store_true", help="skip PyTorch's flex_attention context parallel")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--plot", help="write the efficiency plot here (needs matplotlib)")
