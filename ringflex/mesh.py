@@ -97,6 +97,19 @@ class HeadsRing:
         for group in self.groups():
             fault.fail(group, message)
 
+    def raised(self, error: BaseException, where: str) -> None:
+        """Fails the mesh for ``error``, raised on this rank in ``where``. A ``RingFailure`` passes
+        on what failed first; the ring's own text counts its ranks along "ring", which says so."""
+        message = f"rank {dist.get_rank()} raised in {where}: {type(error).__name__}: {error}"
+        if isinstance(error, fault.RingFailure):
+            mesh_wide = next((f for f in map(fault.failure, self.groups()[::-1]) if f), None)
+            ring = fault.failure(self.ring_group)
+            if mesh_wide is not None and mesh_wide != ring:
+                message = mesh_wide
+            elif ring is not None:
+                message = f"in the ring at heads coordinate {self.head_rank} (ranks counted along \"ring\"), {ring}"
+        self.fail(message)
+
 
 _MESHES: "OrderedDict[tuple, HeadsRing]" = OrderedDict()
 
@@ -406,7 +419,7 @@ def _guarded(mesh: HeadsRing, phase: str, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except BaseException as e:
-        mesh.fail(f"rank {dist.get_rank()} raised in the ring's {phase}: {type(e).__name__}: {e}")
+        mesh.raised(e, f"the ring's {phase}")
         raise
 
 

@@ -22,7 +22,7 @@ from . import fault
 
 def _all_to_all(send: Tensor, mesh, what: str) -> Tensor:
     """``send`` [a, ...]: piece i goes to rank i of ``mesh.heads_group``; returns the pieces
-    received, piece i from rank i. A failure here fails the mesh (``mesh.fail``)."""
+    received, piece i from rank i. A failure here fails the mesh (``mesh.raised``)."""
     received = torch.empty_like(send)
     try:
         if send.is_cuda:  # NCCL: ordered on the stream, the host does not wait
@@ -31,7 +31,7 @@ def _all_to_all(send: Tensor, mesh, what: str) -> Tensor:
             work = dist.all_to_all_single(received, send, group=mesh.heads_group, async_op=True)
             fault.wait_collective(work, mesh.heads_group, what, ring_group=mesh.flat)
     except BaseException as e:
-        mesh.fail(f"rank {dist.get_rank()} raised in {what}: {type(e).__name__}: {e}")
+        mesh.raised(e, what)
         raise
     return received
 
