@@ -127,35 +127,46 @@ def test_mesh_matches_single_process(shape):
     assert all(r == results[0] for r in results)  # every rank gathers the same
 
 
-def _order(rank, world_size, shape, layout):
+def _order(rank, world_size, shape):
+    """Per layout: this rank's shard positions and what unshard, position_ids and the mesh with
+    its dimensions in the other order give."""
     mesh = _mesh(shape)
-    x = torch.arange(S, dtype=torch.float64).view(1, S, 1).expand(2, S, 3).contiguous().requires_grad_()
-    mine = ringflex.shard(x, 1, group=mesh, layout=layout)
-    whole = ringflex.unshard(mine, 1, group=mesh, layout=layout)
-    whole.backward(torch.ones_like(whole))
+    other = init_device_mesh("cpu", shape[::-1], mesh_dim_names=("ring", "heads"))  # the same, dims swapped
     heads, ring = mesh.get_local_rank("heads"), mesh.get_local_rank("ring")
-    return dict(positions=mine[0, :, 0].long().tolist(), whole=torch.equal(whole, x),
-                grad=x.grad.sum().item(), coordinate=(heads, ring),
-                position_ids=training.position_ids(S, group=mesh, layout=layout).tolist(),
-                ring_segment=layouts.positions(layout, S, shape[1], ring).tolist())
+    found = {}
+    for layout in layouts.LAYOUTS:
+        x = torch.arange(S, dtype=torch.float64).view(1, S, 1).expand(2, S, 3).contiguous().requires_grad_()
+        mine = ringflex.shard(x, 1, group=mesh, layout=layout)
+        whole = ringflex.unshard(mine, 1, group=mesh, layout=layout)
+        whole.backward(torch.ones_like(whole))
+        swapped = ringflex.shard(x.detach(), 1, group=other, layout=layout)
+        ring_segment = layouts.positions(layout, S, shape[1], ring).tolist()
+        piece = len(ring_segment) // shape[0]
+        found[layout] = dict(
+            positions=mine[0, :, 0].long().tolist(), whole=torch.equal(whole, x), grad=x.grad.sum().item(),
+            position_ids=training.position_ids(S, group=mesh, layout=layout).tolist(),
+            piece=ring_segment[heads * piece:(heads + 1) * piece],
+            swapped=swapped[0, :, 0].long().tolist() == layouts.positions(layout, S, shape[1], other.get_local_rank(
+                "ring")).tolist()[other.get_local_rank("heads") * piece:(other.get_local_rank("heads") + 1) * piece],
+            swapped_whole=torch.equal(ringflex.unshard(swapped, 1, group=other, layout=layout), x.detach()))
+    return found
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=[f"{a}x{r}" for a, r in MESHES])
 def test_shard_unshard_and_positions_follow_the_ring_layout_then_the_heads(shape):
     """A rank's shard is piece ``heads`` of the ring layout's segment for its ring coordinate,
     so the heads all-to-all gives each rank that segment; unshard restores the sequence and
-    sends each rank the gradient of its own tokens; position_ids are the shard's positions."""
-    a = shape[0]
+    sends each rank the gradient of its own tokens; position_ids are the shard's positions; a
+    mesh named ("ring", "heads") orders its tokens by the same coordinates."""
+    results = run_world(WORLD, _order, shape)
     for layout in layouts.LAYOUTS:
-        results = run_world(WORLD, _order, shape, layout)
         seen = []
-        for r in results:
-            heads = r["coordinate"][0]
-            piece = len(r["ring_segment"]) // a
-            assert r["positions"] == r["ring_segment"][heads * piece:(heads + 1) * piece] == r["position_ids"]
-            assert r["whole"] and r["grad"] == 2 * 3 * S // WORLD
+        for r in (per_rank[layout] for per_rank in results):
+            assert r["positions"] == r["piece"] == r["position_ids"], layout
+            assert r["whole"] and r["grad"] == 2 * 3 * S // WORLD, layout
+            assert r["swapped"] and r["swapped_whole"], layout
             seen += r["positions"]
-        assert sorted(seen) == list(range(S))
+        assert sorted(seen) == list(range(S)), layout
 
 
 def _refusals(rank, world_size):
