@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import config, debug, lending, validate
+from . import config, debug, lending, mesh as meshes, validate
 from .kernels import _warn_once, select_kernel
 from .kernels.base import Mods
 from .parallel import comm, layout as layouts
@@ -43,6 +43,9 @@ def reject(error: str, group=None):
     """Raises ``error`` as the ``CallRejected`` of a ring call on every rank of ``group``: for a
     call refused before ``ring_flex_attention`` (by ``RingFlexMode``, ``varlen_attention``),
     which may be refused on one rank only while the others wait in their calls' check."""
+    heads_ring = meshes.describe(group)
+    if heads_ring is not None:
+        return meshes.reject(heads_ring, error)
     group = _ring_group(group)
     validate.reject(group, error, _no_shares(dist.get_world_size(group) if group is not None else 1))
 
@@ -63,7 +66,8 @@ def ring_flex_attention(
 ):
     """Attention over a sequence sharded across the ranks of ``group`` (a ProcessGroup, a 1-D
     DeviceMesh such as the context-parallel dimension ``mesh["cp"]`` of a larger mesh, or None:
-    the default group).
+    the default group; or a 2-D DeviceMesh of dimensions "heads" and "ring": heads x ring, see
+    ``ringflex.mesh``).
 
     q: [B, Hq, S_local, D]; k, v: [B, Hkv, S_local_kv, D(v)], each rank's shard of the
     sequence in ``layout`` (see ``ringflex.shard``). ``score_mod(score, b, h, q_idx, kv_idx)``
@@ -80,6 +84,10 @@ def ring_flex_attention(
     rank that fails inside the ring makes the ranks waiting for it raise ``RingFailure`` (see
     docs/reliability.md).
     """
+    heads_ring = meshes.describe(group)
+    if heads_ring is not None:
+        return meshes.attention(heads_ring, q, k, v, score_mod=score_mod, mask_mod=mask_mod, layout=layout,
+                                scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, backend=backend, sinks=sinks)
     group = _ring_group(group)
     for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if isinstance(mod, types.MethodType):

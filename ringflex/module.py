@@ -42,9 +42,8 @@ from torch import nn
 from torch.nn.attention import flex_attention as _flex
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
-from . import mods
+from . import mesh as meshes, mods
 from .api import reject, ring_flex_attention
-from .parallel.groups import process_group, rank_and_size, ring_of
 from .parallel.layout import check_layout
 from .validate import BACKENDS
 
@@ -194,7 +193,8 @@ def _enclosing_mask(mode: "RingFlexMode") -> Optional[Callable]:
     innermost, where it runs on the same ring and layout (another ring's positions are not
     this one's)."""
     enclosing = _entered()[-1] if _entered() else None
-    if enclosing is None or (ring_of(enclosing.group), enclosing.layout) != (ring_of(mode.group), mode.layout):
+    if enclosing is None or ((meshes.ring_key(enclosing.group), enclosing.layout)
+                             != (meshes.ring_key(mode.group), mode.layout)):
         return None
     return enclosing.extra_mask()
 
@@ -240,7 +240,8 @@ def _mask_from_block_mask(block_mask, q_len: int, kv_len: int, world_size: int) 
 
 
 class RingFlexMode(TorchFunctionMode):
-    """While active, SDPA and flex_attention calls run as ring attention over ``group``.
+    """While active, SDPA and flex_attention calls run as ring attention over ``group`` (as
+    ``ring_flex_attention`` takes it: a heads x ring DeviceMesh too).
 
     Every q/k/v that reaches attention must be this rank's shard of the sequence in ``layout``
     (see ``ringflex.shard``); every rank must make the same calls. ``mask_mod`` (optional) is
@@ -258,7 +259,7 @@ class RingFlexMode(TorchFunctionMode):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if mask_mod is not None and not callable(mask_mod):
             raise TypeError(f"mask_mod must be callable or None, got {type(mask_mod).__name__}")
-        self.group, self.layout, self.backend, self.mask_mod = process_group(group), layout, backend, mask_mod
+        self.group, self.layout, self.backend, self.mask_mod = meshes.group_or_mesh(group), layout, backend, mask_mod
         self._combine = _MaskCombiner()
         self._outer: List[Optional[Callable]] = []  # per entry: the extra mask of the modes around it
 
@@ -408,7 +409,7 @@ class RingFlexMode(TorchFunctionMode):
         block_mask = bound.get("block_mask")
         try:
             mask_mod = None if block_mask is None else _mask_from_block_mask(
-                block_mask, query.shape[-2], key.shape[-2], rank_and_size(self.group)[1])
+                block_mask, query.shape[-2], key.shape[-2], meshes.world_size(self.group))
         except (TypeError, ValueError) as e:
             self._refuse(str(e))
         return_aux = bound.get("return_aux")

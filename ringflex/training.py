@@ -16,14 +16,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import validate
+from . import mesh as meshes, validate
 from .parallel import layout as layouts
-from .parallel.groups import process_group, rank_and_size
+from .parallel.groups import rank_and_size
 from .parallel.shard import shard
 
 
 def _group_size(group) -> int:
-    return rank_and_size(group)[1]
+    return meshes.world_size(group)
 
 
 def shard_batch(batch, *, dim: int = 1, group=None, layout: str = "zigzag"):
@@ -47,6 +47,8 @@ def shard_batch(batch, *, dim: int = 1, group=None, layout: str = "zigzag"):
 
 def position_ids(seq_len: int, *, group=None, layout: str = "zigzag", device=None) -> Tensor:
     """Global positions [seq_len // world_size] of this rank's tokens: pass them to RoPE."""
+    if meshes.describe(group) is not None:  # a heads x ring mesh: its own order (``ringflex.mesh``)
+        return meshes.positions(layout, seq_len, group, device)
     rank, world_size = rank_and_size(group)
     return layouts.positions(layout, seq_len, world_size, rank, device)
 
@@ -84,7 +86,7 @@ class _SumOverRanks(torch.autograd.Function):
 
 def sum_over_ranks(x: Tensor, group=None) -> Tensor:
     """All-reduced sum of ``x`` over ``group``, differentiable (see ``_SumOverRanks``)."""
-    return _SumOverRanks.apply(x, process_group(group)) if _group_size(group) > 1 else x
+    return _SumOverRanks.apply(x, meshes.flat(group)) if _group_size(group) > 1 else x
 
 
 def sharded_cross_entropy(logits: Tensor, labels: Tensor, *, group=None, ignore_index: int = -100) -> Tensor:
@@ -95,7 +97,7 @@ def sharded_cross_entropy(logits: Tensor, labels: Tensor, *, group=None, ignore_
     of the unsharded batch, however unevenly the labelled tokens fall on the ranks. Bad
     arguments on one rank raise on every rank (the ranks agree first, over the CPU).
     """
-    group = process_group(group)
+    group = meshes.flat(group)  # a heads x ring mesh: every rank of it
     error, local = None, None
     try:
         if logits.shape[:-1] != labels.shape:
@@ -131,7 +133,7 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group=None) -> No
     """
     if _group_size(group) == 1:
         return
-    group = process_group(group)
+    group = meshes.flat(group)  # a heads x ring mesh: every rank of it
     params = list(parameters)
     buckets = {}
     for p in _with_grad_on_any_rank(params, group, _sharded_over_ring(params, group)):

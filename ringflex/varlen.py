@@ -13,10 +13,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import mods
+from . import mesh as meshes, mods
 from .api import reject, ring_flex_attention
 from .parallel import layout as layouts
-from .parallel.groups import process_group, rank_and_size
 from .parallel.shard import shard, unshard
 
 
@@ -32,10 +31,10 @@ class PackedSequences:
         if not lengths or any(n <= 0 for n in lengths):
             raise ValueError(f"lengths must be a non-empty list of positive sequence lengths, got {lengths}")
         self.lengths = tuple(lengths)
-        self.group, self.layout = process_group(group), layouts.check_layout(layout)
-        _, self.world_size = rank_and_size(group)
+        self.group, self.layout = meshes.group_or_mesh(group), layouts.check_layout(layout)
+        self.world_size = meshes.world_size(group)
         self.total = sum(lengths)
-        multiple = layouts.divisor(layout, self.world_size)
+        multiple = meshes.divisor(layout, group)
         self.padded_len = -(-self.total // multiple) * multiple
         padded = lengths + ([self.padded_len - self.total] if self.padded_len > self.total else [])
         self.doc_ids = mods.document_ids(padded, device=device)

@@ -36,3 +36,18 @@ def test_gpu_idle_from_a_trace():
     idle = gpu_idle({"traceEvents": events}, calls=1)
     assert idle["idle_ms"] == 0.15
     assert idle["longest"] == [(0.1, "copy", "merge"), (0.05, "merge", "attention")]
+
+
+def _bench_mesh(rank, world_size):
+    import bench_mesh
+    rows = bench_mesh.run(bench_mesh.parse_args(["--device", "cpu", "--tokens-per-rank", "32", "--heads", "4",
+                                                 "--head-dim", "8", "--iters", "1", "--warmup", "0", "--rounds", "1",
+                                                 "--doc-len", "16"]))
+    return [(r["mask"], sorted(n for n in r if n == "ring" or n.startswith("mesh ")),
+             all(r[n]["efficiency_fwd_bwd"] > 0 for n in r if n == "ring" or n.startswith("mesh "))) for r in rows]
+
+
+def test_bench_mesh_smoke():
+    """The heads x ring benchmark times the pure ring and every mesh of 4 ranks."""
+    rows = run_world(4, _bench_mesh)[0]
+    assert rows == [(mask, ["mesh 1x4", "mesh 2x2", "mesh 4x1", "ring"], True) for mask in ("none", "causal", "documents")]

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import validate
+from .. import mesh as meshes, validate
 from ..kernels import _warn_once
 from . import layout as layouts
 from .groups import process_group, rank_and_size
@@ -40,8 +40,12 @@ def _dim_error(what: str, x: Tensor, dim) -> str:
 def shard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
     """This rank's tokens of the full sequence ``x`` along ``dim`` (every rank passes the same x).
 
-    Differentiable: the gradient flows back into the slice this rank took.
+    Differentiable: the gradient flows back into the slice this rank took. ``group`` may be a
+    heads x ring mesh (``ringflex.mesh``).
     """
+    heads_ring = meshes.describe(group)
+    if heads_ring is not None:
+        return meshes.shard(x, dim, heads_ring, layout)
     error = _dim_error("shard", x, dim)
     if error:
         raise ValueError(error)
@@ -107,6 +111,9 @@ def unshard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
     The result is a value every rank holds alike; its gradient on each rank flows back into
     that rank's own shard (so a loss computed identically on every rank is counted once).
     """
+    heads_ring = meshes.describe(group)
+    if heads_ring is not None:
+        return meshes.unshard(x, dim, heads_ring, layout)
     group = process_group(group)
     _, world_size = _rank_and_size(group)
     if world_size == 1:
