@@ -269,13 +269,15 @@ class FlexKernel:
 
     def forward(self, q, k, v, q_seg, kv_seg, mods: Mods, scale: float, masked: bool):
         def uncompiled():
-            out, lse = ReferenceKernel().forward(q, k, v, q_seg, kv_seg, mods, scale, masked)
+            out, lse, _ = ReferenceKernel().forward(q, k, v, q_seg, kv_seg, mods, scale, masked)
             return out.to(q.dtype), lse.float()
         with torch.no_grad():
-            return self._fitting(lambda options: self._attend(q, k, v, q_seg, kv_seg, mods, scale, masked, options),
-                                 uncompiled, "forward", q, k, mods, None)
+            out, lse = self._fitting(lambda options: self._attend(q, k, v, q_seg, kv_seg, mods, scale, masked, options),
+                                     uncompiled, "forward", q, k, mods, None)
+        return out, lse, None  # flex_attention's LSE is one float
 
-    def backward(self, q, k, v, out, lse, dout, q_seg, kv_seg, mods: Mods, scale: float, masked: bool, tensors=()):
+    def backward(self, q, k, v, out, lse, dout, q_seg, kv_seg, mods: Mods, scale: float, masked: bool, tensors=(),
+                 res=None):
         dtype = compute_dtype(q.dtype)
         dout = dout.to(dtype)
 
@@ -293,6 +295,7 @@ class FlexKernel:
             return torch.autograd.grad(outputs, (*inputs, *tensors), upstream, allow_unused=True, materialize_grads=True)
 
         def uncompiled():
-            return ReferenceKernel().backward(q, k, v, out, lse, dout, q_seg, kv_seg, mods, scale, masked, tensors)
+            return ReferenceKernel().backward(q, k, v, out, lse, dout, q_seg, kv_seg, mods, scale, masked, tensors,
+                                              res)
         grads = self._fitting(gradients, uncompiled, "backward", q, k, mods, TENSOR_GRAD_OPTIONS if tensors else None)
         return (*(g.to(t.dtype) for g, t in zip(grads[:3], (q, k, v))), *(g.to(dtype) for g in grads[3:]))

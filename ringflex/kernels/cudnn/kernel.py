@@ -81,7 +81,7 @@ class CudnnKernel:
         graphs.graph(backward, tensors, scale, run.band, lowering, strided).execute(tensors, q_seg, kv_seg, lowering)
 
     def forward(self, q, k, v, q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods, scale: float,
-                masked: bool) -> Tuple[Tensor, Tensor]:
+                masked: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         q, k, v = (_inner_contiguous(t) for t in (q, k, v))
         program = traced(mods, masked, q.device)
         calls = self._calls(program, blocks.plan(program, mods, q, k, q_seg, kv_seg, self.split_depth), q, k, v)
@@ -98,7 +98,7 @@ class CudnnKernel:
             for r in _outside(call.row_spans, q.shape[2]):  # rows that see no key
                 rows(out, r).zero_()
                 rows(lse, r).fill_(-math.inf)
-            return out, lse
+            return out, lse, None  # cuDNN's stats are the LSE as one float
         merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans], empty)
         for call in calls:
             if isinstance(call, batches.Batch):
@@ -110,7 +110,7 @@ class CudnnKernel:
                                                        q.new_empty(*shape[:2], n, dtype=torch.float32))
             self._forward_call(call, program, q, k, v, o, lse, scale, q_seg, kv_seg)
             merged.add(call.rows, o, lse)
-        return merged.result()
+        return merged.result()  # with res None: cuDNN's stats are the LSE as one float
 
     @staticmethod
     def _calls(program: Program, runs: List[blocks.Run], *tensors: Tensor) -> Tuple[object, ...]:
@@ -151,7 +151,7 @@ class CudnnKernel:
         self._call(False, run, program, tensors, scale, q_seg, kv_seg)
 
     def backward(self, q, k, v, out, lse, dout, q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods,
-                 scale: float, masked: bool, tensors=()) -> Tuple[Tensor, Tensor, Tensor]:
+                 scale: float, masked: bool, tensors=(), res=None) -> Tuple[Tensor, Tensor, Tensor]:
         if tensors:  # ``select_kernel`` takes flex_attention (or the reference kernel) for such calls
             raise ValueError("the cuDNN kernel gives no gradient for the tensors a score_mod reads")
         q, k, v, out, dout = (_inner_contiguous(t) for t in (q, k, v, out, dout))
