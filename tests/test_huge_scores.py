@@ -2,8 +2,14 @@
 as Hugging Face masks padding) give softmax's answer, as the float64 oracle does: the mean of
 V over their highest-scored keys, and softmax's gradients. One fp32 LSE m + log(l) rounds
 log(l) away there; the reference kernel keeps it apart (``res``), merges weigh hops by it,
-merges weigh hops by it. Checked on the reference kernel, through merges and sinks, and on
-rings of 1 to 4 ranks with lending, forward and backward, in fp64, fp32 and bf16."""
+and the cuDNN and flex kernels hand such rows to the reference kernel. Checked per kernel
+(reference, cuDNN emulated on CPU, flex through a dense stand-in), through merges and sinks,
+and on rings of 1 to 4 ranks with lending, forward and backward, in fp64, fp32 and bf16."""
+import math
+import sys
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,8 +17,9 @@ import torch.distributed as dist
 import ringflex
 from harness import run_world
 from oracle import attention
-from ringflex import mods
+from ringflex import kernels, mods
 from ringflex.kernels.base import Mods
+from ringflex.kernels.huge import huge_terms
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.plan import Segment
 
@@ -71,7 +78,21 @@ def _oracle(q, k, v, dout, dlse, score_mod, mask_mod, sinks):
 
 # ----------------------------------------------------------------------------- kernels
 
-KERNELS = {"reference": lambda monkeypatch: ReferenceKernel()}
+def _emulated_cudnn(monkeypatch):
+    """The cuDNN kernel on the CPU, its frontend emulated (``tests/gpu/test_cudnn_kernel.py``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+    from test_cudnn_kernel import _emulated
+    return _emulated(monkeypatch).CudnnKernel()
+
+
+def _dense_flex(monkeypatch):
+    """The flex kernel over a dense attention of flex_attention's semantics (``tests/test_flex.py``)."""
+    from ringflex.kernels.flex import FlexKernel
+    from test_flex import TILE, dense_flex_attention
+    return FlexKernel(attend=dense_flex_attention, tile=TILE)
+
+
+KERNELS = {"reference": lambda monkeypatch: ReferenceKernel(), "cudnn": _emulated_cudnn, "flex": _dense_flex}
 SEQ = 24
 HOP_PROBLEMS = sorted(name for name, (_, _, sinks) in problems(SEQ).items() if sinks is None)  # sinks are the ring's
 
@@ -98,7 +119,9 @@ def kernel_errors(kernel, name, dtype, device="cpu"):
 @pytest.mark.parametrize("name", HOP_PROBLEMS)
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_each_kernel_gives_softmaxs_answer(kernel, name, dtype, monkeypatch):
-    errors = kernel_errors(KERNELS[kernel](monkeypatch), name, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cuDNN and flex kernels say once that such rows run on the reference
+        errors = kernel_errors(KERNELS[kernel](monkeypatch), name, dtype)
     assert max(errors.values()) < TOLERANCE[dtype], errors
 
 
@@ -114,6 +137,33 @@ def test_the_reference_kernel_keeps_what_the_lse_rounds_away():
     torch.testing.assert_close(out, v.cumsum(2) / counts.view(-1, 1))
 
 
+def test_the_fast_kernels_say_once_why_such_rows_run_on_the_reference_kernel(monkeypatch):
+    monkeypatch.setattr(kernels, "_WARNED", set())
+    for name in ("cudnn", "flex"):
+        with pytest.warns(UserWarning, match=f"computed by the reference kernel, not {name}, as one fp32 LSE cannot"):
+            kernel_errors(KERNELS[name](monkeypatch), "every third row ordinary", torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernel_errors(KERNELS["cudnn"](monkeypatch), "left padding, finfo.min", torch.float32)
+
+
+def test_which_mods_may_add_huge_terms():
+    """Only these are checked for such rows (reading the LSE on the host)."""
+    table = torch.zeros(8)
+    padded = table.clone()
+    padded[:3] = torch.finfo(torch.float32).min
+    may = {name: score_mod for name, (score_mod, _, _) in problems(8).items()}
+    may["a table of finfo.min"] = lambda s, b, h, q_idx, kv_idx: s + padded[kv_idx]
+    may["a large integer"] = lambda s, b, h, q_idx, kv_idx: s - 10 ** 9
+    may["one ringflex cannot trace (to tell)"] = lambda s, b, h, q_idx, kv_idx: s + torch.sin(s)
+    may_not = {"softcap": mods.softcap(30.0), "alibi": mods.alibi(mods.alibi_slopes(4)),
+               "a table": lambda s, b, h, q_idx, kv_idx: s + table[kv_idx],
+               "-inf": lambda s, b, h, q_idx, kv_idx: torch.where(q_idx >= kv_idx, s, -math.inf),
+               "positions": lambda s, b, h, q_idx, kv_idx: s - (q_idx // 100000) * 0.5}
+    assert [name for name, f in may.items() if not huge_terms(f, "cpu")] == []
+    assert [name for name, f in may_not.items() if huge_terms(f, "cpu")] == []
+
+
 # ----------------------------------------------------------------------------- rings
 
 LOCAL = 6  # tokens per rank: zigzag chunks of 3
@@ -124,9 +174,13 @@ def _ring_errors(rank, world_size, layout, kernel):
     summed over the ranks) of the ring against the oracle, on this rank; every rank lends
     rows wherever that evens the work."""
     from ringflex import lending
+    from test_ring import _with_kernel
     lending.QUANTUM = 1
-    dtypes = [torch.float32, torch.bfloat16, torch.float64]
+    if kernel != "reference":
+        _with_kernel(KERNELS[kernel](pytest.MonkeyPatch()))  # this process's alone
+    dtypes = [torch.float32, torch.bfloat16] + [torch.float64] * (kernel != "cudnn")
     seq_len, errors = LOCAL * world_size, {}
+    warnings.simplefilter("ignore")  # the fast kernels say once that such rows run on the reference kernel
     for name, (score_mod, mask_mod, sinks) in problems(seq_len).items():
         for dtype in dtypes:
             q, k, v, dout, dlse = _inputs(seq_len, dtype)
@@ -148,6 +202,8 @@ def _ring_errors(rank, world_size, layout, kernel):
 @pytest.mark.parametrize("kernel,world_size,layout", [
     ("reference", 1, "zigzag"), ("reference", 2, "zigzag"), ("reference", 2, "contiguous"),
     ("reference", 3, "contiguous"), ("reference", 4, "zigzag"),
+    ("cudnn", 1, "zigzag"), ("cudnn", 2, "contiguous"), ("cudnn", 3, "zigzag"),
+    ("flex", 2, "zigzag"), ("flex", 3, "contiguous"),
 ])
 def test_rings_give_softmaxs_answer(kernel, world_size, layout):
     failures = [f"rank {rank} {name} {dtype}: out/lse/dq/dk/dv(/dsinks) errors {errs}"

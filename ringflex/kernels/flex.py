@@ -35,6 +35,7 @@ from torch import Tensor
 from ..cache import remember
 from ..plan import BlockKind, MaskCache, Segment, block_kinds
 from ..trace import UnsupportedModError, trace_mask_mod
+from . import huge
 from .base import Mods
 from .reference import ReferenceKernel, compute_dtype
 
@@ -274,10 +275,22 @@ class FlexKernel:
         with torch.no_grad():
             out, lse = self._fitting(lambda options: self._attend(q, k, v, q_seg, kv_seg, mods, scale, masked, options),
                                      uncompiled, "forward", q, k, mods, None)
-        return out, lse, None  # flex_attention's LSE is one float
+        # flex_attention's LSE is one float: rows whose scores are all huge go to the reference kernel
+        return huge.exact_forward(self.name, huge.huge_terms(mods.score_mod, q.device), out, lse, q, k, v, q_seg,
+                                  kv_seg, mods, scale, masked)
 
     def backward(self, q, k, v, out, lse, dout, q_seg, kv_seg, mods: Mods, scale: float, masked: bool, tensors=(),
                  res=None):
+        # flex_attention's backward normalises by its own LSE, one float: rows whose scores are
+        # all huge go to the reference kernel
+        return huge.exact_backward(
+            self.name, huge.huge_terms(mods.score_mod, q.device),
+            lambda stats: self._backward(q, k, v, out, stats, dout, q_seg, kv_seg, mods, scale, masked, tensors, res),
+            q, k, v, out, lse, dout, q_seg, kv_seg, mods, scale, masked, tensors, res)
+
+    def _backward(self, q, k, v, out, lse, dout, q_seg, kv_seg, mods: Mods, scale: float, masked: bool, tensors, res):
+        """The gradients, ``res`` read by the reference kernel alone: the rows left here are not
+        huge, and their res is below fp32's precision of their lse."""
         dtype = compute_dtype(q.dtype)
         dout = dout.to(dtype)
 
