@@ -181,7 +181,7 @@ def ringflex_calls(q, k, v, dout, score_mod, mask_mod, depth):
     segs = (seg, seg) if (masked or score_mod is not None) else (None, None)
     scale = q.shape[-1] ** -0.5
     t0 = time.perf_counter()
-    out, lse = kernel.forward(q, k, v, *segs, m, scale, masked)
+    out, lse, _ = kernel.forward(q, k, v, *segs, m, scale, masked)
     kernel.backward(q, k, v, out, lse, dout, *segs, m, scale, masked)
     torch.cuda.synchronize()
     first = time.perf_counter() - t0

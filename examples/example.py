@@ -43,7 +43,7 @@ def main():
         from ringflex.kernels.reference import ReferenceKernel
         from ringflex.plan import Segment
         whole = Segment(0, 1, args.seq_len)
-        expected, _ = ReferenceKernel().forward(q, k, v, whole, whole, Mods(score_mod, mask_mod),
+        expected, *_ = ReferenceKernel().forward(q, k, v, whole, whole, Mods(score_mod, mask_mod),
                                                 args.head_dim ** -0.5, masked=True)
         err = (full_out.float() - expected.float()).abs().max().item()
         print(f"world size {dist.get_world_size()}, {args.seq_len} tokens, layout {args.layout}: "

@@ -32,7 +32,11 @@ def attention(q, k, v, score_mod=None, mask_mod=None, scale=None, return_lse=Fal
     out = torch.where(sees_any, torch.softmax(s, -1), 0.0)[..., :k.shape[2]] @ v
     if not return_lse:
         return out
-    return out, torch.where(sees_any[..., 0], torch.logsumexp(s, -1), float("-inf"))
+    # Not torch.logsumexp: its backward, exp(s - lse), sums to l rather than 1 where every
+    # score is -1e30 (lse = -1e30 + log(l) rounds log(l) away in float64 too); softmax's does not.
+    top = s.amax(-1, keepdim=True).detach()
+    lse = (top + torch.log(torch.exp(s - top).sum(-1, keepdim=True)))[..., 0]
+    return out, torch.where(sees_any[..., 0], lse, float("-inf"))
 
 
 def visible_extent(mask_mod, q_seg, kv_seg, batch: int = 1, heads: int = 1, device=None):

@@ -128,8 +128,8 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
         return (mods.and_masks if rnd.random() < 0.5 else mods.or_masks)(first, second)
 
     def score():
-        kinds = [None, None, "softcap", "alibi", "relative", "per_head", "per_batch", "head_query", "batch_head"] + [
-            "table", "clamped_relative"] * gathers
+        kinds = [None, None, "softcap", "alibi", "relative", "per_head", "per_batch", "head_query", "batch_head",
+                 "huge"] + ["table", "clamped_relative"] * gathers
         kind = rnd.choice(kinds)
         if kind is None:
             return None
@@ -147,6 +147,11 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
             return lambda sc, b, h, q, kv: sc * (h + 1) * 0.5
         if kind == "per_batch":
             return lambda sc, b, h, q, kv: sc + b * 0.5
+        if kind == "huge":  # an additive -1e30 / finfo.min mask (Hugging Face's): rows may see no other key
+            big, m, pad = rnd.choice([1e30, -torch.finfo(torch.float32).min]), rnd.randint(2, 4), rnd.randint(0, s_kv)
+            if rnd.random() < 0.5:  # every m-th query ordinary
+                return lambda sc, b, h, q, kv: torch.where(q % m == 0, sc, sc - big)
+            return lambda sc, b, h, q, kv: sc - big * (kv < pad)  # left padding
         if kind == "head_query":  # a bias per head and query
             per_query = table(heads, s)
             return lambda sc, b, h, q, kv: sc + per_query[h, q]

@@ -127,7 +127,7 @@ def test_torchs_flex_attention_runs_a_hop_at_global_positions(name, tile):
     q, k, v, _ = make_inputs(case, seq_len, dtype=torch.float64)
     rows, keys = q_seg.positions().long(), kv_seg.positions().long()
     q, k, v = q[:, :, rows], k[:, :, keys], v[:, :, keys]
-    out, lse = FlexKernel(attend=_flex_attention, tile=tile).forward(
+    out, lse, _ = FlexKernel(attend=_flex_attention, tile=tile).forward(
         q, k, v, q_seg, kv_seg, Mods(case.score_mod, case.mask_mod), q.shape[-1] ** -0.5, masked=True)
     score_mod = case.score_mod and (lambda s, b, h, qi, ki: case.score_mod(s, b, h, rows[qi], keys[ki]))
     mask_mod = case.mask_mod and (lambda b, h, qi, ki: case.mask_mod(b, h, rows[qi], keys[ki]))
@@ -174,8 +174,9 @@ def test_each_pair_of_mod_codes_compiles_a_function_of_its_own(monkeypatch):
         for score_mod, mask_mod, q_seg in [(alibi[0], ringflex.mods.causal, seg), (alibi[1], ringflex.mods.causal, later),
                                            (ringflex.mods.softcap(2.0), ringflex.mods.causal, seg),
                                            (ringflex.mods.softcap(3.0), None, seg)]:
-            out, lse = kernel.forward(q, q, q, q_seg, seg, Mods(score_mod, mask_mod), 0.25, masked=True)
-            want_out, want_lse = ReferenceKernel().forward(q, q, q, q_seg, seg, Mods(score_mod, mask_mod), 0.25, True)
+            out, lse, _ = kernel.forward(q, q, q, q_seg, seg, Mods(score_mod, mask_mod), 0.25, masked=True)
+            want_out, want_lse, _ = ReferenceKernel().forward(q, q, q, q_seg, seg, Mods(score_mod, mask_mod), 0.25,
+                                                              True)
             torch.testing.assert_close(out, want_out)
     assert len(compiled) == 3 and len({fn.__code__ for fn in compiled}) == 3
 
@@ -203,12 +204,12 @@ def test_kernels_short_of_shared_memory_compile_with_fewer_pipeline_stages(monke
     q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.float64) for _ in range(3))
     seg, mods = Segment(0, 1, 8), Mods(ringflex.mods.softcap(2.0), ringflex.mods.causal)
     want = FlexKernel(attend=dense_flex_attention, tile=4)
-    want_out, want_lse = want.forward(q, k, v, seg, seg, mods, 0.25, True)
+    want_out, want_lse, _ = want.forward(q, k, v, seg, seg, mods, 0.25, True)
     want_grads = want.backward(q, k, v, want_out, want_lse, q, seg, seg, mods, 0.25, True)
     with pytest.warns(UserWarning) as warned:
         for _ in range(2):
             kernel = FlexKernel(attend=tight, tile=4)  # a new kernel each call, as select_kernel gives
-            out, lse = kernel.forward(q, k, v, seg, seg, mods, 0.25, True)
+            out, lse, _ = kernel.forward(q, k, v, seg, seg, mods, 0.25, True)
             grads = kernel.backward(q, k, v, out, lse, q, seg, seg, mods, 0.25, True)
             torch.testing.assert_close((out, lse, *grads), (want_out, want_lse, *want_grads))
     assert [str(w.message).split(" kernels")[0] for w in warned] == [
@@ -243,12 +244,12 @@ def test_hops_torch_cannot_compile_run_on_the_reference_kernel(monkeypatch):
     q, k, v = (torch.randn(1, 2, 7, 16) for _ in range(3))
     seg, mods = Segment(0, 1, 7), Mods(ringflex.mods.softcap(2.0), ringflex.mods.causal)
     reference = ReferenceKernel()
-    want_out, want_lse = reference.forward(q, k, v, seg, seg, mods, 0.25, True)
+    want_out, want_lse, _ = reference.forward(q, k, v, seg, seg, mods, 0.25, True)
     want_grads = reference.backward(q, k, v, want_out, want_lse, q, seg, seg, mods, 0.25, True)
     with pytest.warns(UserWarning) as warned:
         for _ in range(2):
             kernel = FlexKernel(attend=failing, tile=4)
-            out, lse = kernel.forward(q, k, v, seg, seg, mods, 0.25, True)
+            out, lse, _ = kernel.forward(q, k, v, seg, seg, mods, 0.25, True)
             grads = kernel.backward(q, k, v, out, lse, q, seg, seg, mods, 0.25, True)
             torch.testing.assert_close((out, lse, *grads), (want_out, want_lse, *want_grads))
     assert [str(w.message).split(" kernels")[0] for w in warned] == [

@@ -71,7 +71,7 @@ def test_row_merge_rounds_once(ranges):
     merged = RowMerge((2, 3, LENGTH, 5), torch.bfloat16, torch.float32, "cpu", ranges)
     for r, o, s in zip(ranges, outs, lses):
         merged.add(r, o, s)
-    out, lse = merged.result()
+    out, lse, _ = merged.result()
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     fp32_noise = 2 ** -20 * magnitude  # the fp32 arithmetic, which matters only where terms cancel
     assert bool(((out.double() - weighted).abs() <= _half_ulp_bf16(weighted) + fp32_noise).all())
@@ -93,10 +93,30 @@ def test_a_first_output_over_every_row_becomes_the_merged_result():
         merged = RowMerge((2, 3, LENGTH, 5), torch.bfloat16, torch.float32, "cpu", ranges)
         merged.add(ranges[0], first, lses[0].clone())
         merged.add(ranges[1], outs[1], lses[1])
-        out, lse = merged.result()
+        out, lse, _ = merged.result()
         assert (out is first) == first.is_contiguous()
         results.append((out, lse))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("first", [(0, LENGTH), (0, 8)])  # adopted as the result, or kept as it came
+def test_parts_whose_lse_is_huge_merge_by_what_it_could_not_hold(first):
+    """Rows whose every score is -1e30 in both parts, 3 keys in one and 5 in the other: each
+    lse is -1e30 alone and its res log 3 or log 5; the merge weighs the parts 3 : 5 (not 1 : 1)
+    and keeps -1e30 with res log 8. Rows only the second part reached keep its res."""
+    a, b = torch.randn(2, 3, LENGTH, 5), torch.randn(2, 3, LENGTH, 5)
+    lse = torch.full((2, 3, LENGTH), -1e30)
+    merged = RowMerge((2, 3, LENGTH, 5), torch.float32, torch.float32, "cpu", [first, (0, LENGTH)])
+    part_a = [t[:, :, first[0]:first[1]].clone() for t in (a, lse, torch.full_like(lse, math.log(3)))]
+    merged.add(first, *part_a)
+    merged.add((0, LENGTH), b.clone(), lse.clone(), torch.full_like(lse, math.log(5)))
+    out, got_lse, res = merged.result()
+    both = slice(*first)
+    torch.testing.assert_close(out[:, :, both], (3 * a + 5 * b)[:, :, both] / 8)
+    torch.testing.assert_close(res[:, :, both], torch.full_like(res[:, :, both], math.log(8)))
+    assert torch.equal(got_lse, lse)
+    assert torch.equal(out[:, :, first[1]:], b[:, :, first[1]:])
+    assert torch.equal(res[:, :, first[1]:], torch.full_like(res[:, :, first[1]:], math.log(5)))
 
 
 def test_one_part_covering_everything_is_the_result():
@@ -199,7 +219,7 @@ def test_parts_written_in_place_give_the_same_result(ranges):
             total.add(r, *(into[0].copy_(o),) if into else (o.clone(),))  # parts are handed over
             into = merged.destination(r) if in_place else None
             merged.add(r, *(into[0].copy_(o), into[1].copy_(s)) if into else (o.clone(), s.clone()))
-        results.append([*total.result(), *merged.result()])
+        results.append([*total.result(), *merged.result()[:2]])
     for a, b in zip(*results):
         assert torch.equal(a, b)
 

@@ -344,11 +344,11 @@ class _RoundingKernel(ReferenceKernel):
         return dtype
 
     def forward(self, q, *args):
-        out, lse = super().forward(q, *args)
-        return out.to(q.dtype), lse
+        out, lse, res = super().forward(q, *args)
+        return out.to(q.dtype), lse, res
 
-    def backward(self, q, *args):
-        return tuple(g.to(q.dtype) for g in super().backward(q, *args))
+    def backward(self, q, *args, **kwargs):
+        return tuple(g.to(q.dtype) for g in super().backward(q, *args, **kwargs))
 
 
 def _with_kernel(kernel):
@@ -513,7 +513,7 @@ def _saved_block(rank, world_size):
     _with_kernel(_WholeBlockKernel())
     q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
     out = ringflex.ring_flex_attention(q, k, v, mask_mod=mods.sliding_window(3), layout="contiguous")
-    last_k = out.grad_fn.saved_tensors[5]  # q, k, v, out, lse, then the last block
+    last_k = out.grad_fn.saved_tensors[6]  # q, k, v, out, lse, res, then the last block
     return last_k.untyped_storage().nbytes(), last_k.numel() * last_k.element_size(), last_k.shape[2]
 
 
@@ -530,7 +530,7 @@ def _gradient_storage(rank, world_size):
     from ringflex.parallel import ring
     kernel, returned = ReferenceKernel(), {}
     kernel_backward, ring_backward = kernel.backward, ring.ring_backward
-    kernel.backward = lambda *args: _record(returned, "kernel", kernel_backward(*args))
+    kernel.backward = lambda *args, **kwargs: _record(returned, "kernel", kernel_backward(*args, **kwargs))
     ring.ring_backward = lambda *args, **kwargs: _record(returned, "ring", ring_backward(*args, **kwargs))
     _with_kernel(kernel)
     q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))

@@ -37,7 +37,7 @@ def reference(q, k, v, dout, case):
     whole_q, whole_kv = Segment(0, 1, q.shape[2]), Segment(0, 1, k.shape[2])
     mods, scale, kernel = Mods(case.score_mod, case.mask_mod), q.shape[-1] ** -0.5, ReferenceKernel()
     q, k, v, dout = (t.float() for t in (q, k, v, dout))
-    out, lse = kernel.forward(q, k, v, whole_q, whole_kv, mods, scale, masked=True)
+    out, lse, _ = kernel.forward(q, k, v, whole_q, whole_kv, mods, scale, masked=True)
     grads = kernel.backward(q, k, v, out, lse, dout, whole_q, whole_kv, mods, scale, masked=True)
     return [out, *grads]
 

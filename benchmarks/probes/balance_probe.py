@@ -74,7 +74,7 @@ def main():
                 q, dout = (rows(t, hop.q_rows) for t in (queries[0], queries[3]))
                 k, v = (rows(t, hop.kv_rows) for t in blocks[owner][1:3])
                 scale = args.head_dim ** -0.5
-                out, lse = kernel.forward(q, k, v, hop.q_seg, hop.kv_seg, mods, scale, True)
+                out, lse, _ = kernel.forward(q, k, v, hop.q_seg, hop.kv_seg, mods, scale, True)
                 kernel.backward(q, k, v, out, lse, dout, hop.q_seg, hop.kv_seg, mods, scale, True)
 
         whole = Segment(0, 1, args.seq_len)
@@ -82,7 +82,7 @@ def main():
                          for _ in range(4))
 
         def single():
-            out, lse = kernel.forward(q, k, v, whole, whole, mods, args.head_dim ** -0.5, True)
+            out, lse, _ = kernel.forward(q, k, v, whole, whole, mods, args.head_dim ** -0.5, True)
             kernel.backward(q, k, v, out, lse, dout, whole, whole, mods, args.head_dim ** -0.5, True)
 
         one_gpu = replayed_ms(single)

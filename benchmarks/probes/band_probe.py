@@ -39,7 +39,7 @@ def probe(name: str, mask_mod, q_seg: Segment, kv_seg: Segment, runs=None) -> No
     if runs is not None:
         kernel._runs = lambda *args: runs
     q, k, v, dout = tensors(q_seg.length, kv_seg.length)
-    out, lse = kernel.forward(q, k, v, q_seg, kv_seg, m, scale, True)
+    out, lse, _ = kernel.forward(q, k, v, q_seg, kv_seg, m, scale, True)
     fwd = timed(lambda: kernel.forward(q, k, v, q_seg, kv_seg, m, scale, True))
     bwd = timed(lambda: kernel.backward(q, k, v, out, lse, dout, q_seg, kv_seg, m, scale, True))
     report(name, mask_mod, q_seg, kv_seg, fwd, bwd)
@@ -53,7 +53,7 @@ def probe_reversed(name: str, mask_mod, q_seg: Segment, kv_seg: Segment) -> None
     flip = lambda *ts: [t.flip(2) for t in ts]  # noqa: E731
 
     def forward():
-        o, lse = kernel.forward(*flip(q, k, v), local, local, m, scale, True)
+        o, lse, _ = kernel.forward(*flip(q, k, v), local, local, m, scale, True)
         return o.flip(2), lse.flip(2)
 
     out, lse = forward()

@@ -77,13 +77,13 @@ def main():
     timed("a bare Triton launch", lambda: launch(q))
 
     kernel, plain = CudnnKernel(), Mods(None, None)
-    out, lse = kernel.forward(q, k, v, None, None, plain, 0.088, False)
+    out, lse, _ = kernel.forward(q, k, v, None, None, plain, 0.088, False)
     dout = torch.randn_like(out)
     timed("cuDNN hop forward, no mask", lambda: kernel.forward(q, k, v, None, None, plain, 0.088, False))
     timed("cuDNN hop backward, no mask", lambda: kernel.backward(q, k, v, out, lse, dout, None, None, plain, 0.088, False))
     lengths = [3 * n // 10, n // 2, n - 3 * n // 10 - n // 2]
     docs, seg = Mods(None, mods.document(mods.document_ids(lengths, device=device))), Segment(0, 1, n)
-    out, lse = kernel.forward(q, k, v, seg, seg, docs, 0.088, True)
+    out, lse, _ = kernel.forward(q, k, v, seg, seg, docs, 0.088, True)
     timed("cuDNN hop forward, 3 documents (one batch)", lambda: kernel.forward(q, k, v, seg, seg, docs, 0.088, True))
     timed("cuDNN hop backward, 3 documents (one batch)",
           lambda: kernel.backward(q, k, v, out, lse, dout, seg, seg, docs, 0.088, True))
@@ -91,7 +91,7 @@ def main():
     # keys the second half of the block before (one batch, whose dK/dV the rest of the block fills).
     cut = Mods(None, mods.document(mods.document_ids([n // 2, n], device=device)))
     q_cut, q_seg = q[:, :, : n // 2], Segment(n, 1, n // 2)
-    out, lse = kernel.forward(q_cut, k, v, q_seg, seg, cut, 0.088, True)
+    out, lse, _ = kernel.forward(q_cut, k, v, q_seg, seg, cut, 0.088, True)
     dout_cut = torch.randn_like(out)
     timed("cuDNN hop forward, a cut document", lambda: kernel.forward(q_cut, k, v, q_seg, seg, cut, 0.088, True))
     timed("cuDNN hop backward, a cut document",

@@ -50,7 +50,7 @@ def rank_one_hops(mask_mod, seq_len: int, heads: int, kernel, q, dout, own, prev
     out, lse = torch.zeros_like(q), torch.full(q.shape[:3], -float("inf"), device=q.device)
     calls = rank_one_calls(schedule, seq_len // 2, own, previous)
     for hop, (k, v) in calls:
-        o, l = kernel.forward(rows(q, hop.q_rows), k, v, hop.q_seg, hop.kv_seg, m, scale, True)
+        o, l, _ = kernel.forward(rows(q, hop.q_rows), k, v, hop.q_seg, hop.kv_seg, m, scale, True)
         rows(out, hop.q_rows).copy_(o)  # the hops' rows do not overlap here: no merge needed for timing
         rows(lse, hop.q_rows).copy_(l)
     for hop, (k, v) in calls:
@@ -101,8 +101,8 @@ def check_hops(args) -> None:
     for hop, (k, v) in rank_one_calls(schedule, local, own, previous):
         ours = [rows(t, hop.q_rows) for t in (q, dout)] + [k, v]
         low = [t.bfloat16() for t in ours]
-        out, lse = reference.forward(ours[0], k, v, hop.q_seg, hop.kv_seg, m, scale, True)
-        got_out, got_lse = kernel.forward(low[0], low[2], low[3], hop.q_seg, hop.kv_seg, m, scale, True)
+        out, lse, _ = reference.forward(ours[0], k, v, hop.q_seg, hop.kv_seg, m, scale, True)
+        got_out, got_lse, _ = kernel.forward(low[0], low[2], low[3], hop.q_seg, hop.kv_seg, m, scale, True)
         want = reference.backward(ours[0], k, v, out, lse, ours[1], hop.q_seg, hop.kv_seg, m, scale, True)
         got = kernel.backward(low[0], low[2], low[3], out.bfloat16(), lse, low[1], hop.q_seg, hop.kv_seg, m, scale,
                               True)

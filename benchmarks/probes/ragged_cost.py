@@ -27,7 +27,7 @@ def costs(q, k, v, dout, m: Mods, batched: bool):
     kernel, seg, scale = cudnn_kernel.CudnnKernel(), Segment(0, 1, ROWS), q.shape[-1] ** -0.5
     if not batched:
         kernel._calls = lambda program, runs, *tensors: tuple(runs)
-    out, lse = kernel.forward(q, k, v, seg, seg, m, scale, True)
+    out, lse, _ = kernel.forward(q, k, v, seg, seg, m, scale, True)
     forward = lambda: kernel.forward(q, k, v, seg, seg, m, scale, True)  # noqa: E731
     backward = lambda: kernel.backward(q, k, v, out, lse, dout, seg, seg, m, scale, True)  # noqa: E731
     backward()

@@ -7,8 +7,12 @@ the user's ``score_mod`` / ``mask_mod`` at exactly the indices one GPU would see
 Conventions (the flex_attention ones):
   q: [B, Hq, Lq, D]   k: [B, Hkv, Lk, D]   v: [B, Hkv, Lk, Dv]   with Hkv dividing Hq;
   query head h reads key/value head h // (Hq // Hkv).
-  lse: natural-log log-sum-exp of the scaled, modified, masked scores, [B, Hq, Lq].
-  A row that sees no key in this hop has out 0 and lse -inf (never NaN).
+  lse: natural-log log-sum-exp of the scaled, modified, masked scores, [B, Hq, Lq], as two
+  numbers: lse (the nearest float to it) and res (what lse could not hold; None: 0). Where
+  every score of a row is huge (an additive -1e30 or finfo.min mask), the LSE m + log(l)
+  rounds log(l) away: without res, merges would weigh hops by 1 instead of l and a
+  backward's exp(s - lse) would sum to l, not 1 (``split_lse``).
+  A row that sees no key in this hop has out 0, lse -inf and res 0 (never NaN).
   Returned tensors belong to the caller: the ring keeps them until later hops are merged in.
   A segment is None when positions cannot matter (a FULL block and no score_mod): the
   planner then joins neighbouring blocks into one larger call.
@@ -44,8 +48,8 @@ class HopKernel(Protocol):
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, q_seg: Optional[Segment], kv_seg: Optional[Segment],
         mods: Mods, scale: float, masked: bool,
-    ) -> Tuple[Tensor, Tensor]:
-        """Returns (out [B, Hq, Lq, Dv] in any float dtype, lse [B, Hq, Lq] float32/64).
+    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Returns (out [B, Hq, Lq, Dv] in any float dtype, lse [B, Hq, Lq] float32/64, res like lse or None).
 
         ``masked=False`` means the planner proved the block FULL: mask_mod may be skipped.
         """
@@ -54,15 +58,15 @@ class HopKernel(Protocol):
     def backward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
         q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods, scale: float, masked: bool,
-        tensors: Sequence[Tensor] = (),
+        tensors: Sequence[Tensor] = (), res: Optional[Tensor] = None,
     ) -> Tuple[Tensor, ...]:
         """Returns this hop's (dq, dk, dv, *the gradients of ``tensors``); dk/dv have Hkv heads.
 
-        ``out`` and ``lse`` are the GLOBAL (merged over all hops) output and log-sum-exp,
-        which makes the per-hop gradients add up to the exact gradient. Rows whose global
-        lse is -inf contribute nothing. ``tensors``: captured tensors the score_mod reads
-        that require grad (``trace.tensors_requiring_grad``), their gradients in fp32 (fp64
-        for fp64 inputs).
+        ``out``, ``lse`` and ``res`` are the GLOBAL (merged over all hops) output and
+        log-sum-exp, which makes the per-hop gradients add up to the exact gradient. Rows
+        whose global lse is -inf contribute nothing. ``tensors``: captured tensors the
+        score_mod reads that require grad (``trace.tensors_requiring_grad``), their gradients
+        in fp32 (fp64 for fp64 inputs).
         """
         ...
 
@@ -84,3 +88,12 @@ class HopKernel(Protocol):
         """The dtype of the dk/dv ``backward`` returns for inputs of ``dtype``. A ring's first
         partial dK/dV sum (one rank's share) travels in it: no wider than needed, never rounded."""
         ...
+
+
+def split_lse(top: Tensor, log_sum: Tensor) -> Tuple[Tensor, Tensor]:
+    """The LSE ``top + log_sum`` (a row's max, or a merge's larger LSE, and the log of the
+    sum of exp(x - top)) as (lse, res): the nearest float and what it could not hold, which
+    is log_sum itself where |top| is huge and the rounding error elsewhere. Rows that see
+    no key (log_sum -inf) get -inf and 0."""
+    lse = top + log_sum
+    return lse, torch.where(lse.isneginf(), 0.0, (top - lse) + log_sum)

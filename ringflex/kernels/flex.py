@@ -35,6 +35,7 @@ from torch import Tensor
 from ..cache import remember
 from ..plan import BlockKind, MaskCache, Segment, block_kinds
 from ..trace import UnsupportedModError, trace_mask_mod
+from . import huge
 from .base import Mods
 from .reference import ReferenceKernel, compute_dtype
 
@@ -269,13 +270,27 @@ class FlexKernel:
 
     def forward(self, q, k, v, q_seg, kv_seg, mods: Mods, scale: float, masked: bool):
         def uncompiled():
-            out, lse = ReferenceKernel().forward(q, k, v, q_seg, kv_seg, mods, scale, masked)
+            out, lse, _ = ReferenceKernel().forward(q, k, v, q_seg, kv_seg, mods, scale, masked)
             return out.to(q.dtype), lse.float()
         with torch.no_grad():
-            return self._fitting(lambda options: self._attend(q, k, v, q_seg, kv_seg, mods, scale, masked, options),
-                                 uncompiled, "forward", q, k, mods, None)
+            out, lse = self._fitting(lambda options: self._attend(q, k, v, q_seg, kv_seg, mods, scale, masked, options),
+                                     uncompiled, "forward", q, k, mods, None)
+        # flex_attention's LSE is one float: rows whose scores are all huge go to the reference kernel
+        return huge.exact_forward(self.name, huge.huge_terms(mods.score_mod, q.device), out, lse, q, k, v, q_seg,
+                                  kv_seg, mods, scale, masked)
 
-    def backward(self, q, k, v, out, lse, dout, q_seg, kv_seg, mods: Mods, scale: float, masked: bool, tensors=()):
+    def backward(self, q, k, v, out, lse, dout, q_seg, kv_seg, mods: Mods, scale: float, masked: bool, tensors=(),
+                 res=None):
+        # flex_attention's backward normalises by its own LSE, one float: rows whose scores are
+        # all huge go to the reference kernel
+        return huge.exact_backward(
+            self.name, huge.huge_terms(mods.score_mod, q.device),
+            lambda stats: self._backward(q, k, v, out, stats, dout, q_seg, kv_seg, mods, scale, masked, tensors, res),
+            q, k, v, out, lse, dout, q_seg, kv_seg, mods, scale, masked, tensors, res)
+
+    def _backward(self, q, k, v, out, lse, dout, q_seg, kv_seg, mods: Mods, scale: float, masked: bool, tensors, res):
+        """The gradients, ``res`` read by the reference kernel alone: the rows left here are not
+        huge, and their res is below fp32's precision of their lse."""
         dtype = compute_dtype(q.dtype)
         dout = dout.to(dtype)
 
@@ -293,6 +308,7 @@ class FlexKernel:
             return torch.autograd.grad(outputs, (*inputs, *tensors), upstream, allow_unused=True, materialize_grads=True)
 
         def uncompiled():
-            return ReferenceKernel().backward(q, k, v, out, lse, dout, q_seg, kv_seg, mods, scale, masked, tensors)
+            return ReferenceKernel().backward(q, k, v, out, lse, dout, q_seg, kv_seg, mods, scale, masked, tensors,
+                                              res)
         grads = self._fitting(gradients, uncompiled, "backward", q, k, mods, TENSOR_GRAD_OPTIONS if tensors else None)
         return (*(g.to(t.dtype) for g, t in zip(grads[:3], (q, k, v))), *(g.to(dtype) for g in grads[3:]))

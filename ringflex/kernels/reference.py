@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..plan import Segment, index_grid
-from .base import Mods
+from .base import Mods, split_lse
 
 # Score elements per chunk of query rows (a few such temporaries live at once).
 _CHUNK_ELEMENTS = 1 << 22
@@ -63,23 +63,27 @@ class ReferenceKernel:
     def call_pairs(self, batch: int, heads: int, head_dim: int) -> int:
         return 0  # not measured: lending weighs pairs alone
 
-    def forward(self, q, k, v, q_seg: Segment, kv_seg: Segment, mods: Mods, scale: float, masked: bool) -> Tuple[Tensor, Tensor]:
+    def forward(self, q, k, v, q_seg: Segment, kv_seg: Segment, mods: Mods, scale: float,
+                masked: bool) -> Tuple[Tensor, Tensor, Tensor]:
         dtype = compute_dtype(q.dtype)
         groups = q.shape[1] // k.shape[1]
         qf, kf, vf = q.to(dtype), _expand_heads(k, groups, dtype), _expand_heads(v, groups, dtype)
         out = q.new_empty(*q.shape[:3], v.shape[-1], dtype=dtype)
-        lse = q.new_empty(q.shape[:3], dtype=dtype)
+        lse, res = (q.new_empty(q.shape[:3], dtype=dtype) for _ in range(2))
         for begin, end in _row_chunks(q, k.shape[2]):
             s = modified_scores(qf[:, :, begin:end], kf, q_seg and q_seg.slice(begin, end), kv_seg, mods, scale, masked)
-            chunk_lse = torch.logsumexp(s, dim=-1)
-            # A row that sees no key has lse -inf: subtracting 0 keeps its weights exactly 0.
-            p = torch.exp(s - torch.where(chunk_lse.isneginf(), 0.0, chunk_lse).unsqueeze(-1))
-            out[:, :, begin:end] = torch.matmul(p, vf)
-            lse[:, :, begin:end] = chunk_lse
-        return out, lse
+            # The row's max and log-sum apart: where scores are huge (-1e30 added to every key),
+            # m + log(l) rounds log(l) away, and exp(s - lse) would sum to l, not 1.
+            top = s.amax(-1, keepdim=True)
+            seen = top > float("-inf")
+            top = torch.where(seen, top, 0.0)  # a row that sees no key: weights exactly 0
+            log_sum = torch.log(torch.exp(s - top).sum(-1, keepdim=True))
+            out[:, :, begin:end] = torch.matmul(torch.exp(s - top - torch.where(seen, log_sum, 0.0)), vf)
+            lse[:, :, begin:end], res[:, :, begin:end] = split_lse(top.squeeze(-1), log_sum.squeeze(-1))
+        return out, lse, res
 
     def backward(self, q, k, v, out, lse, dout, q_seg: Segment, kv_seg: Segment, mods: Mods, scale: float, masked: bool,
-                 tensors=()):
+                 tensors=(), res=None):
         dtype = compute_dtype(q.dtype)
         groups = q.shape[1] // k.shape[1]
         qf, kf, vf = q.to(dtype), _expand_heads(k, groups, dtype), _expand_heads(v, groups, dtype)
@@ -87,6 +91,7 @@ class ReferenceKernel:
         delta = (dof * out.to(dtype)).sum(-1)
         # Rows with no visible key anywhere (global lse -inf) get probability exp(-inf) = 0.
         lse = torch.where(lse.isneginf(), float("inf"), lse.to(dtype))
+        res = torch.zeros_like(lse) if res is None else res.to(dtype)
         dq = torch.zeros_like(qf)
         dk = torch.zeros_like(kf)
         dv = torch.zeros_like(vf)
@@ -96,7 +101,8 @@ class ReferenceKernel:
                 qc = qf[:, :, begin:end].detach().requires_grad_()
                 kc = kf.detach().requires_grad_()
                 s = modified_scores(qc, kc, q_seg and q_seg.slice(begin, end), kv_seg, mods, scale, masked)
-            p = torch.exp(s.detach() - lse[:, :, begin:end].unsqueeze(-1))
+            # s - lse first: exact where both are huge, and then res normalises the row
+            p = torch.exp(s.detach() - lse[:, :, begin:end].unsqueeze(-1) - res[:, :, begin:end].unsqueeze(-1))
             do_c = dof[:, :, begin:end]
             dv += torch.matmul(p.transpose(-1, -2), do_c)
             ds = p * (torch.matmul(do_c, vf.transpose(-1, -2)) - delta[:, :, begin:end].unsqueeze(-1))

@@ -14,7 +14,7 @@ with torch's CUDA builds and is imported on first use.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -24,11 +24,13 @@ _BLOCK_ROWS = 32
 _MAX_ROWS = 65535 * _BLOCK_ROWS
 
 
-def applies(d: Tensor, a: Tensor, b: Tensor, lse_a: Tensor, lse_b: Tensor) -> bool:
+def applies(d: Tensor, a: Tensor, b: Tensor, lse_a: Tensor, lse_b: Tensor, res_a: Optional[Tensor] = None,
+            res_b: Optional[Tensor] = None) -> bool:
     """Whether the fused merge can take these tensors: on one CUDA device, rows of
     contiguous elements whose batches and heads are whole rows apart, no float64 (its
     weights are fp32)."""
-    return _in_rows_of_one_gpu(d, a, b) and lse_a.device == d.device and lse_a.dtype == lse_b.dtype == torch.float32
+    stats = [t for t in (lse_a, lse_b, res_a, res_b) if t is not None]
+    return _in_rows_of_one_gpu(d, a, b) and all(t.device == d.device and t.dtype == torch.float32 for t in stats)
 
 
 def sum_applies(d: Tensor, parts: Sequence[Tensor]) -> bool:
@@ -52,15 +54,20 @@ def available() -> bool:
     return True
 
 
-def merge(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor) -> None:
+def merge(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor, res_a: Optional[Tensor] = None,
+          res_b: Optional[Tensor] = None) -> None:
     """d = exp(lse_a - m) * a + exp(lse_b - m) * b, and lse_a = m = logaddexp(lse_a, lse_b),
-    for [B, H, L, D] rows ``a``, ``b``, ``d`` and [B, H, L] lse (``d`` may be ``a``). Rows
-    where both lse are -inf get 0 and keep -inf."""
-    for rows in _launches(a, b, d, lse_a, lse_b):
-        a_, b_, d_, lse_a_, lse_b_ = rows
+    for [B, H, L, D] rows ``a``, ``b``, ``d`` and [B, H, L] lse (``d`` may be ``a``), each LSE
+    given as lse + res (``merge.lse_weights``; res None: 0), ``res_a`` (where given) taking
+    the merged one's. Rows where both lse are -inf get 0, lse -inf and res 0."""
+    has = dict(RES_A=res_a is not None, RES_B=res_b is not None)
+    res_a, res_b = (lse if res is None else res for lse, res in ((lse_a, res_a), (lse_b, res_b)))  # unread if absent
+    for rows in _launches(a, b, d, lse_a, lse_b, res_a, res_b):
+        a_, b_, d_, lse_a_, lse_b_, res_a_, res_b_ = rows
         _kernels()[0][_grid(d_)](
-            a_, b_, d_, lse_a_, lse_b_, d.shape[1], d_.shape[2], d.shape[3],
-            *_in_rows(a_), *_in_rows(b_), *_in_rows(d_), *lse_a_.stride(), *lse_b_.stride(), **_blocks(d))
+            a_, b_, d_, lse_a_, lse_b_, res_a_, res_b_, d.shape[1], d_.shape[2], d.shape[3],
+            *_in_rows(a_), *_in_rows(b_), *_in_rows(d_), *lse_a_.stride(), *lse_b_.stride(), *res_a_.stride(),
+            *res_b_.stride(), **has, **_blocks(d))
 
 
 def add(d: Tensor, parts: Sequence[Tensor]) -> None:
@@ -111,11 +118,11 @@ def _kernels():
     # boundaries; specialised on them, Triton would compile a kernel for each new pattern (tens
     # of ms). Batch and head strides count rows, so addresses stay aligned to a row's stride.
     @triton.jit(do_not_specialize=["heads", "length", "a_rb", "a_rh", "b_rb", "b_rh", "d_rb", "d_rh",
-                                   "la_sb", "la_sh", "lb_sb", "lb_sh"])
-    def lse_merge(a, b, d, lse_a, lse_b, heads, length, dim,
+                                   "la_sb", "la_sh", "lb_sb", "lb_sh", "ra_sb", "ra_sh", "rb_sb", "rb_sh"])
+    def lse_merge(a, b, d, lse_a, lse_b, res_a, res_b, heads, length, dim,
                   a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, d_rb, d_rh, d_sl,
-                  la_sb, la_sh, la_sl, lb_sb, lb_sh, lb_sl,
-                  BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+                  la_sb, la_sh, la_sl, lb_sb, lb_sh, lb_sl, ra_sb, ra_sh, ra_sl, rb_sb, rb_sh, rb_sl,
+                  RES_A: tl.constexpr, RES_B: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
         bh = tl.program_id(0)
         batch, head = (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
         row = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -126,11 +133,18 @@ def _kernels():
         x_b = tl.load(lse_b + batch * lb_sb + head * lb_sh + row64 * lb_sl, mask=in_rows, other=float("-inf"))
         top = tl.maximum(x_a, x_b)
         top = tl.where(top == float("-inf"), 0.0, top)  # rows that see no key: weights 0, lse -inf
-        w_a, w_b = tl.exp(x_a - top), tl.exp(x_b - top)
+        # res after the difference: exact where both lse are huge and equal (merge.lse_weights)
+        w_a, w_b = x_a - top, x_b - top
+        if RES_A:
+            w_a += tl.load(res_a + batch * ra_sb + head * ra_sh + row64 * ra_sl, mask=in_rows, other=0.0)
+        if RES_B:
+            w_b += tl.load(res_b + batch * rb_sb + head * rb_sh + row64 * rb_sl, mask=in_rows, other=0.0)
+        w_a, w_b = tl.exp(w_a), tl.exp(w_b)
         total = w_a + w_b
         seen = total > 0
         inv = tl.where(seen, 1.0 / tl.where(seen, total, 1.0), 0.0)
-        merged = tl.where(seen, top + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+        log_sum = tl.log(tl.where(seen, total, 1.0))
+        merged = tl.where(seen, top + log_sum, float("-inf"))
         keep, add = (w_a * inv)[:, None], (w_b * inv)[:, None]
         both = in_rows[:, None] & in_cols[None, :]
         cols = col[None, :]
@@ -140,6 +154,9 @@ def _kernels():
         tl.store(d + (batch * d_rb + head * d_rh + row64[:, None]) * d_sl + cols, result.to(d.dtype.element_ty),
                  mask=both)
         tl.store(lse_a + batch * la_sb + head * la_sh + row64 * la_sl, merged, mask=in_rows)
+        if RES_A:
+            tl.store(res_a + batch * ra_sb + head * ra_sh + row64 * ra_sl,
+                     tl.where(seen, (top - merged) + log_sum, 0.0), mask=in_rows)
 
     @triton.jit(do_not_specialize=["heads", "length", "a_rb", "a_rh", "b_rb", "b_rh", "c_rb", "c_rh", "d_rb", "d_rh"])
     def sum_parts(a, b, c, d, heads, length, dim, a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, c_rb, c_rh, c_sl,

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import _warn_once
+from ..kernels.base import split_lse
 from . import fused_merge
 
 Rows = Tuple[int, int]
@@ -27,6 +28,11 @@ def rows(x: Tensor, r: Rows) -> Tensor:
     if r[0] == 0 and r[1] == x.shape[2]:
         return x
     return x.narrow(2, r[0], r[1] - r[0])
+
+
+def optional_rows(t: Optional[Tensor], r: Rows) -> Optional[Tensor]:
+    """``rows`` of ``t``, or None where ``t`` is (a res that no part had)."""
+    return None if t is None else rows(t, r)
 
 
 def contiguous_rows(t: Tensor) -> Tensor:
@@ -226,16 +232,18 @@ class _RowParts:
         return out
 
 
-def merge_parts(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor) -> None:
+def merge_parts(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor,
+                res_a: Optional[Tensor] = None, res_b: Optional[Tensor] = None) -> None:
     """``d`` = the log-sum-exp merge of parts ``a`` and ``b`` (rows alike; ``d`` may be ``a``),
-    with weights in fp32, rounded once into ``d``; ``lse_a`` becomes the merged lse. One fused
-    pass on a CUDA GPU, two torch passes elsewhere."""
-    if fused_merge.applies(d, a, b, lse_a, lse_b):
+    with weights in fp32, rounded once into ``d``; ``lse_a`` becomes the merged lse and
+    ``res_a`` (where given) its res (``kernels.base``: what the lse cannot hold; None: 0).
+    One fused pass on a CUDA GPU, two torch passes elsewhere."""
+    if fused_merge.applies(d, a, b, lse_a, lse_b, res_a, res_b):
         if fused_merge.available():
-            fused_merge.merge(d, a, lse_a, b, lse_b)
+            fused_merge.merge(d, a, lse_a, b, lse_b, res_a, res_b)
             return
         _warn_no_triton()
-    merge_in_torch(d, a, lse_a, b, lse_b)
+    merge_in_torch(d, a, lse_a, b, lse_b, res_a, res_b)
 
 
 def _warn_no_triton() -> None:
@@ -243,16 +251,31 @@ def _warn_no_triton() -> None:
                "instead of one fused kernel each (slower); torch's CUDA builds ship it: pip install triton")
 
 
-def merge_in_torch(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor) -> None:
+def lse_weights(lse_a: Tensor, res_a: Optional[Tensor], lse_b: Tensor, res_b: Optional[Tensor]):
+    """(weight of a, weight of b, merged lse, merged res) of two log-sum-exps given as lse and
+    res. The weights are taken relative to the larger lse, res added after that difference
+    (exact where both are huge), and normalised by their sum: so they sum to 1 where the
+    lse alone lost log(l). Rows where both are -inf get weights 0, lse -inf and res 0."""
+    top = torch.maximum(lse_a, lse_b)
+    top = torch.where(top.isneginf(), 0.0, top)
+    w_a, w_b = (torch.exp(lse - top + (0.0 if res is None else res)) for lse, res in ((lse_a, res_a), (lse_b, res_b)))
+    total = w_a + w_b
+    inv = torch.where(total > 0, 1 / total, 0.0)
+    return (w_a * inv, w_b * inv, *split_lse(top, torch.log(total)))
+
+
+def merge_in_torch(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor,
+                   res_a: Optional[Tensor] = None, res_b: Optional[Tensor] = None) -> None:
     """``merge_parts`` in torch operations."""
-    merged = torch.logaddexp(lse_a, lse_b)
-    finite = torch.where(merged.isneginf(), 0.0, merged)
-    keep, add = torch.exp(lse_a - finite).unsqueeze(-1), torch.exp(lse_b - finite).unsqueeze(-1)
+    keep, add, lse, res = lse_weights(lse_a, res_a, lse_b, res_b)
+    keep, add = keep.unsqueeze(-1), add.unsqueeze(-1)
     if d.dtype == torch.promote_types(a.dtype, keep.dtype):
         torch.addcmul(torch.mul(a, keep, out=d), b, add, out=d)
     else:  # merge in fp32, round once into d
         torch.addcmul(a * keep, b, add, out=d)
-    lse_a.copy_(merged)
+    lse_a.copy_(lse)
+    if res_a is not None:
+        res_a.copy_(res)
 
 
 def _same_source(a, b) -> bool:
@@ -319,12 +342,14 @@ class RowMerge(_RowParts):
     """The running output of a ring call and its log-sum-exp: hop results over row ranges,
     merged by LSE with weights in fp32 and rounded once into the output dtype (see ``_RowParts``).
     Rows that see no key have output 0 and lse -inf, never NaN. Parts are handed over: a first
-    part over every row becomes the result (``_adopt_first``)."""
+    part over every row becomes the result (``_adopt_first``). The LSE's res (``kernels.base``)
+    is kept once a part brings one (``self.res``; None before: 0)."""
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype, acc_dtype: torch.dtype, device, expected: Sequence[Rows],
                  empty=torch.empty):
         super().__init__([shape], dtype, acc_dtype, device, expected, empty)
         self.lse = empty(shape[:3], dtype=acc_dtype, device=device)
+        self.res: Optional[Tensor] = None
 
     def destination(self, r: Rows) -> Optional[Tuple[Tensor, Tensor]]:
         """(output rows, lse rows) of the result for a kernel to write into (see ``_RowParts``)."""
@@ -337,22 +362,25 @@ class RowMerge(_RowParts):
     def _fresh(self) -> List[Tensor]:
         return super()._fresh() + [self.empty(self.lse.shape, dtype=self.lse.dtype, device=self.device)]
 
-    def add(self, r: Rows, part_out: Tensor, part_lse: Tensor) -> None:
-        if self._adopt_first(r, part_out, part_lse):
+    def add(self, r: Rows, part_out: Tensor, part_lse: Tensor, part_res: Optional[Tensor] = None) -> None:
+        if self._adopt_first(r, part_out, part_lse, part_res):
             return
-        self._part_lse = part_lse, r[0]  # read by _first and _merge for the groups of this part
+        if part_res is not None and self.res is None:
+            self.res = self.empty(self.lse.shape, dtype=self.lse.dtype, device=self.device).zero_()
+        self._part_lse = part_lse, part_res, r[0]  # read by _first and _merge for the groups of this part
         self._add(r, (part_out,), self._merge)
 
-    def _adopt_first(self, r: Rows, out: Tensor, lse: Tensor) -> bool:
+    def _adopt_first(self, r: Rows, out: Tensor, lse: Tensor, res: Optional[Tensor]) -> bool:
         """A first part over every row, in the result's dtype and layout (the own block's hop as
         the kernel returned it), becomes the result: the rows only it covers are not copied,
         and later parts merge into it in place."""
         if (self.out is not None or self.handed_out or r != (0, self.shapes[0][2])
                 or any(s.state is not None or s.remaining == 0 for s in self.spans)
                 or not self._can_be_result([out])
-                or lse.dtype != self.lse.dtype or lse.shape != self.lse.shape or not lse.is_contiguous()):
+                or any(t is not None and (t.dtype != self.lse.dtype or t.shape != self.lse.shape
+                                          or not t.is_contiguous()) for t in (lse, res))):
             return False
-        self.out, self.lse = [out], lse
+        self.out, self.lse, self.res = [out], lse, res
         if self.acc_dtype == self.dtype:
             self.acc = self.out
         for s in self.spans:
@@ -361,18 +389,23 @@ class RowMerge(_RowParts):
         return True
 
     def _first(self, rows_: Rows, part_rows: Rows) -> None:
-        target, source = rows(self.lse, rows_), rows(self._part_lse[0], part_rows)
-        if source.data_ptr() != target.data_ptr():  # not written in place
-            target.copy_(source)
+        for mine, part in ((self.lse, self._part_lse[0]), (self.res, self._part_lse[1])):
+            if mine is not None and part is not None:
+                target, source = rows(mine, rows_), rows(part, part_rows)
+                if source.data_ptr() != target.data_ptr():  # not written in place
+                    target.copy_(source)
 
     def _merge(self, dest: List[Tensor], prev: List[List[Tensor]], new: List[Tensor], r: Rows) -> None:
-        lse, row0 = self._part_lse
+        lse, res, row0 = self._part_lse
         (d,), ((a,),), (b,) = dest, prev, new
-        merge_parts(d, a, rows(self.lse, r), b, rows(lse, (r[0] - row0, r[1] - row0)))
+        part_rows = (r[0] - row0, r[1] - row0)
+        merge_parts(d, a, rows(self.lse, r), b, rows(lse, part_rows), optional_rows(self.res, r),
+                    optional_rows(res, part_rows))
 
     def _fill_empty(self, out: List[Tensor], r: Rows) -> None:
         super()._fill_empty(out, r)
         rows(self.lse, r).fill_(-math.inf)
 
-    def result(self) -> Tuple[Tensor, Tensor]:
-        return super().result()[0], self.lse
+    def result(self) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """(out, lse, res): res None where no part had one."""
+        return super().result()[0], self.lse, self.res

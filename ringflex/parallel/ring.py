@@ -30,7 +30,7 @@ from ..lending import Loan, Offer
 from ..plan import Hop, part_planner, steps_needed, travelling_rows
 from .comm import RingComm, capture_error
 from .fault import guard
-from .merge import RowMerge, RowSum, Rows, contiguous_rows, rows
+from .merge import RowMerge, RowSum, Rows, contiguous_rows, lse_weights, optional_rows, rows
 
 
 @dataclass
@@ -201,8 +201,8 @@ def _masked(hop: Hop) -> bool:
 
 
 def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
-    """This rank's (out, lse), the block of the last step (backward starts on it) and the
-    queries borrowed from the next rank (None where none are: ``lending``)."""
+    """This rank's (out, lse, res) (``kernels.base``), the block of the last step (backward
+    starts on it) and the queries borrowed from the next rank (None where none are: ``lending``)."""
     blocks = _KVStream(call, (k, v))
     own_parts, merged, returned, borrowed_q = [], None, None, None
     step = 0
@@ -227,10 +227,10 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
         blocks.advance(step, pending)
         step += 1
     if returned is not None:  # the lent rows' results, computed by the previous rank
-        transfer, out_lent, lse_lent = returned
+        transfer, lent_results = returned
         transfer.wait()
         if _some(call.loan.lent):
-            merged.add(call.loan.lent, out_lent, lse_lent)
+            merged.add(call.loan.lent, *lent_results)
     if call.comm is not None:
         call.comm.join_sends(q.device)  # the caller's K/V left first: it may change them once this returns
     blocks.close()
@@ -258,7 +258,8 @@ def _lend_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor, first_stream)
     from the next rank are computed against the own block and their output and LSE go back.
     The queries leave from ``first_stream`` (beside the own block's compute, as the first K/V
     block does). Returns the borrowed queries (backward computes them again) and the transfer
-    of the lent rows' results with their buffers."""
+    of the lent rows' results (output, lse and res: zeros where the kernel gave none) with
+    their buffers."""
     loan, acc = call.loan, compute_dtype(q.dtype)
     sent, held = _travelling(loan.lent, q), _travelling(loan.borrowed, q)
     with torch.cuda.stream(first_stream) if first_stream is not None else nullcontext():
@@ -277,9 +278,10 @@ def _lend_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor, first_stream)
         results.add(_shifted(hop.q_rows, loan.borrowed), *call.kernel.forward(
             rows(borrowed_q, _shifted(hop.q_rows, held)), rows(k, hop.kv_rows), rows(v, hop.kv_rows), hop.q_seg,
             hop.kv_seg, call.mods, call.scale, _masked(hop)))
-    out_lent, lse_lent = _new_rows(q, loan.lent, v.shape[-1]), _new_rows(q, loan.lent, dtype=acc)
-    back = [t.contiguous() for t in results.result()]
-    return borrowed_q, (call.comm.exchange(back, [out_lent, lse_lent]), out_lent, lse_lent)
+    lent_results = [_new_rows(q, loan.lent, v.shape[-1])] + [_new_rows(q, loan.lent, dtype=acc) for _ in range(2)]
+    out, lse, res = results.result()
+    back = [t.contiguous() for t in (out, lse, torch.zeros_like(lse) if res is None else res)]
+    return borrowed_q, (call.comm.exchange(back, lent_results), lent_results)
 
 
 def _travelling(lent: Rows, q: Tensor) -> Rows:
@@ -305,7 +307,7 @@ def _compact(received: Tensor) -> Tensor:
     return received
 
 
-def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=None, borrowed_q=None):
+def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, dlse=None, borrowed_q=None):
     """The ring in reverse. It starts on the block forward ended on (``last_k``, ``last_v``,
     kept for it) and passes blocks to the previous rank, so every block visits the ranks in
     the reverse order and its last stop is its owner, which holds it already (no transfer).
@@ -318,9 +320,10 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
     LSE's share of dq and dk, a second kernel call per hop (``_lse_as_attention``) that needs
     no transfer; ``dout`` is None where the loss reads the LSE alone. The gradients of
     ``call.tensors`` are this rank's share (its queries' scores), summed over its hops: as for
-    any weight, the ranks' shares add up. Lent rows (``call.loan``) send their output, dO and
-    LSE to the previous rank, which computes them again from ``borrowed_q`` (its forward
-    kept them) and returns their dQ; their dK/dV join its own block's sum at the last step."""
+    any weight, the ranks' shares add up. ``res``: the LSE's res (``kernels.base``), or None.
+    Lent rows (``call.loan``) send their output, dO and LSE to the previous rank, which
+    computes them again from ``borrowed_q`` (its forward kept them) and returns their dQ;
+    their dK/dV join its own block's sum at the last step."""
     acc = compute_dtype(q.dtype)
     steps = len(call.schedule)
     sum_dtypes = [acc] * steps  # of the partial sum each step sends; the last step's is the gradient
@@ -329,7 +332,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
     loan = call.loan
     lent = [loan.lent] if loan is not None and _some(loan.lent) else []
     dq = RowSum([q.shape], q.dtype, acc, q.device, [hop.q_rows for hops in schedule for hop in hops] + lent)
-    borrowed_inputs = _lend_backward(call, dout, out, lse, dlse) if loan is not None else None
+    borrowed_inputs = _lend_backward(call, dout, out, lse, res, dlse) if loan is not None else None
     blocks = _KVStream(call, (last_k, last_v), last=(k, v), reverse=True)
     received = None  # the partial sums on their way here: (tensors, transfer)
     lse_grad = _lse_as_attention(dlse, out, lse) if dlse is not None else None
@@ -348,7 +351,8 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
         for i, hop in enumerate(hops):
             hop_k, hop_v = blocks.keys(hop)
             hq, hk, hv, ht = _hop_backward(call, hop, rows(q, hop.q_rows), hop_k, hop_v, rows(out, hop.q_rows),
-                                           rows(lse, hop.q_rows), dout, lse_grad, hop.q_rows)
+                                           rows(lse, hop.q_rows), optional_rows(res, hop.q_rows), dout, lse_grad,
+                                           hop.q_rows)
             for total, g in zip(d_tensors, ht):
                 total += g
             dq.add(hop.q_rows, hq)
@@ -374,31 +378,33 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, last_k, last_v, dlse=
     return dq, dk, dv, d_tensors
 
 
-def _hop_backward(call: RingCall, hop: Hop, q, k, v, out, lse, dout, lse_grad, r: Rows):
-    """One hop's (dq, dk, dv, gradients of ``call.tensors``) from its rows ``q``, ``out``, ``lse``
-    and keys ``k``, ``v``; ``dout`` and ``lse_grad`` (``_lse_as_attention``'s, or None) are
+def _hop_backward(call: RingCall, hop: Hop, q, k, v, out, lse, res, dout, lse_grad, r: Rows):
+    """One hop's (dq, dk, dv, gradients of ``call.tensors``) from its rows ``q``, ``out``, ``lse``,
+    ``res`` and keys ``k``, ``v``; ``dout`` and ``lse_grad`` (``_lse_as_attention``'s, or None) are
     whole and taken at rows ``r``. With ``lse_grad`` a second call over zero values adds the
     LSE's share; ``dout`` None: the loss reads the LSE alone."""
     args = hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop), call.tensors
     if dout is not None:
-        hq, hk, hv, *ht = call.kernel.backward(q, k, v, out, lse, rows(dout, r), *args)
+        hq, hk, hv, *ht = call.kernel.backward(q, k, v, out, lse, rows(dout, r), *args, res=res)
     if lse_grad is None:
         return hq, hk, hv, ht
     lse_out, lse_dout = (rows(t, r) for t in lse_grad)
-    lq, lk, lv, *lt = call.kernel.backward(q, k, torch.zeros_like(v), lse_out, lse, lse_dout, *args)
+    lq, lk, lv, *lt = call.kernel.backward(q, k, torch.zeros_like(v), lse_out, lse, lse_dout, *args, res=res)
     if dout is None:  # the loss reads the LSE alone, which the values do not change
         return lq, lk, torch.zeros_like(lv), lt
     acc = compute_dtype(q.dtype)  # added in fp32, before any rounding
     return hq.to(acc) + lq, hk.to(acc) + lk, hv, [a + b for a, b in zip(ht, lt)]
 
 
-def _lend_backward(call: RingCall, dout, out, lse, dlse):
-    """Starts backward's loans: the lent rows' output, dO and LSE (and the LSE's gradient
-    where the call returns the LSE) go to the previous rank, which computes their share; a
-    gradient the loss did not give travels as zeros, as the borrower cannot tell. Returns the
-    transfer of the borrowed rows' inputs with their buffers."""
+def _lend_backward(call: RingCall, dout, out, lse, res, dlse):
+    """Starts backward's loans: the lent rows' output, dO, LSE and its res (and the LSE's
+    gradient where the call returns the LSE) go to the previous rank, which computes their
+    share; a gradient the loss did not give, or a res the kernel did not, travels as zeros, as
+    the borrower cannot tell. Returns the transfer of the borrowed rows' inputs with their
+    buffers."""
     loan = call.loan
-    given = [out, dout if dout is not None else torch.zeros_like(out), lse]
+    given = [out, dout if dout is not None else torch.zeros_like(out), lse,
+             res if res is not None else torch.zeros_like(lse)]
     if call.lse_grad:
         given.append(dlse if dlse is not None else torch.zeros_like(lse))
     send = [contiguous_rows(rows(t, _travelling(loan.lent, out))) for t in given]
@@ -411,7 +417,7 @@ def _borrowed_backward(call: RingCall, q, k, v, borrowed_q, borrowed_inputs, d_t
     next rank (returned: the transfer and the buffer of the lent rows' dq that arrives here);
     their (key rows, dk, dv) are added to the own block's sum at the last step."""
     loan = call.loan
-    transfer, (out, dout, lse, *dlse) = borrowed_inputs
+    transfer, (out, dout, lse, res, *dlse) = borrowed_inputs
     transfer.wait()
     lse_grad = _lse_as_attention(dlse[0], out, lse) if dlse else None
     held = _travelling(loan.borrowed, q)
@@ -421,7 +427,7 @@ def _borrowed_backward(call: RingCall, q, k, v, borrowed_q, borrowed_inputs, d_t
     for hop in loan.borrowed_hops:
         r = _shifted(hop.q_rows, held)
         hq, hk, hv, ht = _hop_backward(call, hop, rows(borrowed_q, r), rows(k, hop.kv_rows), rows(v, hop.kv_rows),
-                                       rows(out, r), rows(lse, r), dout, lse_grad, r)
+                                       rows(out, r), rows(lse, r), rows(res, r), dout, lse_grad, r)
         for total, g in zip(d_tensors, ht):
             total += g
         dq.add(_shifted(hop.q_rows, loan.borrowed), hq)
@@ -459,20 +465,22 @@ def _receive(received, sums: RowSum, r: Rows):
     return None
 
 
-def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor):
+def _with_sinks(out: Tensor, lse: Tensor, res: Optional[Tensor], sinks: Tensor):
     """Attention with a sink per head (a logit in every softmax's denominator, with no value),
     from attention without: the LSE grows to logaddexp(lse, sink) and each row shrinks by
-    exp(lse - that), in fp32. A row that sees no key keeps output 0, its LSE the sink's.
-    Backward needs nothing more: given this output and LSE, a hop's backward computes the
-    softmax over the keys and the sink (``_sink_grad`` gives the sink's own gradient)."""
-    with_sink = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
-    return (out.to(lse.dtype) * torch.exp(lse - with_sink).unsqueeze(-1)).to(out.dtype), with_sink
+    exp(lse - that), in fp32 (a merge with a part of output 0: ``merge.lse_weights``). A row
+    that sees no key keeps output 0, its LSE the sink's. Backward needs nothing more: given
+    this output and LSE, a hop's backward computes the softmax over the keys and the sink
+    (``_sink_grad`` gives the sink's own gradient). Returns (out, lse, res)."""
+    keep, _, lse, res = lse_weights(lse, res, sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse), None)
+    return (out.to(lse.dtype) * keep.unsqueeze(-1)).to(out.dtype), lse, res
 
 
-def _sink_grad(out: Tensor, lse: Tensor, dout: Optional[Tensor], dlse: Optional[Tensor], sinks: Tensor) -> Tensor:
+def _sink_grad(out: Tensor, lse: Tensor, res: Optional[Tensor], dout: Optional[Tensor], dlse: Optional[Tensor],
+               sinks: Tensor) -> Tensor:
     """The sinks' gradient from this rank's rows: per row, the sink's softmax weight times
     (dlse - rowsum(dout * out)), as for a key whose value is 0; summed over batches and rows."""
-    weight = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+    weight = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse - (0.0 if res is None else res))
     delta = 0.0 if dout is None else (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
     return (weight * ((0.0 if dlse is None else dlse) - delta)).sum((0, 2)).to(sinks.dtype)
 
@@ -500,27 +508,27 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: RingCall, sinks, *tensors):
         with guard(call.comm, "forward"):  # a failure here releases the other ranks
-            out, lse, (last_k, last_v), borrowed_q = ring_forward(call, q, k, v)
+            out, lse, res, (last_k, last_v), borrowed_q = ring_forward(call, q, k, v)
         if sinks is not None:
-            out, lse = _with_sinks(out, lse, sinks)
+            out, lse, res = _with_sinks(out, lse, res, sinks)
         ctx.call = call
         ctx.mods_read = _mods_read(call.mods)
-        ctx.save_for_backward(q, k, v, out, lse, last_k, last_v, sinks, borrowed_q)
+        ctx.save_for_backward(q, k, v, out, lse, res, last_k, last_v, sinks, borrowed_q)
         ctx.set_materialize_grads(False)  # a loss that does not read the LSE costs no LSE backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, last_k, last_v, sinks, borrowed_q = ctx.saved_tensors
+        q, k, v, out, lse, res, last_k, last_v, sinks, borrowed_q = ctx.saved_tensors
         capture = ctx.call.comm is not None and capture_error(q, ctx.call.comm.group)
         if capture:  # raised before any transfer: the same on every rank, none is left waiting
             raise RuntimeError(f"ring_flex_attention backward: {capture}")
         dout = None if dout is None else dout.contiguous()  # None: the loss reads the LSE alone
         with guard(ctx.call.comm, "backward"), torch.no_grad():  # also under create_graph=True
             _check_mods_unchanged(ctx.mods_read, ctx.call.mods)
-            dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, last_k, last_v, dlse=dlse,
+            dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, res, last_k, last_v, dlse=dlse,
                                                   borrowed_q=borrowed_q)
-            d_sinks = _sink_grad(out, lse, dout, dlse, sinks) if ctx.needs_input_grad[4] else None
+            d_sinks = _sink_grad(out, lse, res, dout, dlse, sinks) if ctx.needs_input_grad[4] else None
         grads = [dq, dk, dv, d_sinks, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors))]
         if torch.is_grad_enabled():  # create_graph=True: the gradients are values, with no derivative
             # (torch's ``once_differentiable`` does this only where the incoming gradients

@@ -87,8 +87,8 @@ def _check(name, case, q_seg, kv_seg, kernel, dtype=torch.bfloat16, head_dim=64,
     m = Mods(case.score_mod, case.mask_mod)
     scale = head_dim ** -0.5
     ref = ReferenceKernel()
-    want_out, want_lse = ref.forward(q, k, v, q_seg, kv_seg, m, scale, masked)
-    out, lse = kernel.forward(q, k, v, q_seg, kv_seg, m, scale, masked)
+    want_out, want_lse, _ = ref.forward(q, k, v, q_seg, kv_seg, m, scale, masked)
+    out, lse, _ = kernel.forward(q, k, v, q_seg, kv_seg, m, scale, masked)
     assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
     errors = {"out": _err(out, want_out), "lse": (lse - want_lse).abs()[want_lse.isfinite()].max().item()
               if want_lse.isfinite().any() else 0.0}
@@ -139,7 +139,7 @@ def test_deterministic_algorithms_make_the_backward_repeat_bitwise(name, monkeyp
     _check(f"{name}/deterministic", case, q_seg, kv_seg, CudnnKernel())
     q, k, v, dout = _case_inputs(case, torch.bfloat16, head_dim=128, batch=1)
     m, kernel = Mods(case.score_mod, case.mask_mod), CudnnKernel()
-    out, lse = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
+    out, lse, _ = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
     first = kernel.backward(q, k, v, out, lse, dout, q_seg, kv_seg, m, 0.125, True)
     for _ in range(3):
         again = kernel.backward(q, k, v, out, lse, dout, q_seg, kv_seg, m, 0.125, True)
@@ -161,8 +161,8 @@ def test_head_dims_up_to_256_match_reference(name, dims):
     q, k = (torch.randn(1, 4, L, d_qk, device="cuda", generator=g).bfloat16() for _ in range(2))
     v, dout = (torch.randn(1, 4, L, d_v, device="cuda", generator=g).bfloat16() for _ in range(2))
     m, scale, ref = Mods(case.score_mod, case.mask_mod), d_qk ** -0.5, ReferenceKernel()
-    want_out, want_lse = ref.forward(q, k, v, q_seg, kv_seg, m, scale, True)
-    out, _ = CudnnKernel().forward(q, k, v, q_seg, kv_seg, m, scale, True)
+    want_out, want_lse, _ = ref.forward(q, k, v, q_seg, kv_seg, m, scale, True)
+    out, *_ = CudnnKernel().forward(q, k, v, q_seg, kv_seg, m, scale, True)
     assert _err(out, want_out) < 2e-2
     out = want_out.to(q.dtype)
     grads = CudnnKernel().backward(q, k, v, out, want_lse, dout, q_seg, kv_seg, m, scale, True)
@@ -191,8 +191,8 @@ def test_bands_split_off_the_diagonal_match_reference(mask_mod, q_seg, kv_seg):
     q, k, v, dout = make(q_seg.length), make(kv_seg.length), make(kv_seg.length), make(q_seg.length)
     m, kernel, ref = Mods(None, mask_mod), CudnnKernel(), ReferenceKernel()
     assert len(plan(traced(m, True, "cuda"), m, q, k, q_seg, kv_seg, kernel.split_depth)) == 2
-    want_out, want_lse = ref.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
-    out, lse = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
+    want_out, want_lse, _ = ref.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
+    out, lse, _ = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
     assert _err(out, want_out) < 2e-2 and (lse - want_lse).abs()[want_lse.isfinite()].max() < 2e-2
     global_out = want_out.to(q.dtype)
     grads = kernel.backward(q, k, v, global_out, want_lse, dout, q_seg, kv_seg, m, 0.125, True)
@@ -223,7 +223,7 @@ def test_rows_without_keys_give_zero_not_nan():
     m = Mods(None, case.mask_mod)
     seg = Segment(0, 1, L)  # every query is in the first half: nothing is visible
     for kernel in (CudnnKernel(split_depth=0), CudnnKernel()):
-        out, lse = kernel.forward(q, k, v, seg, seg, m, 0.125, True)
+        out, lse, _ = kernel.forward(q, k, v, seg, seg, m, 0.125, True)
         assert torch.equal(out, torch.zeros_like(out)) and lse.isneginf().all()
         grads = kernel.backward(q, k, v, out, lse, dout, seg, seg, m, 0.125, True)
         assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
@@ -348,8 +348,8 @@ def _check_cut_hops(dev: str, dtype: torch.dtype) -> None:
         k, v = (rows(t[:, :, lo:hi].contiguous(), (n - before - lo, hi - lo)) for t in (k_block, v_block))
         q, dout, out, lse = (rows(t, (0, after)) for t in (q_block, dout_block, out_block, lse_block))
         q_seg, kv_seg = Segment(n, 1, after), Segment(n - before, 1, before)
-        want_out, want_lse = ref.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
-        got_out, got_lse = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
+        want_out, want_lse, _ = ref.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
+        got_out, got_lse, _ = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.125, True)
         assert _err(got_out, want_out) < 2e-2 and (got_lse - want_lse).abs().max() < 2e-2
         out.copy_(want_out)
         lse.copy_(want_lse)
@@ -754,12 +754,12 @@ def _check_emulated(case, segments, depths=(0, 1, 2), batch=2):
             kv_seg = Segment(kv_seg.start // 2, kv_seg.stride, L)
         q, k, v, dout = (t[:, :, :L].contiguous() for t in make_inputs(case, SEQ, batch=batch, head_dim=16))
         m, ref = Mods(case.score_mod, case.mask_mod), ReferenceKernel()
-        want_out, want_lse = ref.forward(q, k, v, q_seg, kv_seg, m, 0.25, True)
+        want_out, want_lse, _ = ref.forward(q, k, v, q_seg, kv_seg, m, 0.25, True)
         want = ref.backward(q, k, v, want_out, want_lse, dout, q_seg, kv_seg, m, 0.25, True)
         for depth in depths:
             kernel = CudnnKernel(split_depth=depth)
             where = lambda e: f"{segs} depth {depth}: {e}"  # noqa: E731
-            out, lse = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.25, True)
+            out, lse, _ = kernel.forward(q, k, v, q_seg, kv_seg, m, 0.25, True)
             torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4, msg=where)
             assert torch.equal(lse.isneginf(), want_lse.isneginf())
             torch.testing.assert_close(torch.where(lse.isneginf(), 0, lse), torch.where(want_lse.isneginf(), 0, want_lse))
@@ -870,7 +870,7 @@ def test_backward_converts_lse_only_where_a_row_may_see_no_key_emulated(mods_, c
     q, k, v, dout = (torch.randn(1, 2, L, 16) for _ in range(4))
     seg = Segment(0, 1, L)
     kernel = module.CudnnKernel()
-    out, lse = kernel.forward(q, k, v, seg, seg, mods_, 0.25, True)
+    out, lse, _ = kernel.forward(q, k, v, seg, seg, mods_, 0.25, True)
     kernel.backward(q, k, v, out, lse, dout, seg, seg, mods_, 0.25, True)
     assert bool(passes) == converted
     module.clear_cache()
@@ -882,7 +882,7 @@ def _count_calls(module, monkeypatch, q, k, v, dout, q_seg, kv_seg) -> Tuple[int
     real = module.graphs.Graph.execute
     monkeypatch.setattr(module.graphs.Graph, "execute", lambda self, *a: calls.append(1) or real(self, *a))
     m = Mods(None, PACKED.mask_mod)
-    out, lse = module.CudnnKernel().forward(q, k, v, q_seg, kv_seg, m, 0.25, True)
+    out, lse, _ = module.CudnnKernel().forward(q, k, v, q_seg, kv_seg, m, 0.25, True)
     forward_calls = len(calls)
     module.CudnnKernel().backward(q, k, v, out, lse, dout, q_seg, kv_seg, m, 0.25, True)
     monkeypatch.setattr(module.graphs.Graph, "execute", real)
@@ -940,7 +940,7 @@ def test_ragged_batches_only_where_cudnn_computes_them_right_emulated(monkeypatc
     assert all(t.stride(2) == t.shape[3] for tensors in seen for t in tensors.values() if t.dim() == 4)
     m, results = Mods(None, PACKED.mask_mod), []
     for inputs in (bshd, (q, k, v, dout)):  # the same numbers either way
-        out, lse = module.CudnnKernel().forward(*inputs[:3], q_seg, kv_seg, m, 0.25, True)
+        out, lse, _ = module.CudnnKernel().forward(*inputs[:3], q_seg, kv_seg, m, 0.25, True)
         results.append((out, lse, *module.CudnnKernel().backward(*inputs[:3], out, lse, inputs[3], q_seg, kv_seg, m,
                                                                    0.25, True)))
     for got, want in zip(*results):
@@ -978,7 +978,7 @@ def test_dropped_graphs_are_freed_emulated(monkeypatch):
     gc.disable()
     try:
         kernel = module.CudnnKernel()
-        out, lse = kernel.forward(q, q, q, seg, seg, m, 1.0, True)
+        out, lse, _ = kernel.forward(q, q, q, seg, seg, m, 1.0, True)
         kernel.backward(q, q, q, out, lse, torch.ones_like(out), seg, seg, m, 1.0, True)
         graphs = [weakref.ref(g.graph) for g in module.graphs._GRAPHS.values()]
         assert len(graphs) >= 2 and all(r() is not None for r in graphs)
@@ -996,7 +996,7 @@ def _caller_after_builds(kernel, device) -> "weakref.ref":
     local = torch.ones(1)
     q = torch.randn(1, 2, 64, 8, dtype=torch.bfloat16, device=device)
     seg, m = Segment(0, 1, 64), Mods(mask_mod=mods.causal)
-    out, lse = kernel.forward(q, q, q, seg, seg, m, 1.0, True)
+    out, lse, _ = kernel.forward(q, q, q, seg, seg, m, 1.0, True)
     kernel.backward(q, q, q, out, lse, torch.ones_like(out), seg, seg, m, 1.0, True)
     return weakref.ref(local)
 
@@ -1094,7 +1094,7 @@ def test_deterministic_algorithms_build_a_backward_of_their_own_emulated(monkeyp
     monkeypatch.setattr(kernels, "_WARNED", set())
     for deterministic in (False, True, False):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
-        out, lse = kernel.forward(q, k, v, seg, seg, m, 0.25, True)
+        out, lse, _ = kernel.forward(q, k, v, seg, seg, m, 0.25, True)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             kernel.backward(q, k, v, out, lse, dout, seg, seg, m, 0.25, True)

@@ -55,6 +55,33 @@ def test_fused_merge_matches_torch_and_the_oracle(dim, length, dtypes):
 
 
 @needs_cuda
+@pytest.mark.parametrize("with_res", ["both", "a", "b"])
+def test_fused_merge_weighs_huge_lse_by_their_res(with_res):
+    """Rows whose LSE is -1e30 in both parts (every score -1e30): the lse alone rounds the
+    log-sums away, the res keeps them (log 3, log 5). Merged 3 : 5, lse -1e30, res log 8, as
+    in torch; a part without res counts 1, and a missing res_a is not written."""
+    a, b, lse_a, lse_b = _parts(64, 100, torch.bfloat16, torch.bfloat16)
+    lse_a[:, :, :50], lse_b[:, :, :50] = -1e30, -1e30
+    res_a, res_b = (torch.full_like(lse_a, math.log(n)) if with_res in ("both", side) else None
+                    for n, side in ((3, "a"), (5, "b")))
+    results = []
+    for merge in (fused_merge.merge, merge_in_torch):
+        d, lse, res = torch.empty_like(a), lse_a.clone(), None if res_a is None else res_a.clone()
+        merge(d, a, lse, b, lse_b, res, res_b)
+        results.append((d, lse, res))
+    (fused, fused_lse, fused_res), (torch_out, torch_lse, torch_res) = results
+    weights = {"both": (3, 5), "a": (3, 1), "b": (1, 5)}[with_res]
+    want = (weights[0] * a.double() + weights[1] * b.double())[:, :, :50] / sum(weights)
+    torch.testing.assert_close(fused[:, :, :50].double(), want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fused, torch_out)
+    torch.testing.assert_close(fused_lse, torch_lse)
+    assert torch.equal(fused_lse[:, :, :50], lse_a[:, :, :50])
+    if res_a is not None:
+        torch.testing.assert_close(fused_res, torch_res)
+        torch.testing.assert_close(fused_res[:, :, :50], torch.full_like(fused_res[:, :, :50], math.log(sum(weights))))
+
+
+@needs_cuda
 def test_fused_merge_of_more_rows_than_one_launch_takes(monkeypatch):
     """Beyond 65535 row blocks (2M rows) the merge launches on consecutive row ranges."""
     monkeypatch.setattr(fused_merge, "_MAX_ROWS", 64)

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ...parallel.merge import RowMerge, RowSum, rows
 from ...plan import Segment, around
+from .. import huge
 from ..base import Extent, Mods
 from ..reference import ReferenceKernel
 from . import batches, blocks, frontend, graphs
@@ -81,9 +82,16 @@ class CudnnKernel:
         graphs.graph(backward, tensors, scale, run.band, lowering, strided).execute(tensors, q_seg, kv_seg, lowering)
 
     def forward(self, q, k, v, q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods, scale: float,
-                masked: bool) -> Tuple[Tensor, Tensor]:
-        q, k, v = (_inner_contiguous(t) for t in (q, k, v))
+                masked: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         program = traced(mods, masked, q.device)
+        # cuDNN's stats hold the LSE as one float: rows whose scores are all huge go to the reference kernel
+        return huge.exact_forward(self.name, huge.holds_huge(program.score),
+                                  *self._forward(program, q, k, v, q_seg, kv_seg, mods, scale), q, k, v, q_seg, kv_seg,
+                                  mods, scale, masked)
+
+    def _forward(self, program: Program, q, k, v, q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods,
+                 scale: float) -> Tuple[Tensor, Tensor]:
+        q, k, v = (_inner_contiguous(t) for t in (q, k, v))
         calls = self._calls(program, blocks.plan(program, mods, q, k, q_seg, kv_seg, self.split_depth), q, k, v)
         shape, lse_shape = (*q.shape[:3], v.shape[-1]), q.shape[:3]
         empty = batches.empty_for(calls, batches.query_rows(q))
@@ -110,7 +118,7 @@ class CudnnKernel:
                                                        q.new_empty(*shape[:2], n, dtype=torch.float32))
             self._forward_call(call, program, q, k, v, o, lse, scale, q_seg, kv_seg)
             merged.add(call.rows, o, lse)
-        return merged.result()
+        return merged.result()[:2]
 
     @staticmethod
     def _calls(program: Program, runs: List[blocks.Run], *tensors: Tensor) -> Tuple[object, ...]:
@@ -151,11 +159,20 @@ class CudnnKernel:
         self._call(False, run, program, tensors, scale, q_seg, kv_seg)
 
     def backward(self, q, k, v, out, lse, dout, q_seg: Optional[Segment], kv_seg: Optional[Segment], mods: Mods,
-                 scale: float, masked: bool, tensors=()) -> Tuple[Tensor, Tensor, Tensor]:
+                 scale: float, masked: bool, tensors=(), res=None) -> Tuple[Tensor, Tensor, Tensor]:
         if tensors:  # ``select_kernel`` takes flex_attention (or the reference kernel) for such calls
             raise ValueError("the cuDNN kernel gives no gradient for the tensors a score_mod reads")
-        q, k, v, out, dout = (_inner_contiguous(t) for t in (q, k, v, out, dout))
         program = traced(mods, masked, q.device)
+        # ``res`` is below fp32's precision of ``lse`` but in rows whose scores are all huge:
+        # those go to the reference kernel.
+        return huge.exact_backward(
+            self.name, huge.holds_huge(program.score),
+            lambda stats: self._backward(program, q, k, v, out, stats, dout, q_seg, kv_seg, mods, scale),
+            q, k, v, out, lse, dout, q_seg, kv_seg, mods, scale, masked, tensors, res)
+
+    def _backward(self, program: Program, q, k, v, out, lse, dout, q_seg: Optional[Segment],
+                  kv_seg: Optional[Segment], mods: Mods, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+        q, k, v, out, dout = (_inner_contiguous(t) for t in (q, k, v, out, dout))
         runs = blocks.plan(program, mods, q, k, q_seg, kv_seg, self.split_depth)
         stats = lse.float()
         if program.score is not None or any(run.masked for run in runs):
