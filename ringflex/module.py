@@ -322,7 +322,7 @@ class RingFlexMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
     @contextlib.contextmanager
-    def with_mask(self, mask_mod: Optional[Callable], outer: Optional[Callable]):
+    def _with_mask(self, mask_mod: Optional[Callable], outer: Optional[Callable]):
         """Inside: ``mask_mod`` as this entered mode's own mask, ``outer`` as what the modes around
         it add (a checkpoint's recompute runs outside them); the mode's own after."""
         kept = self.mask_mod, self._outer[-1]
@@ -437,6 +437,10 @@ class RingFlexAttention(nn.Module):
     ``RingFlexAttention(model, group=g, layout="zigzag")(*inputs)`` computes what ``model``
     computes on one device, given this rank's shards of the inputs (and the global position
     ids, for RoPE). ``mask_mod`` may be changed between steps (new packed documents).
+    ``checkpoint=True``: activation checkpointing of ``module`` (torch's, non-reentrant), whose
+    recompute runs in the ring too, with the ``mask_mod`` of its forward. A checkpoint taken
+    inside ``module`` recomputes with the ``mask_mod`` set when backward runs (docs/guide.md,
+    "Wrapping a model").
 
     A Hugging Face style model (its forward takes ``position_ids`` and ``input_ids`` or
     ``inputs_embeds``) called without ``position_ids`` gets the global position ids of this
@@ -445,10 +449,6 @@ class RingFlexAttention(nn.Module):
     ``use_cache=True`` or ``past_key_values`` raises ``CallRejected`` on every rank (the cache
     would hold this rank's keys and values only); a call that leaves ``use_cache`` to a
     config that turns it on runs with ``use_cache=False`` and warns once.
-    ``checkpoint=True``: activation checkpointing of ``module`` (torch's, non-reentrant), whose
-    recompute runs in the ring too, with the ``mask_mod`` of its forward. A checkpoint taken
-    inside ``module`` recomputes with the ``mask_mod`` set when backward runs (docs/guide.md,
-    "Wrapping a model").
     """
 
     def __init__(self, module: nn.Module, *, group=None, layout: str = "zigzag", backend: str = "auto",
@@ -485,7 +485,7 @@ class RingFlexAttention(nn.Module):
 
     @functools.partial(torch.compiler.disable, recursive=False)  # as forward: the mode enters eagerly
     def _run(self, mask_mod: Optional[Callable], outer: Optional[Callable], args, kwargs):
-        with self.mode, self.mode.with_mask(mask_mod, outer):
+        with self.mode, self.mode._with_mask(mask_mod, outer):
             return self.module(*args, **kwargs)
 
     def _hf_call(self, args, kwargs):
