@@ -9,7 +9,7 @@ own rows, and the ``cp`` ranks of a replica split each of its sequences -- the r
     torchrun --nproc_per_node=4 examples/fsdp_cp.py                    # CPU, gloo: 2 dp x 2 cp
     python examples/fsdp_cp.py                                         # one process: the reference
     torchrun --nproc_per_node=8 examples/fsdp_cp.py --device cuda --dtype bfloat16 --cp 4 \\
-        --seq-len 65536 --batch 2 --dim 2048 --layers 8 --heads 16 --kv-heads 4 --vocab 32000
+        --seq-len 65536 --batch 2 --dim 2048 --layers 8 --heads 16 --kv-heads 4 --vocab 32000   # (not yet run on GPUs)
 
 The loss is the mean over the labelled tokens of all replicas (``sharded_cross_entropy`` over
 the flattened mesh: the same value on every rank, each rank back-propagating it into its own

@@ -9,8 +9,8 @@ earlier tokens of its own document, and RoPE restarts at every document.
     torchrun --nproc_per_node=4 examples/hf_finetune.py --cp 2         # 2 replicas x a ring of 2
     python examples/hf_finetune.py                                     # one process, transformers' own
                                                                        # attention: the reference
-    torchrun --nproc_per_node=8 examples/hf_finetune.py --device cuda --dtype bfloat16 --cp 4 \\
-        --seq-len 65536 --hidden 1024 --layers 8 --heads 16 --kv-heads 4 --vocab 32000
+    torchrun --nproc_per_node=8 examples/hf_finetune.py --device cuda --bf16 --dtype float32 --cp 4 \\
+        --seq-len 65536 --hidden 1024 --layers 8 --heads 16 --kv-heads 4 --vocab 32000   # (not yet run on GPUs)
 
 The model is a tiny Llama built from its config (nothing is downloaded); to fine-tune a real
 one, load it with ``from_pretrained(..., attn_implementation="ringflex")`` instead. The data is
