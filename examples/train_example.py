@@ -213,18 +213,20 @@ def train(args) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(loss.item())
-        elapsed = time.perf_counter() - start if start else 0.0
-        progress.update(step, loss=losses[-1],
-                        tok_s=(step - 1) * tokens_per_step / elapsed if elapsed else float("nan"))
+        fields = {"loss": losses[-1]}
+        if start is not None:  # no throughput yet at the first step, which is not timed
+            fields["tok_s"] = (step - 1) * tokens_per_step / (time.perf_counter() - start)
+        progress.update(step, **fields)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start if start else float("nan")
+    # None with one step: the first step plans, compiles and warms up, and is not timed
+    tokens_per_s = (args.steps - 1) * tokens_per_step / (time.perf_counter() - start) if start is not None else None
     result = {"args": vars(args), "world_size": world_size, "ring": ring, "losses": losses,
-              "tokens_per_s": (args.steps - 1) * tokens_per_step / elapsed if args.steps > 1 else float("nan"),
-              "peak_memory_gib": _peak_memory_gib(device)}
+              "tokens_per_s": tokens_per_s, "peak_memory_gib": _peak_memory_gib(device)}
     if rank == 0:
+        throughput = f"{tokens_per_s:.0f} tokens/s" if tokens_per_s is not None else "tokens/s from step 2 on"
         print(f"done: {args.steps} steps, world size {world_size}, final loss {losses[-1]:.4f}, "
-              f"{result['tokens_per_s']:.0f} tokens/s, peak memory {result['peak_memory_gib']:.2f} GiB "
+              f"{throughput}, peak memory {result['peak_memory_gib']:.2f} GiB "
               f"({'allocated by torch' if device.type == 'cuda' else 'process RSS'}, rank 0)", file=sys.stderr)
         if args.out:
             with open(args.out, "w") as f:
@@ -274,32 +276,39 @@ def compare(paths, first, tolerance, plot):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the model runs (cuda: a GPU per rank, NCCL)")
     p.add_argument("--dtype", default="float64", choices=["float64", "float32", "bfloat16", "float16"],
                    help="float64/float32: the model's dtype; bfloat16/float16: autocast over fp32 weights")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=32)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=256,
+                   help="tokens per sequence (the whole sequence: each rank holds seq-len / ranks)")
+    p.add_argument("--vocab", type=int, default=32, help="vocabulary size")
+    p.add_argument("--dim", type=int, default=64, help="model width")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (grouped-query attention)")
     p.add_argument("--softcap", type=float, default=None, help="tanh softcap of the attention scores")
     p.add_argument("--window", type=int, default=None, help="a causal sliding window of this many tokens")
     p.add_argument("--packed", action="store_true", help="pack documents of random length with a document mask")
-    p.add_argument("--min-doc", type=int, default=8)
-    p.add_argument("--max-doc", type=int, default=96)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layout", default="zigzag", choices=ringflex.LAYOUTS)
-    p.add_argument("--backend", default="auto", choices=["auto", "cudnn", "reference"])
+    p.add_argument("--min-doc", type=int, default=8, help="with --packed: shortest document")
+    p.add_argument("--max-doc", type=int, default=96, help="with --packed: longest document")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (every rank alike)")
+    p.add_argument("--layout", default="zigzag", choices=ringflex.LAYOUTS,
+                   help="how the sequence is split over the ranks (zigzag balances causal work)")
+    p.add_argument("--backend", default="auto", choices=["auto", "cudnn", "flex", "reference"],
+                   help="the kernel of each hop: auto takes cudnn where it can run the call, else flex on a GPU, "
+                        "else reference")
     p.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
     p.add_argument("--out", help="write the loss curve and throughput to this JSON file (rank 0)")
     p.add_argument("--compare", nargs="+", metavar="JSON", help="compare logged runs (the first is the reference)")
-    p.add_argument("--compare-steps", type=int, default=20)
-    p.add_argument("--tolerance", type=float, default=1e-6)
+    p.add_argument("--compare-steps", type=int, default=20, help="with --compare: the steps compared")
+    p.add_argument("--tolerance", type=float, default=1e-6,
+                   help="with --compare: the largest relative loss difference accepted")
     p.add_argument("--plot", help="with --compare: save the overlaid curves here (needs matplotlib)")
     args = p.parse_args(argv)
     if args.dim % args.heads or args.heads % args.kv_heads or (args.dim // args.heads) % 2:

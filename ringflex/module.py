@@ -34,6 +34,7 @@ import inspect
 import sys
 import threading
 import types
+import warnings
 from typing import Callable, List, Optional
 
 import torch
@@ -42,7 +43,7 @@ from torch import nn
 from torch.nn.attention import flex_attention as _flex
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
-from . import mesh as meshes, mods
+from . import mesh as meshes, mods, training
 from .api import reject, ring_flex_attention
 from .parallel.layout import check_layout
 from .validate import BACKENDS
@@ -188,6 +189,11 @@ def _entered() -> List["RingFlexMode"]:
     return _ENTERED.modes
 
 
+def current_mode() -> Optional["RingFlexMode"]:
+    """The innermost ``RingFlexMode`` this thread is inside (the one its attention calls reach), or None."""
+    return _entered()[-1] if _entered() else None
+
+
 def _enclosing_mask(mode: "RingFlexMode") -> Optional[Callable]:
     """What the modes this thread is inside add to ``mode``'s calls: the extra mask of the
     innermost, where it runs on the same ring and layout (another ring's positions are not
@@ -317,7 +323,7 @@ class RingFlexMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
     @contextlib.contextmanager
-    def with_mask(self, mask_mod: Optional[Callable], outer: Optional[Callable]):
+    def _with_mask(self, mask_mod: Optional[Callable], outer: Optional[Callable]):
         """Inside: ``mask_mod`` as this entered mode's own mask, ``outer`` as what the modes around
         it add (a checkpoint's recompute runs outside them); the mode's own after."""
         kept = self.mask_mod, self._outer[-1]
@@ -436,6 +442,14 @@ class RingFlexAttention(nn.Module):
     recompute runs in the ring too, with the ``mask_mod`` of its forward. A checkpoint taken
     inside ``module`` recomputes with the ``mask_mod`` set when backward runs (docs/guide.md,
     "Wrapping a model").
+
+    A Hugging Face style model (its forward takes ``position_ids`` and ``input_ids`` or
+    ``inputs_embeds``) called without ``position_ids`` gets the global position ids of this
+    rank's tokens (``ringflex.training.position_ids`` on the wrapper's group and layout; a
+    model would otherwise number its local tokens from 0). Its cache is refused: a call with
+    ``use_cache=True`` or ``past_key_values`` raises ``CallRejected`` on every rank (the cache
+    would hold this rank's keys and values only); a call that leaves ``use_cache`` to a
+    config that turns it on runs with ``use_cache=False`` and warns once.
     """
 
     def __init__(self, module: nn.Module, *, group=None, layout: str = "zigzag", backend: str = "auto",
@@ -445,6 +459,7 @@ class RingFlexAttention(nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self.module, self.checkpoint = module, bool(checkpoint)
         self.mode = RingFlexMode(group=group, layout=layout, backend=backend, mask_mod=mask_mod)
+        self._signature = _hf_signature(module)
 
     @property
     def mask_mod(self) -> Optional[Callable]:
@@ -458,6 +473,12 @@ class RingFlexAttention(nn.Module):
 
     @functools.partial(torch.compiler.disable, recursive=False)  # the model's frames still compile
     def forward(self, *args, **kwargs):
+        if self._signature is not None:
+            args, kwargs = self._hf_call(args, kwargs)
+        elif any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
+            _warn_once("ringflex: a Hugging Face cache reached a module wrapped by RingFlexAttention: it holds only "
+                       "this rank's keys and values, so it cannot continue the sequence (ringflex does not decode); "
+                       "call the model with use_cache=False, or wrap the whole model, which turns the cache off")
         masks = self.mode.mask_mod, _enclosing_mask(self.mode)
         if self.checkpoint and torch.is_grad_enabled():  # the masks are inputs: the recompute gets them again
             return torch.utils.checkpoint.checkpoint(self._run, *masks, args, kwargs, use_reentrant=False)
@@ -465,5 +486,74 @@ class RingFlexAttention(nn.Module):
 
     @functools.partial(torch.compiler.disable, recursive=False)  # as forward: the mode enters eagerly
     def _run(self, mask_mod: Optional[Callable], outer: Optional[Callable], args, kwargs):
-        with self.mode, self.mode.with_mask(mask_mod, outer):
+        with self.mode, self.mode._with_mask(mask_mod, outer):
             return self.module(*args, **kwargs)
+
+    def _hf_call(self, args, kwargs):
+        """A Hugging Face style model's arguments with the global position ids of this rank's
+        tokens where it was given none, and its cache off where its config turned it on; a
+        cache it was asked for, or positions it cannot size, refused on every rank."""
+        try:
+            bound = self._signature.bind_partial(*args, **kwargs)
+        except TypeError:
+            return args, kwargs  # the model raises its own error
+        arguments = bound.arguments
+        extra = next((arguments.get(p.name, {}) for p in self._signature.parameters.values()
+                      if p.kind is inspect.Parameter.VAR_KEYWORD), {})
+
+        def given(name):
+            return arguments[name] if arguments.get(name) is not None else extra.get(name)
+
+        cache = next((name for name in _CACHE_ARGUMENTS if given(name) is not None), None)
+        if cache is not None:
+            self.mode._refuse(f"RingFlexAttention: the model was called with {cache}: a Hugging Face cache holds "
+                              "earlier keys and values of this rank only, and ring attention does not decode from it; "
+                              "call the model without a cache (use_cache=False)")
+        if given("use_cache"):
+            self.mode._refuse("RingFlexAttention: the model was called with use_cache=True: its cache would hold only "
+                              "this rank's keys and values (ring attention does not decode); pass use_cache=False")
+        if "use_cache" in self._signature.parameters and given("use_cache") is None \
+                and getattr(getattr(self.module, "config", None), "use_cache", False):
+            _warn_once("ringflex: RingFlexAttention runs the model with use_cache=False (its config turns the cache "
+                       "on): a cache would hold only this rank's keys and values; pass use_cache=False, or set "
+                       "model.config.use_cache = False, to silence this")
+            arguments["use_cache"] = False
+        if given("position_ids") is None:
+            tokens = given("input_ids")
+            embeds = given("inputs_embeds")
+            local = tokens.shape[-1] if isinstance(tokens, torch.Tensor) and tokens.dim() in (1, 2) else \
+                embeds.shape[-2] if isinstance(embeds, torch.Tensor) and embeds.dim() in (2, 3) else None
+            if local is None:
+                self.mode._refuse(
+                    "RingFlexAttention: the model was called without position_ids, and ringflex cannot tell the "
+                    "length of this rank's sequence (no input_ids [B, S_local] or inputs_embeds [B, S_local, D]) to "
+                    "number its tokens at their global positions; pass position_ids="
+                    "ringflex.training.position_ids(seq_len, group=..., layout=...)")
+            source, batched = (tokens, tokens.dim() == 2) if isinstance(tokens, torch.Tensor) else \
+                (embeds, embeds.dim() == 3)
+            positions = training.position_ids(local * meshes.world_size(self.mode.group), group=self.mode.group,
+                                              layout=self.mode.layout, device=source.device)
+            arguments["position_ids"] = positions.expand(source.shape[0], -1) if batched else positions
+        return bound.args, bound.kwargs
+
+
+# The arguments by which Hugging Face models take a cache (transformers 4.x, 5.x).
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache")
+_WARNED = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=4)
+
+
+def _hf_signature(module: nn.Module) -> Optional[inspect.Signature]:
+    """The signature of a Hugging Face style model's forward (it takes ``position_ids`` and
+    ``input_ids`` or ``inputs_embeds``), or None."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+    names = signature.parameters
+    return signature if "position_ids" in names and ("input_ids" in names or "inputs_embeds" in names) else None

@@ -4,6 +4,8 @@ layers) and a tiny Gemma 2 (logit softcap, sliding-window layers) on a real ring
 and summed parameter gradients of the same model in one process (fp64); sliding windows and
 softcap map to mods; padding masks raise. A tiny Llama 4 with chunked attention, which only its
 mask function describes."""
+import functools
+
 import pytest
 import torch
 
@@ -17,6 +19,15 @@ from ringflex.integrations import hf  # noqa: E402
 from ringflex.training import position_ids, reduce_gradients, shard_batch  # noqa: E402
 
 VOCAB, SEQ_PER_RANK = 32, 8
+
+
+def _set_attention(model, name):
+    """``model.set_attn_implementation(name)``; transformers 4.53 has no such method: its layers
+    read the config's name at every call."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
 
 
 def _llama():
@@ -98,12 +109,12 @@ def _compare(rank, world_size, layout, model_name="llama", checkpointed_layers=F
     weight = torch.randn(batch, seq_len, VOCAB, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
 
     single = build()
-    single.set_attn_implementation(single_attention)
+    _set_attention(single, single_attention)
     want = single(input_ids=tokens, use_cache=False).logits
     (want * weight).sum().backward()
 
     model = build()
-    model.set_attn_implementation("ringflex")
+    _set_attention(model, "ringflex")
     wrapped = ringflex.RingFlexAttention(model, layout=layout, backend="reference")
     if checkpointed_layers:
         layers = model.model.layers
@@ -129,7 +140,7 @@ def test_llama_ring_matches_single_process(world_size, layout):
 def _checkpointed_by_transformers(rank, world_size):
     hf.register()
     model = _llama()
-    model.set_attn_implementation("ringflex")
+    _set_attention(model, "ringflex")
     if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x's name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -266,10 +277,10 @@ def _compiled_layer_warnings(rank, world_size):
     build, single_attention, batch = MODELS["gemma2"]
     tokens = torch.randint(0, VOCAB, (batch, seq_len), generator=torch.Generator().manual_seed(1))
     single = build()
-    single.set_attn_implementation(single_attention)
+    _set_attention(single, single_attention)
     want = single(input_ids=tokens, use_cache=False).logits
     model = build()
-    model.set_attn_implementation("ringflex")
+    _set_attention(model, "ringflex")
     for layer in model.model.layers:
         layer.compile()
     wrapped = ringflex.RingFlexAttention(model, layout="zigzag", backend="reference")
@@ -286,3 +297,116 @@ def test_layers_compiled_one_by_one_pick_their_mods_outside_dynamo():
     went past their lru_cache (and a new mod object would be planned anew)."""
     for error, lru_warnings in run_world(2, _compiled_layer_warnings, timeout=400):
         assert error < 1e-6 and lru_warnings == [], (error, lru_warnings)
+
+
+def _without_position_ids(rank, world_size, layout, embeds=False, checkpointed_layers=False):
+    """A tiny Llama called as a user calls it on one GPU -- no position_ids, no use_cache (its
+    config turns the cache on) -- through the wrapper: the logits and summed gradients of one
+    process, the cache off, one warning that says why. ``checkpointed_layers``: each decoder
+    layer also wrapped with ``checkpoint=True``, inside the wrapped model."""
+    import warnings
+    hf.register()
+    seq_len, batch = SEQ_PER_RANK * world_size, 2
+    tokens = torch.randint(0, VOCAB, (batch, seq_len), generator=torch.Generator().manual_seed(1))
+    weight = torch.randn(batch, seq_len, VOCAB, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    single = _llama()
+    _set_attention(single, "sdpa")
+    want = single(input_ids=tokens, use_cache=False).logits
+    (want * weight).sum().backward()
+
+    model = _llama()
+    assert model.config.use_cache
+    _set_attention(model, "ringflex")
+    if checkpointed_layers:
+        layers = model.model.layers
+        for i, layer in enumerate(layers):
+            layers[i] = ringflex.RingFlexAttention(layer, layout=layout, backend="reference", checkpoint=True)
+    wrapped = ringflex.RingFlexAttention(model, layout=layout, backend="reference")
+    local = shard_batch({"tokens": tokens, "weight": weight}, layout=layout)
+    inputs = {"inputs_embeds": model.model.embed_tokens(local["tokens"])} if embeds else {"input_ids": local["tokens"]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = wrapped(**inputs)
+        again = wrapped(**inputs)
+    (out.logits * local["weight"]).sum().backward()
+    reduce_gradients(model.parameters())
+    out_error = (ringflex.unshard(out.logits.detach(), 1, layout=layout) - want).abs().max().item()
+    grad_error = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), single.parameters()))
+    cache_warnings = [str(w.message) for w in caught if "use_cache" in str(w.message)]
+    return out_error, grad_error, (out.past_key_values, again.past_key_values), cache_warnings, \
+        torch.equal(again.logits, out.logits)
+
+
+@pytest.mark.parametrize("layout,embeds,checkpointed_layers", [("zigzag", False, False), ("contiguous", True, False),
+                                                               ("zigzag", False, True)])
+def test_llama_called_without_position_ids_or_use_cache_matches_single_process(layout, embeds, checkpointed_layers):
+    """The wrapper passes the global position ids of this rank's tokens (RoPE saw local ones:
+    silently wrong logits) and turns off the cache the config asked for, saying so once."""
+    for out_error, grad_error, caches, cache_warnings, repeatable in run_world(
+            2, _without_position_ids, layout, embeds, checkpointed_layers):
+        assert out_error < 1e-10 and grad_error < 1e-10, (out_error, grad_error)
+        assert caches == (None, None) and repeatable
+        assert len(cache_warnings) == 1 and "would hold only this rank's keys" in cache_warnings[0], cache_warnings
+
+
+def _refused(rank, world_size, layout, how):
+    hf.register()
+    model = _llama()
+    _set_attention(model, "ringflex")
+    tokens = shard_batch(torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1)), layout=layout)
+    positions = position_ids(16, layout=layout).expand(1, -1)
+    if how == "layers_without_positions":  # the model itself unwrapped: it numbers the local tokens from 0
+        layers = model.model.layers
+        for i, layer in enumerate(layers):
+            layers[i] = ringflex.RingFlexAttention(layer, layout=layout, backend="reference", checkpoint=True)
+        call = functools.partial(model, input_ids=tokens, use_cache=False)
+    elif how == "mode_without_positions":
+        def call():
+            with ringflex.RingFlexMode(layout=layout, backend="reference"):
+                return model(input_ids=tokens, use_cache=False)
+    else:
+        wrapped = ringflex.RingFlexAttention(model, layout=layout, backend="reference")
+        cache = transformers.DynamicCache() if how == "past_key_values" else None
+        call = functools.partial(wrapped, input_ids=tokens, position_ids=positions,
+                                 **({"use_cache": True} if how == "use_cache" else {"past_key_values": cache}))
+    with pytest.raises(ringflex.CallRejected) as refused:
+        call()
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("how,layout,says", [
+    ("use_cache", "zigzag", "called with use_cache=True: its cache would hold only this rank's keys and values"),
+    ("past_key_values", "zigzag", "called with past_key_values: a Hugging Face cache holds earlier keys"),
+    ("layers_without_positions", "contiguous", "rank 1: ringflex attention: this rank's position_ids number its "
+                                               "tokens from 0"),
+    ("mode_without_positions", "zigzag", "position_ids number its tokens from 0, but in the ring they sit at global "
+                                         "positions (here [0, 1, 2, ..., 14, 15])")])
+def test_a_cache_or_local_positions_are_refused_on_every_rank(how, layout, says):
+    """What the wrapper cannot make right raises the same CallRejected on every rank: a cache
+    (it would hold this rank's keys and values only), and position ids a model numbered from 0
+    on each rank because it was called without them outside the wrapper (over the contiguous
+    layout rank 0's are right: it learns of rank 1's in the ring's argument check)."""
+    messages = run_world(2, _refused, layout, how)
+    for rank, message in enumerate(messages):
+        assert says in message, (rank, message)
+
+
+def _layer_cache_warning(rank, world_size):
+    """Decoder layers wrapped, the model called with global positions but its config's cache."""
+    import warnings
+    hf.register()
+    model = _llama()
+    _set_attention(model, "ringflex")
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = ringflex.RingFlexAttention(layer, backend="reference")
+    tokens = shard_batch(torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(input_ids=tokens, position_ids=position_ids(16).expand(1, -1))
+    return [str(w.message) for w in caught if "cache" in str(w.message)]
+
+
+def test_a_cache_that_reaches_a_wrapped_layer_is_warned_about():
+    for cache_warnings in run_world(2, _layer_cache_warning):
+        assert len(cache_warnings) == 1 and "holds only this rank's keys and values" in cache_warnings[0], cache_warnings

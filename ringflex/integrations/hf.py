@@ -6,20 +6,26 @@
     model = ringflex.RingFlexAttention(model, group=group, layout="zigzag")
     logits = model(input_ids=local_ids, position_ids=local_positions).logits
 
-The model sees this rank's tokens and their GLOBAL position ids (``ringflex.training``); each
-attention layer's causal / sliding-window / chunked (Llama 4) mask and logit softcap become mods
-evaluated at global positions by ``ring_flex_attention`` on the wrapper's group and layout. Packed documents: give
+The model sees this rank's tokens and their GLOBAL position ids (``ringflex.training``; the
+wrapper passes them where the call gives none); each attention layer's causal / sliding-window /
+chunked (Llama 4) mask and logit softcap become mods evaluated at global positions by
+``ring_flex_attention`` on the wrapper's group and layout. Packed documents: give
 the wrapper ``mask_mod=PackedSequences(...).mask_mod()`` (restarting position ids alone are not
 read). Attention sinks (gpt-oss's ``s_aux``) are ``ring_flex_attention``'s ``sinks``. What
 cannot be routed raises: padding masks, custom 4-D masks, masks with parts ringflex does not
-know (image tokens attending bidirectionally), dropout, position biases.
+know (image tokens attending bidirectionally), dropout, position biases, a cache (keys of
+earlier calls), and position ids that number each rank's tokens from 0 (a model called without
+them inside ``RingFlexMode`` or with only its layers wrapped).
 """
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 try:
     from transformers import AttentionInterface
@@ -27,8 +33,10 @@ try:
 except ImportError as e:  # the optional extra is missing
     raise ImportError(f"ringflex.integrations.hf needs transformers ({e}); pip install 'ringflex[hf]'") from e
 
-from .. import mods
-from ..module import attention
+from .. import mods, training
+from ..module import attention, current_mode
+
+__all__ = ["NAME", "register", "ringflex_attention_forward", "ringflex_mask", "LayerMask"]
 
 NAME = "ringflex"
 
@@ -68,7 +76,8 @@ def ringflex_attention_forward(module, query, key, value, attention_mask, dropou
     ([B, S_local, Hq, D], None). Runs inside ``RingFlexAttention`` / ``RingFlexMode``. A call
     it cannot route raises on every rank (one rank's tokens may be padded, the others' not)."""
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    error = _unroutable(attention_mask, dropout, kwargs.get("position_bias"), causal, sliding_window)
+    error = _unroutable(attention_mask, dropout, kwargs.get("position_bias"), causal, sliding_window) \
+        or _cached_keys(query, key, causal) or _local_positions(kwargs.get("position_ids"), query.shape[-2])
     if error is not None:
         attention(query, key, value, error=error)
     if isinstance(attention_mask, LayerMask):
@@ -92,6 +101,53 @@ def _unroutable(attention_mask, dropout, position_bias, causal, sliding_window) 
     if sliding_window and not causal:
         return "ringflex attention supports sliding_window only for causal attention"
     return None
+
+
+def _cached_keys(query, key, causal) -> Optional[str]:
+    """Why a causal call with more keys than queries cannot run: the keys of a cache."""
+    if causal and key.shape[-2] != query.shape[-2]:
+        return (f"ringflex attention got {key.shape[-2]} keys for {query.shape[-2]} queries: a Hugging Face cache "
+                "added keys of earlier calls, which hold this rank's tokens only (ring attention does not decode); "
+                "call the model with use_cache=False and without past_key_values")
+    return None
+
+
+_CHECKED = threading.local()  # the last position ids checked: (weak reference, version, mode, error)
+
+
+@torch.compiler.disable
+def _local_positions(position_ids, length: int) -> Optional[str]:
+    """Why ``position_ids`` [B, S_local] cannot be right: they number this rank's tokens from 0
+    where the ring puts them elsewhere (a model that made them itself, from local lengths). Not
+    checked under an extra mask (packed documents restart their positions) or while a CUDA
+    graph captures; a tensor is checked once (every layer of a forward gets the same)."""
+    mode = current_mode()
+    if not isinstance(position_ids, torch.Tensor) or mode is None or position_ids.shape[-1] != length \
+            or position_ids.is_floating_point() or mode.extra_mask() is not None:
+        return None
+    world_size = dist.get_world_size(mode.group) if dist.is_available() and dist.is_initialized() else 1
+    if world_size == 1 or (position_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    last = getattr(_CHECKED, "last", None)
+    if last is not None and last[0]() is position_ids and last[1:3] == (position_ids._version, mode):
+        return last[3]
+    local = torch.arange(length, device=position_ids.device)
+    error = None
+    if bool((position_ids == local).all()):
+        ring = training.position_ids(length * world_size, group=mode.group, layout=mode.layout)
+        if not torch.equal(ring, local.cpu()):
+            error = ("ringflex attention: this rank's position_ids number its tokens from 0, but in the ring they sit "
+                     f"at global positions (here {_span(ring)}): RoPE would see local positions. The model made them "
+                     "itself (it was called without position_ids) or was given them; wrap the whole model in "
+                     "RingFlexAttention, which passes the global ones, or pass position_ids="
+                     "ringflex.training.position_ids(seq_len, group=..., layout=...)")
+    _CHECKED.last = (weakref.ref(position_ids), position_ids._version, mode, error)
+    return error
+
+
+def _span(positions: torch.Tensor) -> str:
+    shown = positions.tolist() if positions.numel() <= 6 else positions[:3].tolist() + ["..."] + positions[-2:].tolist()
+    return "[" + ", ".join(map(str, shown)) + "]"
 
 
 # Eager even inside compiled code: dynamo traces past lru_cache, and every call would then
