@@ -128,8 +128,9 @@ class Workload:
     def usage(self, labels: Tensor, groups: int, reads: bool = True, owner_of: Optional[Tensor] = None):
         """``pairs``, and with ``reads`` a [seq_len] bool: whether a query of another owner sees
         the key at each position, a label's owner being ``owner_of[label]`` (default: the label
-        itself). The FULL tiles count as a whole; a rectangle whose rows and keys hold one
-        label each marks its keys where their owners differ, any other all of its keys."""
+        itself). Exact but for two bounds, both wide of the mark: a FULL tile of keys counts
+        as seen by every owner of queries whose tiles see it, and a rectangle over many runs of
+        labels (a strided labelling) marks all of its keys."""
         labels = labels.to("cpu", torch.long)
         counts = torch.bincount(self._tile_of * groups + labels, minlength=self.tiles * groups).view(
             self.tiles, groups).double()
@@ -155,20 +156,24 @@ class Workload:
         out.view(-1).index_add_(0, (lq * groups + lk)[simple], self._areas[simple])
         rest = (~simple).nonzero().squeeze(1)
         pieces = int((q_runs[rest] * k_runs[rest]).sum()) if len(rest) else 0
+        marked = [(k0[simple], k1[simple], owner_of[lq[simple]] != owner_of[lk[simple]])]
         if pieces and pieces <= 4 * len(rest) * groups:  # a few runs each: cut them along the runs
             rect, q_a, q_b, _ = _cut(rest, q0, q1, q_runs, run_of, run_start, run_end, ())
             rect, k_a, k_b, (q_a, q_b) = _cut(rect, k0, k1, k_runs, run_of, run_start, run_end, (q_a, q_b))
             counts = self.weights[rect] * ((q_b - q_a) * (k_b - k_a)).double()
-            out.view(-1).index_add_(0, labels[q_a] * groups + labels[k_a], counts)
+            lq, lk = labels[q_a], labels[k_a]
+            out.view(-1).index_add_(0, lq * groups + lk, counts)
+            marked.append((k_a, k_b, owner_of[lq] != owner_of[lk]))
         elif pieces:  # many runs (a strided labelling): histograms of their labels
             cum = _cumulative(labels, groups)
             rows = (cum[q1[rest]] - cum[q0[rest]]).double() * self.weights[rest].unsqueeze(1)
             out += rows.t() @ (cum[k1[rest]] - cum[k0[rest]]).double()
+            marked.append((k0[rest], k1[rest], torch.ones(len(rest), dtype=torch.bool)))  # all of their keys
         if reads:
-            marked = ~simple | (owner_of[lq] != owner_of[lk])
+            begin, end, other = (torch.cat(parts) for parts in zip(*marked))
             edges = torch.zeros(self.seq_len + 1, dtype=torch.long)
-            edges.index_add_(0, k0[marked], torch.ones(1, dtype=torch.long).expand(int(marked.sum())))
-            edges.index_add_(0, k1[marked], -torch.ones(1, dtype=torch.long).expand(int(marked.sum())))
+            edges.index_add_(0, begin[other], torch.ones(1, dtype=torch.long).expand(int(other.sum())))
+            edges.index_add_(0, end[other], -torch.ones(1, dtype=torch.long).expand(int(other.sum())))
             seen |= edges.cumsum(0)[:-1] > 0
         return out, seen
 
