@@ -353,10 +353,10 @@ def _evaluated(mask_mod, seq_len: int, batch: int, heads: int, q_lo: Tensor, k_l
 def _evaluate(mask_mod, batch: int, heads: int, q: Tensor, kv: Tensor, device) -> Tensor:
     """The mask at query ``q[i]`` against keys ``kv[i, :]``: [batch', heads', rows, keys] bool
     (batch' or heads' 1 where it depends on neither)."""
-    q = q.to(device=device, dtype=torch.int32)
-    kv = kv.to(device=device, dtype=torch.int32)
-    b = torch.arange(batch, device=device, dtype=torch.int32).view(-1, 1, 1, 1)
-    h = torch.arange(heads, device=device, dtype=torch.int32).view(1, -1, 1, 1)
+    # int64, not flex_attention's int32: lookups index with int64 anyway (half the time)
+    q, kv = q.to(device=device), kv.to(device=device)
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
     allowed = torch.as_tensor(mask_mod(b, h, q.view(1, 1, -1, 1), kv.view(1, 1, *kv.shape)), device=device)
     if allowed.dtype != torch.bool:
         allowed = allowed != 0
