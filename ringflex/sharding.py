@@ -495,21 +495,21 @@ def _searched(work: Workload, world_size: int, chunks: Optional[int], token_pair
         chunk_pairs = work.pairs(torch.arange(work.seq_len) // size, count).numpy()
     search = _Search(chunk_pairs, world_size, work.seq_len // world_size, token_pairs, call_pairs)
     per_rank = count // world_size
-    starts = [np.arange(count) // per_rank, search.greedy()]
+    starts = {"contiguous": np.arange(count) // per_rank, "greedy": search.greedy()}
     if per_rank % 2 == 0:  # zigzag's chunks
         zig = np.arange(count) // (per_rank // 2)
-        starts.append(np.where(zig < world_size, zig, 2 * world_size - 1 - zig))
+        starts["zigzag"] = np.where(zig < world_size, zig, 2 * world_size - 1 - zig)
     found = {}
-    for start in starts:
-        owner = search.descend(start)
-        found.setdefault(tuple(owner), float(search.cost(*search.state(owner))))
-    found = sorted(found.items(), key=lambda kv: kv[1])[:2]  # the two cheapest to the full estimate
+    for name, start in starts.items():
+        owner = tuple(search.descend(start))
+        if owner not in found:
+            found[owner] = (float(search.cost(*search.state(np.array(owner)))), name)
     shardings = []
-    for owner, _ in found:
+    for owner, (_, name) in sorted(found.items(), key=lambda kv: kv[1][0])[:2]:  # the two cheapest go on
         runs: List[List[Tuple[int, int]]] = [[] for _ in range(world_size)]
         for c in range(count):
             _append_run(runs[owner[c]], c * size, (c + 1) * size)
-        shardings.append(Sharding.from_ranges(work.seq_len, runs, f"by mask ({count} chunks)"))
+        shardings.append(Sharding.from_ranges(work.seq_len, runs, f"{count} chunks from {name}"))
     return shardings
 
 

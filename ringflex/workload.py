@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import captured
 from .bounds import Range, Undecided, _cast, _ranges
 from .plan import MaskCache
 from .trace import UnsupportedModError, diagonal_band, trace_mask_mod
@@ -206,6 +207,8 @@ def workload(mask_mod: Optional[Callable], seq_len: int, *, batch: int = 1, head
     evaluated on ``device`` (where the tensors it captured live); kept while the mod and
     those tensors are the very same objects, unmodified."""
     t = tile or tile_size(seq_len)
+    if device is None:  # where the tensors it captured live (document ids on a GPU)
+        device = next((p.device for p in captured.parts(mask_mod) if isinstance(p, Tensor)), None)
     key = ("workload", seq_len, batch, heads, t, str(device))
     return _WORKLOADS.lookup(mask_mod, key, lambda: _workload(mask_mod, seq_len, batch, heads, device, t))
 
