@@ -8,9 +8,10 @@ integer the ranks can compare.
 
 ``estimate`` prices a Sharding under a mask with the ring's cost model (pairs of the mask each
 rank computes at each ring step, how many steps the ring needs, the rows that travel, the
-kernel calls); ``shard_by_mask`` picks the cheapest of the fixed layouts, a per-document
-head-tail sharding (given document ids) and assignments of equal chunks of the sequence to
-ranks found by a local search on the same model. See docs/sharding.md.
+kernel calls); ``shard_by_mask`` picks the cheapest of the fixed layouts, assignments of
+equal chunks of the sequence to ranks found by a local search on the same model, and, given
+document ids, a per-document head-tail sharding and whole documents packed by their work.
+See docs/sharding.md.
 
 Imports no torch.distributed: it is pure planning, the same on every rank.
 """
@@ -36,7 +37,7 @@ from .workload import Workload, workload
 #   pairs: compute and transfer both grow with heads * head_dim, so this holds at any size
 #   of heads, and is a property of the GPU and its links. Fitted to 4x H100 (NVLink) at 8k
 #   tokens per GPU: a window of 4096 over zigzag 19.3 ms against 5.2 over contiguous, and
-#   causal over zigzag at 0.81 of the compute-bound time (docs/sharding.md).
+#   causal over zigzag at an efficiency of 0.81 (docs/sharding.md).
 CALL_PAIRS = 1_300_000
 TOKEN_PAIRS = 5_000
 
