@@ -1,0 +1,597 @@
+"""Which global positions each rank holds, as a value, and choosing it from the mask.
+
+A ``Sharding`` is, for each rank of a ring, a tuple of ``Segment`` s (runs of global positions
+``start + stride * i``, in local order) over a sequence of ``seq_len`` positions: the three
+fixed layouts (``Sharding.of_layout``: contiguous, zigzag, striped) are Shardings, and so is
+what ``shard_by_mask`` finds. It is frozen, hashable and printable; ``digest`` is a stable
+integer the ranks can compare.
+
+``estimate`` prices a Sharding under a mask with the ring's cost model (pairs of the mask each
+rank computes at each ring step, how many steps the ring needs, the rows that travel, the
+kernel calls); ``shard_by_mask`` picks the cheapest of the fixed layouts, assignments of
+equal chunks of the sequence to ranks found by a local search on the same model, and, given
+document ids, a per-document head-tail sharding and whole documents packed by their work.
+See docs/sharding.md.
+
+Imports no torch.distributed: it is pure planning, the same on every rank.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .parallel.layout import LAYOUTS, divisor, segments
+from .plan import Segment
+from .trace import UnsupportedModError, diagonal_band, trace_mask_mod
+from .workload import Workload, workload
+
+# The cost model's weights, in (query, key) pairs of one head's attention (fwd + bwd):
+# - a kernel call costs about as long as 1.3 million pairs beyond its own (cuDNN on an H100
+#   at B=1, H=32, D=128: kernels/cudnn/kernel.py); it scales as 1 / (batch * heads * head_dim).
+# - a row of K and V that travels one hop (and its dK, dV back) costs about as long as 5000
+#   pairs: compute and transfer both grow with heads * head_dim, so this holds at any size
+#   of heads, and is a property of the GPU and its links. Fitted to 4x H100 (NVLink) at 8k
+#   tokens per GPU: a window of 4096 over zigzag 19.3 ms against 5.2 over contiguous, and
+#   causal over zigzag at an efficiency of 0.81 (docs/sharding.md).
+CALL_PAIRS = 1_300_000
+TOKEN_PAIRS = 5_000
+
+_SHOWN_SEGMENTS = 6  # segments a rank's line of a repr shows before "... (n more)"
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """For each rank, the global positions it holds: ``ranks[r]`` is a tuple of Segments in
+    local order. Every position of ``[0, seq_len)`` belongs to exactly one rank. ``name`` is a
+    short description; it takes no part in equality, hashing or ``digest``."""
+
+    seq_len: int
+    ranks: Tuple[Tuple[Segment, ...], ...]
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "ranks", tuple(tuple(Segment(int(s.start), int(s.stride), int(s.length))
+                                                      for s in segs) for segs in self.ranks))
+        if not self.ranks:
+            raise ValueError("a Sharding needs at least one rank")
+        for rank, segs in enumerate(self.ranks):
+            for s in segs:
+                if s.length <= 0 or s.stride <= 0 or s.start < 0 or s.start + s.stride * (s.length - 1) >= self.seq_len:
+                    raise ValueError(f"rank {rank}: segment {s} is empty, decreasing or outside [0, {self.seq_len})")
+        counts = torch.bincount(self.permutation(), minlength=self.seq_len)
+        if len(counts) != self.seq_len or bool((counts != 1).any()):
+            missing, twice = (counts == 0).sum().item(), (counts > 1).sum().item()
+            raise ValueError(f"the ranks' segments must hold every position of [0, {self.seq_len}) exactly once: "
+                             f"{missing} missing, {twice} held more than once")
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def of_layout(cls, layout: str, seq_len: int, world_size: int) -> "Sharding":
+        """One of the fixed layouts (``parallel.layout.LAYOUTS``), exactly as the ring shards it."""
+        return cls(seq_len, tuple(tuple(segments(layout, seq_len, world_size, r)) for r in range(world_size)), layout)
+
+    @classmethod
+    def from_ranges(cls, seq_len: int, ranges: Sequence[Sequence[Tuple[int, int]]], name: str = "custom") -> "Sharding":
+        """From ``ranges[r]``: the ``(begin, end)`` runs of positions rank r holds, in local order."""
+        return cls(seq_len, tuple(tuple(Segment(b, 1, e - b) for b, e in runs) for runs in ranges), name)
+
+    # ------------------------------------------------------------------ what it holds
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def local_len(self, rank: int) -> int:
+        return sum(s.length for s in self.ranks[rank])
+
+    def max_local_len(self) -> int:
+        return max(self.local_len(r) for r in range(self.world_size))
+
+    @property
+    def equal_sizes(self) -> bool:
+        return len({self.local_len(r) for r in range(self.world_size)}) == 1
+
+    def positions(self, rank: int, device=None) -> Tensor:
+        """Global position of every local token of ``rank`` (int64), in local order."""
+        segs = self.ranks[rank]
+        if not segs:
+            return torch.zeros(0, dtype=torch.long, device=device)
+        return torch.cat([s.positions(device) for s in segs]).long()
+
+    def permutation(self, device=None) -> Tensor:
+        """Global positions in rank-major local order: ``full[perm]`` is the concatenation of shards."""
+        return torch.cat([self.positions(r, device) for r in range(self.world_size)])
+
+    def inverse(self, device=None) -> Tensor:
+        """``gathered[inv]`` restores global order from the rank-major concatenation of shards."""
+        return torch.argsort(self.permutation(device))
+
+    def owners(self) -> Tensor:
+        """[seq_len] int64: the rank holding each global position."""
+        owner = torch.empty(self.seq_len, dtype=torch.long)
+        for rank in range(self.world_size):
+            owner[self.positions(rank)] = rank
+        return owner
+
+    def local_index(self) -> Tensor:
+        """[seq_len] int64: where each global position lies in its rank's local order."""
+        local = torch.empty(self.seq_len, dtype=torch.long)
+        for rank in range(self.world_size):
+            local[self.positions(rank)] = torch.arange(self.local_len(rank))
+        return local
+
+    def take(self, x: Tensor, rank: int, dim: int = 0) -> Tensor:
+        """``rank``'s tokens of the whole sequence ``x`` along ``dim``, in local order."""
+        return x.index_select(dim, self.positions(rank, x.device))
+
+    def restore(self, gathered: Tensor, dim: int = 0) -> Tensor:
+        """The whole sequence in global order from the concatenation of every rank's shard along ``dim``."""
+        return gathered.index_select(dim, self.inverse(gathered.device))
+
+    # ------------------------------------------------------------------ comparing and printing
+
+    def digest(self) -> int:
+        """A 63-bit integer, the same in every process for the same positions per rank
+        (``name`` aside): what ranks compare to check they shard alike."""
+        data = repr((self.seq_len, tuple(tuple((s.start, s.stride, s.length) for s in segs) for segs in self.ranks)))
+        return int.from_bytes(hashlib.sha1(data.encode()).digest()[:8], "little") >> 1
+
+    def __repr__(self) -> str:
+        sizes = sorted({self.local_len(r) for r in range(self.world_size)})
+        each = f"{sizes[0]} each" if len(sizes) == 1 else "sizes " + "/".join(
+            str(self.local_len(r)) for r in range(self.world_size))
+        lines = [f"Sharding {self.name!r}: {self.seq_len} positions over {self.world_size} ranks ({each})"]
+        for rank, segs in enumerate(self.ranks):
+            shown = " ".join(_segment_text(s) for s in segs[:_SHOWN_SEGMENTS])
+            more = f" ... ({len(segs) - _SHOWN_SEGMENTS} more)" if len(segs) > _SHOWN_SEGMENTS else ""
+            lines.append(f"  rank {rank}: {shown}{more}")
+        return "\n".join(lines)
+
+    __str__ = __repr__
+
+    def _segment_labels(self) -> Tuple[Tensor, List[int]]:
+        """[seq_len] int64: the index of the segment (counted over all ranks) holding each
+        position, and the rank of each segment."""
+        labels = torch.empty(self.seq_len, dtype=torch.long)
+        rank_of = []
+        for rank, segs in enumerate(self.ranks):
+            for s in segs:
+                labels[s.start:s.start + s.stride * (s.length - 1) + 1:s.stride] = len(rank_of)
+                rank_of.append(rank)
+        return labels, rank_of
+
+
+def _segment_text(s: Segment) -> str:
+    if s.stride == 1:
+        return f"[{s.start}, {s.start + s.length})"
+    return f"[{s.start}, {s.start + s.stride * (s.length - 1)}] step {s.stride}"
+
+
+# ---------------------------------------------------------------------- the cost model
+
+def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1, heads: int = 1, device=None,
+             token_pairs: float = TOKEN_PAIRS, call_pairs: float = CALL_PAIRS,
+             work: Optional[Workload] = None) -> Dict[str, object]:
+    """The ring's cost under ``mask_mod`` (None: no mask) over ``sharding``, in pairs per head.
+
+    - ``pairs[s][r]``: the (query, key) pairs rank r computes at ring step s (its queries
+      against the keys of rank (r - s) mod W, the block it holds then).
+    - ``steps``: the ring steps needed (up to the last in which any rank sees keys: the ring
+      stops there, as ``plan.steps_needed``).
+    - ``critical_pairs``: the slowest rank's pairs at each needed step, summed: the ring's
+      critical path in pairs. ``total_pairs`` / W over it is ``balance`` (1: even).
+    - ``hops``: the non-empty (rank, step) pairs. ``calls``: kernel calls, one per PARTIAL
+      (query segment, key segment) pair and one for all FULL ones of a (rank, step), which
+      the planner joins.
+    - ``travel_rows``: the rows of a block that travel at each step after the first (one range
+      around the rows other ranks see, widened to a power of two, as the ring sends them).
+    - ``cost``: step 0's slowest rank, then per step the slower of its slowest rank and the
+      transfer of its block (which the ring overlaps with the step before), a rank's work
+      being its pairs plus ``call_pairs`` per call, a transfer ``token_pairs`` per row.
+    - ``exact``: False where the mask's pairs were sampled (``workload``).
+
+    ``work``: the mask's ``Workload`` over this length, where the caller has it.
+    """
+    world = sharding.world_size
+    if work is None:
+        work = workload(mask_mod, sharding.seq_len, batch=batch, heads=heads, device=device)
+    tiled = _on_tiles(sharding, work.tile)
+    seg_rank = _segment_ranks(sharding)
+    if tiled is not None:
+        member = np.eye(len(seg_rank))[tiled[0]]  # [tiles, segments]
+        seg_pairs = member.T @ work.tile_pairs[0] @ member
+    else:
+        labels, _ = sharding._segment_labels()
+        seg_pairs, read = work.usage(labels, len(seg_rank), owner_of=torch.from_numpy(seg_rank))
+        seg_pairs = seg_pairs.numpy()
+    seg_len = np.array([seg.length for segs in sharding.ranks for seg in segs], dtype=np.float64)
+    member = np.eye(world)[seg_rank]  # [segments, ranks]
+    by_rank = member.T @ seg_pairs @ member
+    full = seg_pairs >= np.outer(seg_len, seg_len) * (1 - 1e-9)
+    partial = member.T @ ((seg_pairs > 0) & ~full).astype(np.float64) @ member
+    any_full = (member.T @ full.astype(np.float64) @ member) > 0
+    calls = partial + any_full
+    ranks = np.arange(world)
+    held = (ranks[None, :] - ranks[:, None]) % world  # [step, rank]: whose block rank r holds at step s
+    pairs, calls = by_rank[ranks[None, :], held], calls[ranks[None, :], held]
+    if _compares_order_only(mask_mod, device):  # the planner runs such a rank's own block as one call
+        ordered = np.array([_in_order(segs) for segs in sharding.ranks])
+        calls[0] = np.where(ordered & (pairs[0] > 0), 1, calls[0])
+    seen = np.nonzero(pairs.max(1) > 0)[0]
+    steps = int(seen.max()) + 1 if len(seen) else 1
+    travel = 0
+    if steps > 1:
+        travel = _travel_tiled(sharding, work, *tiled) if tiled is not None else _travel_rows(sharding, read)
+    busy = (pairs + call_pairs * calls).max(1)[:steps]
+    step_cost = np.maximum(busy, np.where(np.arange(steps) > 0, token_pairs * travel, 0.0))
+    critical = float(pairs.max(1)[:steps].sum())
+    total = float(pairs.sum())
+    return {
+        "sharding": sharding.name, "world_size": world, "seq_len": sharding.seq_len,
+        "pairs": [[_number(x) for x in row] for row in pairs],
+        "critical_pairs": _number(critical), "total_pairs": _number(total),
+        "balance": total / world / critical if critical else 1.0,
+        "steps": steps, "hops": int((pairs > 0).sum()), "calls": int(calls[:steps].sum()),
+        "travel_rows": int(travel), "cost": float(step_cost.sum()), "exact": work.exact,
+    }
+
+
+# Masks that only compare q_idx with kv_idx: causal, and its strict and reversed forms (``plan``).
+_ORDER_BANDS = {(0, None), (1, None), (None, 0), (None, -1)}
+
+
+def _compares_order_only(mask_mod, device) -> bool:
+    """Whether ``mask_mod`` only compares q_idx with kv_idx (``plan._local_order_hop``)."""
+    if mask_mod is None:
+        return False
+    try:
+        return diagonal_band(trace_mask_mod(mask_mod, device)) in _ORDER_BANDS
+    except UnsupportedModError:
+        return False
+
+
+def _in_order(segs) -> bool:
+    """Whether positions increase along a rank's local rows."""
+    return all(s.stride > 0 for s in segs) and all(
+        a.start + a.stride * (a.length - 1) < b.start for a, b in zip(segs, segs[1:]))
+
+
+def _number(x: float):
+    return int(round(x)) if abs(x - round(x)) < 1e-6 else float(x)
+
+
+def _segment_ranks(sharding: Sharding) -> np.ndarray:
+    return np.array([rank for rank, segs in enumerate(sharding.ranks) for _ in segs], dtype=np.int64)
+
+
+def _on_tiles(sharding: Sharding, tile: int):
+    """Where every segment is a run of whole tiles (stride 1, its ends on tile edges or the
+    sequence's end): the segment of each tile ([T] int64) and the first local row of each
+    segment; else None."""
+    n = -(-sharding.seq_len // tile)
+    seg_of_tile = np.full(n, -1, dtype=np.int64)
+    local_start = []
+    g = 0
+    for segs in sharding.ranks:
+        at = 0
+        for seg in segs:
+            end = seg.start + seg.length
+            if (seg.stride != 1 and seg.length > 1) or seg.start % tile or (end % tile and end != sharding.seq_len):
+                return None
+            seg_of_tile[seg.start // tile:-(-end // tile)] = g
+            local_start.append(at)
+            at += seg.length
+            g += 1
+    return seg_of_tile, np.array(local_start, dtype=np.int64)
+
+
+def _widened(span: int, length: int) -> int:
+    """Rows that travel for ``span`` rows read: a power of two, at most the block (``ring.widened``)."""
+    return min(length, 1 << (span - 1).bit_length()) if span > 0 else 0
+
+
+def _travel_tiled(sharding: Sharding, work: Workload, seg_of_tile: np.ndarray, local_start: np.ndarray) -> int:
+    """``_travel_rows`` from the tile pairs' first and end keys (a sharding on whole tiles)."""
+    pairs, first, last = work.tile_pairs
+    seg_rank = _segment_ranks(sharding)
+    seg_begin = np.array([seg.start for segs in sharding.ranks for seg in segs], dtype=np.int64)
+    owner = seg_rank[seg_of_tile]
+    others = (pairs > 0) & (owner[:, None] != owner[None, :])  # [query tile, key tile]
+    read = others.any(0)
+    lo = np.where(others, first, sharding.seq_len).min(0)[read]
+    hi = np.where(others, last, 0).max(0)[read] - 1
+    seg = seg_of_tile[read]
+    lo_local, hi_local = local_start[seg] + lo - seg_begin[seg], local_start[seg] + hi - seg_begin[seg]
+    most = 0
+    for rank in np.unique(owner[read]):
+        mine = owner[read] == rank
+        most = max(most, _widened(int(hi_local[mine].max() - lo_local[mine].min()) + 1, sharding.local_len(int(rank))))
+    return most
+
+
+def _travel_rows(sharding: Sharding, read: Tensor) -> int:
+    """The most rows of one rank's block that travel: one range (in local order) around its
+    keys that another rank's queries see (``read``, by position), widened to a power of two
+    (``ring.widened``)."""
+    owners, local = sharding.owners(), sharding.local_index()
+    most = 0
+    for rank in range(sharding.world_size):
+        rows = local[read & (owners == rank)]
+        if len(rows):
+            most = max(most, _widened(int(rows.max() - rows.min()) + 1, sharding.local_len(rank)))
+    return most
+
+
+def describe(est: Dict[str, object]) -> str:
+    """One line of an ``estimate``: what a benchmark or a test prints."""
+    return (f"{est['sharding']:>22}: critical {est['critical_pairs'] / 1e6:8.2f}M pairs "
+            f"(balance {est['balance']:.2f}), {est['steps']} steps, {est['hops']:3d} hops, {est['calls']:4d} calls, "
+            f"travel {est['travel_rows']:6d} rows, cost {est['cost'] / 1e6:8.2f}M")
+
+
+# ---------------------------------------------------------------------- choosing a sharding
+
+def shard_by_mask(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, document_ids: Optional[Tensor] = None,
+                  batch: int = 1, heads: int = 1, chunks: Optional[int] = None, device=None,
+                  token_pairs: float = TOKEN_PAIRS, call_pairs: float = CALL_PAIRS) -> Sharding:
+    """The Sharding of ``seq_len`` positions over ``world_size`` ranks (equal sizes) that the
+    cost model (``estimate``) prices cheapest for ``mask_mod``: never dearer than the best
+    fixed layout, the first of them on a tie. ``document_ids`` ([seq_len], as
+    ``mods.document`` takes them) adds candidates that cut by document; ``chunks`` (a
+    multiple of ``world_size`` dividing ``seq_len``) sets the pieces the search moves (default
+    4 per rank, each a multiple of the workload's tile where the length allows).
+    Deterministic: every rank computes the same Sharding from the same arguments."""
+    found = compare(mask_mod, seq_len, world_size, document_ids=document_ids, batch=batch, heads=heads,
+                    chunks=chunks, device=device, token_pairs=token_pairs, call_pairs=call_pairs)
+    return min(found, key=lambda c: c[1]["cost"])[0]
+
+
+def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, document_ids: Optional[Tensor] = None,
+            batch: int = 1, heads: int = 1, chunks: Optional[int] = None, device=None,
+            token_pairs: float = TOKEN_PAIRS, call_pairs: float = CALL_PAIRS) -> List[Tuple[Sharding, Dict[str, object]]]:
+    """Every candidate ``shard_by_mask`` weighs, with its ``estimate``, in the order they are
+    preferred on equal cost: the fixed layouts first."""
+    if world_size < 1 or seq_len < world_size or seq_len % world_size:
+        raise ValueError(f"seq_len ({seq_len}) must be a positive multiple of world_size ({world_size}): "
+                         "a ring's shards have equal sizes")
+    if document_ids is not None and tuple(document_ids.shape) != (seq_len,):
+        raise ValueError(f"document_ids must have shape [{seq_len}], got {tuple(document_ids.shape)}")
+    device = device if device is not None else (document_ids.device if document_ids is not None else None)
+    fixed = [Sharding.of_layout(name, seq_len, world_size) for name in LAYOUTS
+             if seq_len % divisor(name, world_size) == 0]
+    work = workload(mask_mod, seq_len, batch=batch, heads=heads, device=device)
+    price = dict(work=work, token_pairs=token_pairs, call_pairs=call_pairs)
+    if world_size == 1 or mask_mod is None:  # every sharding does the same work; one segment a rank calls least
+        return [(fixed[0], estimate(fixed[0], mask_mod, **price))]
+    extra = _searched(work, world_size, chunks, token_pairs, call_pairs)
+    if document_ids is not None:
+        extra += [per_document(document_ids, world_size),
+                  packed_documents(document_ids, world_size, work.row_pairs())]
+    found, seen = [], set()
+    for s in fixed + extra:
+        if s is not None and s not in seen:
+            seen.add(s)
+            found.append((s, estimate(s, mask_mod, **price)))
+    return found
+
+
+def per_document(document_ids: Tensor, world_size: int) -> Optional[Sharding]:
+    """Each document cut in 2 * world_size pieces, rank r holding pieces r and 2W-1-r (the
+    head-tail balance of TransformerEngine and torch for packed sequences), the pieces' odd
+    tokens spread so every rank holds as many; None where they cannot be."""
+    ids = document_ids.detach().cpu()
+    seq_len, pieces = len(ids), 2 * world_size
+    extra = [0] * world_size
+    runs: List[List[Tuple[int, int]]] = [[] for _ in range(world_size)]
+    for begin, end in _documents(ids):
+        base, rem = divmod(end - begin, pieces)
+        sizes = [base] * pieces
+        order = sorted(range(world_size), key=lambda r: (extra[r], r))
+        for j in range(rem):  # a rank's two pieces take at most one odd token each
+            rank = order[j % world_size]
+            sizes[rank if j < world_size else pieces - 1 - rank] += 1
+            extra[rank] += 1
+        at = begin
+        for piece, size in enumerate(sizes):
+            if size:
+                _append_run(runs[piece if piece < world_size else pieces - 1 - piece], at, at + size)
+            at += size
+    if len(set(extra)) != 1:
+        return None
+    return Sharding.from_ranges(seq_len, runs, "per-document")
+
+
+def packed_documents(document_ids: Tensor, world_size: int, row_pairs: Tensor) -> Sharding:
+    """Whole documents packed onto the ranks by their work (``row_pairs``: the keys each
+    query row sees), heaviest first, each rank filled to its share of the tokens by a
+    document cut in two, whose first part stays on this rank and whose rest begins the next:
+    the cut document's rows see its first part one ring step later, so a causal document
+    mask keeps the ring at two steps while the ranks' work evens out."""
+    ids = document_ids.detach().cpu()
+    seq_len = len(ids)
+    local = seq_len // world_size
+    work = torch.nn.functional.pad(row_pairs.double().cumsum(0), (1, 0)).numpy()
+    docs = sorted(_documents(ids), key=lambda d: (-(work[d[1]] - work[d[0]]), d[0]))
+    target = work[-1] / world_size
+    runs: List[List[Tuple[int, int]]] = [[] for _ in range(world_size)]
+    carry: Optional[Tuple[int, int]] = None  # the rest of a document cut at the previous rank
+    for rank in range(world_size):
+        room, load = local, 0.0
+        if carry is not None:
+            take = min(room, carry[1] - carry[0])
+            runs[rank].append((carry[0], carry[0] + take))
+            room, load = room - take, work[carry[0] + take] - work[carry[0]]
+            carry = (carry[0] + take, carry[1]) if take < carry[1] - carry[0] else None
+        for fits_load in (True, False):  # whole documents within the share of work, then any that fit
+            for d in list(docs):
+                weight = work[d[1]] - work[d[0]]
+                if d[1] - d[0] <= room and (not fits_load or load + weight <= target):
+                    runs[rank].append(d)
+                    docs.remove(d)
+                    room, load = room - (d[1] - d[0]), load + weight
+        if room and docs:  # cut the lightest document that does not fit
+            d = docs.pop()
+            runs[rank].append((d[0], d[0] + room))
+            carry = (d[0] + room, d[1])
+    for rank in range(world_size):
+        merged: List[Tuple[int, int]] = []
+        for begin, end in sorted(runs[rank]):
+            _append_run(merged, begin, end)
+        runs[rank] = merged
+    return Sharding.from_ranges(seq_len, runs, "packed documents")
+
+
+def _documents(ids: Tensor) -> List[Tuple[int, int]]:
+    """The (begin, end) of every run of equal document ids."""
+    bounds = [0] + ((ids[1:] != ids[:-1]).nonzero().squeeze(1) + 1).tolist() + [len(ids)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _append_run(runs: List[Tuple[int, int]], begin: int, end: int) -> None:
+    if runs and runs[-1][1] == begin:
+        runs[-1] = (runs[-1][0], end)
+    else:
+        runs.append((begin, end))
+
+
+def _chunk_count(seq_len: int, world_size: int, chunks: Optional[int], tile: int) -> int:
+    if chunks is not None:
+        if chunks % world_size or seq_len % chunks:
+            raise ValueError(f"chunks ({chunks}) must be a multiple of world_size ({world_size}) that divides "
+                             f"seq_len ({seq_len})")
+        return chunks
+    # 4 a rank: at 8k tokens a rank, 8 found no cheaper sharding for causal, window, document,
+    # prefix-LM, block, dilated or global-token masks on 2 or 4 ranks, at twice the search time
+    for per_rank in (4, 2):
+        if seq_len % (per_rank * world_size * tile) == 0:  # chunks of whole tiles, where the length allows
+            return per_rank * world_size
+    for per_rank in (4, 2):
+        if seq_len % (per_rank * world_size) == 0:
+            return per_rank * world_size
+    return world_size
+
+
+def _searched(work: Workload, world_size: int, chunks: Optional[int], token_pairs: float,
+              call_pairs: float) -> List[Sharding]:
+    """Assignments of equal chunks to ranks, each found by swapping two chunks of two ranks
+    while that lowers the cost (``_Search``), from several starts: contiguous and zigzag
+    chunks, and the heaviest chunks first to the least loaded rank."""
+    count = _chunk_count(work.seq_len, world_size, chunks, work.tile)
+    if count == world_size:
+        return []
+    size = work.seq_len // count
+    if size % work.tile == 0:
+        tiles = size // work.tile
+        tile_pairs = work.tile_pairs[0]
+        n = len(tile_pairs)
+        chunk_pairs = np.pad(tile_pairs, ((0, count * tiles - n), (0, count * tiles - n))).reshape(
+            count, tiles, count, tiles).sum((1, 3))
+    else:
+        chunk_pairs = work.pairs(torch.arange(work.seq_len) // size, count).numpy()
+    search = _Search(chunk_pairs, world_size, work.seq_len // world_size, token_pairs, call_pairs)
+    per_rank = count // world_size
+    starts = {"contiguous": np.arange(count) // per_rank, "greedy": search.greedy()}
+    if per_rank % 2 == 0:  # zigzag's chunks
+        zig = np.arange(count) // (per_rank // 2)
+        starts["zigzag"] = np.where(zig < world_size, zig, 2 * world_size - 1 - zig)
+    found = {}
+    for name, start in starts.items():
+        owner = tuple(search.descend(start))
+        if owner not in found:
+            found[owner] = (float(search.cost(*search.state(np.array(owner)))), name)
+    shardings = []
+    for owner, (_, name) in sorted(found.items(), key=lambda kv: kv[1][0])[:2]:  # the two cheapest go on
+        runs: List[List[Tuple[int, int]]] = [[] for _ in range(world_size)]
+        for c in range(count):
+            _append_run(runs[owner[c]], c * size, (c + 1) * size)
+        shardings.append(Sharding.from_ranges(work.seq_len, runs, f"{count} chunks from {name}"))
+    return shardings
+
+
+class _Search:
+    """The cost model on chunks (``pairs[i, j]``: chunk i's queries against chunk j's keys),
+    every swap of two chunks between ranks priced at once. Its cost is ``estimate``'s with as
+    many calls per non-empty (rank, step) as the rank has runs of chunks, and the whole block
+    travelling at each needed step."""
+
+    def __init__(self, pairs: np.ndarray, world: int, local_len: int, token_pairs: float, call_pairs: float):
+        self.pairs, self.world, self.count = pairs, world, len(pairs)
+        self.transfer, self.call_pairs = token_pairs * local_len, call_pairs
+        ranks = np.arange(world)
+        self.rank_grid, self.held = ranks[None, :], (ranks[None, :] - ranks[:, None]) % world
+        self.tiny = 1e-9 * max(1.0, float(pairs.sum()))
+        self.eye = np.eye(world)
+
+    def state(self, owner: np.ndarray):
+        """(rank-pair matrix, runs of chunks per rank) of an assignment."""
+        member = self.eye[owner]
+        first = np.concatenate([[True], owner[1:] != owner[:-1]])
+        return member.T @ self.pairs @ member, (member * first[:, None]).sum(0)
+
+    def cost(self, by_rank: np.ndarray, runs: np.ndarray) -> np.ndarray:
+        """Cost of rank-pair matrices ``by_rank`` [..., W, W] whose ranks hold ``runs`` [..., W] runs."""
+        pairs = by_rank[..., self.rank_grid, self.held]  # [..., step, rank]
+        active = pairs > self.tiny
+        busy = (pairs + self.call_pairs * active * runs[..., None, :]).max(-1)
+        needed = np.flip(np.maximum.accumulate(np.flip(active.any(-1), -1), -1), -1)
+        needed[..., 0] = True
+        step = np.concatenate([busy[..., :1], np.maximum(busy[..., 1:], self.transfer)], -1)
+        return (step * needed).sum(-1)
+
+    def greedy(self) -> np.ndarray:
+        """Heaviest chunks first, each to the least loaded rank with room (by the pairs its rows see)."""
+        load, room = np.zeros(self.world), np.full(self.world, self.count // self.world)
+        owner = np.zeros(self.count, dtype=np.int64)
+        for c in np.argsort(-self.pairs.sum(1), kind="stable"):
+            rank = int(np.argmin(np.where(room > 0, load, np.inf)))
+            owner[c], load[rank], room[rank] = rank, load[rank] + self.pairs[c].sum(), room[rank] - 1
+        return owner
+
+    def descend(self, owner: np.ndarray, max_swaps: int = 32) -> np.ndarray:
+        """Swaps the best pair of chunks of two ranks while that lowers the cost."""
+        owner = owner.copy()
+        c = self.count
+        diag = np.diag(self.pairs)
+        z = diag[:, None] + diag[None, :] - self.pairs - self.pairs.T  # u^T P u for u = e_i - e_j
+        i_idx, j_idx = np.triu_indices(c, 1)
+        z = z[i_idx, j_idx]
+        for _ in range(max_swaps):
+            member = self.eye[owner]  # [C, W]
+            x = self.pairs @ member  # chunk i's queries against rank o's keys
+            y = self.pairs.T @ member  # chunk j's keys against rank r's queries
+            by_rank, runs = self.state(owner)
+            now = self.cost(by_rank, runs)
+            # swapping i (rank a) and j (rank b): member += (e_i - e_j) d^T with d = e_b - e_a, so
+            # by_rank += y_u d^T + d x_u^T + z d d^T, x_u = x[i] - x[j], y_u = y[i] - y[j]
+            d = member[j_idx] - member[i_idx]  # [swaps, W]
+            xu, yu = x[i_idx] - x[j_idx], y[i_idx] - y[j_idx]
+            new = (by_rank + yu[:, :, None] * d[:, None, :] + d[:, :, None] * xu[:, None, :]
+                   + z[:, None, None] * d[:, :, None] * d[:, None, :])
+            costs = self.cost(new, self._runs_after(owner, runs, i_idx, j_idx))
+            costs[owner[i_idx] == owner[j_idx]] = np.inf
+            best = int(np.argmin(costs))
+            if not costs[best] < now - self.tiny:
+                break
+            i, j = i_idx[best], j_idx[best]
+            owner[i], owner[j] = owner[j], owner[i]
+        return owner
+
+    def _runs_after(self, owner: np.ndarray, runs: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Runs of chunks per rank after swapping chunks i < j ([swaps, W]): only where
+        chunks i, i+1, j and j+1 begin a run can that change."""
+        c = self.count
+        at = np.stack([i, i + 1, j, j + 1])  # [4, swaps]
+        valid = (at < c) & ~((np.arange(4)[:, None] == 2) & (j == i + 1))  # j is i + 1's place: counted once
+        padded = np.concatenate([[-1], owner, [-1]])  # owner of chunk ``at`` is padded[at + 1]
+        old, old_prev = padded[at + 1], padded[at]
+        new = np.where(at == i, owner[j], np.where(at == j, owner[i], old))
+        new_prev = np.where(at - 1 == i, owner[j], np.where(at - 1 == j, owner[i], old_prev))
+        eye = np.eye(self.world + 1)  # owner -1 (past the end) takes the last column
+        change = (eye[new] * ((new != new_prev) & valid)[..., None] - eye[old] * ((old != old_prev) & valid)[..., None])
+        return runs + change.sum(0)[:, :self.world]
