@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ringflex import mods
 from ringflex.kernels import cudnn as cudnn_kernel
 from ringflex.kernels.base import Mods
-from ringflex.plan import Segment
+from ringflex.plan.layout import Segment
 
 # ----------------------------------------------------------------------------- ranks
 

@@ -33,7 +33,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from common import init, make_mods, timed  # benchmarks/ is on sys.path when this runs as a script
 import ringflex
-from ringflex import validate
+from ringflex import checks
+from ringflex.parallel import agreement
 
 
 def _family(name: str) -> str:
@@ -159,9 +160,13 @@ def main():
             def forward_backward():
                 attn().backward(grad)
 
-            def check():
-                validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=dist.group.WORLD,
-                               layout=args.layout, scale=None, enable_gqa=False, backend="auto").wait()
+            def check():  # the argument checks and the agreement alone, without planning
+                error = checks.local_error(q, k, v, score_mod, mask_mod, args.layout, None, False, "auto",
+                                           dist.group.WORLD)
+                call = dict(q=q, k=k, v=v, layout=args.layout, backend="auto", kernel="auto", enable_gqa=False,
+                            sinks=None, scale=None, score_mod=score_mod, mask_mod=mask_mod, grad=True, debug=False,
+                            return_lse=False)
+                agreement.start(dist.group.WORLD, call, [], error).wait()
 
             for _ in range(3):
                 forward_backward()

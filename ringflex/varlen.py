@@ -15,9 +15,9 @@ from torch import Tensor
 
 from . import mods
 from .api import reject, ring_flex_attention
-from .parallel import layout as layouts
 from .parallel.groups import process_group, rank_and_size
 from .parallel.shard import shard, unshard
+from .plan import layout as layouts
 
 
 class PackedSequences:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import ringflex
 from oracle import attention
 from ringflex import mods
-from ringflex.parallel.layout import divisor
+from ringflex.plan.layout import divisor
 
 
 @dataclass

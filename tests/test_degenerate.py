@@ -7,7 +7,7 @@ import ringflex
 from harness import run_world
 from oracle import attention
 from ringflex import mods
-from ringflex.parallel.layout import positions
+from ringflex.plan.layout import positions
 
 WORLD, LOCAL = 4, 8
 S = WORLD * LOCAL  # zigzag chunks of 4 tokens, striped stride 4

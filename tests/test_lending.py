@@ -1,4 +1,4 @@
-"""Lending (``ringflex.lending``): where a mask gives the ranks unequal work, a rank hands the
+"""Lending (``ringflex.plan.lending``, ``ringflex.parallel.loans``): where a mask gives the ranks unequal work, a rank hands the
 first rows of its step-1 hops to the previous rank, which owns the keys they read. The rows
 come out as one process computes them, and the ranks' work evens out."""
 import pytest
@@ -7,9 +7,11 @@ import torch
 import ringflex
 from harness import run_world
 from oracle import attention
-from ringflex import lending, mods
-from ringflex.lending import Loan, Offer, StepOne, amounts
-from ringflex.plan import BlockKind, Hop, Segment
+from ringflex import mods
+from ringflex.plan import lending
+from ringflex.plan.lending import Loan, Offer, StepOne, amounts
+from ringflex.plan.blocks import BlockKind, Hop
+from ringflex.plan.layout import Segment
 
 
 def test_amounts_even_a_window_over_the_contiguous_layout():

@@ -20,7 +20,7 @@ CALLS = 100  # per world size: seeds 1000 * world_size and on
 def _failures(rank, world_size, rings):
     """Calls on rings of ``world_size // rings`` ranks each (every rank in one of them), each
     ring with seeds of its own."""
-    from ringflex import lending
+    from ringflex.plan import lending
     size = world_size // rings
     groups = [dist.new_group(list(range(r * size, (r + 1) * size))) for r in range(rings)] if rings > 1 else [None]
     ring = rank // size

@@ -63,7 +63,8 @@ def test_balance_probe_plans_the_ranks_work_as_a_ring_call_does():
     pair: the busiest rank's pairs fall to the mean."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.probes.balance_probe import rank_hops
-    from ringflex import lending, mods
+    from ringflex import mods
+    from ringflex.plan import lending
 
     mask = mods.sliding_window(256)
     work = {lend: rank_hops(mask, 2048, 2, "contiguous", lend, torch.device("cpu")) for lend in (False, True)}

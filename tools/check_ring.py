@@ -22,7 +22,7 @@ from ringflex.kernels.base import Mods
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.parallel import peer
 from ringflex.parallel.ring import RingCall
-from ringflex.plan import Segment
+from ringflex.plan.layout import Segment
 
 import ranks  # tools/ is on sys.path when this runs as a script
 

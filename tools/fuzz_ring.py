@@ -28,7 +28,7 @@ import ranks  # tools/ is on sys.path when this runs as a script
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the random calls and the harness of tests/
 from harness import weigh_cudnn_calls_as_free  # noqa: E402
 from random_calls import random_call, ring_errors  # noqa: E402
-from ringflex import extents, lending  # noqa: E402
+from ringflex.plan import extents, lending  # noqa: E402
 from ringflex.parallel.fault import CallRejected  # noqa: E402
 
 SIZES = (4, 64, 512)  # most layout chunks per rank, by seed: tiny blocks, a few tiles, many

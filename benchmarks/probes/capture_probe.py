@@ -20,7 +20,7 @@ from ringflex import mods
 from ringflex.kernels import cudnn
 from ringflex.kernels.base import Mods
 from ringflex.parallel import peer
-from ringflex.plan import Segment
+from ringflex.plan.layout import Segment
 
 
 def max_diffs(got, want) -> str:

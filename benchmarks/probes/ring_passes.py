@@ -26,7 +26,7 @@ import ringflex
 from ringflex.kernels.cudnn import CudnnKernel
 from ringflex.kernels.flex import FlexKernel
 from ringflex.kernels.reference import ReferenceKernel
-from ringflex.parallel import fused_merge
+from ringflex.kernels import fused_merge
 
 _NOT_PASSES = {"view", "_unsafe_view", "slice", "narrow", "detach", "t", "as_strided", "alias", "expand",
                "unsqueeze", "squeeze", "permute", "transpose", "select", "empty", "empty_strided", "empty_like",

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..kernels import _warn_once
+from ..config import warn_once as _warn_once
 from . import fused_merge
 
 Rows = Tuple[int, int]

@@ -7,9 +7,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import validate
-from ..kernels import _warn_once
-from . import layout as layouts
+from ..config import warn_once
+from ..mod.fingerprint import digest
+from ..plan import layout as layouts
+from . import agreement
 from .groups import process_group, rank_and_size
 
 
@@ -17,9 +18,9 @@ def warn_if_launched_alone() -> None:
     """Says once that torchrun launched several processes (WORLD_SIZE) but no process group
     joins them: each then works alone on what it holds, which raises no error anywhere."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        _warn_once(f"ringflex: WORLD_SIZE={os.environ['WORLD_SIZE']} but torch.distributed is not initialized: each "
-                   "process works alone (shard keeps the whole sequence, attention sees its own tokens only). Call "
-                   "torch.distributed.init_process_group() first")
+        warn_once(f"ringflex: WORLD_SIZE={os.environ['WORLD_SIZE']} but torch.distributed is not initialized: each "
+                  "process works alone (shard keeps the whole sequence, attention sees its own tokens only). Call "
+                  "torch.distributed.init_process_group() first")
 
 
 def _rank_and_size(group):
@@ -54,7 +55,7 @@ _MAX_DIMS = 8
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
-    return validate.digest(str(dtype).encode())
+    return digest(str(dtype).encode())
 
 
 def _layout_error(layout) -> str:
@@ -72,7 +73,7 @@ def _check_same_shards(x: Tensor, dim, layout, group) -> None:
         error = f"unshard supports tensors of at most {_MAX_DIMS} dims, got {x.dim()}"
     mine = ([layouts.LAYOUTS.index(layout), _dtype_code(x.dtype), dim % x.dim(), x.dim(), *x.shape]
             + [0] * (_MAX_DIMS - x.dim()) if error is None else [0] * (4 + _MAX_DIMS))
-    records = validate.exchange(group, mine, error, "unshard", caller=None)
+    records = agreement.exchange(group, mine, error, "unshard", caller=None)
     if any(r[0] != mine[0] for r in records):
         raise ValueError("unshard: the ranks differ in layout (" + ", ".join(
             f"rank {rank}: {layouts.LAYOUTS[r[0]]!r}" for rank, r in enumerate(records)) + "); every rank must "

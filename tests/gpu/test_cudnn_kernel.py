@@ -16,14 +16,16 @@ from cases import Case, cases, make_inputs  # noqa: E402
 from oracle import visible_extent  # noqa: E402
 from test_numerics import score_ignoring_mods  # noqa: E402
 from test_trace import EXTRA_SCORE_MODS  # noqa: E402
-from ringflex import kernels, mods
+from ringflex import mods
 from ringflex.kernels.base import Mods
 from ringflex.kernels.cudnn import CudnnKernel, cudnn_unavailable_reason
 from ringflex.kernels.cudnn.blocks import Run, band_runs, exact_runs, plan, split_runs
 from ringflex.kernels.cudnn.lowering import traced
 from ringflex.kernels.reference import ReferenceKernel
-from ringflex.plan import Segment, evaluate_mask
-from ringflex.trace import diagonal_band, trace_mask_mod
+from ringflex.plan.blocks import evaluate_mask
+from ringflex.plan.layout import Segment
+from ringflex.mod.band import diagonal_band
+from ringflex.mod.trace import trace_mask_mod
 
 
 def _cudnn_ready() -> bool:
@@ -333,8 +335,8 @@ def _check_cut_hops(dev: str, dtype: torch.dtype) -> None:
     ragged call each way (a batch of one over the cut block); new documents whose parts fall
     in the same size classes build no graph; all match the reference kernel."""
     from ringflex.kernels import cudnn as module
-    from ringflex.parallel.merge import rows
-    from ringflex.parallel.ring import widened
+    from ringflex.kernels.merge import rows
+    from ringflex.plan.blocks import widened
 
     n = 1024
     g = torch.Generator(device=dev).manual_seed(0)
@@ -952,7 +954,7 @@ def test_full_graph_cache_says_so_once_emulated(monkeypatch):
     """More call shapes than the cache holds: graphs are rebuilt (slow), and the user is told once."""
     module = _emulated(monkeypatch)
     monkeypatch.setenv("RINGFLEX_CUDNN_GRAPHS", "2")
-    monkeypatch.setattr("ringflex.kernels._WARNED", set())
+    monkeypatch.setattr("ringflex.config._WARNED", set())
     kernel = module.CudnnKernel()
     with pytest.warns(UserWarning) as record:
         for length in (8, 16, 24, 8, 16):
@@ -1091,7 +1093,7 @@ def test_deterministic_algorithms_build_a_backward_of_their_own_emulated(monkeyp
     q, k, v, dout = (torch.randn(1, 2, L, 16) for _ in range(4))
     seg, m, kernel = Segment(0, 1, L), Mods(mods.softcap(5.0), None), module.CudnnKernel()  # one call each way
     attention = {}
-    monkeypatch.setattr(kernels, "_WARNED", set())
+    monkeypatch.setattr("ringflex.config._WARNED", set())
     for deterministic in (False, True, False):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
         out, lse = kernel.forward(q, k, v, seg, seg, m, 0.25, True)

@@ -12,7 +12,7 @@ from cases import Case, cases, make_inputs  # noqa: E402
 from oracle import attention  # noqa: E402
 from test_cudnn_kernel import L, SEGMENTS, SEQ, _check, _err, _packed  # noqa: E402
 import ringflex
-from ringflex import kernels, mods
+from ringflex import mods
 from ringflex.kernels.flex import FlexKernel, flex_unavailable_reason
 
 needs_flex = pytest.mark.skipif(not torch.cuda.is_available() or flex_unavailable_reason(torch.zeros(1, device="cuda")),
@@ -47,7 +47,7 @@ def test_a_learnable_bias_runs_on_flex_with_its_gradient(dtype):
     table = torch.randn(4, 9, device="cuda", requires_grad=True)
     q, k, v, dout = make_inputs(Case(), 512, batch=1, head_dim=64)
     inputs = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)]
-    kernels._WARNED.clear()
+    ringflex.config._WARNED.clear()
     with pytest.warns(UserWarning, match="using flex_attention .*the score_mod reads a tensor that requires grad"):
         out, lse = ringflex.ring_flex_attention(*inputs, score_mod=_relative_bias(table), mask_mod=mods.causal,
                                                 return_lse=True)
@@ -67,7 +67,7 @@ def test_a_learnable_bias_runs_on_flex_with_its_gradient(dtype):
 def test_auto_takes_flex_for_a_gather_cudnn_cannot_run():
     table = torch.randn(4, 9, device="cuda")  # frozen: cuDNN cannot gather by q_idx - kv_idx
     q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.bfloat16)
-    kernels._WARNED.clear()
+    ringflex.config._WARNED.clear()
     with pytest.warns(UserWarning, match="using flex_attention"):
         ringflex.ring_flex_attention(q, q, q, score_mod=_relative_bias(table))
 

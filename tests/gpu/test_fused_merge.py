@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from ringflex.parallel import fused_merge
-from ringflex.parallel.merge import contiguous_rows, merge_in_torch, merge_parts, sum_parts
+from ringflex.kernels import fused_merge
+from ringflex.kernels.merge import contiguous_rows, merge_in_torch, merge_parts, sum_parts
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
