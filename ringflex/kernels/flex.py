@@ -41,7 +41,7 @@ from ..plan.layout import Segment
 from .base import Mods
 from .reference import ReferenceKernel, compute_dtype
 
-TILE = 128  # flex_attention's block size
+FLEX_TILE = 128  # flex_attention's tile (its BLOCK_SIZE): the mask is classified per tile
 _BLOCK_MASKS = MaskCache(size=256)
 _POSITIONS: "OrderedDict[tuple, Tuple[Tensor, Tensor, Tensor]]" = OrderedDict()
 
@@ -211,7 +211,7 @@ class FlexKernel:
 
     name = "flex"
 
-    def __init__(self, attend: Callable = compiled_flex_attention, tile: int = TILE):
+    def __init__(self, attend: Callable = compiled_flex_attention, tile: int = FLEX_TILE):
         self.attend, self.tile = attend, tile
 
     def _fitting(self, run: Callable, uncompiled: Callable, phase: str, q: Tensor, k: Tensor, mods: Mods,

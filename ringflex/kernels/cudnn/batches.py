@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .frontend import MAX_PLANS, TILE
+from .frontend import CUDNN_TILE, MAX_PLANS
 
 # The row axis of each tensor of a call: its sequences' offsets follow the queries' or the keys' spans.
 RAGGED_AXIS = {**dict.fromkeys(("q", "out", "lse", "dout", "dq"), "q"), **dict.fromkeys(("k", "v", "dk", "dv"), "kv")}
@@ -154,7 +154,7 @@ def power_of_two(n: int) -> int:
 
 def _bucket(n: int, rows: int) -> int:
     """The length a ragged graph is built for, for a longest sequence of ``n`` of ``rows`` rows."""
-    return min(power_of_two(rows), max(TILE, power_of_two(n)))
+    return min(power_of_two(rows), max(CUDNN_TILE, power_of_two(n)))
 
 
 def ragged_applies(q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None, dout: Optional[Tensor] = None) -> bool:

@@ -18,7 +18,7 @@ from ...plan.extents import mask_key, row_extents
 from ...plan.layout import Segment
 from ..base import Mods
 from .batches import Batch, Run, batched
-from .frontend import MAX_PLANS, TILE
+from .frontend import CUDNN_TILE, MAX_PLANS
 from .lowering import Program
 
 _PLANS = ByObjects(MAX_PLANS)  # a block's runs, by its mask's traced values and segments
@@ -56,7 +56,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_MIN_FULL = 4 * TILE  # narrowest column range worth its own call
+_MIN_FULL = 4 * CUDNN_TILE  # narrowest column range worth its own call
 
 
 def band_runs(band: Tuple[Optional[int], Optional[int]], q_seg: Segment, kv_seg: Segment) -> Optional[List[Run]]:
@@ -108,8 +108,8 @@ def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segmen
     size) from its first to its last non-empty one: empty tiles around it are skipped, and
     no partial results need merging. Masked unless every tile in the span is full."""
     n = 1 << depth
-    block_q = TILE * _ceil_div(_ceil_div(q_seg.length, n), TILE)
-    block_kv = TILE * _ceil_div(_ceil_div(kv_seg.length, n), TILE)
+    block_q = CUDNN_TILE * _ceil_div(_ceil_div(q_seg.length, n), CUDNN_TILE)
+    block_kv = CUDNN_TILE * _ceil_div(_ceil_div(kv_seg.length, n), CUDNN_TILE)
     batch, heads = (batch if "b" in mask.deps else 1), (heads if "h" in mask.deps else 1)
     key = mask_key(mask, "split", batch, heads, q_seg, kv_seg, block_q, block_kv, str(device))
 

@@ -7,7 +7,7 @@ from typing import Dict
 
 import torch
 
-TILE = 64  # cuDNN's tile: sub-block sizes are multiples of it
+CUDNN_TILE = 64  # cuDNN's tile: the sizes of the row chunks it runs are multiples of it
 MAX_PLANS = 256  # entries kept by each cache of plans, lowerings and batchings (LRU)
 
 _HANDLES: Dict[int, list] = {}  # device index -> [handle, the raw stream it is bound to]
