@@ -5,7 +5,7 @@ import torch
 import torch.utils.checkpoint as cp
 
 import ringflex
-from harness import run_world
+from support.harness import run_world
 from ringflex import mods
 from ringflex.training import reduce_gradients
 

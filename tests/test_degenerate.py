@@ -4,8 +4,8 @@ and nothing is ever NaN, in fp32 and bf16, for every layout."""
 import torch
 
 import ringflex
-from harness import run_world
-from oracle import attention
+from support.harness import run_world
+from support.oracle import attention
 from ringflex import mods
 from ringflex.plan.layout import positions
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import ringflex
-from harness import run_world
-from oracle import attention
+from support.harness import run_world
+from support.oracle import attention
 from ringflex import mods
 from ringflex.mod import ranges
 from ringflex.plan import extents

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import ringflex
-from harness import run_world
+from support.harness import run_world
 from ringflex.parallel import fault
 
 WORLD = 4

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import ringflex
-from cases import cases, make_inputs
-from harness import run_world
-from oracle import attention
+from support.cases import cases, make_inputs
+from support.harness import run_world
+from support.oracle import attention
 from ringflex.kernels import select_kernel
 from ringflex.kernels.base import Mods
 from ringflex.kernels.flex import FlexKernel, _flex_attention

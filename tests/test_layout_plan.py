@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import ringflex
-from harness import run_world
-from oracle import attention, visible_extent
+from support.harness import run_world
+from support.oracle import attention, visible_extent
 from ringflex import mods
 from ringflex.plan import layout as layouts
 from ringflex.plan.blocks import BlockKind, block_kinds, classify, keys_read, plan_hops, steps_needed, travelling_rows

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import ringflex
-from harness import run_world
-from oracle import attention
+from support.harness import run_world
+from support.oracle import attention
 from ringflex import mods
 from ringflex.plan import lending
 from ringflex.plan.lending import Loan, Offer, StepOne, amounts
@@ -215,9 +215,6 @@ def test_lending_in_debug_mode(monkeypatch):
 
 def _borrower_copies(rank, world_size):
     """The copies into a result this rank runs in a lending window's fwd+bwd, and its loan."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.probes.ring_passes import Passes
     from ringflex.kernels.flex import FlexKernel
     from ringflex.kernels.reference import ReferenceKernel

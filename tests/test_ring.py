@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import ringflex
-from cases import cases, make_inputs
-from harness import run_world
-from oracle import attention, visible_extent
+from support.cases import cases, make_inputs
+from support.harness import run_world
+from support.oracle import attention, visible_extent
 from ringflex.kernels.reference import ReferenceKernel
 
 LOCAL_LEN = 12  # query tokens per rank (even, so zigzag fits; K/V: 6 for cross-attention)

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from cases import cases
+from support.cases import cases
 from ringflex import mods
 from ringflex.plan.blocks import index_grid
 from ringflex.plan.layout import Segment

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ringflex
-from harness import run_world
+from support.harness import run_world
 from ringflex.module import RingFlexAttention
 from ringflex.plan import layout as layouts
 from ringflex.training import (next_token_labels, position_ids, reduce_gradients, shard_batch,

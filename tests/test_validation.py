@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import ringflex
-from harness import run_world
-from oracle import attention
+from support.harness import run_world
+from support.oracle import attention
 from ringflex import mods
 from ringflex.parallel.debug import RingDebugError
 from ringflex.kernels.reference import ReferenceKernel

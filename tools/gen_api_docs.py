@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["ringflex", "ringflex.api", "ringflex.module", "ringflex.varlen", "ringflex.training", "ringflex.mods",
-           "ringflex.parallel.layout", "ringflex.parallel.shard", "ringflex.integrations.hf", "ringflex.progress",
+           "ringflex.plan.layout", "ringflex.parallel.shard", "ringflex.integrations.hf", "ringflex.progress",
            "ringflex.env"]
 
 

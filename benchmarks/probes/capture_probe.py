@@ -14,7 +14,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import init, make_mods, max_over_ranks
+from benchmarks.common import make_mods
+
+from tools.ranks import init, max_over_ranks
 import ringflex
 from ringflex import mods
 from ringflex.kernels import cudnn

@@ -23,7 +23,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import init, make_mods
+from benchmarks.common import make_mods
+
+from tools.ranks import init
 import ringflex
 from ringflex import api, checks
 from ringflex.kernels import cudnn, merge

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common import init, make_mods
+from benchmarks.common import make_mods
+
+from tools.ranks import init
 import ringflex
 from ringflex.kernels.cudnn import CudnnKernel
 from ringflex.kernels.flex import FlexKernel

@@ -42,6 +42,7 @@ with a one-time warning), ``copy-engine`` (an error where it cannot run) or ``nc
 from __future__ import annotations
 
 import ctypes
+import importlib
 import socket
 import weakref
 from typing import List, Optional, Sequence, Tuple
@@ -381,8 +382,9 @@ def local_reason(device: torch.device) -> Optional[str]:
     if device.type != "cuda":
         return "the tensors are not on a GPU"
     try:
-        import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
-        from torch._C._distributed_c10d import _SymmetricMemory  # noqa: F401
+        importlib.import_module("torch.distributed._symmetric_memory")
+        from torch._C._distributed_c10d import _SymmetricMemory
+        del _SymmetricMemory  # only whether this torch has it
     except ImportError as e:
         return f"this torch has no symmetric memory ({e})"
     try:

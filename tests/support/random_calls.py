@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ringflex
-from oracle import attention
+from .oracle import attention
 from ringflex import mods
 from ringflex.plan.layout import divisor
 
