@@ -1,6 +1,7 @@
-"""Lending (``ringflex.plan.lending``, ``ringflex.parallel.loans``): where a mask gives the ranks unequal work, a rank hands the
-first rows of its step-1 hops to the previous rank, which owns the keys they read. The rows
-come out as one process computes them, and the ranks' work evens out."""
+"""Lending (``ringflex.plan.lending``, carried out by ``ringflex.parallel.loans``): where a mask
+gives the ranks unequal work, a rank hands the first rows of its step-1 hops to the previous
+rank, which owns the keys they read. The rows come out as one process computes them, and the
+ranks' work evens out."""
 import pytest
 import torch
 

@@ -283,7 +283,7 @@ def test_one_batch_and_one_head_match_reference(name):
 @pytest.mark.parametrize("name", sorted(cases(SEQ)) + ["packed"])
 def test_gradients_through_the_lse_match_reference(name):
     """A loss that reads the LSE (one rank): cuDNN's second backward call per hop, over zero
-    values, gives the LSE's share of dq and dk (``ring._lse_as_attention``); "packed": its
+    values, gives the LSE's share of dq and dk (``parallel.compute.lse_as_attention``); "packed": its
     documents in ragged batches."""
     import ringflex
 
@@ -344,7 +344,7 @@ def test_graphs_are_reused_across_offsets():
 def _check_cut_hops(dev: str, dtype: torch.dtype) -> None:
     """A hop as the ring runs it for a document that straddles two ranks: its queries are rows
     of the rank's block, its keys rows of a received block, which holds a power of two of rows
-    (``ring.widened``), and the backward reads rows of the rank's whole output and lse. One
+    (``plan.blocks.widened``), and the backward reads rows of the rank's whole output and lse. One
     ragged call each way (a batch of one over the cut block); new documents whose parts fall
     in the same size classes build no graph; all match the reference kernel."""
     from ringflex.kernels import cudnn as module

@@ -33,7 +33,7 @@ class Program:
 
 
 def traced(mods: Mods, masked: bool, device) -> Program:
-    """The call's mods traced (``ringflex.trace``), the mask only where the block needs one."""
+    """The call's mods traced (``ringflex.mod.trace``), the mask only where the block needs one."""
     score = trace_score_mod(mods.score_mod, device) if mods.score_mod is not None else None
     mask = trace_mask_mod(mods.mask_mod, device) if masked and mods.mask_mod is not None else None
     return Program(score, mask)
