@@ -1,6 +1,6 @@
 """Ring benchmark: ringflex vs the best single-GPU kernel vs PyTorch's context_parallel.
 
-    torchrun --nproc_per_node=2 benchmarks/bench.py --seq-lens 16384 32768 65536 \
+    torchrun --nproc_per_node=2 -m benchmarks.bench --seq-lens 16384 32768 65536 \
         --masks none causal window documents causal_softcap --json out/bench.json --plot out/eff.png
 
 For every total sequence length and mask it times forward and forward+backward of
@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import MASKS, init, make_mods, max_over_ranks, timed  # benchmarks/ is on sys.path as a script
+from benchmarks.common import MASKS, make_mods, timed
+
+from tools.ranks import init, max_over_ranks
 import ringflex
 from ringflex import config
 from ringflex.parallel import peer

@@ -5,8 +5,8 @@ flex_attention (compiled, with a block mask) and torch's cuDNN SDPA (no mask, ca
 Each time is the median over interleaved rounds of 20 back-to-back calls (every
 implementation in turn in each round), so drift of the GPU's clock favours none of them.
 
-    python benchmarks/bench_hop.py                      # B=1 H=32 D=128 bf16 S=8192, every mod
-    python benchmarks/bench_hop.py --depths 0 1 2 3     # also the split-depth sweep
+    python -m benchmarks.bench_hop                      # B=1 H=32 D=128 bf16 S=8192, every mod
+    python -m benchmarks.bench_hop --depths 0 1 2 3     # also the split-depth sweep
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from common import add_shape_arguments, autograd_calls, interleaved, ringflex_calls, sdpa_calls  # a sibling
+from benchmarks.common import add_shape_arguments, autograd_calls, interleaved, ringflex_calls, sdpa_calls
 from ringflex import mods
 from ringflex.kernels import cudnn as cudnn_kernel
 

@@ -1,6 +1,6 @@
-"""Heads x ring benchmark: the 2-D mesh (``group=mesh``, ``ringflex.mesh``) against the pure ring.
+"""Heads x ring benchmark: the 2-D mesh (``group=mesh``, ``ringflex.heads``) against the pure ring.
 
-    torchrun --nproc_per_node=4 benchmarks/bench_mesh.py --tokens-per-rank 8192 32768 \
+    torchrun --nproc_per_node=4 -m benchmarks.bench_mesh --tokens-per-rank 8192 32768 \
         --masks none causal documents --json benchmarks/results/<hardware>_<date>_mesh.json
 
 For every number of tokens per GPU and mask it times forward and forward+backward of
@@ -18,7 +18,7 @@ K/V blocks r - 1 times but hides them behind attention if a rank holds enough to
 
 On CPU (gloo, reference kernel) it runs at toy sizes as a smoke test:
 
-    torchrun --nproc_per_node=4 benchmarks/bench_mesh.py --device cpu --tokens-per-rank 256 --heads 4 \
+    torchrun --nproc_per_node=4 -m benchmarks.bench_mesh --device cpu --tokens-per-rank 256 --heads 4 \
         --head-dim 16 --iters 1 --warmup 1 --rounds 1
 """
 from __future__ import annotations
@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import bench  # benchmarks/ is on sys.path as a script: the single-GPU baselines and the fwd / fwd+bwd timer
-from common import init, make_mods, max_over_ranks
 import ringflex
+from benchmarks import bench  # the single-GPU baselines and the fwd / fwd+bwd timer
+from benchmarks.common import make_mods
+from tools.ranks import init, max_over_ranks
 
 MASKS = ("none", "causal", "documents")
 

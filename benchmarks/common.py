@@ -1,16 +1,14 @@
-"""What the benchmarks and probes share: joining the ranks, the named workloads, and the timers.
+"""What the benchmarks and probes share: the named workloads and the timers.
 
-The benchmarks in this folder import it as a sibling (``python benchmarks/bench.py``: the
-script's folder is on sys.path); the probes in ``probes/`` run as modules from the repository
-root (``python -m benchmarks.probes.band_probe``) and import it as ``benchmarks.common``.
+Joining the ranks is the tools' (``tools.ranks``). The benchmarks and the probes run as modules from the repository root
+(``torchrun --nproc_per_node=2 -m benchmarks.bench``, ``python -m benchmarks.probes.band_probe``)
+and import it as ``benchmarks.common``.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
-from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,30 +17,7 @@ import torch.nn.functional as F
 from ringflex import mods
 from ringflex.kernels import cudnn as cudnn_kernel
 from ringflex.kernels.base import Mods
-from ringflex.plan import Segment
-
-# ----------------------------------------------------------------------------- ranks
-
-
-def init(device_type: str = "cuda") -> torch.device:
-    """Joins the ranks under torchrun and returns this rank's device: a GPU per rank over NCCL,
-    or, where the ranks outnumber the GPUs, ranks sharing them over gloo (NCCL refuses ranks
-    that share a GPU; ringflex's copy-engine transport carries their ring, through CUDA IPC)."""
-    if device_type != "cuda":
-        dist.init_process_group("gloo")
-        return torch.device("cpu")
-    gpus = torch.cuda.device_count()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % gpus)
-    dist.init_process_group("gloo" if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > gpus else "nccl")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def max_over_ranks(values: Sequence[float], device: torch.device, group=None) -> List[float]:
-    """Each of ``values``' maximum over the ranks (on the CPU over gloo, on ``device`` over NCCL)."""
-    t = torch.tensor(values, dtype=torch.float64, device="cpu" if dist.get_backend(group) == "gloo" else device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
-
+from ringflex.plan.layout import Segment
 
 # ----------------------------------------------------------------------------- workloads
 

@@ -1,12 +1,12 @@
 """Where a ring call's time goes: host time, GPU time, and the GPU time by kernel family.
 
-    torchrun --nproc_per_node=2 benchmarks/profile_ring.py --seq-lens 16384 --masks none causal \
+    torchrun --nproc_per_node=2 -m benchmarks.profile_ring --seq-lens 16384 --masks none causal \
         --trace out/ring_causal.json.gz
 
 For every total sequence length and mask it prints, for forward and forward+backward:
 the host time of one call (returning from Python, GPU work still queued), its wall time
 with the GPU drained, and the mean time of calls issued back to back (the benchmark's
-measure); the host time of the cross-rank argument check alone; and, from torch.profiler,
+measure); the host time of the argument checks and the agreement alone; and, from torch.profiler,
 the GPU time per call spent in attention kernels, NCCL transfers and everything else
 (LSE merges, casts, zero-fills); and for every rank the time its GPU is idle and the longest
 idle gaps with the kernels around them. Compute time close to the back-to-back time means the
@@ -31,9 +31,12 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from common import init, make_mods, timed  # benchmarks/ is on sys.path when this runs as a script
+from benchmarks.common import make_mods, timed
+
+from tools.ranks import init
 import ringflex
-from ringflex import validate
+from ringflex import checks
+from ringflex.parallel import agreement
 
 
 def _family(name: str) -> str:
@@ -159,9 +162,13 @@ def main():
             def forward_backward():
                 attn().backward(grad)
 
-            def check():
-                validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=dist.group.WORLD,
-                               layout=args.layout, scale=None, enable_gqa=False, backend="auto").wait()
+            def check():  # the argument checks and the agreement alone, without planning
+                error = checks.local_error(q, k, v, score_mod, mask_mod, args.layout, None, False, "auto",
+                                           dist.group.WORLD)
+                call = dict(q=q, k=k, v=v, layout=args.layout, backend="auto", kernel="auto", enable_gqa=False,
+                            sinks=None, scale=None, score_mod=score_mod, mask_mod=mask_mod, grad=True, debug=False,
+                            return_lse=False)
+                agreement.start(dist.group.WORLD, call, [], error).wait()
 
             for _ in range(3):
                 forward_backward()

@@ -21,7 +21,7 @@ import torch
 
 from ringflex import mods
 from ringflex import workload as workloads
-from ringflex.sharding import compare, shard_by_mask
+from ringflex.plan.sharding import compare, shard_by_mask
 
 
 def documents(seq_len: int, low: int, high: int, seed: int) -> torch.Tensor:

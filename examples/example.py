@@ -41,7 +41,7 @@ def main():
     if rank == 0:
         from ringflex.kernels.base import Mods
         from ringflex.kernels.reference import ReferenceKernel
-        from ringflex.plan import Segment
+        from ringflex.plan.layout import Segment
         whole = Segment(0, 1, args.seq_len)
         expected, *_ = ReferenceKernel().forward(q, k, v, whole, whole, Mods(score_mod, mask_mod),
                                                 args.head_dim ** -0.5, masked=True)

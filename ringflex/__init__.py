@@ -3,8 +3,8 @@ from . import mods, training
 from .api import ring_flex_attention
 from .module import RingFlexAttention, RingFlexMode
 from .parallel.fault import CallRejected, RingFailure
-from .parallel.layout import LAYOUTS
 from .parallel.shard import shard, unshard
+from .plan.layout import LAYOUTS
 from .varlen import PackedSequences, varlen_attention
 
 __all__ = ["ring_flex_attention", "shard", "unshard", "mods", "LAYOUTS", "RingFlexAttention", "RingFlexMode",

@@ -1,24 +1,34 @@
-"""The public entry point: ``ring_flex_attention``."""
+"""The public entry point: ``ring_flex_attention``.
+
+A call reads top to bottom: this rank checks its arguments and plans its part of the ring
+(``_plan``), keeping what went wrong as a message; the ranks agree on the call (the same
+refusal on every rank, before any transfer: ``parallel.agreement``); the ring runs and
+merges the hops' results (``parallel.ring``).
+"""
 from __future__ import annotations
 
 import math
 import types
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import config, debug, lending, mesh as meshes, validate
-from .kernels import _warn_once, select_kernel
-from .kernels.base import Mods
-from .parallel import comm, layout as layouts
+from . import checks, config, heads
+from .config import warn_once
+from .kernels import select_kernel
+from .kernels.base import HopKernel, Mods
+from .mod.trace import tensors_requiring_grad
+from .parallel import agreement, comm, debug, mesh as meshes
 from .parallel.fault import GuardedComm
 from .parallel.groups import ring_of
 from .parallel.ring import RingAttention, RingCall
 from .parallel.shard import warn_if_launched_alone
-from .plan import PlanCache, around, check_lookups, keys_read, plan_hops
-from .trace import tensors_requiring_grad
+from .plan import layout as layouts
+from .plan import lending
+from .plan.blocks import Hop, PlanCache, around, check_lookups, keys_read, plan_hops
 
 _PLANS = PlanCache()
 _COLD_CAPTURE = ("ring_flex_attention is being captured in a CUDA graph, but no call with this mask, these shapes and "
@@ -45,9 +55,9 @@ def reject(error: str, group=None):
     which may be refused on one rank only while the others wait in their calls' check."""
     heads_ring = meshes.describe(group)
     if heads_ring is not None:
-        return meshes.reject(heads_ring, error)
+        return heads.reject(heads_ring, error)
     group = _ring_group(group)
-    validate.reject(group, error, _no_shares(dist.get_world_size(group) if group is not None else 1))
+    agreement.reject(group, error, _no_shares(dist.get_world_size(group) if group is not None else 1))
 
 
 @torch.compiler.disable(reason="ring_flex_attention runs collectives and plans from the mask at run time: "
@@ -86,81 +96,119 @@ def ring_flex_attention(
     """
     heads_ring = meshes.describe(group)
     if heads_ring is not None:
-        return meshes.attention(heads_ring, q, k, v, score_mod=score_mod, mask_mod=mask_mod, layout=layout,
-                                scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, backend=backend, sinks=sinks)
+        return heads.attention(heads_ring, ring_flex_attention, q, k, v, score_mod=score_mod, mask_mod=mask_mod,
+                               layout=layout, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                               backend=backend, sinks=sinks)
     group = _ring_group(group)
-    for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
-        if isinstance(mod, types.MethodType):
-            _warn_once(f"ringflex: the {name} is a bound method ({mod.__qualname__}), a new object at every "
-                       "access, and ringflex keeps traces and plans by the mod object: it is traced anew at every "
-                       "call (about 10 ms of host time). Pass a function or a closure built once (docs/guide.md, "
-                       "'Writing mods')")
+    _warn_if_bound(score_mod, mask_mod)
     mods = Mods(score_mod, mask_mod)
     world_size = dist.get_world_size(group) if group is not None else 1
-    rank = dist.get_rank(group) if group is not None else 0
     debugging = config.debugging()
+    agreement.raise_if_failed_before(group)
 
-    def prepare():  # inside the argument check: a mask_mod that raises on one rank fails all
-        q_len, kv_len = q.shape[2] * world_size, k.shape[2] * world_size
-        q_segs = layouts.segments(layout, q_len, world_size, rank)
-        kv_segs_per_step = [layouts.segments(layout, kv_len, world_size, (rank - step) % world_size)
-                            for step in range(world_size)]
-        tensors = tensors_requiring_grad(score_mod, q.device)
-        kernel = select_kernel(backend, q, k, v, mods, tensor_grads=bool(tensors), lengths=(q_len, kv_len))
-        min_tile = config.MIN_TILE.value()
+    # 1. Check and plan on this rank. What goes wrong stays a message until every rank knows it.
+    error = checks.local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, group, sinks)
+    plan, cause = None, None
+    if error is None:
+        try:
+            plan = _plan(q, k, v, mods, group, layout, backend, debugging)
+        except BaseException as e:  # noqa: BLE001 (a mask_mod that raises on one rank fails all)
+            # a KeyboardInterrupt too: leaving before the agreement would pair the other ranks'
+            # agreement with this rank's next call
+            error, cause = agreement.planning_error(e), e
 
-        def plan_args(q_segs, kv_segs_per_step):
-            return (mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device,
-                    min_tile, kernel)
+    # 2. One agreement among the ranks. It runs while the ring computes the own block, and the
+    # ring waits for it before the first transfer; a rank that failed waits for it here.
+    args = None if error else dict(
+        q=q, k=k, v=v, layout=layout, backend=backend, enable_gqa=enable_gqa, scale=scale, score_mod=score_mod,
+        mask_mod=mask_mod, sinks=sinks, return_lse=return_lse, debug=debugging, kernel=plan.kernel.name,
+        grad=torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
+                                             for t in (q, k, v, sinks, *plan.tensors)))
+    agreed = agreement.start(group, args, plan.shares(world_size) if plan else _no_shares(world_size), error, cause)
+    if agreed.failed_here or debugging:  # raises here (or, debugging, agrees before the checks below)
+        agreed.wait()
 
-        def planned(q_segs, kv_segs_per_step):
-            capturing = comm.capturing(q)
-            try:  # planning works on the host and the device at once: never inside a CUDA-graph capture
-                return _PLANS.get(*plan_args(q_segs, kv_segs_per_step), planned_only=capturing)
-            except LookupError:
-                if not capturing:  # an IndexError or KeyError of the mask_mod itself
-                    raise
-                raise RuntimeError(_COLD_CAPTURE) from None
-
-        schedule = planned(q_segs, kv_segs_per_step)
-        stale = debugging and debug.plan_error(schedule, plan_hops(*plan_args(q_segs, kv_segs_per_step)))
-        if stale:
-            raise ValueError(stale)
-        if score_mod is not None:  # the mask's lookups are checked where it is planned
-            check_lookups(score_mod, "score_mod", q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device)
-        # The other ranks' plans for this rank's block, made here too: the first send is sliced
-        # to what they read of it before the own block's compute is queued, and the next rank's
-        # hops are those it may lend here (``lending``).
-        others = {other: planned(layouts.segments(layout, q_len, world_size, other), kv_segs_per_step[:1])[0]
-                  for other in range(world_size) if other != rank}
-        own_rows_read = around(keys_read([hops], 1)[0] for hops in others.values())
-        offer = lending.offer(mask_mod, schedule, others[(rank + 1) % world_size], kernel.name,
-                              kernel.call_pairs(q.shape[0], q.shape[1], q.shape[3]), q.device) if world_size > 1 else None
-        return schedule, kernel, own_rows_read, tensors, offer
-
-    def shares(result):  # what every rank learns of this rank's plan
-        schedule, offer = result[0], result[4]
-        reads = [x for span in keys_read(schedule, world_size) for x in span]
-        return reads + (offer.shares if offer is not None else lending.NO_OFFER)
-
-    agreement = validate.check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group, layout=layout,
-                               scale=scale, enable_gqa=enable_gqa, backend=backend, sinks=sinks,
-                               return_lse=return_lse, debug=debugging, prepare=prepare, shares=shares,
-                               no_shares=_no_shares(world_size),
-                               kernel_of=lambda result: result[1].name, learned_of=lambda result: result[3])
-    if agreement.failed_here or debugging:  # raises here (or, debugging, agrees before the checks below)
-        agreement.wait()
-    schedule, kernel, own_rows_read, tensors, offer = agreement.result
+    # 3. The ring, and the merge of its hops' results.
     transfers = None
     if world_size > 1:
         transfers = debug.DebugComm(group) if debugging else GuardedComm(group)
-    call = RingCall(comm=transfers, schedule=schedule, kernel=kernel, mods=mods,
-                    scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), agreement=agreement,
-                    own_rows_read=own_rows_read, tensors=tensors, offer=offer, lse_grad=return_lse)
+    call = RingCall(comm=transfers, schedule=plan.schedule, kernel=plan.kernel, mods=mods,
+                    scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), agreement=agreed,
+                    own_rows_read=plan.own_rows_read, tensors=plan.tensors, offer=plan.offer, lse_grad=return_lse)
     if debugging:
         debug.check_inputs(group, q, k, v)
         q, k, v = debug.watch_grads(group, q, k, v)
-    out, lse = RingAttention.apply(q, k.contiguous(), v.contiguous(), call, sinks, *tensors)
+    out, lse = RingAttention.apply(q, k.contiguous(), v.contiguous(), call, sinks, *plan.tensors)
     if debugging:
         debug.check_outputs(group, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _warn_if_bound(score_mod, mask_mod) -> None:
+    for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if isinstance(mod, types.MethodType):
+            warn_once(f"ringflex: the {name} is a bound method ({mod.__qualname__}), a new object at every "
+                      "access, and ringflex keeps traces and plans by the mod object: it is traced anew at every "
+                      "call (about 10 ms of host time). Pass a function or a closure built once (docs/guide.md, "
+                      "'Writing mods')")
+
+
+@dataclass
+class _Plan:
+    """This rank's part of a call, planned before the ranks agree."""
+
+    schedule: List[List[Hop]]  # schedule[i]: the hops against the K/V block held at step i
+    kernel: HopKernel
+    own_rows_read: Tuple[int, int]  # what the other ranks read of this rank's block, as planned here
+    tensors: Tuple[Tensor, ...]  # the score_mod's captured tensors that require grad
+    offer: Optional[lending.Offer]  # this rank's side of lending (None: one rank, or lending off)
+
+    def shares(self, world_size: int) -> List[int]:
+        """What every rank learns of this plan in the agreement: the rows of the block held at
+        each step that its hops read, and the offer's shares."""
+        reads = [x for span in keys_read(self.schedule, world_size) for x in span]
+        return reads + (self.offer.shares if self.offer is not None else lending.NO_OFFER)
+
+
+def _plan(q: Tensor, k: Tensor, v: Tensor, mods: Mods, group, layout: str, backend: str, debugging: bool) -> _Plan:
+    """This rank's plan of a call whose arguments passed ``checks.local_error``. It evaluates
+    the mods, which may raise (on this rank only): the caller makes that a refusal of every rank."""
+    world_size = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    mask_mod, score_mod = mods.mask_mod, mods.score_mod
+    q_len, kv_len = q.shape[2] * world_size, k.shape[2] * world_size
+    q_segs = layouts.segments(layout, q_len, world_size, rank)
+    kv_segs_per_step = [layouts.segments(layout, kv_len, world_size, (rank - step) % world_size)
+                        for step in range(world_size)]
+    tensors = tensors_requiring_grad(score_mod, q.device)
+    kernel = select_kernel(backend, q, k, v, mods, tensor_grads=bool(tensors), lengths=(q_len, kv_len))
+    min_tile = config.MIN_TILE.value()
+
+    def plan_args(q_segs, kv_segs_per_step):
+        return (mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device,
+                min_tile, kernel)
+
+    def planned(q_segs, kv_segs_per_step):
+        capturing = comm.capturing(q)
+        try:  # planning works on the host and the device at once: never inside a CUDA-graph capture
+            return _PLANS.get(*plan_args(q_segs, kv_segs_per_step), planned_only=capturing)
+        except LookupError:
+            if not capturing:  # an IndexError or KeyError of the mask_mod itself
+                raise
+            raise RuntimeError(_COLD_CAPTURE) from None
+
+    schedule = planned(q_segs, kv_segs_per_step)
+    stale = debugging and debug.plan_error(schedule, plan_hops(*plan_args(q_segs, kv_segs_per_step)))
+    if stale:
+        raise ValueError(stale)
+    if score_mod is not None:  # the mask's lookups are checked where it is planned
+        check_lookups(score_mod, "score_mod", q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device)
+    # The other ranks' plans for this rank's block, made here too: the first send is sliced
+    # to what they read of it before the own block's compute is queued, and the next rank's
+    # hops are those it may lend here (``plan.lending``).
+    others = {other: planned(layouts.segments(layout, q_len, world_size, other), kv_segs_per_step[:1])[0]
+              for other in range(world_size) if other != rank}
+    own_rows_read = around(keys_read([hops], 1)[0] for hops in others.values())
+    offer = lending.offer(mask_mod, schedule, others[(rank + 1) % world_size], kernel.name,
+                          kernel.call_pairs(q.shape[0], q.shape[1], q.shape[3]), q.device) if world_size > 1 else None
+    return _Plan(schedule, kernel, own_rows_read, tensors, offer)

@@ -1,4 +1,5 @@
-"""Every ``RINGFLEX_*`` setting, in one place: its default, what it takes, what it means.
+"""Every ``RINGFLEX_*`` setting, in one place: its default, what it takes, what it means;
+and ``warn_once``, how ringflex tells of a choice it made for the user.
 
 Settings are read when they are used, so a test or a notebook may change one between calls.
 A value that does not parse raises ``ValueError`` naming the variable and what it takes;
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable, List, Tuple
 
@@ -94,3 +96,14 @@ def debugging() -> bool:
 def describe() -> List[str]:
     """Each setting, its value here and its meaning (``python -m ringflex.env``)."""
     return [f"{s.name}={s.raw()} ({s.meaning})" for s in SETTINGS]
+
+
+_WARNED = set()
+
+
+def warn_once(message: str) -> None:
+    """Warns of ``message`` once per process: a choice ringflex made (a slower kernel, a
+    transport) repeats at every call, and its warning would drown the log."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import __version__, config
-from .kernels import _cudnn_reason
+from .kernels import cudnn_reason
 from .kernels.flex import flex_unavailable_reason
 from .kernels.base import Mods
 from .parallel import peer
@@ -56,7 +56,7 @@ def backends() -> Dict[str, Optional[str]]:
         no_gpu = "no CUDA device (torch.cuda.is_available() is False)"
         return {"reference": None, "cudnn": no_gpu, "flex": no_gpu}
     q = torch.zeros(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
-    return {"reference": None, "cudnn": _cudnn_reason(q, q, q, Mods(), None), "flex": flex_unavailable_reason(q)}
+    return {"reference": None, "cudnn": cudnn_reason(q, q, q, Mods(), None), "flex": flex_unavailable_reason(q)}
 
 
 def report() -> str:

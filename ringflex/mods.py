@@ -9,7 +9,10 @@ from typing import Sequence
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import and_masks, or_masks  # noqa: F401 (re-exported)
+from torch.nn.attention.flex_attention import and_masks, or_masks
+
+__all__ = ["causal", "sliding_window", "prefix_lm", "document_ids", "document", "softcap", "alibi_slopes", "alibi",
+           "image_neighbourhood", "and_masks", "or_masks"]
 
 
 def causal(b, h, q_idx, kv_idx):

@@ -43,10 +43,11 @@ from torch import nn
 from torch.nn.attention import flex_attention as _flex
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
-from . import mesh as meshes, mods, training
+from . import mods, training
+from .parallel import mesh as meshes
 from .api import reject, ring_flex_attention
-from .parallel.layout import check_layout
-from .validate import BACKENDS
+from .kernels import BACKENDS
+from .plan.layout import check_layout
 
 _TORCH_FLEX = _flex.flex_attention
 _FLEX_SIGNATURE = inspect.signature(_TORCH_FLEX)
@@ -68,7 +69,7 @@ _FLEX_HOP = getattr(torch.ops.higher_order, "flex_attention", None)
 
 def _refuse_torch_varlen() -> None:
     """Adds torch's ``varlen_attn`` op to ``_LOCAL_ATTENTION`` once its module has registered
-    it: importing that module here would add 0.9 s to ``import ringflex``."""
+    it: importing that module here would slow every ``import ringflex``."""
     if "torch.nn.attention.varlen" in sys.modules and hasattr(torch.ops.torch_attn, "_varlen_attn"):
         _LOCAL_ATTENTION.add(torch.ops.torch_attn._varlen_attn)
 

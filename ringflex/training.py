@@ -16,10 +16,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import mesh as meshes, validate
-from .parallel import layout as layouts
+from .parallel import mesh as meshes
+from .mod.fingerprint import digest
+from .parallel import agreement
 from .parallel.groups import rank_and_size
 from .parallel.shard import shard
+from .plan import layout as layouts
 
 
 def _group_size(group) -> int:
@@ -113,7 +115,7 @@ def sharded_cross_entropy(logits: Tensor, labels: Tensor, *, group=None, ignore_
         error = f"sharded_cross_entropy: {type(e).__name__}: {e}"
     if _group_size(group) == 1:
         return local / (labels != ignore_index).sum().to(local.dtype)
-    validate.exchange(group, [], error, "sharded_cross_entropy", caller=None)  # the others' all-reduce would wait
+    agreement.exchange(group, [], error, "sharded_cross_entropy", caller=None)  # the others' all-reduce would wait
     count = (labels != ignore_index).sum().to(local.dtype)
     dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
     return sum_over_ranks(local, group) / count
@@ -149,7 +151,7 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group=None) -> No
 
 
 def _dtensor():
-    """torch's DTensor class, or () where no module imported it (importing it takes 0.5 s):
+    """torch's DTensor class, or () where no module imported it (importing it is slow):
     then no parameter is one."""
     module = sys.modules.get("torch.distributed.tensor")
     return module.DTensor if module is not None else ()
@@ -172,12 +174,12 @@ def _with_grad_on_any_rank(params: List[torch.nn.Parameter], group, error: Optio
     """The parameters that have a gradient on at least one rank, once every rank is known to
     have passed as many, of the same shapes and dtypes (over the group's CPU side, as the
     ring's argument check), and none had an ``error``."""
-    layout = validate.digest(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
-    records = validate.exchange(group, [len(params), layout], error, "reduce_gradients", caller=None)
+    layout = digest(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
+    records = agreement.exchange(group, [len(params), layout], error, "reduce_gradients", caller=None)
     if any(r != records[0] for r in records):
         raise ValueError("reduce_gradients: the ranks passed different parameters ("
                          + ", ".join(f"rank {r}: {n} parameters, shapes and dtypes {code:016x}"
                                      for r, (n, code) in enumerate(records))
                          + "); pass the same model's parameters on every rank")
-    has_grad = validate.exchange(group, [p.grad is not None for p in params], None, "reduce_gradients", caller=None)
+    has_grad = agreement.exchange(group, [p.grad is not None for p in params], None, "reduce_gradients", caller=None)
     return [p for p, *anywhere in zip(params, *has_grad) if any(anywhere)]

@@ -13,10 +13,11 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import mesh as meshes, mods
+from . import mods
+from .parallel import mesh as meshes
 from .api import reject, ring_flex_attention
-from .parallel import layout as layouts
 from .parallel.shard import shard, unshard
+from .plan import layout as layouts
 
 
 class PackedSequences:

@@ -1,14 +1,10 @@
 """The ring benchmark runs end to end (CPU, gloo, reference kernel, toy sizes)."""
-import sys
-from pathlib import Path
 
-from harness import run_world
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from support.harness import run_world
 
 
 def _bench(rank, world_size):
-    import bench
+    from benchmarks import bench
     rows = bench.run(bench.parse_args(["--device", "cpu", "--seq-lens", "64", "--heads", "2", "--head-dim", "8",
                                        "--iters", "1", "--warmup", "0", "--window", "16", "--doc-len", "16",
                                        "--layouts", "zigzag", "striped"]))
@@ -25,7 +21,7 @@ def test_bench_smoke():
 def test_gpu_idle_from_a_trace():
     """profile_ring's idle time: gaps where no kernel but NCCL's (which spin while waiting)
     runs on any stream, overlaps merged; copies (copy engines, no SM) do not count as work."""
-    from profile_ring import gpu_idle
+    from benchmarks.profile_ring import gpu_idle
     events = [dict(ph="X", cat="kernel", ts=ts, dur=dur, name=name) for ts, dur, name in (
         (0, 100, "attention"), (50, 150, "copy"),  # overlapping: busy until 200
         (150, 300, "ncclDevKernel_SendRecv"),        # a transfer: not compute
@@ -39,7 +35,7 @@ def test_gpu_idle_from_a_trace():
 
 
 def _bench_mesh(rank, world_size):
-    import bench_mesh
+    from benchmarks import bench_mesh
     rows = bench_mesh.run(bench_mesh.parse_args(["--device", "cpu", "--tokens-per-rank", "32", "--heads", "4",
                                                  "--head-dim", "8", "--iters", "1", "--warmup", "0", "--rounds", "1",
                                                  "--doc-len", "16"]))

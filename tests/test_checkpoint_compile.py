@@ -5,7 +5,7 @@ import torch
 import torch.utils.checkpoint as cp
 
 import ringflex
-from harness import run_world
+from support.harness import run_world
 from ringflex import mods
 from ringflex.training import reduce_gradients
 
@@ -278,7 +278,7 @@ def test_a_wrapped_model_whose_layers_are_compiled_gives_one_process_values():
 def _layers_compiled_with_a_mask(rank, world_size):
     """A wrapper's mask_mod (packed documents) around layers compiled one by one: the eager
     wrapper's output, and no plan made after the first call."""
-    from ringflex import plan
+    from ringflex.plan import blocks
     torch.manual_seed(0)
     model = torch.nn.Sequential(AttentionBlock(), AttentionBlock())
     documents = mods.document(mods.document_ids([5, 9, 2 * S * world_size - 14]))
@@ -287,10 +287,10 @@ def _layers_compiled_with_a_mask(rank, world_size):
     want = wrapped(x)
     for layer in model:
         layer.compile()
-    plans, plan_hops = [], plan.plan_hops
-    plan.plan_hops = lambda *args: plans.append(1) or plan_hops(*args)
+    plans, plan_hops = [], blocks.plan_hops
+    blocks.plan_hops = lambda *args: plans.append(1) or plan_hops(*args)
     got = [wrapped(x) for _ in range(2)]
-    plan.plan_hops = plan_hops
+    blocks.plan_hops = plan_hops
     return max((g - want).abs().max().item() for g in got), len(plans)
 
 

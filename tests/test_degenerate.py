@@ -4,10 +4,10 @@ and nothing is ever NaN, in fp32 and bf16, for every layout."""
 import torch
 
 import ringflex
-from harness import run_world
-from oracle import attention
+from support.harness import run_world
+from support.oracle import attention
 from ringflex import mods
-from ringflex.parallel.layout import positions
+from ringflex.plan.layout import positions
 
 WORLD, LOCAL = 4, 8
 S = WORLD * LOCAL  # zigzag chunks of 4 tokens, striped stride 4

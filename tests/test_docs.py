@@ -1,6 +1,5 @@
 """The documentation generators: the API reference covers every public name, the ring picture is
 well-formed SVG."""
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -8,11 +7,9 @@ import pytest
 
 import ringflex
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
 
 def test_api_reference_covers_the_public_api():
-    import gen_api_docs
+    from tools import gen_api_docs
     text = gen_api_docs.render()
     for name in ringflex.__all__:
         assert f"`{name}`" in text, name
@@ -27,7 +24,7 @@ def test_api_reference_covers_the_public_api():
 def test_api_reference_lists_no_internal_helper():
     """Only ringflex.__all__ and the public modules: not the helpers of the modules that define
     those names (ringflex.api's reject, ringflex.module's attention, the layout's segments)."""
-    import gen_api_docs
+    from tools import gen_api_docs
     text = gen_api_docs.render()
     for name in ["`reject(", "`attention(", "`current_mode(", "`segments(", "`permutation(", "`check_layout(",
                  "`warn_if_launched_alone(", "class `Progress(", "`versions(", "with_mask(", "## `ringflex.api`",
@@ -36,14 +33,14 @@ def test_api_reference_lists_no_internal_helper():
 
 
 def test_api_reference_is_up_to_date():
-    import gen_api_docs
+    from tools import gen_api_docs
     assert (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text() == gen_api_docs.render(), \
-        "docs/api.md is stale: run python tools/gen_api_docs.py"
+        "docs/api.md is stale: run python -m tools.gen_api_docs"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ring_picture_is_svg(world_size):
-    import draw_ring
+    from tools import draw_ring
     root = ET.fromstring(draw_ring.draw(world_size))
     assert root.tag == "{http://www.w3.org/2000/svg}svg"
     assert len(root.findall("{http://www.w3.org/2000/svg}circle")) == world_size

@@ -1,17 +1,20 @@
-"""Row extents from tiles of keys (``ringflex.extents``) against the whole mask evaluated, and
-the ranges they come from (``ringflex.bounds``) where the mask computes in floating point."""
+"""Row extents from tiles of keys (``ringflex.plan.extents``) against the whole mask evaluated, and
+the ranges they come from (``ringflex.mod.ranges``) where the mask computes in floating point."""
 import random
 
 import pytest
 import torch
 
 import ringflex
-from harness import run_world
-from oracle import attention
-from ringflex import bounds, extents, mods
-from ringflex.bounds import block_decider, tile_ranges
-from ringflex.plan import Segment, evaluate_mask
-from ringflex.trace import trace_mask_mod
+from support.harness import run_world
+from support.oracle import attention
+from ringflex import mods
+from ringflex.mod import ranges
+from ringflex.plan import extents
+from ringflex.mod.ranges import block_decider, tile_ranges
+from ringflex.plan.blocks import evaluate_mask
+from ringflex.plan.layout import Segment
+from ringflex.mod.trace import trace_mask_mod
 
 IDS = mods.document_ids([5, 11, 3, 13, 300, 1, 200, 90, 400, 2000])
 FLAGS = torch.arange(len(IDS)) % 7 < 2
@@ -190,7 +193,7 @@ def test_a_float_comparison_decided_only_within_rounding_is_left_to_the_mask(mon
     half = block_decider(lambda b, h, q, kv: q.half() - kv.half() >= 1, 1, 1)  # 4097 is 4096 in float16
     assert half(Segment(4097, 1, 1), Segment(4096, 1, 1)) is None
 
-    monkeypatch.setattr(bounds, "_widen", None)  # fails if called
+    monkeypatch.setattr(ranges, "_widen", None)  # fails if called
     docs = mods.document(mods.document_ids([16, 16]))
     expected = [(mods.causal, 8, 0, True), (mods.causal, 0, 8, False), (mods.sliding_window(16), 8, 0, True),
                 (mods.sliding_window(4), 16, 0, False), (mods.prefix_lm(16), 0, 8, True), (mods.prefix_lm(8), 0, 8, False),

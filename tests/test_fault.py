@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import ringflex
-from harness import run_world
+from support.harness import run_world
 from ringflex.parallel import fault
 
 WORLD = 4
@@ -61,7 +61,7 @@ def _run(score_mod, group, local=L, mask_mod=None):
 
 def _faults(rank, world_size):
     timeout = datetime.timedelta(seconds=60)
-    from ringflex import lending
+    from ringflex.plan import lending
     lending.QUANTUM = 1
     groups = [dist.new_group(list(range(world_size)), timeout=timeout) for _ in range(3)]
     results = {}

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 import ringflex
-from cases import cases, make_inputs
-from harness import run_world
-from oracle import attention
+from support.cases import cases, make_inputs
+from support.harness import run_world
+from support.oracle import attention
 from ringflex.kernels import select_kernel
 from ringflex.kernels.base import Mods
 from ringflex.kernels.flex import FlexKernel, _flex_attention
 from ringflex.kernels.reference import ReferenceKernel
-from ringflex.plan import Segment
+from ringflex.plan.layout import Segment
 from test_numerics import _score_ignoring_errors
 from test_ring import TOLERANCE, _lse_gradient_errors, _max_errors, _tensor_gradient_errors, _with_kernel
 
@@ -185,7 +185,7 @@ def test_kernels_short_of_shared_memory_compile_with_fewer_pipeline_stages(monke
     """A GPU whose shared memory holds only 2 stages of the forward and 1 of the backward:
     each pass steps down torch's default pipeline once, says so once, and later calls start
     at the depth that fitted. Numbers are the same; other compilation errors pass through."""
-    from ringflex import kernels
+    from ringflex import config
     from ringflex.kernels import flex
 
     options_seen = []
@@ -200,7 +200,7 @@ def test_kernels_short_of_shared_memory_compile_with_fewer_pipeline_stages(monke
         return dense_flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options)
 
     monkeypatch.setattr(flex, "_FITTING_STAGES", {})
-    monkeypatch.setattr(kernels, "_WARNED", set())
+    monkeypatch.setattr(config, "_WARNED", set())
     q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.float64) for _ in range(3))
     seg, mods = Segment(0, 1, 8), Mods(ringflex.mods.softcap(2.0), ringflex.mods.causal)
     want = FlexKernel(attend=dense_flex_attention, tile=4)
@@ -230,7 +230,7 @@ def test_hops_torch_cannot_compile_run_on_the_reference_kernel(monkeypatch):
     hops of the same shapes do not try to compile again."""
     from torch._inductor.exc import InductorError
 
-    from ringflex import kernels
+    from ringflex import config
     from ringflex.kernels import flex
 
     attempts = []
@@ -240,7 +240,7 @@ def test_hops_torch_cannot_compile_run_on_the_reference_kernel(monkeypatch):
         raise InductorError(RuntimeError("LoweringException: NoValidChoicesError: No choices to select"), None)
 
     monkeypatch.setattr(flex, "_UNCOMPILED", set())
-    monkeypatch.setattr(kernels, "_WARNED", set())
+    monkeypatch.setattr(config, "_WARNED", set())
     q, k, v = (torch.randn(1, 2, 7, 16) for _ in range(3))
     seg, mods = Segment(0, 1, 7), Mods(ringflex.mods.softcap(2.0), ringflex.mods.causal)
     reference = ReferenceKernel()

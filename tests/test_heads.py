@@ -18,10 +18,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import ringflex
-from harness import run_world
-from oracle import attention
-from ringflex import mesh as meshes, mods, training
-from ringflex.parallel import layout as layouts
+from support.harness import run_world
+from support.oracle import attention
+from ringflex import mods, training
+from ringflex.parallel import mesh as meshes
+from ringflex.plan import layout as layouts
 
 WORLD = 4
 MESHES = [(2, 2), (4, 1), (1, 4)]

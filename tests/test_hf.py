@@ -12,8 +12,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import ringflex  # noqa: E402
-from harness import run_world  # noqa: E402
-from oracle import attention as oracle  # noqa: E402
+from support.harness import run_world  # noqa: E402
+from support.oracle import attention as oracle  # noqa: E402
 from ringflex import mods  # noqa: E402
 from ringflex.integrations import hf  # noqa: E402
 from ringflex.training import position_ids, reduce_gradients, shard_batch  # noqa: E402

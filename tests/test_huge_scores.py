@@ -6,22 +6,21 @@ and the cuDNN and flex kernels hand such rows to the reference kernel. Checked p
 (reference, cuDNN emulated on CPU, flex through a dense stand-in), through merges and sinks,
 and on rings of 1 to 4 ranks with lending, forward and backward, in fp64, fp32 and bf16."""
 import math
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import ringflex
-from harness import run_world
-from oracle import attention
+from support.emulated_cudnn import emulate
+from support.harness import run_world
+from support.oracle import attention
 from ringflex import kernels, mods
 from ringflex.kernels.base import Mods
 from ringflex.kernels.huge import huge_terms
 from ringflex.kernels.reference import ReferenceKernel
-from ringflex.plan import Segment
+from ringflex.plan.layout import Segment
 
 HUGE_SCORE = 2.0 ** 100  # -1e30-like, and the same number in fp32 and fp64: a sink of it ties with such keys
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -80,9 +79,7 @@ def _oracle(q, k, v, dout, dlse, score_mod, mask_mod, sinks):
 
 def _emulated_cudnn(monkeypatch):
     """The cuDNN kernel on the CPU, its frontend emulated (``tests/gpu/test_cudnn_kernel.py``)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-    from test_cudnn_kernel import _emulated
-    return _emulated(monkeypatch).CudnnKernel()
+    return emulate(monkeypatch).CudnnKernel()
 
 
 def _dense_flex(monkeypatch):

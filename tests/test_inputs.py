@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 
 import ringflex
-from harness import run_world
-from oracle import attention
+from support.harness import run_world
+from support.oracle import attention
 from ringflex import mods
 
 WORLD, S = 2, 16

@@ -3,12 +3,12 @@ import pytest
 import torch
 
 import ringflex
-from harness import run_world
-from oracle import attention, visible_extent
+from support.harness import run_world
+from support.oracle import attention, visible_extent
 from ringflex import mods
-from ringflex.parallel import layout as layouts
-from ringflex.plan import (BlockKind, Segment, block_kinds, classify, keys_read, plan_hops, steps_needed,
-                           travelling_rows)
+from ringflex.plan import layout as layouts
+from ringflex.plan.blocks import BlockKind, block_kinds, classify, keys_read, plan_hops, steps_needed, travelling_rows
+from ringflex.plan.layout import Segment
 
 
 @pytest.mark.parametrize("layout", ringflex.LAYOUTS)
@@ -191,7 +191,7 @@ def test_shard_unshard_roundtrip_and_gradients(layout):
 
 
 def test_plan_cache_reuses_only_identical_masks():
-    from ringflex.plan import PlanCache
+    from ringflex.plan.blocks import PlanCache
     cache = PlanCache()
     q = layouts.segments("zigzag", 16, 2, 0)
     steps = [layouts.segments("zigzag", 16, 2, src) for src in (0, 1)]
@@ -209,7 +209,7 @@ def test_plan_cache_reuses_only_identical_masks():
 def test_range_decisions_are_exact(mask_name):
     """Whatever the formula decides from ranges agrees with dense evaluation; the common
     masks are decided for every block of a long sequence without dense evaluation."""
-    from ringflex.bounds import block_decider
+    from ringflex.mod.ranges import block_decider
     mask_mod = {
         "causal": mods.causal,
         "window": mods.sliding_window(7),
@@ -235,7 +235,7 @@ def test_range_decisions_are_exact(mask_name):
 
 
 def test_untraceable_mask_falls_back_to_dense():
-    from ringflex.bounds import block_decider
+    from ringflex.mod.ranges import block_decider
 
     def data_dependent(b, h, q, kv):
         return q >= kv if bool((q > 100).all()) else q >= 0

@@ -1,15 +1,18 @@
-"""Lending (``ringflex.lending``): where a mask gives the ranks unequal work, a rank hands the
-first rows of its step-1 hops to the previous rank, which owns the keys they read. The rows
-come out as one process computes them, and the ranks' work evens out."""
+"""Lending (``ringflex.plan.lending``, carried out by ``ringflex.parallel.loans``): where a mask
+gives the ranks unequal work, a rank hands the first rows of its step-1 hops to the previous
+rank, which owns the keys they read. The rows come out as one process computes them, and the
+ranks' work evens out."""
 import pytest
 import torch
 
 import ringflex
-from harness import run_world
-from oracle import attention
-from ringflex import lending, mods
-from ringflex.lending import Loan, Offer, StepOne, amounts
-from ringflex.plan import BlockKind, Hop, Segment
+from support.harness import run_world
+from support.oracle import attention
+from ringflex import mods
+from ringflex.plan import lending
+from ringflex.plan.lending import Loan, Offer, StepOne, amounts
+from ringflex.plan.blocks import BlockKind, Hop
+from ringflex.plan.layout import Segment
 
 
 def test_amounts_even_a_window_over_the_contiguous_layout():
@@ -213,9 +216,6 @@ def test_lending_in_debug_mode(monkeypatch):
 
 def _borrower_copies(rank, world_size):
     """The copies into a result this rank runs in a lending window's fwd+bwd, and its loan."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.probes.ring_passes import Passes
     from ringflex.kernels.flex import FlexKernel
     from ringflex.kernels.reference import ReferenceKernel

@@ -1,11 +1,11 @@
-"""Accumulating hop results (``ringflex.parallel.merge``): every row is summed or merged in
+"""Accumulating hop results (``ringflex.kernels.merge``): every row is summed or merged in
 fp32 in the order its parts arrive and rounded once, whatever the row ranges of the parts."""
 import math
 
 import pytest
 import torch
 
-from ringflex.parallel.merge import RowMerge, RowSum
+from ringflex.kernels.merge import RowMerge, RowSum
 
 LENGTH = 16
 # Row ranges of the parts, in arrival order: nested, overlapping, repeated, one row, gaps.
@@ -244,13 +244,13 @@ def test_one_call_over_several_spans_writes_in_place_until_a_span_has_a_part():
 def test_merge_without_triton_says_so_once_and_merges_in_torch(monkeypatch, recwarn):
     """Where the fused merge and sum would apply (CUDA tensors) but triton cannot be imported,
     torch's passes run, and the slower path is named once."""
-    from ringflex import kernels
-    from ringflex.parallel import fused_merge, merge
+    from ringflex import config
+    from ringflex.kernels import fused_merge, merge
 
     monkeypatch.setattr(fused_merge, "applies", lambda *tensors: True)
     monkeypatch.setattr(fused_merge, "sum_applies", lambda *tensors: True)
     monkeypatch.setattr(fused_merge, "available", lambda: False)
-    monkeypatch.setattr(kernels, "_WARNED", set())
+    monkeypatch.setattr(config, "_WARNED", set())
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(2))
     lse_a, lse_b = (torch.randn(1, 2, 8, generator=g) for _ in range(2))
@@ -271,7 +271,7 @@ def test_passes_over_row_views_go_to_the_fused_kernel(monkeypatch):
     """Where the fused kernel applies (CUDA tensors), two parts over rows of a block and rows
     copied to send go to it, as torch's kernels take twice as long over such views; two whole
     tensors keep torch's add, which is as fast."""
-    from ringflex.parallel import fused_merge, merge
+    from ringflex.kernels import fused_merge, merge
 
     calls = []
     monkeypatch.setattr(fused_merge, "sum_applies", lambda d, parts: True)

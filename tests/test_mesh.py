@@ -11,9 +11,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import ringflex
-from cases import cases, make_inputs
-from harness import run_world
-from oracle import attention
+from support.cases import cases, make_inputs
+from support.harness import run_world
+from support.oracle import attention
 from ringflex import training
 
 

@@ -12,9 +12,9 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 import ringflex
-from cases import _document_lengths
-from harness import run_world
-from oracle import attention as oracle
+from support.cases import _document_lengths
+from support.harness import run_world
+from support.oracle import attention as oracle
 from ringflex import mods
 from ringflex.module import RingFlexAttention, RingFlexMode, attention as ring_attention
 from ringflex.training import reduce_gradients

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import ringflex
-from harness import run_world
-from numerics import measure
-from oracle import attention
+from support.harness import run_world
+from support.numerics import measure
+from support.oracle import attention
 from ringflex import mods
 
 # Relative to the reference's largest magnitude (see tests/numerics.py). bf16: one rounding of

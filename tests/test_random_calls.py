@@ -4,15 +4,13 @@ mode) equal the definition, forward and backward: over 2 to 4 ranks and over rin
 of the ranks (reference kernel, fp64; half of them lend any row that evens the ranks' work),
 and on the cuDNN kernel with its frontend emulated (``tests/gpu/test_cudnn_kernel.py``),
 which runs its planning, batching and lowering on the CPU."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_world
-from random_calls import random_call, ring_errors
+from support.harness import run_world
+from support.random_calls import random_call, ring_errors
 
 CALLS = 100  # per world size: seeds 1000 * world_size and on
 
@@ -20,7 +18,7 @@ CALLS = 100  # per world size: seeds 1000 * world_size and on
 def _failures(rank, world_size, rings):
     """Calls on rings of ``world_size // rings`` ranks each (every rank in one of them), each
     ring with seeds of its own."""
-    from ringflex import lending
+    from ringflex.plan import lending
     size = world_size // rings
     groups = [dist.new_group(list(range(r * size, (r + 1) * size))) for r in range(rings)] if rings > 1 else [None]
     ring = rank // size
@@ -42,12 +40,11 @@ def test_random_calls_match_the_definition(world_size, rings):
 
 
 def _emulated_cudnn_failures(rank, world_size):
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-    import test_cudnn_kernel as emulated
+    from support.emulated_cudnn import FakeCudnn
     from test_ring import _with_kernel
     from ringflex.kernels import cudnn
     from ringflex.kernels.base import Mods
-    cudnn.frontend.cudnn, cudnn.frontend.handle = (lambda: emulated._FakeCudnn), (lambda device: None)
+    cudnn.frontend.cudnn, cudnn.frontend.handle = (lambda: FakeCudnn), (lambda device: None)
     _with_kernel(cudnn.CudnnKernel())
     failures = []
     for seed in range(1000 * world_size, 1000 * world_size + CALLS):

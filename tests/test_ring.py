@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import ringflex
-from cases import cases, make_inputs
-from harness import run_world
-from oracle import attention, visible_extent
+from support.cases import cases, make_inputs
+from support.harness import run_world
+from support.oracle import attention, visible_extent
 from ringflex.kernels.reference import ReferenceKernel
 
 LOCAL_LEN = 12  # query tokens per rank (even, so zigzag fits; K/V: 6 for cross-attention)
@@ -19,7 +19,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 def _lend_any_row():
     """Ranks lend rows wherever that evens their work (``lending``): at these sizes the
     granularity of real calls would lend none."""
-    from ringflex import lending
+    from ringflex.plan import lending
     lending.QUANTUM = 1
 
 
@@ -676,5 +676,5 @@ def test_travelling_rows_are_widened_to_a_power_of_two_inside_the_block(rows, le
     """Received blocks take a few row counts (powers of two, or the whole block), so their
     strides do too: the cuDNN kernel's ragged graphs, built per stride, are reused when the
     rows a mask reads of another rank's block change (packed documents)."""
-    from ringflex.parallel.ring import widened
+    from ringflex.plan.blocks import widened
     assert widened(rows, length) == want

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from ringflex import mods
-from ringflex import workload as workloads
-from ringflex.parallel import layout as layouts
-from ringflex.plan import Segment, evaluate_mask, keys_read, plan_hops, steps_needed
-from ringflex.sharding import (Sharding, compare, describe, estimate, packed_documents, per_document,
+from ringflex.plan import workload as workloads
+from ringflex.plan import layout as layouts
+from ringflex.plan.blocks import evaluate_mask, keys_read, plan_hops, steps_needed
+from ringflex.plan.layout import Segment
+from ringflex.plan.sharding import (Sharding, compare, describe, estimate, packed_documents, per_document,
                                shard_by_mask)
-from ringflex.workload import workload
+from ringflex.plan.workload import workload
 
 LAYOUTS = layouts.LAYOUTS
 

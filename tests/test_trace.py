@@ -5,11 +5,14 @@ import re
 import pytest
 import torch
 
-from cases import cases
+from support.cases import cases
 from ringflex import mods
-from ringflex.plan import Segment, index_grid
-from ringflex.trace import (UnsupportedModError, diagonal_band, score_grad, trace_mask_mod,
-                            trace_score_mod)
+from ringflex.plan.blocks import index_grid
+from ringflex.plan.layout import Segment
+from ringflex.mod.band import diagonal_band
+from ringflex.mod.grad import score_grad
+from ringflex.mod.graph import UnsupportedModError
+from ringflex.mod.trace import trace_mask_mod, trace_score_mod
 
 SEQ = 48
 CASES = cases(SEQ)
@@ -139,7 +142,7 @@ def test_a_write_into_a_tensor_the_trace_read_on_the_host_traces_anew():
 
 def _traces(monkeypatch) -> list:
     """Records every fresh trace (``make_fx``) of a mod from here on."""
-    from ringflex import trace
+    from ringflex.mod import trace
     seen, real = [], trace._trace
     monkeypatch.setattr(trace, "_trace", lambda fn, *args: seen.append(fn) or real(fn, *args))
     monkeypatch.setattr(trace, "_TEMPLATES", type(trace._TEMPLATES)())
@@ -220,7 +223,7 @@ def test_a_trace_is_reused_only_where_it_holds_for_the_new_closure(monkeypatch):
 
 def test_debug_mode_checks_a_reused_trace(monkeypatch):
     """With RINGFLEX_DEBUG=1 a reused trace is compared with a fresh one of the mod."""
-    from ringflex import trace
+    from ringflex.mod import trace
     seen = _traces(monkeypatch)
     monkeypatch.setenv("RINGFLEX_DEBUG", "1")
     first, second = (mods.document(mods.document_ids(lengths)) for lengths in ([3, 5], [4, 4]))
@@ -301,7 +304,8 @@ def test_lookup_error_names_a_read_past_a_captured_tensor():
     """A captured tensor indexed by position must cover every position; the check evaluates each
     subscript that depends on one input at all of its values (on a GPU the read itself would end
     the CUDA context), and reads negative indices as torch does, from the end."""
-    from ringflex.trace import lookup_error, trace_mask_mod
+    from ringflex.mod.lookups import lookup_error
+    from ringflex.mod.trace import trace_mask_mod
     values = {"b": torch.arange(1), "h": torch.arange(4), "q_idx": torch.arange(64, 128), "kv_idx": torch.arange(128)}
     local_ids = mods.document_ids([20, 44])  # one rank's share instead of the whole sequence
     assert "reads index 64 of a captured tensor of shape (64,) (at q_idx = 64)" in lookup_error(
@@ -320,10 +324,10 @@ def test_lookups_by_two_inputs_are_ranged_over_the_blocks(monkeypatch):
     the sequence's keys values: ranged over tiles of them, it is evaluated pair by pair only
     where its range reaches outside, which names the read, at any length; where that would take
     too many reads, the error says that it cannot tell."""
-    from ringflex import bounds
+    from ringflex.mod import ranges
 
     def error(mod, q_segs=(Segment(64, 1, 64),), kv_segs=(Segment(0, 1, 64), Segment(64, 1, 64)), batch=2):
-        return bounds.ranged_lookup_error(trace_score_mod(mod), batch, 4, q_segs, kv_segs, None)
+        return ranges.ranged_lookup_error(trace_score_mod(mod), batch, 4, q_segs, kv_segs, None)
 
     every_distance, one_short = torch.zeros(255), torch.zeros(254)  # 2 * 128 - 1 distances
     assert error(lambda s, b, h, q, kv: s + every_distance[q - kv + 127]) is None
@@ -345,7 +349,7 @@ def test_lookups_by_two_inputs_are_ranged_over_the_blocks(monkeypatch):
     window = torch.zeros(9)
     guarded = lambda s, b, h, q, kv: s + window[torch.where((q >= kv) & (q - kv <= 8), q - kv, 0)]  # noqa: E731
     assert error(guarded) is None
-    monkeypatch.setattr(bounds, "_MAX_LOOKUP_READS", 1000)
+    monkeypatch.setattr(ranges, "_MAX_LOOKUP_READS", 1000)
     assert error(guarded) == (
         "score_mod indexes a captured tensor of shape (9,) by q_idx and kv_idx, and its ranges cannot show that every "
         "read stays inside it: more than 1000 reads at queries 64 to 127 and keys 0 to 63 are left to evaluate one by "
@@ -371,7 +375,7 @@ def test_a_result_that_is_not_one_value_per_score_element_is_refused():
 
 
 def test_tensors_requiring_grad_are_found_where_grad_mode_is_on():
-    from ringflex.trace import tensors_requiring_grad
+    from ringflex.mod.trace import tensors_requiring_grad
 
     table, frozen = torch.zeros(4, requires_grad=True), torch.zeros(4)
     learnable = lambda score, b, h, q_idx, kv_idx: score + table[h] + frozen[h]  # noqa: E731

@@ -3,14 +3,10 @@ of the plain model in one process (fp64, relative 1e-6 over 20 steps), also with
 documents and a softcap, and with a sliding window over the contiguous layout; the
 comparison tool agrees."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-from harness import run_world
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from support.harness import run_world
 
 SMALL = ["--device", "cpu", "--dtype", "float64", "--batch", "2", "--seq-len", "32", "--dim", "32", "--heads", "4",
          "--kv-heads", "2", "--progress-every", "1000"]
@@ -20,13 +16,13 @@ VARIANTS = {"causal": ["--steps", "20"],
 
 
 def _train(rank, world_size, argv):
-    import train_example
+    from examples import train_example
     return train_example.train(train_example.parse_args(argv))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_ring_training_matches_one_process(variant, tmp_path):
-    import train_example
+    from examples import train_example
     argv = SMALL + VARIANTS[variant]
     single = train_example.train(train_example.parse_args(argv + ["--out", str(tmp_path / "single.json")]))
     ring = run_world(2, _train, argv + ["--out", str(tmp_path / "ring.json")])[0]

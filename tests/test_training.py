@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import ringflex
-from harness import run_world
+from support.harness import run_world
 from ringflex.module import RingFlexAttention
-from ringflex.parallel import layout as layouts
+from ringflex.plan import layout as layouts
 from ringflex.training import (next_token_labels, position_ids, reduce_gradients, shard_batch,
                                sharded_cross_entropy)
 

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 import ringflex
-from harness import run_world
-from oracle import attention
+from support.harness import run_world
+from support.oracle import attention
 from ringflex import mods
-from ringflex.debug import RingDebugError
+from ringflex.parallel.debug import RingDebugError
 from ringflex.kernels.reference import ReferenceKernel
 
 WORLD = 3
@@ -415,7 +415,7 @@ def test_debug_mode_checks_gradients_on_one_process(monkeypatch):
 
 
 def test_check_transfer_names_the_fault():
-    from ringflex.debug import _check_transfer
+    from ringflex.parallel.debug import _check_transfer
     ok = [[1, 0, 11, 22, 1, 11, 22, 1]] * 2  # [phase, index] + sent (shape, bytes, finite) + received
     _check_transfer(ok, 3, "forward")
     with pytest.raises(RingDebugError, match="the ranks are at different transfers"):
@@ -436,9 +436,9 @@ def test_check_transfer_names_the_fault():
 
 
 def test_lookups_of_a_mod_used_every_call_are_checked_once(monkeypatch):
-    from ringflex import plan
+    from ringflex.plan import blocks
     checked = []
-    monkeypatch.setattr(plan, "lookup_error", lambda graph, values: checked.append(graph.kind))
+    monkeypatch.setattr(blocks, "lookup_error", lambda graph, values: checked.append(graph.kind))
     q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))
     for _ in range(3):  # new tensors of the same shapes every call: their bounds are the same
         score_mod, mask_mod = mods.alibi(mods.alibi_slopes(4)), mods.document(mods.document_ids([5, 11]))
@@ -453,9 +453,9 @@ def test_lookups_of_a_mod_used_every_call_are_checked_once(monkeypatch):
 def test_a_bound_method_as_mod_is_named_once(monkeypatch, recwarn):
     """``self.score_mod`` is a new object at every access, and traces and plans are kept by the
     mod object: ringflex says once that such a mod is traced at every call."""
-    from ringflex import kernels
+    from ringflex import config
 
-    monkeypatch.setattr(kernels, "_WARNED", set())
+    monkeypatch.setattr(config, "_WARNED", set())
 
     class Halved(torch.nn.Module):
         def score_mod(self, score, b, h, q_idx, kv_idx):
@@ -545,9 +545,9 @@ def test_a_call_captured_before_it_ran_eagerly_is_refused_clearly():
 def test_processes_torchrun_launched_without_a_process_group_are_warned(monkeypatch, recwarn):
     """WORLD_SIZE=2 but no process group: every process would work alone, with no error
     anywhere; shard and the attention say so, once."""
-    from ringflex import kernels
+    from ringflex import config
 
-    monkeypatch.setattr(kernels, "_WARNED", set())
+    monkeypatch.setattr(config, "_WARNED", set())
     monkeypatch.setenv("WORLD_SIZE", "2")
     q = torch.randn(1, 2, 8, 4)
     for _ in range(2):

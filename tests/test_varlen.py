@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import ringflex
-from harness import run_world
-from oracle import attention as oracle
+from support.harness import run_world
+from support.oracle import attention as oracle
 from ringflex import mods
 from ringflex.varlen import PackedSequences, varlen_attention
 

@@ -1,18 +1,19 @@
 """Checks the ring against one device computing the whole sequence, for the whole test matrix.
 
-    torchrun --nproc_per_node=2 tools/check_ring.py --device cuda --backend cudnn   # GPUs, NCCL
+    torchrun --nproc_per_node=2 -m tools.check_ring --device cuda --backend cudnn   # GPUs, NCCL
                                           # (fewer GPUs than ranks: they share them, tools/ranks.py)
-    torchrun --nproc_per_node=3 tools/check_ring.py --device cpu --local-len 16     # CPU, gloo
-    torchrun --nproc_per_node=2 tools/check_ring.py --lse-grad    # a loss that reads the LSE too
+    torchrun --nproc_per_node=3 -m tools.check_ring --device cpu --local-len 16     # CPU, gloo
+    torchrun --nproc_per_node=2 -m tools.check_ring --lse-grad    # a loss that reads the LSE too
+
+(from the repository root: the cases and the fp64 oracle come from ``tests/support``)
 
 Each rank compares its shard of the output and of dq/dk/dv with the reference kernel run
 in fp32 on the unsharded sequence; rank 0 prints one line per case and layout (with the
-most query rows a rank lent, ``ringflex.lending``), and the script exits non-zero if any
+most query rows a rank lent, ``ringflex.plan.lending``), and the script exits non-zero if any
 error exceeds the tolerance.
 """
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,14 +23,12 @@ from ringflex.kernels.base import Mods
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.parallel import peer
 from ringflex.parallel.ring import RingCall
-from ringflex.plan import Segment
+from ringflex.plan.layout import Segment
 
-import ranks  # tools/ is on sys.path when this runs as a script
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the cases and the fp64 oracle of tests/
-from cases import cases, make_inputs  # noqa: E402
-from harness import weigh_cudnn_calls_as_free  # noqa: E402
-from oracle import attention  # noqa: E402
+from tests.support.cases import cases, make_inputs
+from tests.support.harness import weigh_cudnn_calls_as_free
+from tests.support.oracle import attention
+from tools import ranks
 
 
 def reference(q, k, v, dout, case):

@@ -1,9 +1,11 @@
 """Are two identical calls bitwise identical? Per backend, forward and backward, as a markdown table.
 
-    python tools/determinism.py --device cuda --backends reference cudnn   # one GPU
-    torchrun --nproc_per_node=2 tools/determinism.py --device cuda --backends cudnn
-    python tools/determinism.py                                                # CPU, reference
-    python tools/determinism.py --device cuda --backends cudnn --deterministic # cuDNN without atomics
+    python -m tools.determinism --device cuda --backends reference cudnn   # one GPU
+    torchrun --nproc_per_node=2 -m tools.determinism --device cuda --backends cudnn
+    python -m tools.determinism                                                # CPU, reference
+    python -m tools.determinism --device cuda --backends cudnn --deterministic # cuDNN without atomics
+
+(from the repository root)
 
 The ring itself fixes the order of every sum (hops, merges, dK/dV round the ring), so a call
 is bitwise repeatable exactly when its kernel is. Each problem runs ``--runs`` times (3); the
@@ -18,9 +20,9 @@ import time
 import torch
 import torch.distributed as dist
 
-import ranks  # tools/ is on sys.path when this runs as a script
 import ringflex
 from ringflex import mods
+from tools import ranks
 
 
 def problems(seq_len, device):

@@ -1,10 +1,10 @@
 """Random ring calls on GPUs against the definition (run with torchrun).
 
-    torchrun --nproc_per_node=2 tools/fuzz_ring.py --seeds 0 500 --seconds 300   # ranks may share a GPU
-    torchrun --nproc_per_node=1 tools/fuzz_ring.py --no-gathers                 # the cuDNN kernel alone
-    torchrun --nproc_per_node=1 tools/fuzz_ring.py --no-gathers --tiles         # blocks planned from tiles
+    torchrun --nproc_per_node=2 -m tools.fuzz_ring --seeds 0 500 --seconds 300   # ranks may share a GPU
+    torchrun --nproc_per_node=1 -m tools.fuzz_ring --no-gathers                 # the cuDNN kernel alone
+    torchrun --nproc_per_node=1 -m tools.fuzz_ring --no-gathers --tiles         # blocks planned from tiles
 
-Each seed is a call of ``tests/random_calls.py`` (layout, lengths, heads, mixed masks and
+(from the repository root). Each seed is a call of ``tests/support/random_calls.py`` (layout, lengths, heads, mixed masks and
 score_mods, sinks, an LSE the loss reads), run in bf16 on the backend given and compared
 with the same call (the same bf16 values) in fp64 on the CPU. A call beyond the tolerance
 runs again on the reference kernel (fp32 arithmetic on the same bf16 values): it fails only
@@ -18,18 +18,15 @@ import sys
 import time
 import traceback
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import ranks  # tools/ is on sys.path when this runs as a script
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the random calls and the harness of tests/
-from harness import weigh_cudnn_calls_as_free  # noqa: E402
-from random_calls import random_call, ring_errors  # noqa: E402
-from ringflex import extents, lending  # noqa: E402
-from ringflex.parallel.fault import CallRejected  # noqa: E402
+from ringflex.parallel.fault import CallRejected
+from ringflex.plan import extents, lending
+from tests.support.harness import weigh_cudnn_calls_as_free
+from tests.support.random_calls import random_call, ring_errors
+from tools import ranks
 
 SIZES = (4, 64, 512)  # most layout chunks per rank, by seed: tiny blocks, a few tiles, many
 

@@ -20,31 +20,31 @@ tr() { local n=$1; shift; torchrun --standalone --nproc_per_node="$n" "$@"; }
 for stage in "$@"; do
   case $stage in
     env) run env python3 -m ringflex.env ;;
-    check2) run check tr 2 tools/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;
-    check2flex) run check tr 2 tools/check_ring.py --device cuda --backend flex --local-len 1024 ;;  # the ring on flex_attention
-    check2lse) run check tr 2 tools/check_ring.py --device cuda --backend cudnn --local-len 1024 --lse-grad ;;  # a loss reading the LSE
+    check2) run check tr 2 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 ;;
+    check2flex) run check tr 2 -m tools.check_ring --device cuda --backend flex --local-len 1024 ;;  # the ring on flex_attention
+    check2lse) run check tr 2 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 --lse-grad ;;  # a loss reading the LSE
     hostcost1) run hostcost python3 -m benchmarks.probes.host_cost ;;  # host time of a ring call's pieces, one process
     flex1) run flex python3 -m pytest -q tests/gpu/test_flex_kernel.py ;;  # the flex kernel vs the reference kernel
     capture1) run capture python3 -m benchmarks.probes.capture_probe  # what CUDA-graph capture gives, one rank
               run capture tr 2 -m benchmarks.probes.capture_probe  # two ranks (sharing the GPU where there is one)
               run capture python3 -m pytest -q tests/gpu/test_capture.py ;;  # one- and two-rank calls replay to their values
     transport1) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py  # two ranks share one GPU
-                run check tr 2 tools/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;  # the ring over it
+                run check tr 2 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 ;;  # the ring over it
     exchange1) run exchange tr 2 -m benchmarks.probes.exchange_cost ;;  # host time of one copy-engine exchange (ranks share the GPU)
-    graph1) run graph1 tr 1 benchmarks/bench.py --seq-lens 8192 16384 --masks causal documents --graph --no-cp \
+    graph1) run graph1 tr 1 -m benchmarks.bench --seq-lens 8192 16384 --masks causal documents --graph --no-cp \
               --iters 5 --warmup 2 --singles sdpa-cudnn ringflex-1gpu ;;  # one rank: eager vs graphs
-    graph2) run graph2 tr 2 benchmarks/bench.py --seq-lens 16384 32768 --masks none causal window documents --graph \
+    graph2) run graph2 tr 2 -m benchmarks.bench --seq-lens 16384 32768 --masks none causal window documents --graph \
               --layouts zigzag contiguous --no-cp --iters 5 --warmup 2 --singles sdpa-cudnn ringflex-1gpu \
               --json "$OUT/bench_graph.json" ;;  # eager vs graphs
-    check2big) run check tr 2 tools/check_ring.py --device cuda --backend cudnn --local-len 4096 \
+    check2big) run check tr 2 -m tools.check_ring --device cuda --backend cudnn --local-len 4096 \
               --cases sliding_window documents prefix_lm combined_masks sparse_rows late_queries ;;  # blocks kept whole
     transport2) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py ;;  # copy engines vs NCCL, failures
     merge1) run merge python3 -m pytest -q tests/gpu/test_fused_merge.py ;;  # the fused merge vs torch and fp64
     kernel1) run kernel python3 -m pytest -q tests/gpu/test_cudnn_kernel.py ;;  # every mod, offsets, fwd+bwd
-    fuzz1) run fuzz tr 1 tools/fuzz_ring.py --no-gathers --seconds 240 ;;  # random calls, the cuDNN kernel alone
-    fuzz1tiles) for n in 1 2; do run fuzz tr $n tools/fuzz_ring.py --no-gathers --tiles --seeds 3000 200 \
+    fuzz1) run fuzz tr 1 -m tools.fuzz_ring --no-gathers --seconds 240 ;;  # random calls, the cuDNN kernel alone
+    fuzz1tiles) for n in 1 2; do run fuzz tr $n -m tools.fuzz_ring --no-gathers --tiles --seeds 3000 200 \
               --seconds 150; done ;;  # blocks planned from tiles, one rank and two sharing the GPU
-    fuzz2) run fuzz tr 2 tools/fuzz_ring.py --seconds 400 ;;  # random calls over two ranks, gathers (flex) too
+    fuzz2) run fuzz tr 2 -m tools.fuzz_ring --seconds 400 ;;  # random calls over two ranks, gathers (flex) too
     compile1) run compile python3 -m pytest -q tests/gpu/test_compiled_wrapper.py ;;  # torch.compile around a wrapped model
     plans1) run plans python3 -m benchmarks.probes.plan_probe --seq-len 8192 --window 1024 ;;  # every cuDNN plan and knob, timed
     ragged1) run ragged python3 -m benchmarks.probes.ragged_cost ;;  # ragged batch vs a call per document
@@ -57,23 +57,23 @@ for stage in "$@"; do
               --seq-len $1 --calls $2 --profile 10; done  # one rank's hops, a new packed batch every call: graphs built
               for d in 4096 1024; do run newdocs1 python3 -m benchmarks.probes.new_documents_probe --seq-len 65536 --doc-len $d \
               --heads 1 --check; done ;;  # those hops (whole 32k-row blocks) against the reference kernel
-    ab2) for t in nccl auto; do export RINGFLEX_TRANSPORT=$t; run ab2 tr 2 benchmarks/bench.py --seq-lens 16384 \
+    ab2) for t in nccl auto; do export RINGFLEX_TRANSPORT=$t; run ab2 tr 2 -m benchmarks.bench --seq-lens 16384 \
               --masks none causal --no-cp --single-max 0 --iters 10 --warmup 3; done; unset RINGFLEX_TRANSPORT ;;
-    check4) run check tr 4 tools/check_ring.py --device cuda --backend cudnn --local-len 1024 ;;
-    bench2) run bench2 tr 2 benchmarks/bench.py --seq-lens 16384 32768 --iters 5 --warmup 2 \
+    check4) run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 ;;
+    bench2) run bench2 tr 2 -m benchmarks.bench --seq-lens 16384 32768 --iters 5 --warmup 2 \
               --json "$OUT/bench2.json" --plot "$OUT/efficiency_2gpu.png" ;;
-    layouts2) for n in 16384 32768; do run layouts2 tr 2 benchmarks/bench.py --seq-lens $n --layouts zigzag striped \
+    layouts2) for n in 16384 32768; do run layouts2 tr 2 -m benchmarks.bench --seq-lens $n --layouts zigzag striped \
               --no-cp --iters 5 --warmup 2 --json "$OUT/layouts2_$n.json"; done ;;  # the ring in both balanced layouts
-    long2) run long2 tr 2 benchmarks/bench.py --seq-lens 65536 --masks none causal window documents \
+    long2) run long2 tr 2 -m benchmarks.bench --seq-lens 65536 --masks none causal window documents \
               --layouts zigzag striped --no-cp --iters 3 --warmup 2 --json "$OUT/layouts2_65536.json"
-           run long2 tr 2 benchmarks/bench.py --seq-lens 16384 32768 65536 --masks window documents \
+           run long2 tr 2 -m benchmarks.bench --seq-lens 16384 32768 65536 --masks window documents \
               --layouts contiguous --no-cp --iters 3 --warmup 2 --json "$OUT/contiguous.json" ;;
-    masked2) run masked2 tr 2 benchmarks/bench.py --seq-lens 16384 32768 65536 --masks window documents \
+    masked2) run masked2 tr 2 -m benchmarks.bench --seq-lens 16384 32768 65536 --masks window documents \
               --layouts zigzag striped contiguous --no-cp --iters 3 --warmup 2 --json "$OUT/masked2.json" ;;
-    documents2) for d in 4096 1024; do run documents2 tr 2 benchmarks/bench.py --seq-lens 16384 32768 --masks documents \
+    documents2) for d in 4096 1024; do run documents2 tr 2 -m benchmarks.bench --seq-lens 16384 32768 --masks documents \
               --doc-len $d --layouts contiguous zigzag --no-cp --singles ringflex-1gpu --iters 5 --warmup 2 \
               --json "$OUT/documents2_$d.json"; done ;;  # ragged batches, against ringflex's own kernel on one GPU
-    lend2) for l in 0 auto 1; do export RINGFLEX_LENDING=$l; run lend2 tr 2 benchmarks/bench.py --seq-lens 16384 32768 \
+    lend2) for l in 0 auto 1; do export RINGFLEX_LENDING=$l; run lend2 tr 2 -m benchmarks.bench --seq-lens 16384 32768 \
               --masks window documents causal --layouts contiguous --no-cp --singles sdpa-cudnn ringflex-1gpu \
               --graph --iters 5 --warmup 2 --json "$OUT/lend2_$l.json"; done; unset RINGFLEX_LENDING ;;  # lending off / by default / at any size
     passes2) run passes2 tr 2 -m benchmarks.probes.ring_passes --seq-len 16384 --masks causal none --layout zigzag
@@ -81,22 +81,22 @@ for stage in "$@"; do
     phases2) run phases2 tr 2 -m benchmarks.probes.host_phases --seq-len 16384 ;;  # host time of a ring call by phase
     newdocs2) for n in 16384 65536; do run newdocs2 tr 2 -m benchmarks.probes.host_phases --seq-len $n --warmup 100 --calls 20 \
               --cases new_documents:contiguous new_documents:zigzag documents:contiguous; done ;;  # new packed batch every call
-    bench4) run bench4 tr 4 benchmarks/bench.py --seq-lens 32768 131072 --masks none causal documents \
+    bench4) run bench4 tr 4 -m benchmarks.bench --seq-lens 32768 131072 --masks none causal documents \
               --iters 5 --warmup 3 --json "$OUT/bench4.json" --plot "$OUT/efficiency_4gpu.png" ;;
-    bench8) run bench8 tr 8 benchmarks/bench.py --seq-lens 65536 262144 1048576 --masks none causal documents \
+    bench8) run bench8 tr 8 -m benchmarks.bench --seq-lens 65536 262144 1048576 --masks none causal documents \
               --single-max 262144 --iters 5 --warmup 3 --json "$OUT/bench8.json" --plot "$OUT/efficiency_8gpu.png" ;;
-    million) run million tr 2 benchmarks/bench.py --seq-lens 1048576 --masks causal --single-max 0 --no-cp \
+    million) run million tr 2 -m benchmarks.bench --seq-lens 1048576 --masks causal --single-max 0 --no-cp \
               --iters 1 --warmup 0 --json "$OUT/million.json" ;;
-    profile2) run profile2 tr 2 benchmarks/profile_ring.py --seq-lens 16384 32768 --masks causal none documents \
+    profile2) run profile2 tr 2 -m benchmarks.profile_ring --seq-lens 16384 32768 --masks causal none documents \
               --trace "$OUT/ring_trace.json.gz" ;;
-    profile4) mkdir -p "$OUT/traces" && run profile4 tr 4 benchmarks/profile_ring.py --seq-lens 32768 \
+    profile4) mkdir -p "$OUT/traces" && run profile4 tr 4 -m benchmarks.profile_ring --seq-lens 32768 \
               --masks documents causal --trace "$OUT/traces/ring_{}.json.gz" \
               && tar -C "$OUT" -czf "$OUT/traces4.tgz" traces && rm -r "$OUT/traces" ;;
-    profile8k) mkdir -p "$OUT/traces" && run profile8k tr 2 benchmarks/profile_ring.py --seq-lens 16384 \
+    profile8k) mkdir -p "$OUT/traces" && run profile8k tr 2 -m benchmarks.profile_ring --seq-lens 16384 \
               --masks causal none documents --trace "$OUT/traces/ring_{}.json.gz" \
               && tar -C "$OUT" -czf "$OUT/traces.tgz" traces && rm -r "$OUT/traces" ;;
     lendtrace2) mkdir -p "$OUT/traces"; export RINGFLEX_LENDING=1  # where the window's lending loses 0.4 ms at 8k per GPU
-              run lendtrace2 tr 2 benchmarks/profile_ring.py --seq-lens 16384 --masks window --layout contiguous \
+              run lendtrace2 tr 2 -m benchmarks.profile_ring --seq-lens 16384 --masks window --layout contiguous \
               --trace "$OUT/traces/ring_{}.json.gz" && tar -C "$OUT" -czf "$OUT/traces_lending.tgz" traces && rm -r "$OUT/traces"
               unset RINGFLEX_LENDING ;;
     trainprof) run trainprof tr 2 --no-python sh -c 'if [ "$LOCAL_RANK" = 0 ]; then p="-m cProfile -o $OUT/train.prof"; fi;

@@ -1,21 +1,18 @@
 """The ring's error against a float64 oracle by world size, as a markdown table (CPU, gloo).
 
-    python tools/numerics_table.py                       # world sizes 1 2 4 8
-    python tools/numerics_table.py --world-sizes 1 8 16
-    python tools/numerics_table.py --bf16-merge          # control: a ring that rounds per hop
+    python -m tools.numerics_table                       # world sizes 1 2 4 8
+    python -m tools.numerics_table --world-sizes 1 8 16
+    python -m tools.numerics_table --bf16-merge          # control: a ring that rounds per hop
 
 Errors are relative to the reference's largest magnitude over the whole sequence (see
-tests/numerics.py, which tests/test_numerics.py bounds). ``--bf16-merge`` rounds the running
+tests/support/numerics.py, which tests/test_numerics.py bounds). ``--bf16-merge`` rounds the running
 output to bf16 after every merge, the mistake the design notes warn of, to show that the
 test's bounds catch it; only its bf16 rows mean anything.
 """
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from harness import run_world  # noqa: E402
-from numerics import measure  # noqa: E402
+from tests.support.harness import run_world
+from tests.support.numerics import measure
 
 
 def measure_with_bf16_merge(rank, world_size):

@@ -18,12 +18,13 @@ import functools
 import torch
 
 from benchmarks.common import make_mods, replayed_ms
-from ringflex import lending
 from ringflex.kernels.base import Mods
 from ringflex.kernels.cudnn import CudnnKernel
-from ringflex.parallel import layout as layouts
-from ringflex.parallel.merge import rows
-from ringflex.plan import Segment, keys_read, part_planner, plan_hops, steps_needed
+from ringflex.kernels.merge import rows
+from ringflex.plan import layout as layouts
+from ringflex.plan import lending
+from ringflex.plan.blocks import keys_read, part_planner, plan_hops, steps_needed
+from ringflex.plan.layout import Segment
 
 
 def rank_hops(mask_mod, seq_len: int, world: int, layout: str, lend: bool, device, call: int = 0):

@@ -19,7 +19,8 @@ from ringflex import mods
 from ringflex.kernels.base import Mods
 from ringflex.kernels.cudnn import CudnnKernel
 from ringflex.kernels.cudnn.blocks import Run
-from ringflex.plan import Segment, evaluate_mask
+from ringflex.plan.blocks import evaluate_mask
+from ringflex.plan.layout import Segment
 
 
 def timed(fn) -> float:

@@ -14,13 +14,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import init, make_mods, max_over_ranks
+from benchmarks.common import make_mods
+
+from tools.ranks import init, max_over_ranks
 import ringflex
 from ringflex import mods
 from ringflex.kernels import cudnn
 from ringflex.kernels.base import Mods
 from ringflex.parallel import peer
-from ringflex.plan import Segment
+from ringflex.plan.layout import Segment
 
 
 def max_diffs(got, want) -> str:

@@ -11,7 +11,7 @@ from ringflex import mods
 from ringflex.kernels.base import Mods
 from ringflex.kernels.cudnn import CudnnKernel
 from ringflex.kernels.reference import ReferenceKernel
-from ringflex.plan import Segment
+from ringflex.plan.layout import Segment
 torch.manual_seed(0)
 worst = 0.0
 for d in (3, 7, 41, 47, 55, 61, 97, 1000, 4093):

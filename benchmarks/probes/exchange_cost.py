@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import init
+from tools.ranks import init
 from ringflex.parallel import peer
 
 

@@ -10,9 +10,11 @@ import time
 import torch
 
 from benchmarks.common import make_mods
-from ringflex import extents, mods
-from ringflex.plan import Segment, evaluate_mask
-from ringflex.trace import trace_mask_mod
+from ringflex import mods
+from ringflex.mod.trace import trace_mask_mod
+from ringflex.plan import extents
+from ringflex.plan.blocks import evaluate_mask
+from ringflex.plan.layout import Segment
 
 SHAPES = [(4096, 4096), (8192, 8192), (8192, 16384), (16384, 16384), (16384, 32768)]
 

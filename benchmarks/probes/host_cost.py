@@ -23,12 +23,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from ringflex import mods, validate
+from ringflex import mods
 from ringflex.kernels import select_kernel
 from ringflex.kernels.base import Mods
+from ringflex.kernels import fused_merge
 from ringflex.kernels.cudnn import CudnnKernel
-from ringflex.parallel import fused_merge
-from ringflex.plan import Segment
+from ringflex.parallel import agreement
+from ringflex.plan.layout import Segment
 
 
 def timed(name: str, fn, calls: int = 300, rounds: int = 7) -> None:
@@ -99,8 +100,8 @@ def main():
     half = q.narrow(2, 0, n // 2)
     timed("fused copy of a block's rows", lambda: fused_merge.add(torch.empty(half.shape, dtype=half.dtype,
                                                                                 device=device), [half]))
-    timed("argument check's exchange (one gloo rank)",
-          lambda: validate.exchange(dist.group.WORLD, list(range(30)), None, "the argument check"))
+    timed("the agreement's exchange (one gloo rank)",
+          lambda: agreement.exchange(dist.group.WORLD, list(range(30)), None, "the argument check"))
     timed("kernel choice (select_kernel)", lambda: select_kernel("auto", q, k, v, docs))
     dist.destroy_process_group()
 

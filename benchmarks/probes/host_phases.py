@@ -23,31 +23,35 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import init, make_mods
+from benchmarks.common import make_mods
+
+from tools.ranks import init
 import ringflex
-from ringflex import api, lending, plan, trace, validate
-from ringflex.kernels import cudnn
-from ringflex.parallel import merge, peer, ring
+from ringflex import api, checks
+from ringflex.kernels import cudnn, merge
+from ringflex.mod import trace
+from ringflex.parallel import agreement, peer, ring
+from ringflex.plan import blocks, lending
 
 SPENT, CALLS = collections.defaultdict(int), collections.defaultdict(int)
 # (owner, function, label); a label's indent says which phase it runs inside
 PHASES = [
-    (validate, "check", "argument check, plan (prepare)"),
-    (validate, "local_error", "  own argument checks"), (api._PLANS, "get", "  plan cache lookups"),
-    (plan, "plan_hops", "    planning (a mask not seen before)"), (trace, "_trace", "      tracing the mask"),
+    (checks, "local_error", "own argument checks"),
+    (api, "_plan", "plan on this rank"), (api._PLANS, "get", "  plan cache lookups"),
+    (blocks, "plan_hops", "    planning (a mask not seen before)"), (trace, "_trace", "      tracing the mask"),
     (cudnn.blocks, "exact_runs", "      the kernel's exact plans (outside the kernel too)"),
     (lending, "offer", "  lending: this rank's offer (made once per plan)"),
-    (validate._Exchange, "__init__", "  start of the cross-rank exchange"),
-    (validate.Agreement, "wait", "waiting for the other ranks' records"),
+    (agreement, "start", "start of the agreement (the cross-rank exchange)"),
+    (agreement.Agreement, "wait", "waiting for the other ranks' records"),
     (ring._KVStream, "__init__", "K/V stream set-up"), (ring._KVStream, "start", "transfers issued"),
     (peer.PeerTransport, "exchange", "copy-engine exchanges (K/V, partial sums)"),
     (cudnn.CudnnKernel, "forward", "kernel forward"), (cudnn.CudnnKernel, "backward", "kernel backward"),
     (cudnn.graphs.Graph, "execute", "  cuDNN execute"), (cudnn.graphs, "_build", "  cuDNN graph builds"),
     (merge.RowMerge, "add", "output merges"), (merge.RowSum, "add", "gradient sums"),
     (ring, "ring_forward", "ring forward (all of it)"), (ring, "ring_backward", "ring backward (all of it)"),
-    (ring, "_lend_forward", "  lending: queries sent, borrowed rows computed (forward)"),
-    (ring, "_lend_backward", "  lending: lent rows' inputs sent (backward)"),
-    (ring, "_borrowed_backward", "  lending: borrowed rows computed (backward)"),
+    (ring, "lend_forward", "  lending: queries sent, borrowed rows computed (forward)"),
+    (ring, "lend_backward", "  lending: lent rows' inputs sent (backward)"),
+    (ring, "borrowed_backward", "  lending: borrowed rows computed (backward)"),
 ]
 
 

@@ -20,10 +20,10 @@ import torch
 from benchmarks.common import make_mods
 from ringflex.kernels import cudnn
 from ringflex.kernels.base import Mods
-from ringflex.parallel import layout as layouts
-from ringflex.parallel.merge import rows
-from ringflex.parallel.ring import widened
-from ringflex.plan import keys_read, plan_hops
+from ringflex.plan import layout as layouts
+from ringflex.kernels.merge import rows
+from ringflex.plan.blocks import widened
+from ringflex.plan.blocks import keys_read, plan_hops
 
 
 def rank_one_plan(mask_mod, seq_len: int, heads: int, kernel, device):

@@ -15,7 +15,7 @@ from benchmarks.common import hop_timed, kernel_times
 from ringflex import mods
 from ringflex.kernels import cudnn as cudnn_kernel
 from ringflex.kernels.base import Mods
-from ringflex.plan import Segment
+from ringflex.plan.layout import Segment
 
 ROWS = 8192
 LAYOUTS = ([ROWS], [4096, 4096], [2048] * 4, [1024] * 8, [512] * 16, [512, 1536, 768, 2048, 1024, 256, 2048])

@@ -21,12 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common import init, make_mods
+from benchmarks.common import make_mods
+
+from tools.ranks import init
 import ringflex
 from ringflex.kernels.cudnn import CudnnKernel
 from ringflex.kernels.flex import FlexKernel
 from ringflex.kernels.reference import ReferenceKernel
-from ringflex.parallel import fused_merge
+from ringflex.kernels import fused_merge
 
 _NOT_PASSES = {"view", "_unsafe_view", "slice", "narrow", "detach", "t", "as_strided", "alias", "expand",
                "unsqueeze", "squeeze", "permute", "transpose", "select", "empty", "empty_strided", "empty_like",

@@ -1,23 +1,17 @@
 """Per-hop attention kernels behind one interface (``base.HopKernel``), and the choice among them."""
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Tuple
 
+from ..config import warn_once
 from .base import HopKernel, Mods
 from .reference import ReferenceKernel
 
-_WARNED = set()
+BACKENDS = ("auto", "cudnn", "reference", "flex")  # what ``backend`` may name
 _TENSOR_GRADS = "the score_mod reads a tensor that requires grad, and cuDNN's fused backward gives no gradient for it"
 
 
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, stacklevel=3)
-
-
-def _cudnn_reason(q, k, v, mods, lengths) -> Optional[str]:
+def cudnn_reason(q, k, v, mods, lengths) -> Optional[str]:
     """Why the cuDNN kernel cannot run this call, or None if it can."""
     if not q.is_cuda:
         return "inputs are not on a CUDA device"
@@ -33,10 +27,10 @@ def select_kernel(backend: str, q, k, v, mods: Mods, tensor_grads: bool = False,
     """The kernel for ``backend``. "auto" prefers cuDNN; on a GPU where cuDNN cannot run the
     call it takes flex_attention, else the reference kernel, and says once why.
     ``tensor_grads``: the score_mod reads tensors that require grad
-    (``trace.tensors_requiring_grad``); ``lengths``: the global query and key lengths whose
+    (``mod.trace.tensors_requiring_grad``); ``lengths``: the global query and key lengths whose
     positions the mods see (default: q's and k's own)."""
     if backend in ("cudnn", "auto"):
-        reason = _TENSOR_GRADS if tensor_grads else _cudnn_reason(q, k, v, mods, lengths)
+        reason = _TENSOR_GRADS if tensor_grads else cudnn_reason(q, k, v, mods, lengths)
         if reason is None:
             from .cudnn import CudnnKernel
             return CudnnKernel()
@@ -49,9 +43,9 @@ def select_kernel(backend: str, q, k, v, mods: Mods, tensor_grads: bool = False,
         flex_reason = flex_unavailable_reason(q)
         if flex_reason is None:
             if backend == "auto":
-                _warn_once(f"ringflex: using flex_attention (compiled at its first call), not cuDNN: {reason}")
+                warn_once(f"ringflex: using flex_attention (compiled at its first call), not cuDNN: {reason}")
             return FlexKernel()
         if backend == "flex":
             raise ValueError(f"backend='flex' cannot run this call: {flex_reason}")
-        _warn_once(f"ringflex: using the slow reference kernel, not cuDNN: {reason}; nor flex_attention: {flex_reason}")
+        warn_once(f"ringflex: using the slow reference kernel, not cuDNN: {reason}; nor flex_attention: {flex_reason}")
     return ReferenceKernel()

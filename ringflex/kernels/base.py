@@ -25,7 +25,9 @@ from typing import Callable, Optional, Protocol, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..plan import Segment
+from ..plan.layout import Segment
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what every kernel takes
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 Extent = Tuple[Tuple[int, int], Tuple[int, int]]  # local (rows, keys) of a block, each [begin, end)

@@ -5,8 +5,8 @@ cuDNN's graphs take mods built from a fixed set of ops on positions and tables i
 one position (``kernels.cudnn``). A mod that gathers from a table indexed by a difference of
 positions (a relative-position bias), a tensor that requires grad (a learnable bias),
 fp32 inputs: these run here, as Triton kernels that ``torch.compile`` generates from the
-mod itself, instead of on the reference kernel (14 to 24x slower for a relative-position
-bias on an H100, docs/benchmarks.md).
+mod itself, instead of on the reference kernel, which materialises every hop's scores
+(benchmarks/results/1xh100_2026-11-23_flex_score_mod.md).
 
 - Positions reach the mods as 0-dim tensors (``_positions``), so a new hop offset is a new
   input value, not a recompilation.
@@ -33,13 +33,16 @@ import torch
 from torch import Tensor
 
 from ..cache import remember
-from ..plan import BlockKind, MaskCache, Segment, block_kinds
-from ..trace import UnsupportedModError, trace_mask_mod
+from ..config import warn_once
+from ..mod.graph import UnsupportedModError
+from ..mod.trace import trace_mask_mod
+from ..plan.blocks import BlockKind, MaskCache, block_kinds
+from ..plan.layout import Segment
 from . import huge
 from .base import Mods
 from .reference import ReferenceKernel, compute_dtype
 
-TILE = 128  # flex_attention's block size
+FLEX_TILE = 128  # flex_attention's tile (its BLOCK_SIZE): the mask is classified per tile
 _BLOCK_MASKS = MaskCache(size=256)
 _POSITIONS: "OrderedDict[tuple, Tuple[Tensor, Tensor, Tensor]]" = OrderedDict()
 
@@ -55,11 +58,11 @@ def flex_unavailable_reason(q: Tensor) -> Optional[str]:
 
 
 # Gradients of tensors the score_mod reads take shared memory in flex_attention's backward:
-# with its default pipeline a head dim of 128 needed 233512 bytes of an H100's 232448 (torch 2.11).
+# with its default pipeline a head dim of 128 needs a little more than a GPU's 227 KiB per SM.
 TENSOR_GRAD_OPTIONS = {"bwd_num_stages": 1}
 # Pipeline depths tried in turn when a compilation runs out of shared memory: torch's default
-# (None), then shallower ones. torch's H100 tiles for bf16 at head dim 64 (128 x 128, 3 stages)
-# need 245760 bytes of 232448 under a relative-position gather (torch 2.11).
+# (None), then shallower ones: torch's default tiles for bf16 at head dim 64 (128 x 128, 3
+# stages) need more than a GPU's 227 KiB per SM under a relative-position gather.
 STAGES = (None, 2, 1)
 _FITTING_STAGES = {}  # (pass, mod codes, dtype, head dim, device) -> the depth that fits
 _UNCOMPILED = set()  # (the same, the shapes of q and k): hops torch failed to compile kernels for
@@ -92,7 +95,7 @@ def _flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_op
 
 
 # - Floats a mod captures (a softcap's cap) stay constants: traced as symbolic inputs, they
-#   failed flex_attention's lowering (torch 2.11, H100). Lengths still turn dynamic after the
+#   failed flex_attention's lowering (torch 2.11). Lengths still turn dynamic after the
 #   first new shape, so hops of any length share the compiled kernels.
 # - Every head dim and grad mode (forward, and the backward's recompute) is a compilation: a
 #   higher limit than torch's 8, and an error instead of torch's fallback past it, which runs
@@ -112,7 +115,7 @@ def compiled_flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa,
 
     torch keeps compiled graphs per code object. With one function for every mod, switching
     from a mod that captures a table to a softcap failed inside torch's own recompilation
-    check (an IndexError in torch 2.11's aliasing-guard reason, H100): each pair of mod codes
+    check (an IndexError in torch 2.11's aliasing-guard reason): each pair of mod codes
     gets a function of its own (a copy of the code object), so its graphs only ever see
     closures of one shape."""
     family = (_code(score_mod), _code(block_mask.mask_mod) if block_mask is not None else None)
@@ -209,7 +212,7 @@ class FlexKernel:
 
     name = "flex"
 
-    def __init__(self, attend: Callable = compiled_flex_attention, tile: int = TILE):
+    def __init__(self, attend: Callable = compiled_flex_attention, tile: int = FLEX_TILE):
         self.attend, self.tile = attend, tile
 
     def _fitting(self, run: Callable, uncompiled: Callable, phase: str, q: Tensor, k: Tensor, mods: Mods,
@@ -225,18 +228,17 @@ class FlexKernel:
             try:
                 result = run(_with_stages(options, stages))
             except Exception as error:  # torch wraps Triton's OutOfResources in its compiler's errors
-                from . import _warn_once
                 if stages != STAGES[-1] and "out of resource" in str(error):
-                    _warn_once(f"ringflex: flex_attention's {phase} kernels for this mod at {q.dtype}, head dim "
-                               f"{q.shape[-1]} need more shared memory than the GPU has: compiling them "
-                               f"with fewer pipeline stages (slower)")
+                    warn_once(f"ringflex: flex_attention's {phase} kernels for this mod at {q.dtype}, head dim "
+                              f"{q.shape[-1]} need more shared memory than the GPU has: compiling them "
+                              f"with fewer pipeline stages (slower)")
                     continue
                 if not _compile_failure(error):
                     raise
                 _UNCOMPILED.add(shapes)
-                _warn_once(f"ringflex: torch could not compile flex_attention's {phase} kernels for hops of "
-                           f"{q.shape[2]} x {k.shape[2]} tokens with this mod ({str(error).splitlines()[0][:200]}); "
-                           f"they run on the reference kernel (exact, slower)")
+                warn_once(f"ringflex: torch could not compile flex_attention's {phase} kernels for hops of "
+                          f"{q.shape[2]} x {k.shape[2]} tokens with this mod ({str(error).splitlines()[0][:200]}); "
+                          f"they run on the reference kernel (exact, slower)")
                 return uncompiled()
             _FITTING_STAGES[key] = stages
             return result

@@ -21,7 +21,8 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..trace import ModGraph, UnsupportedModError, trace_score_mod
+from ..mod.graph import ModGraph, UnsupportedModError
+from ..mod.trace import trace_score_mod
 from .base import Mods
 from .reference import ReferenceKernel
 
@@ -80,7 +81,7 @@ def _span(rows: Tensor) -> Optional[Tuple[int, int]]:
 
 
 def _warn(kernel: str) -> None:
-    from . import _warn_once
+    from ..config import warn_once as _warn_once
     _warn_once(f"ringflex: the score_mod adds terms of 2**16 or more in magnitude (an additive -1e30 or finfo.min "
                f"mask?): rows whose LSE is that large or not finite are computed by the reference kernel, not "
                f"{kernel}, as one fp32 LSE cannot hold their log-sum-exp (slower; a mask_mod masks keys at full "

@@ -11,7 +11,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ..plan import Segment, index_grid
+from ..plan.blocks import index_grid
+from ..plan.layout import Segment
 from .base import Mods, split_lse
 
 # Score elements per chunk of query rows (a few such temporaries live at once).

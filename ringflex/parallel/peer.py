@@ -2,9 +2,8 @@
 
 cuDNN's attention kernels are persistent: they hold every SM until they finish, so a
 transfer that needs SMs (NCCL's kernels) starts only when the kernel beside it ends and
-then sits on the critical path. A copy engine needs no SM. Measured on two H200s (NVLink):
-a 128 MiB K/V transfer beside a 1.66 ms attention kernel added 0.03 to 0.1 ms to it through
-the copy engines, 0.55 ms through NCCL.
+then sits on the critical path. A copy engine needs no SM, so its transfer runs beside the
+kernel and adds little to it.
 
 Each rank owns a mailbox in symmetric memory (``torch.distributed._symmetric_memory``; where
 ranks share a GPU, which it refuses, one mapped by CUDA IPC): for each direction of the
@@ -43,6 +42,7 @@ with a one-time warning), ``copy-engine`` (an error where it cannot run) or ``nc
 from __future__ import annotations
 
 import ctypes
+import importlib
 import socket
 import weakref
 from typing import List, Optional, Sequence, Tuple
@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import config
-from ..kernels import _warn_once
+from ..config import warn_once
 
 SLOT_BYTES = 32 << 20
 SLOTS = 4  # per direction: 256 MiB of mailbox per rank in all
@@ -85,9 +85,8 @@ def odd_slots(chunks: int) -> List[int]:
 
 class _Driver:
     """The CUDA driver calls the transport makes on its streams: write / await a 32-bit flag
-    (which torch does not expose), and copy between addresses (7 us of host time per chunk on
-    an H100's host, against 23 for torch's ``copy_`` between slices of byte views, and no
-    stream context to enter: 14 us each)."""
+    (which torch does not expose), and copy between addresses: no tensor views to make for a
+    chunk and no stream context to enter, which torch's ``copy_`` needs, at every chunk."""
 
     _AND = 0x2  # CU_STREAM_WAIT_VALUE_AND: until (flag & value) != 0
 
@@ -334,8 +333,8 @@ def transport(group, device: torch.device) -> Optional[PeerTransport]:
         if why is not None and wanted == "copy-engine":
             raise RuntimeError(f"ringflex: RINGFLEX_TRANSPORT=copy-engine cannot be used: {why}")
         if why is not None:
-            _warn_once(f"ringflex: the ring's transfers go through the process group's P2P "
-                       f"({dist.get_backend(group)}), not the copy engines: {why}")
+            warn_once(f"ringflex: the ring's transfers go through the process group's P2P "
+                      f"({dist.get_backend(group)}), not the copy engines: {why}")
     _TRANSPORTS[group] = found
     return found
 
@@ -383,8 +382,9 @@ def local_reason(device: torch.device) -> Optional[str]:
     if device.type != "cuda":
         return "the tensors are not on a GPU"
     try:
-        import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
-        from torch._C._distributed_c10d import _SymmetricMemory  # noqa: F401
+        importlib.import_module("torch.distributed._symmetric_memory")
+        from torch._C._distributed_c10d import _SymmetricMemory
+        del _SymmetricMemory  # only whether this torch has it
     except ImportError as e:
         return f"this torch has no symmetric memory ({e})"
     try:

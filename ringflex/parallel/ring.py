@@ -1,16 +1,15 @@
 """The ring: K/V blocks travel around the ranks, each step runs the hops of the plan.
 Of each block only the rows that some other rank reads travel (``RingCall.travelling``),
-widened to a power of two (``widened``).
+widened to a power of two (``plan.blocks.widened``).
 
 Results accumulate in fp32 (fp64 for fp64 inputs) and are rounded once into the input dtype
 (``merge.RowMerge`` / ``RowSum``). Backward runs the ring in reverse, from the block forward
 ended on, so each block's last stop is its owner: the dK/dV accumulated for a block travel
 with it and are complete when they arrive.
 
-Where the ranks agree on loans (``ringflex.lending``), query rows travel the other way: a
+Where the ranks agree on loans (``plan.lending``), query rows travel the other way: a
 rank's lent rows go to the previous rank, which computes them against its own block and
-sends back their output and LSE (``_lend_forward``), and in backward their dQ
-(``_lend_backward``, ``_borrowed_backward``).
+sends back their output and LSE, and in backward their dQ (``loans``).
 """
 from __future__ import annotations
 
@@ -23,14 +22,16 @@ import torch
 from torch import Tensor
 from torch._C import _functions as autograd_nodes
 
-from .. import captured
 from ..kernels.base import HopKernel, Mods
+from ..kernels.merge import RowMerge, RowSum, Rows, contiguous_rows, lse_weights, optional_rows, rows
 from ..kernels.reference import compute_dtype
-from ..lending import Loan, Offer
-from ..plan import Hop, part_planner, steps_needed, travelling_rows
+from ..mod import captured
+from ..plan.blocks import Hop, part_planner, steps_needed, travelling_rows, widened
+from ..plan.lending import Loan, Offer
 from .comm import RingComm, capture_error
+from .compute import hop_backward, hop_forward, lse_as_attention, new_rows, some
 from .fault import guard
-from .merge import RowMerge, RowSum, Rows, contiguous_rows, lse_weights, optional_rows, rows
+from .loans import borrowed_backward, lend_backward, lend_forward
 
 
 @dataclass
@@ -47,13 +48,13 @@ class RingCall:
     own_rows_read: Optional[Rows] = None  # what the other ranks read of the own block, as planned locally
     tensors: Tuple[Tensor, ...] = ()  # captured tensors of the score_mod that require grad
     offer: Optional[Offer] = None  # this rank's side of lending, before the ranks agree
-    loan: Optional[Loan] = None  # the rows lent and borrowed, once they agree (``lending``)
+    loan: Optional[Loan] = None  # the rows lent and borrowed, once they agree (``plan.lending``)
     lse_grad: bool = False  # a loss may read the LSE (return_lse): lent rows take its gradient along
 
     def agree(self, device) -> None:
-        """Waits for the argument check. Then the ring runs only the steps some rank needs,
-        moves only the rows of each block that some rank reads (``plan.travelling_rows``), and
-        lends rows where that evens the ranks' work (``lending``)."""
+        """Waits for the agreement. Then the ring runs only the steps some rank needs, moves
+        only the rows of each block that some rank reads (``plan.blocks.travelling_rows``),
+        and lends rows where that evens the ranks' work (``plan.lending``)."""
         if self.agreement is None:
             return
         self.agreement.wait()
@@ -176,60 +177,37 @@ class _KVStream:
             self.current, self.offset = self.last, 0
 
 
-def widened(r: Rows, length: int) -> Rows:
-    """Rows ``r`` of a block of ``length`` rows widened inside it to a power of two (or to the
-    whole block). A received block holds these rows, so its row count, and with it the strides
-    a kernel sees, takes one of a few values whatever the mask: the cuDNN kernel builds a
-    graph for each (0.1 to 1.5 s), and packed documents would otherwise ask for a new one
-    whenever a document straddling the ranks changes length. Costs at most twice the rows."""
-    lo, hi = r
-    if hi <= lo:
-        return r
-    n = min(length, 1 << (hi - lo - 1).bit_length())
-    hi = min(length, lo + n)
-    return hi - n, hi
-
-
 def _leading_rows(buffer: Tensor, n: int) -> Tensor:
     """A [B, H, n, ...] tensor in the leading memory of ``buffer`` (contiguous, as received)."""
     shape = (*buffer.shape[:2], n, *buffer.shape[3:])
     return buffer.view(-1)[:math.prod(shape)].view(shape)
 
 
-def _masked(hop: Hop) -> bool:
-    return hop.kind != hop.kind.FULL
-
-
 def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     """This rank's (out, lse, res) (``kernels.base``), the block of the last step (backward
-    starts on it) and the queries borrowed from the next rank (None where none are: ``lending``)."""
+    starts on it) and the queries borrowed from the next rank (None where none are: ``loans``)."""
     blocks = _KVStream(call, (k, v))
-    own_parts, merged, returned, borrowed_q = [], None, None, None
-    step = 0
-    while step < len(call.schedule):  # the ranks' agreement may shorten and change it
-        # The rank's own block needs no transfer: it is computed while the argument check
-        # completes, and no block leaves before every rank has agreed to the call.
-        pending = blocks.start(step) if step else None
-        for hop in call.schedule[step]:
-            part = hop.q_rows, *call.kernel.forward(rows(q, hop.q_rows), *blocks.keys(hop), hop.q_seg, hop.kv_seg,
-                                                    call.mods, call.scale, _masked(hop))
-            own_parts.append(part) if merged is None else merged.add(*part)
-        if not step:
-            call.agree(q.device)
-            pending = blocks.start(step)
-            if call.loan is not None:
-                borrowed_q, returned = _lend_forward(call, q, k, v, blocks.first_stream)
-            lent = [call.loan.lent] if call.loan is not None and _some(call.loan.lent) else []
-            merged = RowMerge((*q.shape[:3], v.shape[-1]), q.dtype, compute_dtype(q.dtype), q.device,
-                              [hop.q_rows for hops in call.schedule for hop in hops] + lent)
-            for part in own_parts:
-                merged.add(*part)
-        blocks.advance(step, pending)
-        step += 1
+    # The own block needs no transfer: it is computed while the ranks agree on the call, and
+    # no block leaves before they have (the agreement may shorten the schedule and lend rows).
+    own = [(hop.q_rows, *hop_forward(call, hop, rows(q, hop.q_rows), *blocks.keys(hop))) for hop in call.schedule[0]]
+    call.agree(q.device)
+    pending = blocks.start(0)
+    borrowed_q, returned = lend_forward(call, q, k, v, blocks.first_stream) if call.loan else (None, None)
+    lent = [call.loan.lent] if call.loan is not None and some(call.loan.lent) else []
+    merged = RowMerge((*q.shape[:3], v.shape[-1]), q.dtype, compute_dtype(q.dtype), q.device,
+                      [hop.q_rows for hops in call.schedule for hop in hops] + lent)
+    for part in own:
+        merged.add(*part)
+    blocks.advance(0, pending)
+    for step in range(1, len(call.schedule)):
+        pending = blocks.start(step)  # send this block on, receive the next
+        for hop in call.schedule[step]:  # compute this step's hops and merge them
+            merged.add(hop.q_rows, *hop_forward(call, hop, rows(q, hop.q_rows), *blocks.keys(hop)))
+        blocks.advance(step, pending)  # wait for the next block
     if returned is not None:  # the lent rows' results, computed by the previous rank
         transfer, lent_results = returned
         transfer.wait()
-        if _some(call.loan.lent):
+        if some(call.loan.lent):
             merged.add(call.loan.lent, *lent_results)
     if call.comm is not None:
         call.comm.join_sends(q.device)  # the caller's K/V left first: it may change them once this returns
@@ -237,64 +215,6 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     # The block of the last step: backward starts on it, so it is saved until then.
     last = blocks.current if blocks.current[0] is k else tuple(_compact(t) for t in blocks.current)
     return (*merged.result(), last, borrowed_q)
-
-
-def _some(r: Rows) -> bool:
-    return r[1] > r[0]
-
-
-def _rows_shape(like: Tensor, r: Rows, *tail: int) -> Tuple[int, ...]:
-    """[B, H, rows of ``r``, *tail] of ``like``."""
-    return (*like.shape[:2], r[1] - r[0], *tail)
-
-
-def _new_rows(like: Tensor, r: Rows, *tail: int, dtype=None) -> Tensor:
-    """A new ``_rows_shape`` tensor on ``like``'s device, of its dtype unless ``dtype``."""
-    return torch.empty(_rows_shape(like, r, *tail), dtype=dtype or like.dtype, device=like.device)
-
-
-def _lend_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor, first_stream):
-    """The forward's loans: this rank's lent rows go to the previous rank, the rows borrowed
-    from the next rank are computed against the own block and their output and LSE go back.
-    The queries leave from ``first_stream`` (beside the own block's compute, as the first K/V
-    block does). Returns the borrowed queries (backward computes them again) and the transfer
-    of the lent rows' results (output, lse and res: zeros where the kernel gave none) with
-    their buffers."""
-    loan, acc = call.loan, compute_dtype(q.dtype)
-    sent, held = _travelling(loan.lent, q), _travelling(loan.borrowed, q)
-    with torch.cuda.stream(first_stream) if first_stream is not None else nullcontext():
-        # Allocated on that stream too: the receive does not wait for the own block's compute,
-        # so it must not get memory that the compute's temporaries were freed from (the
-        # current stream's), as ``_KVStream``'s first buffer must not.
-        borrowed_q = _new_rows(q, held, q.shape[3])
-        queries = call.comm.exchange([contiguous_rows(rows(q, sent))], [borrowed_q], reverse=True)
-    if first_stream is not None:
-        borrowed_q.record_stream(torch.cuda.current_stream(q.device))  # computed on, and saved for backward
-    queries.wait()
-    # over the borrowed rows alone: a single hop's result is then what goes back, uncopied
-    results = RowMerge(_rows_shape(q, loan.borrowed, v.shape[-1]), q.dtype, acc, q.device,
-                       [_shifted(h.q_rows, loan.borrowed) for h in loan.borrowed_hops])
-    for hop in loan.borrowed_hops:
-        results.add(_shifted(hop.q_rows, loan.borrowed), *call.kernel.forward(
-            rows(borrowed_q, _shifted(hop.q_rows, held)), rows(k, hop.kv_rows), rows(v, hop.kv_rows), hop.q_seg,
-            hop.kv_seg, call.mods, call.scale, _masked(hop)))
-    lent_results = [_new_rows(q, loan.lent, v.shape[-1])] + [_new_rows(q, loan.lent, dtype=acc) for _ in range(2)]
-    out, lse, res = results.result()
-    back = [t.contiguous() for t in (out, lse, torch.zeros_like(lse) if res is None else res)]
-    return borrowed_q, (call.comm.exchange(back, lent_results), lent_results)
-
-
-def _travelling(lent: Rows, q: Tensor) -> Rows:
-    """The rows of a rank's queries that travel for its lent rows ``lent``: those, widened as
-    K/V blocks are (``widened``). The borrower's kernels see strides that follow these rows,
-    so a new packed batch, which lends other rows, meets graphs built before unless its lent
-    rows cross a power of two. Results come back for the lent rows alone."""
-    return widened(lent, q.shape[2])
-
-
-def _shifted(r: Rows, base: Rows) -> Rows:
-    """Rows ``r`` of a rank's queries as rows of the part of them from ``base[0]`` on."""
-    return r[0] - base[0], r[1] - base[0]
 
 
 def _compact(received: Tensor) -> Tensor:
@@ -317,8 +237,8 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
     could not hide. The first sum is one rank's share and travels in the dtype the kernel
     returned it in (the input dtype for cuDNN: half the bytes of fp32); later ones travel in
     fp32; the owner rounds once. ``dlse`` (None where the loss does not read the LSE) adds the
-    LSE's share of dq and dk, a second kernel call per hop (``_lse_as_attention``) that needs
-    no transfer; ``dout`` is None where the loss reads the LSE alone. The gradients of
+    LSE's share of dq and dk, a second kernel call per hop (``compute.lse_as_attention``) that
+    needs no transfer; ``dout`` is None where the loss reads the LSE alone. The gradients of
     ``call.tensors`` are this rank's share (its queries' scores), summed over its hops: as for
     any weight, the ranks' shares add up. ``res``: the LSE's res (``kernels.base``), or None.
     Lent rows (``call.loan``) send their output, dO and LSE to the previous rank, which
@@ -330,12 +250,12 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
     sum_dtypes[0], sum_dtypes[-1] = call.kernel.grad_dtype(k.dtype), k.dtype
     schedule = call.schedule[::-1]
     loan = call.loan
-    lent = [loan.lent] if loan is not None and _some(loan.lent) else []
+    lent = [loan.lent] if loan is not None and some(loan.lent) else []
     dq = RowSum([q.shape], q.dtype, acc, q.device, [hop.q_rows for hops in schedule for hop in hops] + lent)
-    borrowed_inputs = _lend_backward(call, dout, out, lse, res, dlse) if loan is not None else None
+    borrowed_inputs = lend_backward(call, dout, out, lse, res, dlse) if loan is not None else None
     blocks = _KVStream(call, (last_k, last_v), last=(k, v), reverse=True)
     received = None  # the partial sums on their way here: (tensors, transfer)
-    lse_grad = _lse_as_attention(dlse, out, lse) if dlse is not None else None
+    lse_grad = lse_as_attention(dlse, out, lse) if dlse is not None else None
     d_tensors = [torch.zeros_like(t, dtype=acc) for t in call.tensors]
     borrowed_keys, returned = [], None  # the borrowed rows' (key rows, dk, dv); the lent rows' dq on its way
     for step, hops in enumerate(schedule):
@@ -350,9 +270,9 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
                 sums.add(*keys)
         for i, hop in enumerate(hops):
             hop_k, hop_v = blocks.keys(hop)
-            hq, hk, hv, ht = _hop_backward(call, hop, rows(q, hop.q_rows), hop_k, hop_v, rows(out, hop.q_rows),
-                                           rows(lse, hop.q_rows), optional_rows(res, hop.q_rows), dout, lse_grad,
-                                           hop.q_rows)
+            hq, hk, hv, ht = hop_backward(call, hop, rows(q, hop.q_rows), hop_k, hop_v, rows(out, hop.q_rows),
+                                          rows(lse, hop.q_rows), optional_rows(res, hop.q_rows), dout, lse_grad,
+                                          hop.q_rows)
             for total, g in zip(d_tensors, ht):
                 total += g
             dq.add(hop.q_rows, hq)
@@ -363,10 +283,10 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
         total = sums.result()
         if step + 1 < steps:  # ``total`` stays referenced until this transfer is waited for
             arriving_next = blocks.travelling(step + 1)  # the rows of the next step's block that travel
-            incoming = [_new_rows(t, arriving_next, *t.shape[3:]) for t in total]  # one dtype on every rank
+            incoming = [new_rows(t, arriving_next, *t.shape[3:]) for t in total]  # one dtype on every rank
             received = (incoming, call.comm.exchange(total, incoming, reverse=True))
         if step == 0 and borrowed_inputs is not None:  # after the sum left: it does not wait for them
-            returned, borrowed_keys = _borrowed_backward(call, q, k, v, borrowed_q, borrowed_inputs, d_tensors)
+            returned, borrowed_keys = borrowed_backward(call, q, k, v, borrowed_q, borrowed_inputs, d_tensors)
         blocks.advance(step, kv_pending)
     blocks.close()
     if returned is not None:
@@ -376,83 +296,6 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
             dq.add(loan.lent, dq_lent)
     (dq,), (dk, dv) = dq.result(), total
     return dq, dk, dv, d_tensors
-
-
-def _hop_backward(call: RingCall, hop: Hop, q, k, v, out, lse, res, dout, lse_grad, r: Rows):
-    """One hop's (dq, dk, dv, gradients of ``call.tensors``) from its rows ``q``, ``out``, ``lse``,
-    ``res`` and keys ``k``, ``v``; ``dout`` and ``lse_grad`` (``_lse_as_attention``'s, or None) are
-    whole and taken at rows ``r``. With ``lse_grad`` a second call over zero values adds the
-    LSE's share; ``dout`` None: the loss reads the LSE alone."""
-    args = hop.q_seg, hop.kv_seg, call.mods, call.scale, _masked(hop), call.tensors
-    if dout is not None:
-        hq, hk, hv, *ht = call.kernel.backward(q, k, v, out, lse, rows(dout, r), *args, res=res)
-    if lse_grad is None:
-        return hq, hk, hv, ht
-    lse_out, lse_dout = (rows(t, r) for t in lse_grad)
-    lq, lk, lv, *lt = call.kernel.backward(q, k, torch.zeros_like(v), lse_out, lse, lse_dout, *args, res=res)
-    if dout is None:  # the loss reads the LSE alone, which the values do not change
-        return lq, lk, torch.zeros_like(lv), lt
-    acc = compute_dtype(q.dtype)  # added in fp32, before any rounding
-    return hq.to(acc) + lq, hk.to(acc) + lk, hv, [a + b for a, b in zip(ht, lt)]
-
-
-def _lend_backward(call: RingCall, dout, out, lse, res, dlse):
-    """Starts backward's loans: the lent rows' output, dO, LSE and its res (and the LSE's
-    gradient where the call returns the LSE) go to the previous rank, which computes their
-    share; a gradient the loss did not give, or a res the kernel did not, travels as zeros, as
-    the borrower cannot tell. Returns the transfer of the borrowed rows' inputs with their
-    buffers."""
-    loan = call.loan
-    given = [out, dout if dout is not None else torch.zeros_like(out), lse,
-             res if res is not None else torch.zeros_like(lse)]
-    if call.lse_grad:
-        given.append(dlse if dlse is not None else torch.zeros_like(lse))
-    send = [contiguous_rows(rows(t, _travelling(loan.lent, out))) for t in given]
-    recv = [_new_rows(t, _travelling(loan.borrowed, out), *t.shape[3:]) for t in given]
-    return call.comm.exchange(send, recv, reverse=True), recv
-
-
-def _borrowed_backward(call: RingCall, q, k, v, borrowed_q, borrowed_inputs, d_tensors):
-    """The borrowed rows' share of backward, against the own block: their dq goes back to the
-    next rank (returned: the transfer and the buffer of the lent rows' dq that arrives here);
-    their (key rows, dk, dv) are added to the own block's sum at the last step."""
-    loan = call.loan
-    transfer, (out, dout, lse, res, *dlse) = borrowed_inputs
-    transfer.wait()
-    lse_grad = _lse_as_attention(dlse[0], out, lse) if dlse else None
-    held = _travelling(loan.borrowed, q)
-    dq = RowSum([_rows_shape(q, loan.borrowed, q.shape[3])], q.dtype, compute_dtype(q.dtype), q.device,
-                [_shifted(h.q_rows, loan.borrowed) for h in loan.borrowed_hops])  # over the borrowed rows alone
-    keys = []
-    for hop in loan.borrowed_hops:
-        r = _shifted(hop.q_rows, held)
-        hq, hk, hv, ht = _hop_backward(call, hop, rows(borrowed_q, r), rows(k, hop.kv_rows), rows(v, hop.kv_rows),
-                                       rows(out, r), rows(lse, r), rows(res, r), dout, lse_grad, r)
-        for total, g in zip(d_tensors, ht):
-            total += g
-        dq.add(_shifted(hop.q_rows, loan.borrowed), hq)
-        keys.append((hop.kv_rows, hk, hv))
-    dq_lent = _new_rows(q, loan.lent, q.shape[3])
-    return (call.comm.exchange([t.contiguous() for t in dq.result()], [dq_lent]), dq_lent), keys
-
-
-def _lse_as_attention(dlse: Tensor, out: Tensor, lse: Tensor):
-    """(out, dout) under which a hop's backward over ZERO values gives the LSE's share of dq
-    and dk. A backward computes dS = P * (dout V^T - rowsum(dout * out)); with V = 0 and
-    rowsum(dout * out) = -dlse that is P * dlse, the LSE's derivative (its softmax weights)
-    times dlse, through the score_mod as any dS. dout holds ones in two columns and out -dlse
-    split over them (the input dtype's rounding of it, then of what that leaves), so dlse
-    keeps about twice the input dtype's precision. Rows that see no key (LSE -inf) take none,
-    whatever the loss made of their LSE (an infinite dlse would spread NaN to every key)."""
-    dlse = torch.where(lse.isneginf(), 0.0, dlse)
-    lse_out, lse_dout = torch.zeros_like(out), torch.zeros_like(out)
-    columns = min(2, out.shape[-1])
-    high = dlse.to(out.dtype)
-    lse_out[..., 0] = -high
-    if columns == 2:
-        lse_out[..., 1] = high.to(dlse.dtype) - dlse
-    lse_dout[..., :columns] = 1
-    return lse_out, lse_dout
 
 
 def _receive(received, sums: RowSum, r: Rows):

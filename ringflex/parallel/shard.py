@@ -7,9 +7,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import mesh as meshes, validate
-from ..kernels import _warn_once
-from . import layout as layouts
+from ..config import warn_once
+from ..mod.fingerprint import digest
+from ..plan import layout as layouts
+from . import agreement, mesh as meshes
 from .groups import process_group, rank_and_size
 
 
@@ -17,9 +18,9 @@ def warn_if_launched_alone() -> None:
     """Says once that torchrun launched several processes (WORLD_SIZE) but no process group
     joins them: each then works alone on what it holds, which raises no error anywhere."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        _warn_once(f"ringflex: WORLD_SIZE={os.environ['WORLD_SIZE']} but torch.distributed is not initialized: each "
-                   "process works alone (shard keeps the whole sequence, attention sees its own tokens only). Call "
-                   "torch.distributed.init_process_group() first")
+        warn_once(f"ringflex: WORLD_SIZE={os.environ['WORLD_SIZE']} but torch.distributed is not initialized: each "
+                  "process works alone (shard keeps the whole sequence, attention sees its own tokens only). Call "
+                  "torch.distributed.init_process_group() first")
 
 
 def _rank_and_size(group):
@@ -45,7 +46,7 @@ def shard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
     """
     heads_ring = meshes.describe(group)
     if heads_ring is not None:
-        return meshes.shard(x, dim, heads_ring, layout)
+        return _shard_over_mesh(x, dim, heads_ring, layout)
     error = _dim_error("shard", x, dim)
     if error:
         raise ValueError(error)
@@ -58,7 +59,7 @@ _MAX_DIMS = 8
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
-    return validate.digest(str(dtype).encode())
+    return digest(str(dtype).encode())
 
 
 def _layout_error(layout) -> str:
@@ -76,7 +77,7 @@ def _check_same_shards(x: Tensor, dim, layout, group) -> None:
         error = f"unshard supports tensors of at most {_MAX_DIMS} dims, got {x.dim()}"
     mine = ([layouts.LAYOUTS.index(layout), _dtype_code(x.dtype), dim % x.dim(), x.dim(), *x.shape]
             + [0] * (_MAX_DIMS - x.dim()) if error is None else [0] * (4 + _MAX_DIMS))
-    records = validate.exchange(group, mine, error, "unshard", caller=None)
+    records = agreement.exchange(group, mine, error, "unshard", caller=None)
     if any(r[0] != mine[0] for r in records):
         raise ValueError("unshard: the ranks differ in layout (" + ", ".join(
             f"rank {rank}: {layouts.LAYOUTS[r[0]]!r}" for rank, r in enumerate(records)) + "); every rank must "
@@ -113,7 +114,7 @@ def unshard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
     """
     heads_ring = meshes.describe(group)
     if heads_ring is not None:
-        return meshes.unshard(x, dim, heads_ring, layout)
+        return _unshard_over_mesh(x, dim, heads_ring, layout)
     group = process_group(group)
     _, world_size = _rank_and_size(group)
     if world_size == 1:
@@ -122,3 +123,38 @@ def unshard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
             raise ValueError(error)
         return x
     return _Gather.apply(x, dim, group, layout)
+
+
+def _shard_over_mesh(x: Tensor, dim: int, mesh: meshes.HeadsRing, layout: str) -> Tensor:
+    """``shard`` over a heads x ring mesh: this rank's tokens in the mesh's order."""
+    error = _dim_error("shard", x, dim) or ("" if layout in layouts.LAYOUTS else
+                                            f"shard: layout must be one of {layouts.LAYOUTS}, got {layout!r}")
+    if error:
+        raise ValueError(error)
+    return x.index_select(dim, meshes.positions(layout, x.shape[dim], mesh.mesh, x.device))
+
+
+class _GatherOverMesh(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, mesh: meshes.HeadsRing, layout):
+        group = mesh.flat
+        _check_same_shards(x, dim, layout, group)
+        parts = [torch.empty_like(x) for _ in range(mesh.size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        full_len = x.shape[dim] * mesh.size
+        where = mesh.coordinates()
+        order = torch.cat([meshes.positions(layout, full_len, mesh.mesh, x.device, where[r])
+                           for r in dist.get_process_group_ranks(group)])
+        ctx.dim, ctx.index = dim, meshes.positions(layout, full_len, mesh.mesh, x.device)
+        return torch.cat(parts, dim).index_select(dim, torch.argsort(order))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(ctx.dim, ctx.index), None, None, None
+
+
+def _unshard_over_mesh(x: Tensor, dim: int, mesh: meshes.HeadsRing, layout: str) -> Tensor:
+    """``unshard`` over a heads x ring mesh: the whole sequence, gathered from every rank."""
+    if mesh.size == 1:
+        return _shard_over_mesh(x, dim, mesh, layout)  # checks the arguments; the whole sequence
+    return _GatherOverMesh.apply(x, dim, mesh, layout)

@@ -6,25 +6,20 @@ calls and replays follow each other; torch's ``make_graphed_callables`` captures
 and a whole model wrapped in ``RingFlexAttention``; the capture check sees a capture."""
 import copy
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import make_mods  # noqa: E402
-from benchmarks.probes.capture_probe import capture_ring_call  # noqa: E402
-from harness import gpu_backend, on_a_gpu, run_world, weigh_cudnn_calls_as_free  # noqa: E402
-import ringflex  # noqa: E402
-from ringflex import mods  # noqa: E402
-from ringflex.parallel import comm, peer  # noqa: E402
+from benchmarks.common import make_mods
+from benchmarks.probes.capture_probe import capture_ring_call
+from support.harness import gpu_backend, on_a_gpu, run_world, weigh_cudnn_calls_as_free
+import ringflex
+from ringflex import mods
+from ringflex.parallel import comm, peer
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SEQ = 4096
 
 
@@ -39,7 +34,7 @@ def _assert_values(got, want):
         torch.testing.assert_close(g, w, atol=2e-3, rtol=2e-2)  # dq accumulates in any order
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["causal", "documents"])
 def test_a_one_rank_call_replays_to_its_eager_values(name):
     dev = torch.device("cuda")
@@ -79,7 +74,7 @@ def _two_rank_replays(rank, world_size, name):
     _assert_values(got, want)
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["causal", "documents", "window"])
 def test_a_two_rank_call_over_the_copy_engines_replays_to_its_eager_values(name):
     run_world(2, _two_rank_replays, name, timeout=300, backend=gpu_backend(2))
@@ -106,7 +101,7 @@ def _graphed_callable(rank, world_size):
         _assert_values(got, want)
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_torch_make_graphed_callables_captures_a_two_rank_call():
     run_world(2, _graphed_callable, timeout=300, backend=gpu_backend(2))
 
@@ -142,12 +137,12 @@ def _graphed_module(rank, world_size):
         torch.testing.assert_close(a.grad, b.grad, atol=2e-2, rtol=5e-2)  # bf16 sums in any order
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_a_wrapped_model_over_two_ranks_captures_whole():
     run_world(2, _graphed_module, timeout=300, backend=gpu_backend(2))
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_the_capture_check_sees_a_capture():
     x = torch.zeros(1, device="cuda")
     assert not comm.capturing(x)
@@ -157,7 +152,7 @@ def test_the_capture_check_sees_a_capture():
     assert not comm.capturing(x)
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_a_call_captured_before_it_ran_eagerly_says_so():
     """A first call plans the ring and builds cuDNN graphs, which a capture cannot hold (it
     failed there with a host-to-device copy, or invalidated the capture): refused clearly,

@@ -1,19 +1,15 @@
 """``torch.compile(RingFlexAttention(model))`` on a GPU: the model compiles around the ring's
 cuDNN hops and gives the eager wrapper's output and gradients (flex_attention with a block
 mask and a softcap, SDPA with is_causal), on one rank and on two sharing the GPU."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness import gpu_backend, on_a_gpu, run_world  # noqa: E402
-import ringflex  # noqa: E402
-from ringflex import mods  # noqa: E402
+from support.harness import gpu_backend, on_a_gpu, run_world
+import ringflex
+from ringflex import mods
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 HEADS, HEAD_DIM = 4, 64
 
 
@@ -48,7 +44,7 @@ def _errors(rank, world_size, flex):
     return [((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(*results)]
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("flex", [True, False], ids=["flex_attention", "sdpa"])
 def test_a_compiled_wrapper_gives_the_eager_values(world_size, flex):

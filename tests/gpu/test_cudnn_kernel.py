@@ -2,28 +2,28 @@
 the matrix at global offsets and striped positions. The planning tests, and the lowering on an
 emulated cuDNN, run on CPU too."""
 import dataclasses
-import math
-import sys
 import warnings
+import weakref
 from typing import Tuple
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared test matrix lives in tests/
-from cases import Case, cases, make_inputs  # noqa: E402
-from oracle import visible_extent  # noqa: E402
-from test_numerics import score_ignoring_mods  # noqa: E402
-from test_trace import EXTRA_SCORE_MODS  # noqa: E402
-from ringflex import kernels, mods
+from support.cases import Case, cases, make_inputs
+from support.emulated_cudnn import FakeCudnn, emulate
+from support.oracle import visible_extent
+from test_numerics import score_ignoring_mods
+from test_trace import EXTRA_SCORE_MODS
+from ringflex import mods
 from ringflex.kernels.base import Mods
 from ringflex.kernels.cudnn import CudnnKernel, cudnn_unavailable_reason
 from ringflex.kernels.cudnn.blocks import Run, band_runs, exact_runs, plan, split_runs
 from ringflex.kernels.cudnn.lowering import traced
 from ringflex.kernels.reference import ReferenceKernel
-from ringflex.plan import Segment, evaluate_mask
-from ringflex.trace import diagonal_band, trace_mask_mod
+from ringflex.mod.band import diagonal_band
+from ringflex.mod.trace import trace_mask_mod
+from ringflex.plan.blocks import evaluate_mask
+from ringflex.plan.layout import Segment
 
 
 def _cudnn_ready() -> bool:
@@ -36,7 +36,7 @@ def _cudnn_ready() -> bool:
     return True
 
 
-needs_cudnn = pytest.mark.skipif(not _cudnn_ready(), reason="needs a CUDA GPU and nvidia-cudnn-frontend")
+needs_cudnn = pytest.mark.skipif(not _cudnn_ready(), reason="needs nvidia-cudnn-frontend")
 
 L = 256  # local length of a hop
 SEQ = 4 * L  # global length: the positions below stay inside it
@@ -106,6 +106,7 @@ def _check(name, case, q_seg, kv_seg, kernel, dtype=torch.bfloat16, head_dim=64,
         assert errors[label] < tol, f"{label} error {errors[label]:.3g}"
 
 
+@pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("segs", sorted(SEGMENTS))
 @pytest.mark.parametrize("name", sorted(cases(SEQ)))
@@ -117,6 +118,7 @@ def test_matches_reference(name, segs):
     _check(f"{name}/{segs}", case, q_seg, kv_seg, CudnnKernel(split_depth=1))
 
 
+@pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("depth", [0, 2])
 @pytest.mark.parametrize("name", ["causal_softcap", "documents", "prefix_lm", "sliding_window"])
@@ -125,6 +127,7 @@ def test_split_depths(name, depth):
     _check(f"{name}/depth{depth}", case, *SEGMENTS["offsets"], CudnnKernel(split_depth=depth))
 
 
+@pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("name", ["no_mask", "causal_softcap", "documents", "sliding_window"])
 def test_deterministic_algorithms_make_the_backward_repeat_bitwise(name, monkeypatch):
@@ -146,6 +149,7 @@ def test_deterministic_algorithms_make_the_backward_repeat_bitwise(name, monkeyp
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+@pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("dims", [(160, 160), (192, 128), (256, 256), (256, 128), (224, 128), (64, 256)],
                          ids=lambda d: f"{d[0]}x{d[1]}")
@@ -171,6 +175,7 @@ def test_head_dims_up_to_256_match_reference(name, dims):
         assert _err(got, want) < 2e-2, label
 
 
+@pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_head_dim_128_and_fp16(dtype):
@@ -178,6 +183,7 @@ def test_head_dim_128_and_fp16(dtype):
     _check(f"causal_softcap/d128/{dtype}", case, *SEGMENTS["diagonal"], CudnnKernel(), dtype=dtype, head_dim=128)
 
 
+@pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("mask_mod,q_seg,kv_seg", [
     (mods.sliding_window(512), Segment(1024, 1, 512), Segment(512, 1, 1024)),  # a window over two blocks
@@ -200,12 +206,14 @@ def test_bands_split_off_the_diagonal_match_reference(mask_mod, q_seg, kv_seg):
         assert _err(got, want) < 2e-2
 
 
+@pytest.mark.gpu
 @needs_cudnn
 def test_full_block_skips_the_mask():
     case = cases(SEQ, device="cuda")["alibi"]  # masked=False: the planner proved the block FULL
     _check("alibi/unmasked", case, *SEGMENTS["offsets"], CudnnKernel(), masked=False)
 
 
+@pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("segs", sorted(PACKED_SEGMENTS))
 def test_packed_documents_in_ragged_batches_match_reference(segs):
@@ -216,6 +224,7 @@ def test_packed_documents_in_ragged_batches_match_reference(segs):
                *PACKED_SEGMENTS[segs], CudnnKernel(), batch=batch, bshd=bshd)
 
 
+@pytest.mark.gpu
 @needs_cudnn
 def test_rows_without_keys_give_zero_not_nan():
     case = cases(SEQ, device="cuda")["late_queries"]
@@ -229,6 +238,7 @@ def test_rows_without_keys_give_zero_not_nan():
         assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
 
 
+@pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("segs", ["diagonal", "offsets"])
 @pytest.mark.parametrize("name", ["mask", "score", "padding"])
@@ -242,6 +252,7 @@ def test_batch_dependent_mods_match_reference(name, segs):
     _check(f"{name}/{segs}", case, q_seg, kv_seg, CudnnKernel(), batch=2)
 
 
+@pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("segs", ["diagonal", "offsets"])
 @pytest.mark.parametrize("name", ["keys kept per batch element", "bias per head and query"])
@@ -257,6 +268,7 @@ def test_tables_of_two_indices_match_reference(name, segs):
     _check(f"{name}/{segs}", case, *SEGMENTS[segs], CudnnKernel(), batch=2)
 
 
+@pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("name", ["alibi", "causal_softcap", "late_queries"])
 def test_one_batch_and_one_head_match_reference(name):
@@ -266,11 +278,12 @@ def test_one_batch_and_one_head_match_reference(name):
     _check(f"{name}/one head", case, *SEGMENTS["offsets"], CudnnKernel(), batch=1)
 
 
+@pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("name", sorted(cases(SEQ)) + ["packed"])
 def test_gradients_through_the_lse_match_reference(name):
     """A loss that reads the LSE (one rank): cuDNN's second backward call per hop, over zero
-    values, gives the LSE's share of dq and dk (``ring._lse_as_attention``); "packed": its
+    values, gives the LSE's share of dq and dk (``parallel.compute.lse_as_attention``); "packed": its
     documents in ragged batches."""
     import ringflex
 
@@ -289,6 +302,7 @@ def test_gradients_through_the_lse_match_reference(name):
     assert max(errors) < 2e-2, errors
 
 
+@pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("name", sorted(cases(SEQ)) + ["packed"])
 def test_attention_sinks_match_reference(name):
@@ -311,6 +325,7 @@ def test_attention_sinks_match_reference(name):
     assert max(errors) < 2e-2, errors
 
 
+@pytest.mark.gpu
 @needs_cudnn
 def test_graphs_are_reused_across_offsets():
     from ringflex.kernels import cudnn as module
@@ -329,12 +344,12 @@ def test_graphs_are_reused_across_offsets():
 def _check_cut_hops(dev: str, dtype: torch.dtype) -> None:
     """A hop as the ring runs it for a document that straddles two ranks: its queries are rows
     of the rank's block, its keys rows of a received block, which holds a power of two of rows
-    (``ring.widened``), and the backward reads rows of the rank's whole output and lse. One
+    (``plan.blocks.widened``), and the backward reads rows of the rank's whole output and lse. One
     ragged call each way (a batch of one over the cut block); new documents whose parts fall
     in the same size classes build no graph; all match the reference kernel."""
     from ringflex.kernels import cudnn as module
-    from ringflex.parallel.merge import rows
-    from ringflex.parallel.ring import widened
+    from ringflex.kernels.merge import rows
+    from ringflex.plan.blocks import widened
 
     n = 1024
     g = torch.Generator(device=dev).manual_seed(0)
@@ -361,11 +376,13 @@ def _check_cut_hops(dev: str, dtype: torch.dtype) -> None:
     assert len(graphs[0] - earlier) == 2 and all(key[7] is not None for key in graphs[0] - earlier)  # ragged, fwd and bwd
 
 
+@pytest.mark.gpu
 @needs_cudnn
 def test_hops_cut_to_a_straddling_document_match_reference_and_reuse_graphs():
     _check_cut_hops("cuda", torch.bfloat16)
 
 
+@pytest.mark.gpu
 @needs_cudnn
 def test_unavailable_reasons():
     q = torch.zeros(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
@@ -559,193 +576,10 @@ def test_the_kernel_reports_the_part_of_a_block_its_calls_reach(mask_mod):
 
 
 # ----------------------------------------------------------------------------- lowering, emulated (CPU)
-# A CPU stand-in for the slice of the cuDNN frontend the kernel uses: it records the graph the
-# kernel's callbacks emit, refuses what cuDNN refuses (logical ops, graph inputs in the first port
-# of comparisons and selects), and evaluates it in float64. Every mod of the matrix then runs
-# through the real planning and lowering code, exactly, on machines without a GPU.
-
-class _FakeTensor:
-    uids = iter(range(1, 1 << 30))
-
-    def __init__(self, op=None, args=None, virtual=True, ragged_offset=None):
-        self.uid, self.op, self.args, self.virtual, self.dtype = next(self.uids), op, args or {}, virtual, None
-        self.ragged_offset = ragged_offset
-
-    def set_output(self, _):
-        return self
-
-    set_dim = set_stride = set_output
-
-    def set_ragged_offset(self, offsets):
-        self.ragged_offset = offsets
-        return self
-
-    def set_data_type(self, dtype):
-        self.dtype = dtype
-        return self
-
-    def get_uid(self):
-        return self.uid
-
-
-class _FakeShim:
-    def __init__(self, graph, lower):
-        self._target, self._lower = graph, lower
-
-    def __getattr__(self, name):
-        return getattr(self._target, name)
-
-
-class _FakeGraph:
-    def __init__(self, **_):
-        self.attention = None
-
-    def tensor(self, ragged_offset=None, **_):
-        return _FakeTensor(virtual=False, ragged_offset=ragged_offset)
-
-    def __getattr__(self, name):  # pointwise ops
-        if name.startswith("logical"):
-            raise RuntimeError(f"{name} does not compile in cuDNN's fused SDPA")
-
-        def op(compute_data_type=None, **ports):
-            if name.startswith(("cmp_", "binary_select")) and not next(iter(ports.values())).virtual:
-                raise RuntimeError(f"graph input in the first port of {name}")
-            return _FakeTensor(name, ports)
-        return op
-
-    def sdpa(self, **kw):
-        self.attention, self.outs = kw, [_FakeTensor(virtual=False) for _ in range(2)]
-        return self.outs
-
-    def sdpa_backward(self, **kw):
-        self.attention, self.outs = kw, [_FakeTensor(virtual=False) for _ in range(3)]
-        return self.outs
-
-    def build_operation_graph(self):
-        kw = self.attention
-        self.score, self.ds = _FakeTensor("score"), _FakeTensor("ds")
-        # As the frontend (1.32) does: the graph keeps each callback, wrapped in a closure over
-        # a lowering that holds the graph, and hands callbacks a wrapper whose _lower is it.
-        graph = self
-
-        def lower(t):
-            return graph
-
-        shim = _FakeShim(self, lower)
-        self.kept = [(kw.get(name), lower) for name in ("score_mod", "score_mod_bprop")]
-        self.modified = kw["score_mod"](shim, self.score) if kw.get("score_mod") else self.score
-        self.ds_in = kw["score_mod_bprop"](shim, self.ds) if kw.get("score_mod_bprop") else self.ds
-        if not (self.modified.virtual and self.ds_in.virtual):
-            raise RuntimeError("a score_mod callback returned a graph input, not a tensor computed from the score")
-
-    validate = check_support = build_plans = lambda self, *a: None
-
-    def create_execution_plans(self, modes):
-        failure = None  # as the frontend (1.32) does: a declined mode's error stays in this frame
-        for mode in modes:
-            try:
-                if mode == "FALLBACK":  # it declines most attention graphs
-                    raise RuntimeError("no fallback engine for this graph")
-            except RuntimeError as exc:
-                failure = exc  # noqa: F841
-
-    def get_workspace_size(self):
-        return 0
-
-    def execute(self, buffers, workspace, handle=None, tensor_uids=None):
-        data = dict(zip(tensor_uids, buffers))
-        for call in self._sequences(data) if self.attention.get("use_padding_mask") else [data]:
-            self._attend(call)
-
-    def _sequences(self, data):
-        """Each sequence of a ragged batch as the tensors of a call of its own: views found from
-        its offsets as cuDNN does (element offset = batch * stride 0 + row * stride 2)."""
-        kw = self.attention
-        ports = [(kw[n], "q") for n in ("q", "o", "dO", "stats") if n in kw] + [(kw["k"], "kv"), (kw["v"], "kv")]
-        ports += zip(self.outs, ("q", "q") if "dO" not in kw else ("q", "kv", "kv"))
-        lengths = {axis: data[kw[f"seq_len_{axis}"].uid].flatten().tolist() for axis in ("q", "kv")}
-        for i in range(len(lengths["q"])):
-            if not lengths["q"][i]:  # a batch's padding: its offsets may point past the tensors' end
-                continue
-            views = {}
-            for t, axis in ports:
-                base, offset = data[t.uid], int(data[t.ragged_offset.uid].flatten()[i])
-                b, row = offset // base.stride(0), offset % base.stride(0) // base.stride(2)
-                views[t.uid] = base[b:b + 1, :, row:row + lengths[axis][i]]
-            yield views
-
-    def _attend(self, data):
-        kw = self.attention
-        q, k, v = (data[kw[n].uid].double() for n in ("q", "k", "v"))
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        values = {self.score.uid: q @ k.transpose(-1, -2) * kw["attn_scale"]}
-
-        def value(t):
-            if t.uid not in values:
-                if not t.virtual:
-                    values[t.uid] = data[t.uid].double()
-                elif t.op == "gen_index":
-                    base, axis = value(t.args["input"]), t.args["axis"]
-                    shape = [1] * 4
-                    shape[axis] = base.shape[axis]
-                    values[t.uid] = torch.arange(base.shape[axis], dtype=torch.float64).view(shape)
-                else:
-                    x = {name: value(a) for name, a in t.args.items()}
-                    values[t.uid] = _FAKE_OPS[t.op](x) if t.op in _FAKE_OPS else getattr(torch, t.op)(x["input"])
-            return values[t.uid]
-
-        s = torch.broadcast_to(value(self.modified), values[self.score.uid].shape)
-        i, j = torch.arange(s.shape[2]).view(-1, 1), torch.arange(s.shape[3]).view(1, -1)
-        if kw.get("use_causal_mask"):
-            s = torch.where(j <= i, s, -math.inf)
-        if kw.get("diagonal_band_right_bound") is not None:
-            s = torch.where(j <= i + kw["diagonal_band_right_bound"], s, -math.inf)
-        if kw.get("diagonal_band_left_bound") is not None:
-            s = torch.where(j >= i - kw["diagonal_band_left_bound"] + 1, s, -math.inf)
-        if "dO" not in kw:
-            lse = torch.logsumexp(s, -1, keepdim=True)
-            data[self.outs[0].uid].copy_(torch.exp(s - torch.where(lse.isneginf(), 0, lse)) @ v)
-            data[self.outs[1].uid].copy_(lse)
-            return
-        o, do, lse = (data[kw[n].uid].double() for n in ("o", "dO", "stats"))
-        p = torch.exp(s - lse)
-        values[self.ds.uid] = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
-        ds = torch.broadcast_to(value(self.ds_in), p.shape)
-        reduce = lambda x: x.unflatten(1, (-1, groups)).sum(2)  # noqa: E731
-        data[self.outs[0].uid].copy_(ds @ k * kw["attn_scale"])
-        data[self.outs[1].uid].copy_(reduce(ds.transpose(-1, -2) @ q * kw["attn_scale"]))
-        data[self.outs[2].uid].copy_(reduce(p.transpose(-1, -2) @ do))
-
-
-_FAKE_OPS = {
-    "add": lambda x: x["a"] + x["b"], "sub": lambda x: x["a"] - x["b"], "mul": lambda x: x["a"] * x["b"],
-    # as cuDNN divides: by multiplying with the float32 reciprocal (one too low at some exact
-    # multiples: 41 / 41 is 0.99999994 on an H100)
-    "div": lambda x: (x["a"].float() * (1 / x["b"].float())).to(x["a"].dtype), "min": lambda x: torch.minimum(x["input0"], x["input1"]),
-    "max": lambda x: torch.maximum(x["input0"], x["input1"]), "pow": lambda x: x["input0"] ** x["input1"],
-    "binary_select": lambda x: torch.where(x["mask"].bool(), x["input0"], x["input1"]),
-    "tanh_backward": lambda x: x["loss"] * (1 - torch.tanh(x["input"]) ** 2),
-    "sigmoid_backward": lambda x: x["loss"] * torch.sigmoid(x["input"]) * (1 - torch.sigmoid(x["input"])),
-    **{f"cmp_{n}": (lambda f: lambda x: f(x["input"], x["comparison"]))(getattr(torch, t))
-       for n, t in (("eq", "eq"), ("neq", "ne"), ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge"))},
-}
-
-
-class _FakeCudnn:
-    pygraph = _FakeGraph
-    data_type = type("data_type", (), {n: n for n in ("FLOAT", "INT32", "BOOLEAN", "BFLOAT16", "HALF")})
-    heur_mode = type("heur_mode", (), {"A": "A", "FALLBACK": "FALLBACK"})
-    diagonal_alignment = type("diagonal_alignment", (), {"TOP_LEFT": "TOP_LEFT"})
-
+# On the CPU stand-in for the cuDNN frontend (``support.emulated_cudnn``).
 
 def _emulated(monkeypatch):
-    from ringflex.kernels import cudnn as module
-
-    monkeypatch.setattr(module.frontend, "cudnn", lambda: _FakeCudnn)
-    monkeypatch.setattr(module.frontend, "handle", lambda device: None)
-    module.clear_cache()
-    return module
+    return emulate(monkeypatch)
 
 
 def _check_emulated(case, segments, depths=(0, 1, 2), batch=2):
@@ -797,6 +631,7 @@ LOWERING_MODS = {  # operand orders and shapes the matrix does not reach
 }
 
 
+@pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("name", ["bool_product", "bool_sum", "bool_min_max", "int_mask", "bool_factors_score",
                                   "dilated", "divided", "divided_by_tensor"])
@@ -812,6 +647,7 @@ def test_lowering_of_operand_orders_emulated(name, monkeypatch):
     module.clear_cache()
 
 
+@pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("name", sorted(score_ignoring_mods(SEQ, SLOPES)))
 def test_score_mods_that_ignore_the_score_match_reference(name):
@@ -952,7 +788,7 @@ def test_full_graph_cache_says_so_once_emulated(monkeypatch):
     """More call shapes than the cache holds: graphs are rebuilt (slow), and the user is told once."""
     module = _emulated(monkeypatch)
     monkeypatch.setenv("RINGFLEX_CUDNN_GRAPHS", "2")
-    monkeypatch.setattr("ringflex.kernels._WARNED", set())
+    monkeypatch.setattr("ringflex.config._WARNED", set())
     kernel = module.CudnnKernel()
     with pytest.warns(UserWarning) as record:
         for length in (8, 16, 24, 8, 16):
@@ -1021,6 +857,7 @@ def test_building_a_graph_leaves_no_cycle_holding_its_callers_emulated(monkeypat
     _no_frame_outlives_its_call(_emulated(monkeypatch), "cpu")
 
 
+@pytest.mark.gpu
 @needs_cudnn
 def test_building_a_graph_leaves_no_cycle_holding_its_callers():
     from ringflex.kernels import cudnn as module
@@ -1034,10 +871,10 @@ def _ring_with_new_documents(rank, world_size, batches):
     import ringflex
     from ringflex import api
     from ringflex.kernels import cudnn as module
-    from harness import weigh_cudnn_calls_as_free
-    from oracle import attention
+    from support.harness import weigh_cudnn_calls_as_free
+    from support.oracle import attention
 
-    module.frontend.cudnn, module.frontend.handle = (lambda: _FakeCudnn), (lambda device: None)
+    module.frontend.cudnn, module.frontend.handle = (lambda: FakeCudnn), (lambda device: None)
     api.select_kernel = lambda *args, **kwargs: module.CudnnKernel()
     weigh_cudnn_calls_as_free()  # these small calls lend as large ones would
     built, build = [], module.graphs._build
@@ -1067,7 +904,7 @@ def test_new_packed_batches_in_the_ring_reuse_graphs_emulated():
     builds no new graph on any rank (each used to cost a graph per call, 0.1 to 1.5 s on a
     GPU). In these batches rank 1 lends rank 0 the document's first 64 rows (``lending``), which
     travel widened the same way. Numbers match one process."""
-    from harness import run_world
+    from support.harness import run_world
 
     batches = [[390, 320, 314], [385, 330, 309], [387, 325, 312]]  # the straddling part: 122, 127, 125 rows
     for rank, (per_call, error) in enumerate(run_world(2, _ring_with_new_documents, batches)):
@@ -1091,7 +928,7 @@ def test_deterministic_algorithms_build_a_backward_of_their_own_emulated(monkeyp
     q, k, v, dout = (torch.randn(1, 2, L, 16) for _ in range(4))
     seg, m, kernel = Segment(0, 1, L), Mods(mods.softcap(5.0), None), module.CudnnKernel()  # one call each way
     attention = {}
-    monkeypatch.setattr(kernels, "_WARNED", set())
+    monkeypatch.setattr("ringflex.config._WARNED", set())
     for deterministic in (False, True, False):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
         out, lse, _ = kernel.forward(q, k, v, seg, seg, m, 0.25, True)

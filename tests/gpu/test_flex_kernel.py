@@ -1,24 +1,22 @@
 """The flex_attention hop kernel (compiled) matches the reference kernel, forward and backward,
 for every mod of the matrix at global offsets and striped positions; learnable biases and
 gathers cuDNN cannot run get their gradients; ``auto`` takes it where cuDNN cannot run a call."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared test matrix lives in tests/
-from cases import Case, cases, make_inputs  # noqa: E402
-from oracle import attention  # noqa: E402
-from test_cudnn_kernel import L, SEGMENTS, SEQ, _check, _err, _packed  # noqa: E402
+from support.cases import Case, cases, make_inputs
+from support.oracle import attention
+from test_cudnn_kernel import L, SEGMENTS, SEQ, _check, _err, _packed
 import ringflex
-from ringflex import kernels, mods
+from ringflex import mods
 from ringflex.kernels.flex import FlexKernel, flex_unavailable_reason
 
 needs_flex = pytest.mark.skipif(not torch.cuda.is_available() or flex_unavailable_reason(torch.zeros(1, device="cuda")),
                                 reason="needs a CUDA GPU and Triton")
 
 
+@pytest.mark.gpu
 @needs_flex
 @pytest.mark.parametrize("segs", ["offsets", "striped"])
 @pytest.mark.parametrize("name", sorted(cases(SEQ)))
@@ -30,6 +28,7 @@ def test_matches_reference(name, segs):
     _check(f"flex {name}/{segs}", case, q_seg, kv_seg, FlexKernel())
 
 
+@pytest.mark.gpu
 @needs_flex
 def test_packed_documents_match_reference():
     _check("flex packed", _packed("cuda"), *SEGMENTS["offsets"], FlexKernel())
@@ -39,6 +38,7 @@ def _relative_bias(table):
     return lambda score, b, h, q_idx, kv_idx: score + table[h, (q_idx - kv_idx).clamp(-4, 4) + 4]
 
 
+@pytest.mark.gpu
 @needs_flex
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_learnable_bias_runs_on_flex_with_its_gradient(dtype):
@@ -47,7 +47,7 @@ def test_a_learnable_bias_runs_on_flex_with_its_gradient(dtype):
     table = torch.randn(4, 9, device="cuda", requires_grad=True)
     q, k, v, dout = make_inputs(Case(), 512, batch=1, head_dim=64)
     inputs = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)]
-    kernels._WARNED.clear()
+    ringflex.config._WARNED.clear()
     with pytest.warns(UserWarning, match="using flex_attention .*the score_mod reads a tensor that requires grad"):
         out, lse = ringflex.ring_flex_attention(*inputs, score_mod=_relative_bias(table), mask_mod=mods.causal,
                                                 return_lse=True)
@@ -63,15 +63,17 @@ def test_a_learnable_bias_runs_on_flex_with_its_gradient(dtype):
         assert _err(got.cpu(), expected) < tol
 
 
+@pytest.mark.gpu
 @needs_flex
 def test_auto_takes_flex_for_a_gather_cudnn_cannot_run():
     table = torch.randn(4, 9, device="cuda")  # frozen: cuDNN cannot gather by q_idx - kv_idx
     q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.bfloat16)
-    kernels._WARNED.clear()
+    ringflex.config._WARNED.clear()
     with pytest.warns(UserWarning, match="using flex_attention"):
         ringflex.ring_flex_attention(q, q, q, score_mod=_relative_bias(table))
 
 
+@pytest.mark.gpu
 @needs_flex
 def test_new_offsets_and_documents_do_not_recompile():
     """Positions reach the mods as tensors and document ids are captured tensors: hops at new

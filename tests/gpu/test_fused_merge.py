@@ -4,10 +4,9 @@ import math
 import pytest
 import torch
 
-from ringflex.parallel import fused_merge
-from ringflex.parallel.merge import contiguous_rows, merge_in_torch, merge_parts, sum_parts
+from ringflex.kernels import fused_merge
+from ringflex.kernels.merge import contiguous_rows, merge_in_torch, merge_parts, sum_parts
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _parts(dim, length, dtype_a, dtype_b):
@@ -28,7 +27,7 @@ def _oracle(a, b, lse_a, lse_b):
     return out, merged
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dim,length", [(128, 1000), (64, 32), (80, 7)])
 @pytest.mark.parametrize("dtypes", [("bf16", "bf16", "bf16"), ("fp16", "fp16", "fp16"), ("fp32", "fp32", "bf16"),
                                     ("bf16", "fp32", "bf16"), ("in place", "fp32", "bf16")])
@@ -54,7 +53,7 @@ def test_fused_merge_matches_torch_and_the_oracle(dim, length, dtypes):
     torch.testing.assert_close(fused, torch_out)
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("with_res", ["both", "a", "b"])
 def test_fused_merge_weighs_huge_lse_by_their_res(with_res):
     """Rows whose LSE is -1e30 in both parts (every score -1e30): the lse alone rounds the
@@ -81,7 +80,7 @@ def test_fused_merge_weighs_huge_lse_by_their_res(with_res):
         torch.testing.assert_close(fused_res[:, :, :50], torch.full_like(fused_res[:, :, :50], math.log(sum(weights))))
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_fused_merge_of_more_rows_than_one_launch_takes(monkeypatch):
     """Beyond 65535 row blocks (2M rows) the merge launches on consecutive row ranges."""
     monkeypatch.setattr(fused_merge, "_MAX_ROWS", 64)
@@ -100,7 +99,7 @@ def _compiled(kernel) -> int:
     return sum(len(cache[0]) for cache in caches.values())
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_fused_merge_compiles_once_for_any_rows():
     """Packed batches merge row spans of every length at every offset: one compiled kernel
     serves them all (a new specialisation would take tens of ms in a training step)."""
@@ -116,7 +115,7 @@ def test_fused_merge_compiles_once_for_any_rows():
     assert _compiled(kernel) == seen
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dim,length", [(128, 1000), (64, 32), (80, 7)])
 @pytest.mark.parametrize("count", [2, 3])
 @pytest.mark.parametrize("into", ["bf16", "fp32", "in place"])
@@ -141,7 +140,7 @@ def test_fused_sum_rounds_once(dim, length, count, into):
                                atol=0 if d.dtype == torch.bfloat16 else 1e-6)
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_fused_sum_of_more_rows_than_one_launch_takes(monkeypatch):
     monkeypatch.setattr(fused_merge, "_MAX_ROWS", 64)
     parts = [torch.randn(1, 2, 1000, 128, device="cuda").to(torch.bfloat16) for _ in range(3)]
@@ -150,7 +149,7 @@ def test_fused_sum_of_more_rows_than_one_launch_takes(monkeypatch):
     torch.testing.assert_close(d, sum(p.float() for p in parts).to(torch.bfloat16), rtol=0, atol=0)
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_rows_copied_contiguous_by_the_fused_kernel(dtype):
     """A block's rows copied to send: bit for bit torch's copy, values that do not fit a

@@ -5,23 +5,20 @@ passes that each end as ``end_pass`` leaves them; a failing rank releases the ot
 for the rank's own send; and a ring over it computes bit for bit what the same ring
 computes over NCCL (these two need two GPUs)."""
 import os
-import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness import gpu_backend, on_a_gpu, run_world  # noqa: E402
+from support.harness import gpu_backend, on_a_gpu, run_world
 from ringflex import ring_flex_attention
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.parallel import peer
 from ringflex.parallel.comm import RingComm
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 _SIZES = [1000, peer.SLOT_BYTES // 2, peer.SLOT_BYTES, 3 * peer.SLOT_BYTES + 12_345, 9 * peer.SLOT_BYTES]

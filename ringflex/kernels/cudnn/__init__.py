@@ -1,6 +1,6 @@
 """The cuDNN hop kernel: cuDNN's fused SDPA with the user's mods compiled into the graph.
 
-``score_mod`` / ``mask_mod`` are traced (``ringflex.trace``) and lowered into cuDNN's
+``score_mod`` / ``mask_mod`` are traced (``ringflex.mod.trace``) and lowered into cuDNN's
 score_mod callback. ``q_idx`` / ``kv_idx`` are generated indices plus the hop's global
 offsets (and times the stride of striped layouts); offsets are pass-by-value scalars, so one
 built graph serves every hop. Lookups of captured tensors (``doc[q_idx]``, ``slopes[h]``) are

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .frontend import MAX_PLANS, TILE
-
-if TYPE_CHECKING:
-    from .blocks import Run
+from .frontend import CUDNN_TILE, MAX_PLANS
 
 # The row axis of each tensor of a call: its sequences' offsets follow the queries' or the keys' spans.
 RAGGED_AXIS = {**dict.fromkeys(("q", "out", "lse", "dout", "dq"), "q"), **dict.fromkeys(("k", "v", "dk", "dv"), "kv")}
@@ -25,13 +22,32 @@ class Ragged:
     rows and columns in all, rounded up to powers of two, so that a few graphs serve every
     layout of documents. On the query side both are the rows of the whole block the queries
     are cut from (``query_rows``): every cut of one block shares them. The tensors' heads are
-    as many rows apart (``padded_empty``; keys: ``ring.widened``)."""
+    as many rows apart (``padded_empty``; keys: ``plan.blocks.widened``)."""
 
     count: int
     max_q: int
     max_kv: int
     total_q: int
     total_kv: int
+
+
+@dataclass(frozen=True)
+class Run:
+    """One cuDNN call inside a block: local rows x columns, with the mask as a select
+    (``masked``), as cuDNN's native band ``(left_bound, right_bound)``, or without mask."""
+
+    rows: Tuple[int, int]
+    cols: Tuple[int, int]
+    masked: bool = False
+    band: Optional[Tuple[Optional[int], Optional[int]]] = None
+
+    @property
+    def row_spans(self) -> Tuple[Tuple[int, int], ...]:  # as a ``Batch`` has them
+        return (self.rows,)
+
+    @property
+    def col_spans(self) -> Tuple[Tuple[int, int], ...]:
+        return (self.cols,)
 
 
 class Batch:
@@ -52,7 +68,7 @@ class Batch:
         element offset of each sequence, and the sequences' lengths (made once per layout of
         the tensors: a batch is planned once and called at every step). The batch is padded
         with empty sequences to a power of two, so that packed batches with any number of
-        documents share a few graphs (each new one takes 0.1 to 1.5 s)."""
+        documents share a few graphs (each new one is a slow build)."""
         q, k = tensors["q"], tensors["k"]
         key = (q.device, query_rows(q), k.shape[2], *((name, t.stride(2)) for name, t in tensors.items()
                                                       if name in RAGGED_AXIS))
@@ -90,9 +106,9 @@ def empty_for(calls, rows: Optional[int] = None) -> Callable:
 def query_rows(q: Tensor) -> int:
     """The query rows a ragged graph is built for: those of the block ``q``'s rows are cut
     from (its head stride in rows; ``q`` itself if it has none), rounded up to a power of two.
-    On an H100 that cost no time against the cut's own rows (``scripts/new_documents_probe.py``),
-    and a ring over packed documents that change every call built 22 graphs where it built 54
-    (16k tokens), and 38 where it built 112 (64k tokens, 100 calls)."""
+    Every cut of a block then shares the block's graphs, so packed documents that change at
+    every call build a few graphs, not one per cut; the graph's larger rows cost no kernel
+    time over the cut's own, as the padding mask skips them."""
     return power_of_two(max(q.shape[2], q.stride(1) // q.stride(2)))
 
 
@@ -104,7 +120,7 @@ def _joined(spans: List[Tuple[int, int]]) -> Tuple[Tuple[int, int], ...]:
     return tuple(joined)
 
 
-_BATCHED_BANDS = (None, (None, 0))  # unmasked and causal: the ragged forms measured (docs/cudnn.md)
+_BATCHED_BANDS = (None, (None, 0))  # unmasked and causal: the ragged forms known right (docs/cudnn.md)
 
 
 def _batchable(run: Run) -> bool:
@@ -138,7 +154,7 @@ def power_of_two(n: int) -> int:
 
 def _bucket(n: int, rows: int) -> int:
     """The length a ragged graph is built for, for a longest sequence of ``n`` of ``rows`` rows."""
-    return min(power_of_two(rows), max(TILE, power_of_two(n)))
+    return min(power_of_two(rows), max(CUDNN_TILE, power_of_two(n)))
 
 
 def ragged_applies(q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None, dout: Optional[Tensor] = None) -> bool:
@@ -146,7 +162,7 @@ def ragged_applies(q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None
     and ``dout`` the backward's): one batch (the runs are per batch), int32 offsets over rows of
     ``head_dim`` elements (``head_dim_rows``), and in the backward no grouped key/value heads,
     and query head dims above 192 only with value heads as wide: cuDNN 9.19 got the gradients
-    wrong otherwise (grouped heads; q/k 256 or 224 with v 128; H100, docs/cudnn.md)."""
+    wrong otherwise (grouped heads; q/k 256 or 224 with v 128; docs/cudnn.md)."""
     tensors = [t for t in (q, k, v, out, dout) if t is not None]
     if not all(t.shape[0] == 1 and t.shape[2] * t.shape[3] < 2 ** 31 for t in tensors):
         return False
@@ -157,7 +173,7 @@ def head_dim_rows(t: Tensor) -> Tensor:
     """``t`` with its rows ``head_dim`` elements apart, copied where they are not ([B, S, H, D]
     strides): the only layout ragged batches were measured right in. cuDNN 9.19's backward
     indexes its fp32 dQ accumulator from the query offsets as if query rows were so (dQ was
-    wrong otherwise, H100); a copy costs less than a call per document."""
+    wrong otherwise); a copy costs less than a call per document."""
     return t if t.stride(2) == t.shape[3] else _padded_copy(t)
 
 

@@ -1,45 +1,27 @@
-"""Planning a block: the cuDNN calls (``Run``) that compute one hop's query rows against its
+"""Planning a block: the cuDNN calls (``batches.Run``) that compute one hop's query rows against its
 keys. Native band masks where the mask is a band of ``q_idx - kv_idx``, the exact mask's
 row groups where it is the same for every batch and head (packed documents), else row
 chunks that skip empty key tiles (``split_runs``)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ...cache import ByObjects, remember
-from ...extents import mask_key, row_extents
-from ...plan import BlockKind, Segment, block_kinds
-from ...trace import ModGraph, diagonal_band
+from ...mod.band import diagonal_band
+from ...mod.graph import ModGraph
+from ...plan.blocks import BlockKind, block_kinds
+from ...plan.extents import mask_key, row_extents
+from ...plan.layout import Segment
 from ..base import Mods
-from .batches import Batch, batched
-from .frontend import MAX_PLANS, TILE
+from .batches import Batch, Run, batched
+from .frontend import CUDNN_TILE, MAX_PLANS
 from .lowering import Program
 
 _PLANS = ByObjects(MAX_PLANS)  # a block's runs, by its mask's traced values and segments
-
-
-@dataclass(frozen=True)
-class Run:
-    """One cuDNN call inside a block: local rows x columns, with the mask as a select
-    (``masked``), as cuDNN's native band ``(left_bound, right_bound)``, or without mask."""
-
-    rows: Tuple[int, int]
-    cols: Tuple[int, int]
-    masked: bool = False
-    band: Optional[Tuple[Optional[int], Optional[int]]] = None
-
-    @property
-    def row_spans(self) -> Tuple[Tuple[int, int], ...]:  # as a ``batches.Batch`` has them
-        return (self.rows,)
-
-    @property
-    def col_spans(self) -> Tuple[Tuple[int, int], ...]:
-        return (self.cols,)
 
 
 def plan(program: Program, mods: Mods, q: Tensor, k: Tensor, q_seg: Optional[Segment], kv_seg: Optional[Segment],
@@ -74,7 +56,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_MIN_FULL = 4 * TILE  # narrowest column range worth its own call
+_MIN_FULL = 4 * CUDNN_TILE  # narrowest column range worth its own call
 
 
 def band_runs(band: Tuple[Optional[int], Optional[int]], q_seg: Segment, kv_seg: Segment) -> Optional[List[Run]]:
@@ -109,9 +91,9 @@ def band_runs(band: Tuple[Optional[int], Optional[int]], q_seg: Segment, kv_seg:
     if b is not None and _MIN_FULL <= b + 1 < c1 - c0:
         # A right bound off the diagonal (a window's queries against their own and the
         # previous block of keys; a document that began in an earlier block): cuDNN's
-        # backward takes 1.2x (right bound only) to 1.9x (both) as long per pair as with the
-        # right bound on the diagonal (H200, scripts/band_probe.py). Keys up to c0 + b meet
-        # only the left bound, if any; on the rest the right bound is the diagonal.
+        # backward is slower per pair with a right bound off the diagonal than on it, where
+        # its tiles align with the diagonal. Keys up to c0 + b meet only the left bound, if
+        # any; on the rest the right bound is the diagonal.
         split = c0 + b + 1
         left = band_runs(band, q_seg, kv_seg.slice(0, split))
         right = band_runs(band, q_seg, kv_seg.slice(split, n_k))
@@ -126,8 +108,8 @@ def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segmen
     size) from its first to its last non-empty one: empty tiles around it are skipped, and
     no partial results need merging. Masked unless every tile in the span is full."""
     n = 1 << depth
-    block_q = TILE * _ceil_div(_ceil_div(q_seg.length, n), TILE)
-    block_kv = TILE * _ceil_div(_ceil_div(kv_seg.length, n), TILE)
+    block_q = CUDNN_TILE * _ceil_div(_ceil_div(q_seg.length, n), CUDNN_TILE)
+    block_kv = CUDNN_TILE * _ceil_div(_ceil_div(kv_seg.length, n), CUDNN_TILE)
     batch, heads = (batch if "b" in mask.deps else 1), (heads if "h" in mask.deps else 1)
     key = mask_key(mask, "split", batch, heads, q_seg, kv_seg, block_q, block_kv, str(device))
 
@@ -147,9 +129,9 @@ def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segmen
 
 
 # Row groups and calls of an exact plan. Groups whose runs join one ragged batch (packed
-# documents) cost planning time alone (H100, documents of ~1024 tokens: up to 64 groups made
-# rank 1's hops at 64k tokens 10.9 -> 5.7 ms per fwd+bwd, where 16 left its block to quadrants);
-# calls that stay single (a fragmented mask) cost host time at every call.
+# documents) cost planning time alone, and too few groups leave a block of many documents to
+# quadrants, which compute their empty parts; calls that stay single (a fragmented mask) cost
+# host time at every call.
 _MAX_GROUPS = 64
 _MAX_SINGLE_CALLS = 16
 

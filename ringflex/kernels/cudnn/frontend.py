@@ -7,7 +7,7 @@ from typing import Dict
 
 import torch
 
-TILE = 64  # cuDNN's tile: sub-block sizes are multiples of it
+CUDNN_TILE = 64  # cuDNN's tile: the sizes of the row chunks it runs are multiples of it
 MAX_PLANS = 256  # entries kept by each cache of plans, lowerings and batchings (LRU)
 
 _HANDLES: Dict[int, list] = {}  # device index -> [handle, the raw stream it is bound to]
@@ -22,8 +22,8 @@ def cudnn():
 
 def handle(device: torch.device):
     """The device's cuDNN handle, bound to its current stream. Every kernel call asks for it:
-    the stream is read raw (``torch.cuda.current_stream`` takes 5 to 10 us of host time on
-    an H100's host) and bound only when it changed."""
+    the stream is read raw (``torch.cuda.current_stream`` builds a Python object at every
+    call) and bound only when it changed."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _HANDLES:
         with torch.cuda.device(index):

@@ -1,4 +1,4 @@
-"""Built cuDNN graphs: one per call shape, built on first use (0.1 to 1.5 s) and kept (LRU)."""
+"""Built cuDNN graphs: one per call shape, built on first use (a slow build) and kept (LRU)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -10,8 +10,8 @@ from torch import Tensor
 
 from ... import config
 from ...cache import remember
-from ...plan import Segment
-from .. import _warn_once
+from ...config import warn_once
+from ...plan.layout import Segment
 from . import frontend
 from .batches import RAGGED_AXIS, Ragged
 from .lowering import Emitter, Inputs, Lowering
@@ -84,9 +84,9 @@ def graph(backward: bool, tensors: Dict[str, Tensor], scale: float, band, loweri
                            "be captured in a CUDA graph: run the call once eagerly before capturing")
     most = config.CUDNN_GRAPHS.value()
     if len(_GRAPHS) >= most:
-        _warn_once(f"ringflex: the cuDNN graph cache is full ({most} graphs): older graphs are dropped and "
-                   "rebuilt when needed again (0.1 to 1.5 s each); raise RINGFLEX_CUDNN_GRAPHS if this "
-                   "workload has that many call shapes")
+        warn_once(f"ringflex: the cuDNN graph cache is full ({most} graphs): older graphs are dropped and "
+                  "rebuilt when needed again (0.1 to 1.5 s each); raise RINGFLEX_CUDNN_GRAPHS if this "
+                  "workload has that many call shapes")
     built = _build(backward, tensors, scale, band, lowering, strided, ragged, deterministic)
     return remember(_GRAPHS, key, built, most)
 
@@ -134,8 +134,8 @@ def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
             callbacks.append(_Callback(emitter.backward))
             kwargs["score_mod_bprop"] = callbacks[-1]
     if deterministic:  # torch.use_deterministic_algorithms(True): dQ summed without atomics
-        _warn_once("ringflex: torch.use_deterministic_algorithms(True) is on, so cuDNN's attention backward runs "
-                   "its deterministic algorithm (1.2x to 2.1x slower on an H100, docs/reliability.md)")
+        warn_once("ringflex: torch.use_deterministic_algorithms(True) is on, so cuDNN's attention backward runs "
+                  "its deterministic algorithm (1.2x to 2.1x slower on an H100, docs/reliability.md)")
         kwargs["use_deterministic_algorithm"] = True
     if backward:
         outs = g.sdpa_backward(q=io["q"], k=io["k"], v=io["v"], o=io["out"], dO=io["dout"], stats=io["lse"],
@@ -153,8 +153,8 @@ def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
         io[name] = t
     g.validate()
     g.build_operation_graph()
-    # Mode A only. Every graph the kernel builds runs the first plan of mode A (all 407 graphs of
-    # the H100 tests), and asking for the fallback list too, which declines most of them, left
+    # Mode A only. Every graph the kernel builds runs the first plan of mode A (every graph the
+    # GPU tests build), and asking for the fallback list too, which declines most of them, left
     # the decline's exception in a frame its traceback holds (frontend 1.32): a reference cycle
     # that kept every caller's frame and locals alive until Python's collector ran, which could
     # be inside a CUDA-graph capture, where freeing a CUDAGraph invalidates the capture.

@@ -10,10 +10,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...parallel.merge import RowMerge, RowSum, rows
-from ...plan import Segment, around
+from ...plan.blocks import around
+from ...plan.layout import Segment
 from .. import huge
 from ..base import Extent, Mods
+from ..merge import RowMerge, RowSum, rows
 from ..reference import ReferenceKernel
 from . import batches, blocks, frontend, graphs
 from .lowering import Program, lowered, lowering_error, packed_strides, traced
@@ -27,10 +28,9 @@ def _sub(seg: Optional[Segment], r: Tuple[int, int]) -> Optional[Segment]:
     return None if seg is None else seg.slice(*r)
 
 
-# A call's cost beyond its pairs, in pairs x batch x heads x head dim: fitted to the hops of a
-# window of 4096 at 16k tokens over 2 ranks, each rank's work timed alone on an H100 (bf16,
-# fwd+bwd, scripts/balance_probe.py): 0.109 ms per million pairs at B=1, H=32, D=128 and
-# 0.14 ms per call, i.e. a call takes as long as 1.3 million pairs there.
+# A call's cost beyond its pairs, in pairs x batch x heads x head dim: a call takes as long as
+# 1.3 million pairs at B=1, H=32, D=128 (a fit of a call's fixed cost against its work per
+# pair). Lending weighs the ranks' work with it, so many small calls count for what they cost.
 _CALL_WORK = 1_300_000 * 32 * 128
 
 
@@ -52,10 +52,9 @@ class CudnnKernel:
 
     def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment,
                      device) -> Optional[Extent]:
-        # Native band calls (see ``blocks.plan``) skip the tiles outside the band (a window of 4096
-        # over 16k tokens: 80 us per million pairs in the backward, causal 76; H200,
-        # scripts/band_probe.py); the exact plan's calls are unmasked or native bands over
-        # visible keys only.
+        # Native band calls (see ``blocks.plan``) skip the tiles outside the band, so a band
+        # costs per visible pair what causal does; the exact plan's calls are unmasked or
+        # native bands over visible keys only.
         if has_score_mod or mask_mod is None:
             return None
         masked = Mods(None, mask_mod)
@@ -125,11 +124,10 @@ class CudnnKernel:
         """The block's runs as cuDNN calls: batched where they can be (see ``batches.Batch``). The
         exact plan's runs (masks that are no band: packed documents) batch even alone: their
         shapes follow the documents, and a graph of exact shapes would be built for every new
-        length (0.1 to 1.5 s each), where ragged graphs are built for a few sizes (``batches.Ragged``).
+        length (a slow build each), where ragged graphs are built for a few sizes (``batches.Ragged``).
         So does a run over the whole block where the block's shape follows the documents (the
         ring cuts a hop to a document that straddles two ranks); where it recurs (``batches.recurring``)
-        the run stays a plain call, which costs less (H100: fwd 0.89 against 0.96 ms, bwd 2.61
-        against 2.84 ms, one document over 8192 rows, docs/cudnn.md)."""
+        the run stays a plain call, which costs less: a ragged graph reads its offsets (docs/cudnn.md)."""
         q, k = tensors[:2]
         exact = program.mask is not None and blocks.native_band(program.mask) is None
         whole = len(runs) == 1 and (runs[0].rows, runs[0].cols) == ((0, q.shape[2]), (0, k.shape[2]))
@@ -277,7 +275,7 @@ def _inner_contiguous(t: Tensor) -> Tensor:
 @functools.lru_cache(maxsize=None)
 def _device_reason(index: int) -> Optional[str]:
     """Why cuDNN cannot run on this GPU at all, or None: asked once per device (the version
-    and capability queries cost every call about 8 us of host time on an H100's host)."""
+    and capability queries would cost host time at every call)."""
     try:
         cudnn = frontend.cudnn()
     except ImportError as e:

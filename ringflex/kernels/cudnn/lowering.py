@@ -11,10 +11,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...bounds import Range, node_ranges
 from ...cache import ByObjects, remember, tensor_versions
-from ...plan import Segment
-from ...trace import ModGraph, Node, UnsupportedModError, evaluate, score_grad, trace_mask_mod, trace_score_mod
+from ...mod.grad import score_grad
+from ...mod.graph import ModGraph, Node, UnsupportedModError, evaluate
+from ...mod.ranges import Range, node_ranges
+from ...mod.trace import trace_mask_mod, trace_score_mod
+from ...plan.layout import Segment
 from ..base import Mods
 from . import frontend
 from .frontend import MAX_PLANS
@@ -31,7 +33,7 @@ class Program:
 
 
 def traced(mods: Mods, masked: bool, device) -> Program:
-    """The call's mods traced (``ringflex.trace``), the mask only where the block needs one."""
+    """The call's mods traced (``ringflex.mod.trace``), the mask only where the block needs one."""
     score = trace_score_mod(mods.score_mod, device) if mods.score_mod is not None else None
     mask = trace_mask_mod(mods.mask_mod, device) if masked and mods.mask_mod is not None else None
     return Program(score, mask)
@@ -284,7 +286,7 @@ class Emitter:
 
     def _integer_floor(self, x, y, divisor: Node):
         """floor(x / y) of integers, exact. cuDNN divides by multiplying with a rounded reciprocal,
-        one too low at some exact multiples (H100: (q - kv) % 41 == 0 missed every 41st key);
+        one too low at some exact multiples ((q - kv) % 41 == 0 missed every 41st key);
         the remainder says which way the quotient is off (|x| and |y| within 2**24, where float32
         holds every integer: ``_inexact_integers``)."""
         zero, one = self._const(0.0), self._computed(self._const(1.0))

@@ -42,7 +42,7 @@ def attention(q, k, v, score_mod=None, mask_mod=None, scale=None, return_lse=Fal
 def visible_extent(mask_mod, q_seg, kv_seg, batch: int = 1, heads: int = 1, device=None):
     """The local rows and keys of a (q_seg, kv_seg) block where the mask holds for some pair,
     batch and head: ((first row, last row + 1), (first key, last key + 1))."""
-    from ringflex.plan import evaluate_mask
+    from ringflex.plan.blocks import evaluate_mask
     allowed = evaluate_mask(mask_mod, batch, heads, q_seg.positions(device), kv_seg.positions(device)).flatten(0, 1).any(0)
     rows, keys = allowed.any(1).nonzero().flatten(), allowed.any(0).nonzero().flatten()
     return (int(rows[0]), int(rows[-1]) + 1), (int(keys[0]), int(keys[-1]) + 1)

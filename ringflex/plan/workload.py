@@ -32,10 +32,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import captured
-from .bounds import Range, Undecided, _cast, _ranges
-from .plan import MaskCache
-from .trace import UnsupportedModError, diagonal_band, trace_mask_mod
+from ..mod import captured
+from ..mod.band import diagonal_band
+from ..mod.graph import UnsupportedModError
+from ..mod.ranges import Range, Undecided, _cast, _ranges
+from ..mod.trace import trace_mask_mod
+from .blocks import MaskCache
 
 _MAX_OPEN = 1 << 25  # pairs evaluated one by one, at most; beyond, rows are sampled
 _EVAL_CHUNK = 1 << 22  # pairs evaluated at once

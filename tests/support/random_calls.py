@@ -4,7 +4,7 @@ a pool (lookups by position, by distance, constants) and combined with and / or,
 reads, a scale, and some calls forward only, without grad mode. The matrix in ``cases.py``
 names the mods users write; these mix them as nobody listed, which is how the per-batch
 inputs cuDNN read wrong were found (docs/cudnn.md). Shared by the CPU test
-(``test_random_calls.py``) and the GPU script (``scripts/fuzz_ring.py``); the same seed gives
+(``test_random_calls.py``) and the GPU script (``tools/fuzz_ring.py``); the same seed gives
 the same call on every rank and device."""
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import ringflex
-from oracle import attention
+from .oracle import attention
 from ringflex import mods
-from ringflex.parallel.layout import divisor
+from ringflex.plan.layout import divisor
 
 
 @dataclass

@@ -21,8 +21,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import validate
-from .parallel.fault import GuardedComm, RaisedTogether
+from ..mod.fingerprint import digest
+from . import agreement
+from .fault import GuardedComm, RaisedTogether
 
 
 class RingDebugError(RaisedTogether, RuntimeError):
@@ -35,7 +36,7 @@ def _agree(group, error: Optional[str], what: str, values: Sequence[int] = ()):
         if error:
             raise RingDebugError(f"ring_flex_attention: {error}")
         return [list(values)]
-    return validate.exchange(group, values, error, what, RingDebugError)
+    return agreement.exchange(group, values, error, what, RingDebugError)
 
 
 def _nonfinite(name: str, t: Tensor) -> Optional[str]:
@@ -69,8 +70,8 @@ def check_outputs(group, out: Tensor, lse: Tensor) -> None:
 def _describe(t: Tensor) -> list:
     """[shape and dtype hash, bytes hash, finite] of a block that travels."""
     host = t.detach().cpu().contiguous()
-    return [validate.digest(repr((tuple(t.shape), t.dtype)).encode()),
-            validate.digest(host.view(-1).view(torch.uint8).numpy().tobytes()), int(bool(torch.isfinite(host).all()))]
+    return [digest(repr((tuple(t.shape), t.dtype)).encode()),
+            digest(host.view(-1).view(torch.uint8).numpy().tobytes()), int(bool(torch.isfinite(host).all()))]
 
 
 class DebugComm(GuardedComm):

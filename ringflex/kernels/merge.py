@@ -16,8 +16,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..kernels import _warn_once
-from ..kernels.base import split_lse
+from ..config import warn_once as _warn_once
+from .base import split_lse
 from . import fused_merge
 
 Rows = Tuple[int, int]

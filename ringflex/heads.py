@@ -1,14 +1,11 @@
-"""Heads x ring: context parallelism over a 2-D DeviceMesh.
+"""Heads x ring: attention over a 2-D DeviceMesh (its description and token order: ``parallel.mesh``).
 
 ``group=mesh``, where ``mesh`` is a 2-D DeviceMesh whose dimensions are named "heads" and
 "ring" (sizes a x r), runs attention in two stages. Each rank holds [B, H, S/(a*r), D]: all
-heads of its tokens. An all-to-all over "heads" (``parallel.heads``) turns that into
+heads of its tokens. An all-to-all over "heads" (``parallel.alltoall``) turns that into
 [B, H/a, S/r, D]: a slice of the heads, for the tokens of its whole heads group, which are
 exactly the ring layout's segment of the rank's ring coordinate; the ring runs over "ring";
 an all-to-all brings the output (and the LSE) back.
-
-Token order (``positions``): the ring layout's segment of ring rank j (of r), split in a
-contiguous pieces; the rank at heads coordinate i holds piece i.
 
 Mods see GLOBAL heads: the local head h on heads rank i is global head i*(H/a) + h. The ring
 is given, per mod and head offset, one wrapper that calls the user's mod with ``h + offset``
@@ -32,185 +29,19 @@ import itertools
 import math
 import types
 from collections import OrderedDict
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 
-from . import config, validate
+from . import checks, config
 from .cache import remember
-from .parallel import fault, heads as alltoall, layout as layouts
-from .parallel.groups import process_group, rank_and_size, ring_of
-
-DIMS = ("heads", "ring")
-
-
-class HeadsRing:
-    """A heads x ring DeviceMesh as this rank sees it."""
-
-    def __init__(self, mesh: DeviceMesh):
-        names = list(mesh.mesh_dim_names)
-        if mesh.get_coordinate() is None:
-            raise ValueError(f"group does not include this process (global rank {dist.get_rank()}): only the ranks of "
-                             "the mesh may call ringflex with it")
-        self.mesh = mesh
-        self.heads_group, self.ring_group = mesh.get_group("heads"), mesh.get_group("ring")
-        self.heads, self.ring = mesh.size(names.index("heads")), mesh.size(names.index("ring"))
-        self.head_rank, self.ring_rank = mesh.get_local_rank("heads"), mesh.get_local_rank("ring")
-        self._flat = None
-
-    @property
-    def size(self) -> int:
-        return self.heads * self.ring
-
-    @property
-    def flat(self):
-        """A process group of every rank of the mesh (for the argument check, ``unshard`` and
-        the training helpers' sums), made at first use by every rank of the mesh."""
-        if self._flat is None:
-            if self.heads == 1:
-                self._flat = self.ring_group
-            elif self.ring == 1:
-                self._flat = self.heads_group
-            else:
-                ranks = sorted(self.mesh.mesh.flatten().tolist())
-                self._flat = dist.new_group(ranks, backend=dist.get_backend(self.heads_group),
-                                            use_local_synchronization=True)
-        return self._flat
-
-    def coordinates(self) -> Dict[int, Tuple[int, int]]:
-        """Global rank -> (heads coordinate, ring coordinate)."""
-        names = list(self.mesh.mesh_dim_names)
-        grid = self.mesh.mesh if names == list(DIMS) else self.mesh.mesh.t()
-        return {int(grid[i, j]): (i, j) for i in range(self.heads) for j in range(self.ring)}
-
-    def groups(self):
-        return [g for g in dict.fromkeys((self.heads_group, self.ring_group, self._flat)) if g is not None]
-
-    def failure(self) -> Optional[str]:
-        return next((f for f in map(fault.failure, self.groups()) if f), None)
-
-    def fail(self, message: str) -> None:
-        """Marks every group of the mesh failed, here and (in their stores) for every rank."""
-        for group in self.groups():
-            fault.fail(group, message)
-
-    def raised(self, error: BaseException, where: str) -> None:
-        """Fails the mesh for ``error``, raised on this rank in ``where``. A ``RingFailure`` passes
-        on what failed first; the ring's own text counts its ranks along "ring", which says so."""
-        message = f"rank {dist.get_rank()} raised in {where}: {type(error).__name__}: {error}"
-        if isinstance(error, fault.RingFailure):
-            mesh_wide = next((f for f in map(fault.failure, self.groups()[::-1]) if f), None)
-            ring = fault.failure(self.ring_group)
-            if mesh_wide is not None and mesh_wide != ring:
-                message = mesh_wide
-            elif ring is not None:
-                message = f"in the ring at heads coordinate {self.head_rank} (ranks counted along \"ring\"), {ring}"
-        self.fail(message)
-
-
-_MESHES: "OrderedDict[tuple, HeadsRing]" = OrderedDict()
-
-
-def describe(group) -> Optional[HeadsRing]:
-    """The ``HeadsRing`` of ``group`` where it is a 2-D DeviceMesh of dimensions "heads" and
-    "ring" (in either order), else None (the 1-D ring's ``group``)."""
-    if not isinstance(group, DeviceMesh) or group.ndim != 2 or sorted(group.mesh_dim_names or ()) != sorted(DIMS):
-        return None
-    heads_group, ring_group = group.get_group("heads"), group.get_group("ring")
-    key = (id(heads_group), id(ring_group))
-    found = _MESHES.get(key)
-    if found is None or found.heads_group is not heads_group or found.ring_group is not ring_group:
-        found = remember(_MESHES, key, HeadsRing(group), 16)
-    return found
-
-
-def group_or_mesh(group):
-    """What a wrapper keeps of its ``group`` argument: a heads x ring mesh as it is, else its
-    ProcessGroup (``process_group``, which refuses other meshes and objects)."""
-    return group if describe(group) is not None else process_group(group)
-
-
-def ring_key(group):
-    """Equal for two ``group`` arguments that name the same ring (or heads x ring mesh)."""
-    described = describe(group)
-    return ring_of(group) if described is None else ("heads x ring", described.heads_group, described.ring_group)
-
-
-def world_size(group) -> int:
-    """How many ranks share the sequence: a x r over a heads x ring mesh."""
-    described = describe(group)
-    return rank_and_size(group)[1] if described is None else described.size
-
-
-def flat(group):
-    """The ProcessGroup over which a value summed over the sequence's ranks is summed (the
-    loss, the parameters' gradients): every rank of a heads x ring mesh, else ``group``'s."""
-    described = describe(group)
-    return process_group(group) if described is None else described.flat
-
-
-# --------------------------------------------------------------------------- token order
-
-def divisor(layout: str, group) -> int:
-    """A global length must be a multiple of this for ``layout`` over ``group``."""
-    described = describe(group)
-    if described is None:
-        return layouts.divisor(layout, rank_and_size(group)[1])
-    return math.lcm(layouts.divisor(layout, described.ring), described.size)
-
-
-def positions(layout: str, seq_len: int, group, device=None, coordinate: Optional[Tuple[int, int]] = None) -> Tensor:
-    """Global positions of the tokens of the rank at ``coordinate`` (heads, ring; default this
-    rank's) of a heads x ring mesh ``group``: piece ``heads`` of the ring layout's segment of
-    ring rank ``ring``."""
-    described = describe(group)
-    d = divisor(layout, group)
-    if seq_len % d:
-        raise ValueError(f"sequence length {seq_len} does not fit layout {layout!r} on a {described.heads} x "
-                         f"{described.ring} heads x ring mesh: it must be a multiple of {d}")
-    i, j = (described.head_rank, described.ring_rank) if coordinate is None else coordinate
-    ring = layouts.positions(layout, seq_len, described.ring, j, device)
-    piece = ring.numel() // described.heads
-    return ring[i * piece:(i + 1) * piece]
-
-
-def shard(x: Tensor, dim: int, mesh: HeadsRing, layout: str) -> Tensor:
-    from .parallel.shard import _dim_error
-    error = _dim_error("shard", x, dim) or ("" if layout in layouts.LAYOUTS else
-                                            f"shard: layout must be one of {layouts.LAYOUTS}, got {layout!r}")
-    if error:
-        raise ValueError(error)
-    return x.index_select(dim, positions(layout, x.shape[dim], mesh.mesh, x.device))
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, mesh: HeadsRing, layout):
-        from .parallel.shard import _check_same_shards
-        group = mesh.flat
-        _check_same_shards(x, dim, layout, group)
-        parts = [torch.empty_like(x) for _ in range(mesh.size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        full_len = x.shape[dim] * mesh.size
-        where = mesh.coordinates()
-        order = torch.cat([positions(layout, full_len, mesh.mesh, x.device, where[r])
-                           for r in dist.get_process_group_ranks(group)])
-        ctx.dim, ctx.index = dim, positions(layout, full_len, mesh.mesh, x.device)
-        return torch.cat(parts, dim).index_select(dim, torch.argsort(order))
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.index_select(ctx.dim, ctx.index), None, None, None
-
-
-def unshard(x: Tensor, dim: int, mesh: HeadsRing, layout: str) -> Tensor:
-    if mesh.size == 1:
-        return shard(x, dim, mesh, layout)  # checks the arguments; the whole sequence
-    return _Gather.apply(x, dim, mesh, layout)
-
+from .mod.fingerprint import digest, fingerprint
+from .mod.trace import tensors_requiring_grad
+from .parallel import agreement, alltoall, fault
+from .parallel.mesh import HeadsRing
+from .plan import layout as layouts
+from .plan.blocks import check_lookups
 
 # --------------------------------------------------------------------------- mods at global heads
 
@@ -265,7 +96,7 @@ _NUMBERS_SHOWN = 7
 
 
 def _code(value) -> int:
-    return validate.digest(repr(value).encode())
+    return digest(repr(value).encode())
 
 
 def _tensor(name: str, t) -> str:
@@ -328,12 +159,10 @@ class _Call:
         # The ring's own check of its arguments, on the shapes it will be given.
         given = [_stand_in(t, (t.shape[0], heads, t.shape[2] * a, t.shape[3]))
                  for t, heads in ((q, local_q), (k, local_kv), (v, local_kv))]
-        error = validate.local_error(*given, score_mod, mask_mod, layout, scale, enable_gqa, backend,
+        error = checks.local_error(*given, score_mod, mask_mod, layout, scale, enable_gqa, backend,
                                      mesh.ring_group, self.sinks)
         if error:
             return error
-        from .plan import check_lookups
-        from .trace import tensors_requiring_grad
         r, j = mesh.ring, mesh.ring_rank
         q_segs = layouts.segments(layout, q_len * r, r, j)
         kv_segs = [layouts.segments(layout, kv_len * r, r, (j - step) % r) for step in range(r)]
@@ -353,7 +182,7 @@ class _Call:
         self.values = [batch, hq, hkv, q.shape[2], k.shape[2], q.shape[3], v.shape[3], _code(q.dtype),
                        _code(q.device.type), _code(layout), _code(backend), int(bool(enable_gqa)),
                        int(sinks is not None), _code(None if scale is None else float(scale)), int(bool(return_lse)),
-                       validate.fingerprint(score_mod, debugging), validate.fingerprint(mask_mod, debugging),
+                       fingerprint(score_mod, debugging), fingerprint(mask_mod, debugging),
                        int(self.grad)]
         return None
 
@@ -368,7 +197,7 @@ def _raise_if_failed(mesh: HeadsRing) -> None:
 def _agree(mesh: HeadsRing, values: List[int], error: Optional[str]) -> None:
     """Every rank's record, compared: the same ``CallRejected`` on every rank of the mesh if any
     rank's call is bad or the ranks' calls differ."""
-    records = validate.exchange(mesh.flat, values, error, "the heads x ring mesh's argument check",
+    records = agreement.exchange(mesh.flat, values, error, "the heads x ring mesh's argument check",
                                 fault.CallRejected)
     for i, name in enumerate(_FIELDS):
         seen = [record[i] for record in records]
@@ -423,10 +252,10 @@ def _guarded(mesh: HeadsRing, phase: str, fn, *args, **kwargs):
         raise
 
 
-def attention(mesh: HeadsRing, q, k, v, *, score_mod, mask_mod, layout, scale, enable_gqa, return_lse, backend,
-              sinks):
-    """``ring_flex_attention`` over a heads x ring mesh (see the module's docstring)."""
-    from .api import ring_flex_attention
+def attention(mesh: HeadsRing, ring: Callable, q, k, v, *, score_mod, mask_mod, layout, scale, enable_gqa, return_lse,
+              backend, sinks):
+    """``ring_flex_attention`` over a heads x ring mesh (see the module's docstring); ``ring`` is
+    the 1-D ring's ``ring_flex_attention``, run over the mesh's "ring" dimension."""
     _raise_if_failed(mesh)
     call = _Call(mesh, q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, sinks, return_lse)
     _agree(mesh, call.values, call.error)
@@ -435,9 +264,8 @@ def attention(mesh: HeadsRing, q, k, v, *, score_mod, mask_mod, layout, scale, e
     q, k, v = (alltoall.to_sequence(t, mesh, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
 
     def run(q, k, v, sinks):
-        return ring_flex_attention(q, k, v, score_mod=call.score_mod, mask_mod=call.mask_mod, group=mesh.ring_group,
-                                   layout=layout, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
-                                   backend=backend, sinks=sinks)
+        return ring(q, k, v, score_mod=call.score_mod, mask_mod=call.mask_mod, group=mesh.ring_group, layout=layout,
+                    scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, backend=backend, sinks=sinks)
 
     if call.grad:
         result = _Ring.apply(mesh, run, q, k, v, call.sinks, *call.tensors)

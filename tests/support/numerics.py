@@ -12,7 +12,7 @@ import hashlib
 import torch
 
 import ringflex
-from oracle import attention
+from .oracle import attention
 from ringflex import mods
 
 SEQ_LEN = 64  # fits zigzag on 1, 2, 4 and 8 ranks

@@ -14,30 +14,18 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import captured
-from .bounds import block_decider, ranged_lookup_error
-from .cache import ByObjects, tensor_versions
-from .trace import (UnsupportedModError, diagonal_band, lookup_error, result_shape_error, subscripts_read_tensors,
-                    trace_mask_mod, trace_score_mod)
+from ..cache import ByObjects, tensor_versions
+from ..mod import captured
+from ..mod.band import diagonal_band
+from ..mod.fingerprint import fingerprint
+from ..mod.graph import UnsupportedModError
+from ..mod.lookups import lookup_error, subscripts_read_tensors
+from ..mod.ranges import block_decider, ranged_lookup_error
+from ..mod.trace import result_shape_error, trace_mask_mod, trace_score_mod
+from .layout import Segment
 
 # Mask evaluations per chunk: bounds the planner's memory whatever the segment lengths.
 _CHUNK_ELEMENTS = 1 << 24
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Global positions ``start + stride * i`` for ``i < length`` of one run of local tokens."""
-
-    start: int
-    stride: int
-    length: int
-
-    def positions(self, device=None) -> Tensor:
-        return self.start + self.stride * torch.arange(self.length, device=device, dtype=torch.int32)
-
-    def slice(self, begin: int, end: int) -> "Segment":
-        """The sub-segment of local tokens ``begin:end``."""
-        return Segment(self.start + self.stride * begin, self.stride, end - begin)
 
 
 class BlockKind(enum.IntEnum):
@@ -386,6 +374,20 @@ def travelling_rows(keys_read_by_rank, steps: int) -> List[Tuple[int, int]]:
             for owner in range(world_size)]
 
 
+def widened(r: Tuple[int, int], length: int) -> Tuple[int, int]:
+    """Rows ``r`` of a block of ``length`` rows widened inside it to a power of two (or to the
+    whole block). A received block holds these rows, so its row count, and with it the strides
+    a kernel sees, takes one of a few values whatever the mask: the cuDNN kernel builds a
+    graph for each (a slow build), and packed documents would otherwise ask for a new one
+    whenever a document straddling the ranks changes length. Costs at most twice the rows."""
+    lo, hi = r
+    if hi <= lo:
+        return r
+    n = min(length, 1 << (hi - lo - 1).bit_length())
+    hi = min(length, lo + n)
+    return hi - n, hi
+
+
 class MaskCache:
     """Values computed from a mask_mod (plans, a kernel's block masks), kept so a training
     loop computes them once. An entry is only reused while the mod object and every tensor
@@ -393,8 +395,6 @@ class MaskCache:
     document ids always recompute."""
 
     def __init__(self, size: int = 64):
-        from .validate import fingerprint  # content hash of code and captured values
-        self._fingerprint = fingerprint
         self.cache = ByObjects(size)
 
     def lookup(self, mask_mod, key: tuple, compute: Optional[Callable]):
@@ -402,7 +402,7 @@ class MaskCache:
         with ``compute`` None only a value computed before, else ``LookupError``."""
         parts = captured.parts(mask_mod)
         tensors = [p for p in parts if isinstance(p, Tensor)]
-        key = (id(mask_mod), self._fingerprint(mask_mod, parts=parts), tensor_versions(tensors)) + key
+        key = (id(mask_mod), fingerprint(mask_mod, parts=parts), tensor_versions(tensors)) + key
         return self.cache.get(key, ([mask_mod] if mask_mod is not None else []) + tensors, compute)
 
 

@@ -1,11 +1,10 @@
 """Per query row of a block, which keys its mask shows it: what the cuDNN kernel's exact plan
 (``kernels.cudnn.blocks.exact_runs``) is made from.
 
-Evaluating a mask on every pair of a block takes a pass over rows x keys per op: on an H100,
-2 ms for an 8192 x 8192 block, and 26 ms per ring call over 64k tokens of packed documents
-that are new at every step. Most of a block lies in tiles of keys that the mask's formula
-settles from ranges (``bounds.tile_ranges``): every key visible to a row, or none. Only the
-tiles it leaves open (a diagonal, a document's edge) are evaluated pair by pair.
+Evaluating a mask on every pair of a block takes a pass over rows x keys per op, at every
+call whose documents are new. Most of a block lies in spans of keys that the mask's formula
+settles from ranges (``mod.ranges.tile_ranges``): every key visible to a row, or none. Only
+the spans it leaves open (a diagonal, a document's edge) are evaluated pair by pair.
 """
 from __future__ import annotations
 
@@ -14,16 +13,16 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .bounds import tile_ranges
-from .cache import ByObjects, tensor_versions
-from .plan import Segment, evaluate_mask
-from .trace import ModGraph
+from ..cache import ByObjects, tensor_versions
+from ..mod.graph import ModGraph
+from ..mod.ranges import tile_ranges
+from .blocks import evaluate_mask
+from .layout import Segment
 
-TILE = 128  # keys per tile
-_OPEN_SHARE = 4  # beyond 1 / this of the tiles left open, one dense pass over the block costs less
-# Blocks of up to this many pairs are evaluated whole: on a GPU one pass over them costs less
-# than the hundred-odd small kernels of the tiles (H100, packed documents: 8192 x 8192 keys
-# 2.0 ms whole against 2.8 ms in tiles; 16384 x 16384 keys 6.6 against 2.4 ms).
+SPAN = 128  # keys ranged at once: the mask's formula settles a row's span, or leaves it open
+_OPEN_SHARE = 4  # beyond 1 / this of the spans left open, one dense pass over the block costs less
+# Blocks of up to this many pairs are evaluated whole: one pass over a small block costs less
+# than the small kernels of ranging and of each open span, which only a large block amortises.
 _DENSE_AREA = 1 << 26
 _MAX_DENSE = 1 << 28  # pairs evaluated at once: whole blocks, or open tiles
 _MAX_TILES = 1 << 24  # (query, tile) pairs ranged at once (64k x 32k keys: 2**24)
@@ -64,19 +63,19 @@ def _tiled(mask_mod: Callable, mask: ModGraph, q: Tensor, kv_seg: Segment) -> Op
     """``row_extents`` from tiles of keys, None where too few of them are settled (or too many
     to range at once)."""
     cols = kv_seg.length
-    if len(q) * -(-cols // TILE) > _MAX_TILES:
+    if len(q) * -(-cols // SPAN) > _MAX_TILES:
         return None
-    starts = torch.arange(0, cols, TILE, device=q.device)
-    ends = (starts + TILE).clamp(max=cols)
+    starts = torch.arange(0, cols, SPAN, device=q.device)
+    ends = (starts + SPAN).clamp(max=cols)
     settled = tile_ranges(mask, q, _positions(kv_seg, starts), _positions(kv_seg, ends - 1))
     if settled is None:
         return None
     full, some = settled
     rows, tiles = (some & ~full).nonzero(as_tuple=True)
-    if len(rows) * _OPEN_SHARE > full.numel() or len(rows) * TILE > _MAX_DENSE:
+    if len(rows) * _OPEN_SHARE > full.numel() or len(rows) * SPAN > _MAX_DENSE:
         return None
     # the open tiles, pair by pair: key columns past the block's end are neither seen nor hidden
-    open_cols = starts[tiles].view(-1, 1) + torch.arange(TILE, device=q.device)
+    open_cols = starts[tiles].view(-1, 1) + torch.arange(SPAN, device=q.device)
     inside = open_cols < cols
     seen = _pairs(mask_mod, q[rows].view(-1, 1), _positions(kv_seg, open_cols.clamp(max=cols - 1))) & inside
 
@@ -89,7 +88,7 @@ def _tiled(mask_mod: Callable, mask: ModGraph, q: Tensor, kv_seg: Segment) -> Op
     first = per_row(torch.where(full, starts, cols).amin(1), torch.where(any_seen, tile_start + _first(seen), cols), "amin")
     first = torch.where(count > 0, first, -1)
     last = per_row(torch.where(full, ends - 1, -1).amax(1),
-                   torch.where(any_seen, tile_start + TILE - 1 - _first(seen.flip(1)), -1), "amax")
+                   torch.where(any_seen, tile_start + SPAN - 1 - _first(seen.flip(1)), -1), "amax")
     # the first key from ``first`` on that the row does not see: in a tile it sees none of, or an open one
     hidden = ~seen & inside & (open_cols >= first[rows].view(-1, 1))
     run_end = per_row(torch.where(~some & (starts >= first.view(-1, 1)), starts, cols).amin(1),

@@ -25,9 +25,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .parallel.layout import LAYOUTS, divisor, segments
-from .plan import Segment
-from .trace import UnsupportedModError, diagonal_band, trace_mask_mod
+from ..mod.band import diagonal_band
+from ..mod.graph import UnsupportedModError
+from ..mod.trace import trace_mask_mod
+from .layout import LAYOUTS, Segment, divisor, segments
 from .workload import Workload, workload
 
 # The cost model's weights, in (query, key) pairs of one head's attention (fwd + bwd):

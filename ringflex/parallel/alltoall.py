@@ -1,4 +1,4 @@
-"""The all-to-alls of a heads x ring mesh (``ringflex.mesh``), with their autograd.
+"""The all-to-alls of a heads x ring mesh (``ringflex.heads``), with their autograd.
 
 Over the "heads" dimension of the mesh (``a`` ranks), ``to_sequence`` turns each rank's
 [B, H, L, ...] (all heads of its L tokens) into [B, H/a, a*L, ...] (its slice of the heads, for

@@ -20,8 +20,8 @@ from the same plan of the lender's step-1 hops: each rank plans the other ranks'
 against its own block anyway (``api``), and they share its digest to make sure.
 
 When: lending adds host work (two transfers and a kernel call in forward and again in
-backward, about 2 ms per fwd+bwd on an H200's host), which kernels shorter than that
-cannot hide where the host issues ring calls back to back. So by default
+backward), which kernels shorter than that work cannot hide where the host issues ring calls
+back to back. So by default
 (``RINGFLEX_LENDING=auto``) no rank lends unless the busiest rank's load is ``MIN_CALLS``
 kernel calls' worth or more (each rank's ``min_load``; the largest holds).
 ``RINGFLEX_LENDING=1`` lends at any load (calls replayed from a CUDA graph have no host
@@ -37,20 +37,20 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import config
-from .cache import remember
+from .. import config
+from ..cache import remember
+from ..mod.fingerprint import digest
+from ..mod.graph import UnsupportedModError
+from ..mod.trace import trace_mask_mod
+from .blocks import BlockKind, Hop, MaskCache, around, within
 from .extents import row_extents
-from .plan import BlockKind, Hop, MaskCache, around, within
-from .trace import UnsupportedModError, trace_mask_mod
-from .validate import digest
 
 Rows = Tuple[int, int]
 QUANTUM = 64  # lent rows end on a multiple of it (or at the last row): few shapes for the kernels
 MIN_GAIN = 0.03  # lending must shorten the busiest rank's work by this share, or none runs
 # RINGFLEX_LENDING=auto: the busiest rank's load must be this many kernel calls' worth
-# (``HopKernel.call_pairs``), about 5.5 ms of cuDNN work per fwd+bwd, for its kernels to outlast
-# the host work lending adds. A window of 4096 over contiguous on 2x H200, eager: lending made
-# the call slower at 8k tokens per GPU (28 calls' worth), faster at 16k (54 calls' worth).
+# (``HopKernel.call_pairs``) for its kernels to outlast the host work lending adds; between
+# the loads where lending was measured slower and faster (benchmarks/results/*_lending.md).
 MIN_CALLS = 40
 NO_OFFER = [-1, 0, 0, 0, 0]  # what a rank shares where lending is off: load, step-1 pairs, 2 digests, min_load
 

@@ -1,6 +1,6 @@
 """Deciding a block's kind from the mask's formula, without evaluating it on every pair.
 
-The mask's traced graph (``ringflex.trace``) is evaluated on *ranges*: q_idx over the
+The mask's traced graph (``mod.trace``) is evaluated on *ranges*: q_idx over the
 block's query positions, kv_idx over its key positions, b and h over all batches and heads.
 If the result is True for the whole range the block is FULL, if False it is EMPTY. Anything
 the ranges cannot decide (an op without a rule, a range that straddles the answer) gives
@@ -15,7 +15,7 @@ dense evaluation. Integers and booleans are exact, so integer masks keep their e
 
 The same rules run on tensors of ranges (``tile_ranges``): every query of a block against
 every tile of its keys at once, which tells the cuDNN kernel's exact plan which tiles it need
-not evaluate pair by pair (``ringflex.extents``).
+not evaluate pair by pair (``plan.extents``).
 """
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .trace import (COMPARISONS, MASK_INPUTS, ModGraph, UnsupportedModError, lookup_message, read_outside,
-                    subscripts, trace_mask_mod)
+from .graph import COMPARISONS, MASK_INPUTS, ModGraph, UnsupportedModError
+from .lookups import lookup_message, read_outside, subscripts
+from .trace import trace_mask_mod
 
 
 class Undecided(Exception):
@@ -417,7 +418,7 @@ def ranged_lookup_error(graph: ModGraph, batch: int, heads: int, q_segs, kv_segs
 
 
 def _read_outside(subscript: ModGraph, size: int, tables, batch: int, heads: int, q_seg, kv_seg, device):
-    """``trace.read_outside`` over every batch element, head and pair of a query of ``q_seg``
+    """``lookups.read_outside`` over every batch element, head and pair of a query of ``q_seg``
     and a key of ``kv_seg``, evaluated in the tiles whose range reaches outside (``tables``:
     host copies of the tensors the subscript reads, by node id); raises Undecided where those
     hold more than ``_MAX_LOOKUP_READS`` reads."""

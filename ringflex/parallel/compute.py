@@ -1,0 +1,75 @@
+"""One hop of a ring call, computed: the kernel's forward of a hop, and its backward with the
+LSE's share of the gradient, under the call's mods and scale. The ring (``ring``) and the
+loans (``loans``) run their hops through here; ``call`` is a ``ring.RingCall``."""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from ..kernels.merge import Rows, rows
+from ..kernels.reference import compute_dtype
+from ..plan.blocks import Hop
+
+
+def masked(hop: Hop) -> bool:
+    """Whether the kernel must apply the mask (a FULL block needs none)."""
+    return hop.kind != hop.kind.FULL
+
+
+def hop_forward(call, hop: Hop, q: Tensor, k: Tensor, v: Tensor):
+    """(out, lse, res) of ``hop`` from its query rows ``q`` and key rows ``k``, ``v``."""
+    return call.kernel.forward(q, k, v, hop.q_seg, hop.kv_seg, call.mods, call.scale, masked(hop))
+
+
+def hop_backward(call, hop: Hop, q, k, v, out, lse, res, dout, lse_grad, r: Rows):
+    """One hop's (dq, dk, dv, gradients of ``call.tensors``) from its rows ``q``, ``out``, ``lse``,
+    ``res`` (the LSE's res, ``kernels.base``, or None) and keys ``k``, ``v``; ``dout`` and ``lse_grad`` (``lse_as_attention``'s, or None) are
+    whole and taken at rows ``r``. With ``lse_grad`` a second call over zero values adds the
+    LSE's share; ``dout`` None: the loss reads the LSE alone."""
+    args = hop.q_seg, hop.kv_seg, call.mods, call.scale, masked(hop), call.tensors
+    if dout is not None:
+        hq, hk, hv, *ht = call.kernel.backward(q, k, v, out, lse, rows(dout, r), *args, res=res)
+    if lse_grad is None:
+        return hq, hk, hv, ht
+    lse_out, lse_dout = (rows(t, r) for t in lse_grad)
+    lq, lk, lv, *lt = call.kernel.backward(q, k, torch.zeros_like(v), lse_out, lse, lse_dout, *args, res=res)
+    if dout is None:  # the loss reads the LSE alone, which the values do not change
+        return lq, lk, torch.zeros_like(lv), lt
+    acc = compute_dtype(q.dtype)  # added in fp32, before any rounding
+    return hq.to(acc) + lq, hk.to(acc) + lk, hv, [a + b for a, b in zip(ht, lt)]
+
+
+def lse_as_attention(dlse: Tensor, out: Tensor, lse: Tensor):
+    """(out, dout) under which a hop's backward over ZERO values gives the LSE's share of dq
+    and dk. A backward computes dS = P * (dout V^T - rowsum(dout * out)); with V = 0 and
+    rowsum(dout * out) = -dlse that is P * dlse, the LSE's derivative (its softmax weights)
+    times dlse, through the score_mod as any dS. dout holds ones in two columns and out -dlse
+    split over them (the input dtype's rounding of it, then of what that leaves), so dlse
+    keeps about twice the input dtype's precision. Rows that see no key (LSE -inf) take none,
+    whatever the loss made of their LSE (an infinite dlse would spread NaN to every key)."""
+    dlse = torch.where(lse.isneginf(), 0.0, dlse)
+    lse_out, lse_dout = torch.zeros_like(out), torch.zeros_like(out)
+    columns = min(2, out.shape[-1])
+    high = dlse.to(out.dtype)
+    lse_out[..., 0] = -high
+    if columns == 2:
+        lse_out[..., 1] = high.to(dlse.dtype) - dlse
+    lse_dout[..., :columns] = 1
+    return lse_out, lse_dout
+
+
+def some(r: Rows) -> bool:
+    """Whether ``r`` holds any row."""
+    return r[1] > r[0]
+
+
+def rows_shape(like: Tensor, r: Rows, *tail: int) -> Tuple[int, ...]:
+    """[B, H, rows of ``r``, *tail] of ``like``."""
+    return (*like.shape[:2], r[1] - r[0], *tail)
+
+
+def new_rows(like: Tensor, r: Rows, *tail: int, dtype=None) -> Tensor:
+    """A new ``rows_shape`` tensor on ``like``'s device, of its dtype unless ``dtype``."""
+    return torch.empty(rows_shape(like, r, *tail), dtype=dtype or like.dtype, device=like.device)
