@@ -20,6 +20,7 @@ import argparse
 import functools
 import json
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -155,7 +156,12 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
                                                 layout=layout, backend=args.backend)
         return attn
 
-    shards = {layout: [ringflex.shard(t, 2, layout=layout) for t in (q, k, v)] for layout in args.layouts}
+    chosen = {label: label for label in args.layouts}  # row label -> its layout (a name or a Sharding)
+    if "by-mask" in chosen:
+        start = time.perf_counter()
+        chosen["by-mask"] = ringflex.shard_by_mask(mask_mod, seq_len, world_size, batch=args.batch, heads=args.heads)
+        log(f"  by-mask: {chosen['by-mask'].name}, chosen in {1e3 * (time.perf_counter() - start):.1f} ms of host time")
+    shards = {label: [ringflex.shard(t, 2, layout=chosen[label]) for t in (q, k, v)] for label in args.layouts}
     timers = {}  # name -> (iters, warmup) -> (forward s, forward+backward s)
     if seq_len <= args.single_max:
         for name, attn in single_gpu_candidates(mask, score_mod, mask_mod, seq_len, device, args.singles).items():
@@ -168,9 +174,9 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
             peer = flex_context_parallel(score_mod, mask_mod, shape, world_size, device, head_tail)
             if peer is not None:
                 timers[name] = functools.partial(peer, q, k, v)
-    variants = {layout: (layout, local) for layout, local in shards.items()}  # row label -> (layout, shards)
+    variants = {label: (chosen[label], local) for label, local in shards.items()}  # row label -> (layout, shards)
     if args.graph:
-        variants.update({f"{layout}+graph": (layout, local) for layout, local in shards.items()})
+        variants.update({f"{label}+graph": (chosen[label], local) for label, local in shards.items()})
     for label, (layout, local) in variants.items():
         attn = ring(layout)
         if label.endswith("+graph"):
@@ -198,9 +204,10 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
     rows = []
     for label, (layout, local) in variants.items():
         row = {"seq_len": seq_len, "mask": mask, "layout": label, "world_size": world_size,
+               "sharding": layout if isinstance(layout, str) else repr(layout),
                **{n: r for n, r in results.items() if not n.startswith("ringflex/")},
                "ringflex": dict(results[f"ringflex/{label}"])}
-        if device.type == "cuda" and label == layout:
+        if device.type == "cuda" and not label.endswith("+graph"):
             row["ringflex"]["peak_mem_gib"] = max_over_ranks([ring_peak_memory(ring(layout), local) / 2**30],
                                                                    device, _CPU_GROUP)[0]
         singles = {n: row[n] for n in SINGLES if "fwd" in row.get(n, {})}
@@ -281,8 +288,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=4096)
     p.add_argument("--doc-len", type=int, default=4096, help="mean document length of the documents mask")
-    p.add_argument("--layouts", nargs="+", default=["zigzag"], choices=ringflex.LAYOUTS,
-                   help="time the ring in each of these layouts (one row each)")
+    p.add_argument("--layouts", nargs="+", default=["zigzag"], choices=(*ringflex.LAYOUTS, "by-mask"),
+                   help="time the ring in each of these layouts (one row each); by-mask: ringflex.shard_by_mask's")
     p.add_argument("--backend", default="auto")
     p.add_argument("--graph", action="store_true",
                    help="also time each layout captured in CUDA graphs (make_graphed_callables; GPUs only). "

@@ -23,11 +23,12 @@ from .kernels.base import HopKernel, Mods
 from .mod.trace import tensors_requiring_grad
 from .parallel import agreement, comm, debug, mesh as meshes
 from .parallel.fault import GuardedComm
-from .parallel.groups import ring_of
+from .parallel.groups import rank_and_size, ring_of
 from .parallel.ring import RingAttention, RingCall
 from .parallel.shard import warn_if_launched_alone
 from .plan import layout as layouts
 from .plan import lending
+from .plan.sharding import advice
 from .plan.blocks import Hop, PlanCache, around, check_lookups, keys_read, plan_hops
 
 _PLANS = PlanCache()
@@ -67,7 +68,7 @@ def ring_flex_attention(
     score_mod: Optional[Callable] = None,
     mask_mod: Optional[Callable] = None,
     group=None,
-    layout: str = "zigzag",
+    layout=None,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
@@ -77,10 +78,13 @@ def ring_flex_attention(
     """Attention over a sequence sharded across the ranks of ``group`` (a ProcessGroup, a 1-D
     DeviceMesh such as the context-parallel dimension ``mesh["cp"]`` of a larger mesh, or None:
     the default group; or a 2-D DeviceMesh of dimensions "heads" and "ring": heads x ring, see
-    ``ringflex.mesh``).
+    ``ringflex.heads``).
 
     q: [B, Hq, S_local, D]; k, v: [B, Hkv, S_local_kv, D(v)], each rank's shard of the
-    sequence in ``layout`` (see ``ringflex.shard``). ``score_mod(score, b, h, q_idx, kv_idx)``
+    sequence in ``layout`` (see ``ringflex.shard``): a name of ``LAYOUTS``, a ``Sharding``
+    (``ringflex.shard_by_mask`` chooses one from the mask), or None: "zigzag", ``shard``'s
+    default, and a call whose mask another sharding would run more than 10% faster (by the
+    cost model of ``plan.sharding``) says so once. ``score_mod(score, b, h, q_idx, kv_idx)``
     and ``mask_mod(b, h, q_idx, kv_idx)`` are flex_attention's, and see GLOBAL positions.
     Returns this rank's output [B, Hq, S_local, Dv] (and the log-sum-exp [B, Hq, S_local],
     fp32, fp64 for fp64 inputs, if ``return_lse``; differentiable, as flex_attention's: a loss that reads it
@@ -94,6 +98,8 @@ def ring_flex_attention(
     rank that fails inside the ring makes the ranks waiting for it raise ``RingFailure`` (see
     docs/reliability.md).
     """
+    chose_layout = layout is not None
+    layout = layout if chose_layout else layouts.DEFAULT
     heads_ring = meshes.describe(group)
     if heads_ring is not None:
         return heads.attention(heads_ring, ring_flex_attention, q, k, v, score_mod=score_mod, mask_mod=mask_mod,
@@ -128,6 +134,9 @@ def ring_flex_attention(
     if agreed.failed_here or debugging:  # raises here (or, debugging, agrees before the checks below)
         agreed.wait()
 
+    if not chose_layout and rank_and_size(group) == (0, world_size) and world_size > 1:
+        _advise_on_layout(mask_mod, q, k, world_size)
+
     # 3. The ring, and the merge of its hops' results.
     transfers = None
     if world_size > 1:
@@ -142,6 +151,19 @@ def ring_flex_attention(
     if debugging:
         debug.check_outputs(group, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _advise_on_layout(mask_mod, q: Tensor, k: Tensor, world_size: int) -> None:
+    """Says once, on the ring's first rank, where the default layout runs this call's mask
+    markedly slower than the sharding ``shard_by_mask`` would choose (the tokens are already
+    sharded: only the caller can move them). Not during a CUDA-graph capture, whose device
+    may not be used for the pricing."""
+    if mask_mod is None or q.shape[2] != k.shape[2] or comm.capturing(q):
+        return
+    said = advice(mask_mod, q.shape[2] * world_size, world_size, layouts.DEFAULT, batch=q.shape[0],
+                  heads=q.shape[1], device=q.device)
+    if said:
+        warn_once(said)
 
 
 def _warn_if_bound(score_mod, mask_mod) -> None:

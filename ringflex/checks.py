@@ -16,7 +16,7 @@ from . import config
 from .kernels import BACKENDS
 from .kernels.base import DTYPES
 from .parallel import comm
-from .plan.layout import LAYOUTS, divisor
+from .plan.layout import divisor, layout_error
 
 _ARITIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # inspect.signature is slow, at every call
 
@@ -77,8 +77,8 @@ def local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend
     if q.shape[1] != k.shape[1] and not enable_gqa:
         return (f"q has {q.shape[1]} heads and k/v have {k.shape[1]}: pass enable_gqa=True for "
                 "grouped-query attention")
-    if layout not in LAYOUTS:
-        return f"layout must be one of {LAYOUTS}, got {layout!r}"
+    if layout_error(layout):
+        return layout_error(layout)
     if backend not in BACKENDS:
         return f"backend must be one of {BACKENDS}, got {backend!r}"
     capture = comm.capture_error(q, group)

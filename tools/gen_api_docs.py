@@ -7,7 +7,7 @@ else its names without a leading underscore). Everything else is internal. The s
 with ``ast`` (nothing is imported), so the reference is the same whatever optional packages are
 installed. Run it after changing a public signature or docstring:
 
-    python tools/gen_api_docs.py [--out docs/api.md]
+    python -m tools.gen_api_docs [--out docs/api.md]
 """
 import argparse
 import ast

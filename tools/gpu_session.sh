@@ -60,6 +60,15 @@ for stage in "$@"; do
     ab2) for t in nccl auto; do export RINGFLEX_TRANSPORT=$t; run ab2 tr 2 -m benchmarks.bench --seq-lens 16384 \
               --masks none causal --no-cp --single-max 0 --iters 10 --warmup 3; done; unset RINGFLEX_TRANSPORT ;;
     check4) run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 ;;
+    gputests) run gputests python3 -m pytest -q -n 4 tests/gpu ;;  # every GPU test, four at a time on one GPU
+    sharding4) run sharding4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks window documents causal \
+              --layouts zigzag contiguous by-mask --iters 5 --warmup 3 --json "$OUT/sharding4.json" ;;  # vs flex CP
+    mesh4) run mesh4 tr 4 -m benchmarks.bench_mesh --tokens-per-rank 8192 --masks none causal documents \
+              --json "$OUT/mesh4.json" ;;  # heads x ring meshes 1x4, 2x2, 4x1 against the pure ring
+    examples2) run examples2 tr 2 examples/train_example.py --device cuda --dtype bfloat16 --seq-len 8192 \
+              --steps 4 --progress-every 1
+              run examples2 tr 2 examples/hf_finetune.py --device cuda --backend reference
+              run examples2 tr 4 examples/fsdp_cp.py --device cuda --backend reference ;;  # the examples on GPUs (fp64 ones on the reference kernel)
     bench2) run bench2 tr 2 -m benchmarks.bench --seq-lens 16384 32768 --iters 5 --warmup 2 \
               --json "$OUT/bench2.json" --plot "$OUT/efficiency_2gpu.png" ;;
     layouts2) for n in 16384 32768; do run layouts2 tr 2 -m benchmarks.bench --seq-lens $n --layouts zigzag striped \

@@ -25,7 +25,7 @@ from .. import config
 from ..kernels import BACKENDS
 from ..kernels.base import DTYPES
 from ..mod.fingerprint import fingerprint
-from ..plan.layout import LAYOUTS
+from ..plan import layout as layouts
 from . import comm, fault
 
 _MESSAGE_BYTES = 400  # a multiple of 8: packed into int64s
@@ -114,7 +114,7 @@ _FIELDS: Tuple[_Field, ...] = (
     ("value head dim", lambda a: a["v"].shape[3], str),
     ("dtype", lambda a: DTYPES.index(a["q"].dtype), lambda n: str(DTYPES[n])),
     ("device type", lambda a: _device_code(a["q"].device), _device_name),
-    ("layout", lambda a: LAYOUTS.index(a["layout"]), lambda n: repr(LAYOUTS[n])),
+    ("layout", lambda a: layouts.code(a["layout"]), layouts.text),
     ("backend", lambda a: BACKENDS.index(a["backend"]), lambda n: repr(BACKENDS[n])),
     ("kernel", lambda a: _kernel_code(a["kernel"]),  # "auto" may choose differently per rank
      lambda n: repr(BACKENDS[n]) if n < len(BACKENDS) else "another kernel"),

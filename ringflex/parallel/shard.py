@@ -41,8 +41,9 @@ def _dim_error(what: str, x: Tensor, dim) -> str:
 def shard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
     """This rank's tokens of the full sequence ``x`` along ``dim`` (every rank passes the same x).
 
-    Differentiable: the gradient flows back into the slice this rank took. ``group`` may be a
-    heads x ring mesh (``ringflex.mesh``).
+    Differentiable: the gradient flows back into the slice this rank took. ``layout``: a name
+    of ``LAYOUTS`` or a ``Sharding`` (``ringflex.shard_by_mask``). ``group`` may be a heads x
+    ring mesh (``ringflex.heads``).
     """
     heads_ring = meshes.describe(group)
     if heads_ring is not None:
@@ -62,8 +63,9 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return digest(str(dtype).encode())
 
 
-def _layout_error(layout) -> str:
-    return "" if layout in layouts.LAYOUTS else f"unshard: layout must be one of {layouts.LAYOUTS}, got {layout!r}"
+def _layout_error(layout, what: str) -> str:
+    error = layouts.layout_error(layout)
+    return f"{what}: {error}" if error else ""
 
 
 def _check_same_shards(x: Tensor, dim, layout, group) -> None:
@@ -72,15 +74,15 @@ def _check_same_shards(x: Tensor, dim, layout, group) -> None:
     shape or dtype (an all_gather of unequal tensors would hang or kill a rank), the ranks
     gather along different dims, or a rank's ``dim`` is not one of its tensor's or its
     ``layout`` is no layout."""
-    error = _dim_error("unshard", x, dim) or _layout_error(layout) or None
+    error = _dim_error("unshard", x, dim) or _layout_error(layout, "unshard") or None
     if error is None and x.dim() > _MAX_DIMS:
         error = f"unshard supports tensors of at most {_MAX_DIMS} dims, got {x.dim()}"
-    mine = ([layouts.LAYOUTS.index(layout), _dtype_code(x.dtype), dim % x.dim(), x.dim(), *x.shape]
+    mine = ([layouts.code(layout), _dtype_code(x.dtype), dim % x.dim(), x.dim(), *x.shape]
             + [0] * (_MAX_DIMS - x.dim()) if error is None else [0] * (4 + _MAX_DIMS))
     records = agreement.exchange(group, mine, error, "unshard", caller=None)
     if any(r[0] != mine[0] for r in records):
         raise ValueError("unshard: the ranks differ in layout (" + ", ".join(
-            f"rank {rank}: {layouts.LAYOUTS[r[0]]!r}" for rank, r in enumerate(records)) + "); every rank must "
+            f"rank {rank}: {layouts.text(r[0])}" for rank, r in enumerate(records)) + "); every rank must "
             "gather in the layout the shards were made in")
     if any(r != mine for r in records):
         names = {_dtype_code(d): str(d).replace("torch.", "") for d in vars(torch).values() if isinstance(d, torch.dtype)}
@@ -127,8 +129,7 @@ def unshard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
 
 def _shard_over_mesh(x: Tensor, dim: int, mesh: meshes.HeadsRing, layout: str) -> Tensor:
     """``shard`` over a heads x ring mesh: this rank's tokens in the mesh's order."""
-    error = _dim_error("shard", x, dim) or ("" if layout in layouts.LAYOUTS else
-                                            f"shard: layout must be one of {layouts.LAYOUTS}, got {layout!r}")
+    error = _dim_error("shard", x, dim) or _layout_error(layout, "shard")
     if error:
         raise ValueError(error)
     return x.index_select(dim, meshes.positions(layout, x.shape[dim], mesh.mesh, x.device))

@@ -9,16 +9,22 @@ which its permutation, inverse and per-rank positions follow:
   segment, so its own block is one hop, not three: each hop costs host time (a kernel call
   and a merge), whatever its size.
 - striped: rank r holds positions r, r+W, r+2W, ... (one segment of stride W).
+
+A ``Sharding`` is any such split as a value: its segments per rank, printable, comparable
+and reusable (``plan.sharding.shard_by_mask`` chooses one from the mask). Every function here
+takes a layout's name or a Sharding.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List
+import hashlib
+from dataclasses import dataclass, field
+from typing import List, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
+DEFAULT = "zigzag"  # shard's and ring_flex_attention's: balances causal work
 
 
 @dataclass(frozen=True)
@@ -37,19 +43,38 @@ class Segment:
         return Segment(self.start + self.stride * begin, self.stride, end - begin)
 
 
-def check_layout(layout: str) -> str:
+Layout = Union[str, "Sharding"]
+_SHOWN_SEGMENTS = 6  # segments a rank's line of a Sharding's repr shows before "... (n more)"
+
+
+def check_layout(layout: Layout) -> Layout:
+    """``layout`` if the ring can run it: a name of ``LAYOUTS``, or a Sharding of equal shards
+    (the ring's buffers hold one shard each)."""
+    if isinstance(layout, Sharding):
+        if not layout.equal_sizes:
+            raise ValueError(f"layout: the ring needs shards of equal sizes, got a Sharding of sizes "
+                             f"{[layout.local_len(r) for r in range(layout.world_size)]}")
+        return layout
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"layout must be one of {LAYOUTS} or a ringflex.Sharding, got {layout!r}")
     return layout
 
 
-def divisor(layout: str, world_size: int) -> int:
-    """A global length must be a multiple of this for ``layout`` over ``world_size`` ranks."""
-    return 2 * world_size if check_layout(layout) == "zigzag" else world_size
+def divisor(layout: Layout, world_size: int) -> int:
+    """A global length must be a multiple of this for ``layout`` over ``world_size`` ranks (a
+    Sharding is of one length)."""
+    if isinstance(check_layout(layout), Sharding):
+        return layout.seq_len
+    return 2 * world_size if layout == "zigzag" else world_size
 
 
-def segments(layout: str, seq_len: int, world_size: int, rank: int) -> List[Segment]:
+def segments(layout: Layout, seq_len: int, world_size: int, rank: int) -> List[Segment]:
     """The segments of global positions that ``rank`` holds, in local order."""
+    if isinstance(check_layout(layout), Sharding):
+        if (seq_len, world_size) != (layout.seq_len, layout.world_size):
+            raise ValueError(f"layout: a Sharding of {layout.seq_len} positions over {layout.world_size} ranks cannot "
+                             f"shard {seq_len} positions over {world_size} ranks")
+        return list(layout.ranks[rank])
     d = divisor(layout, world_size)
     if seq_len % d:
         raise ValueError(
@@ -66,16 +91,163 @@ def segments(layout: str, seq_len: int, world_size: int, rank: int) -> List[Segm
     return [Segment(rank * chunk, 1, chunk), Segment((2 * world_size - 1 - rank) * chunk, 1, chunk)]
 
 
-def positions(layout: str, seq_len: int, world_size: int, rank: int, device=None) -> Tensor:
+def code(layout: Layout) -> int:
+    """``layout`` as one integer of the record the ranks compare (``text`` reads it back)."""
+    return LAYOUTS.index(layout) if isinstance(layout, str) else len(LAYOUTS) + (layout.digest() >> 8)
+
+
+def layout_error(layout) -> str:
+    """Why ``layout`` is no layout the ring can run ('' if it is one)."""
+    try:
+        check_layout(layout)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def text(layout_code: int) -> str:
+    return repr(LAYOUTS[layout_code]) if layout_code < len(LAYOUTS) else f"a Sharding (digest {layout_code:x})"
+
+
+def positions(layout: Layout, seq_len: int, world_size: int, rank: int, device=None) -> Tensor:
     """Global position of every local token of ``rank`` (int64)."""
     return torch.cat([s.positions(device) for s in segments(layout, seq_len, world_size, rank)]).long()
 
 
-def permutation(layout: str, seq_len: int, world_size: int, device=None) -> Tensor:
+def permutation(layout: Layout, seq_len: int, world_size: int, device=None) -> Tensor:
     """Global positions in rank-major local order: ``full[perm]`` is the concatenation of shards."""
     return torch.cat([positions(layout, seq_len, world_size, r, device) for r in range(world_size)])
 
 
-def inverse_permutation(layout: str, seq_len: int, world_size: int, device=None) -> Tensor:
+def inverse_permutation(layout: Layout, seq_len: int, world_size: int, device=None) -> Tensor:
     """``gathered[inv]`` restores global order from the rank-major concatenation of shards."""
     return torch.argsort(permutation(layout, seq_len, world_size, device))
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """For each rank, the global positions it holds: ``ranks[r]`` is a tuple of Segments in
+    local order. Every position of ``[0, seq_len)`` belongs to exactly one rank. ``name`` is a
+    short description; it takes no part in equality, hashing or ``digest``."""
+
+    seq_len: int
+    ranks: Tuple[Tuple[Segment, ...], ...]
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "ranks", tuple(tuple(Segment(int(s.start), int(s.stride), int(s.length))
+                                                      for s in segs) for segs in self.ranks))
+        if not self.ranks:
+            raise ValueError("a Sharding needs at least one rank")
+        for rank, segs in enumerate(self.ranks):
+            for s in segs:
+                if s.length <= 0 or s.stride <= 0 or s.start < 0 or s.start + s.stride * (s.length - 1) >= self.seq_len:
+                    raise ValueError(f"rank {rank}: segment {s} is empty, decreasing or outside [0, {self.seq_len})")
+        counts = torch.bincount(self.permutation(), minlength=self.seq_len)
+        if len(counts) != self.seq_len or bool((counts != 1).any()):
+            missing, twice = (counts == 0).sum().item(), (counts > 1).sum().item()
+            raise ValueError(f"the ranks' segments must hold every position of [0, {self.seq_len}) exactly once: "
+                             f"{missing} missing, {twice} held more than once")
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def of_layout(cls, layout: str, seq_len: int, world_size: int) -> "Sharding":
+        """One of the fixed layouts (``LAYOUTS``), exactly as the ring shards it."""
+        return cls(seq_len, tuple(tuple(segments(layout, seq_len, world_size, r)) for r in range(world_size)), layout)
+
+    @classmethod
+    def from_ranges(cls, seq_len: int, ranges: Sequence[Sequence[Tuple[int, int]]], name: str = "custom") -> "Sharding":
+        """From ``ranges[r]``: the ``(begin, end)`` runs of positions rank r holds, in local order."""
+        return cls(seq_len, tuple(tuple(Segment(b, 1, e - b) for b, e in runs) for runs in ranges), name)
+
+    # ------------------------------------------------------------------ what it holds
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def local_len(self, rank: int) -> int:
+        return sum(s.length for s in self.ranks[rank])
+
+    def max_local_len(self) -> int:
+        return max(self.local_len(r) for r in range(self.world_size))
+
+    @property
+    def equal_sizes(self) -> bool:
+        return len({self.local_len(r) for r in range(self.world_size)}) == 1
+
+    def positions(self, rank: int, device=None) -> Tensor:
+        """Global position of every local token of ``rank`` (int64), in local order."""
+        segs = self.ranks[rank]
+        if not segs:
+            return torch.zeros(0, dtype=torch.long, device=device)
+        return torch.cat([s.positions(device) for s in segs]).long()
+
+    def permutation(self, device=None) -> Tensor:
+        """Global positions in rank-major local order: ``full[perm]`` is the concatenation of shards."""
+        return torch.cat([self.positions(r, device) for r in range(self.world_size)])
+
+    def inverse(self, device=None) -> Tensor:
+        """``gathered[inv]`` restores global order from the rank-major concatenation of shards."""
+        return torch.argsort(self.permutation(device))
+
+    def owners(self) -> Tensor:
+        """[seq_len] int64: the rank holding each global position."""
+        owner = torch.empty(self.seq_len, dtype=torch.long)
+        for rank in range(self.world_size):
+            owner[self.positions(rank)] = rank
+        return owner
+
+    def local_index(self) -> Tensor:
+        """[seq_len] int64: where each global position lies in its rank's local order."""
+        local = torch.empty(self.seq_len, dtype=torch.long)
+        for rank in range(self.world_size):
+            local[self.positions(rank)] = torch.arange(self.local_len(rank))
+        return local
+
+    def take(self, x: Tensor, rank: int, dim: int = 0) -> Tensor:
+        """``rank``'s tokens of the whole sequence ``x`` along ``dim``, in local order."""
+        return x.index_select(dim, self.positions(rank, x.device))
+
+    def restore(self, gathered: Tensor, dim: int = 0) -> Tensor:
+        """The whole sequence in global order from the concatenation of every rank's shard along ``dim``."""
+        return gathered.index_select(dim, self.inverse(gathered.device))
+
+    # ------------------------------------------------------------------ comparing and printing
+
+    def digest(self) -> int:
+        """A 63-bit integer, the same in every process for the same positions per rank
+        (``name`` aside): what ranks compare to check they shard alike."""
+        data = repr((self.seq_len, tuple(tuple((s.start, s.stride, s.length) for s in segs) for segs in self.ranks)))
+        return int.from_bytes(hashlib.sha1(data.encode()).digest()[:8], "little") >> 1
+
+    def __repr__(self) -> str:
+        sizes = sorted({self.local_len(r) for r in range(self.world_size)})
+        each = f"{sizes[0]} each" if len(sizes) == 1 else "sizes " + "/".join(
+            str(self.local_len(r)) for r in range(self.world_size))
+        lines = [f"Sharding {self.name!r}: {self.seq_len} positions over {self.world_size} ranks ({each})"]
+        for rank, segs in enumerate(self.ranks):
+            shown = " ".join(_segment_text(s) for s in segs[:_SHOWN_SEGMENTS])
+            more = f" ... ({len(segs) - _SHOWN_SEGMENTS} more)" if len(segs) > _SHOWN_SEGMENTS else ""
+            lines.append(f"  rank {rank}: {shown}{more}")
+        return "\n".join(lines)
+
+    __str__ = __repr__
+
+    def _segment_labels(self) -> Tuple[Tensor, List[int]]:
+        """[seq_len] int64: the index of the segment (counted over all ranks) holding each
+        position, and the rank of each segment."""
+        labels = torch.empty(self.seq_len, dtype=torch.long)
+        rank_of = []
+        for rank, segs in enumerate(self.ranks):
+            for s in segs:
+                labels[s.start:s.start + s.stride * (s.length - 1) + 1:s.stride] = len(rank_of)
+                rank_of.append(rank)
+        return labels, rank_of
+
+
+def _segment_text(s: Segment) -> str:
+    if s.stride == 1:
+        return f"[{s.start}, {s.start + s.length})"
+    return f"[{s.start}, {s.start + s.stride * (s.length - 1)}] step {s.stride}"

@@ -17,9 +17,7 @@ Imports no torch.distributed: it is pure planning, the same on every rank.
 """
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -27,8 +25,9 @@ from torch import Tensor
 
 from ..mod.band import diagonal_band
 from ..mod.graph import UnsupportedModError
+from ..mod.fingerprint import fingerprint
 from ..mod.trace import trace_mask_mod
-from .layout import LAYOUTS, Segment, divisor, segments
+from .layout import LAYOUTS, Sharding, divisor
 from .workload import Workload, workload
 
 # The cost model's weights, in (query, key) pairs of one head's attention (fwd + bwd):
@@ -42,136 +41,6 @@ from .workload import Workload, workload
 CALL_PAIRS = 1_300_000
 TOKEN_PAIRS = 5_000
 
-_SHOWN_SEGMENTS = 6  # segments a rank's line of a repr shows before "... (n more)"
-
-
-@dataclass(frozen=True)
-class Sharding:
-    """For each rank, the global positions it holds: ``ranks[r]`` is a tuple of Segments in
-    local order. Every position of ``[0, seq_len)`` belongs to exactly one rank. ``name`` is a
-    short description; it takes no part in equality, hashing or ``digest``."""
-
-    seq_len: int
-    ranks: Tuple[Tuple[Segment, ...], ...]
-    name: str = field(default="custom", compare=False)
-
-    def __post_init__(self):
-        object.__setattr__(self, "ranks", tuple(tuple(Segment(int(s.start), int(s.stride), int(s.length))
-                                                      for s in segs) for segs in self.ranks))
-        if not self.ranks:
-            raise ValueError("a Sharding needs at least one rank")
-        for rank, segs in enumerate(self.ranks):
-            for s in segs:
-                if s.length <= 0 or s.stride <= 0 or s.start < 0 or s.start + s.stride * (s.length - 1) >= self.seq_len:
-                    raise ValueError(f"rank {rank}: segment {s} is empty, decreasing or outside [0, {self.seq_len})")
-        counts = torch.bincount(self.permutation(), minlength=self.seq_len)
-        if len(counts) != self.seq_len or bool((counts != 1).any()):
-            missing, twice = (counts == 0).sum().item(), (counts > 1).sum().item()
-            raise ValueError(f"the ranks' segments must hold every position of [0, {self.seq_len}) exactly once: "
-                             f"{missing} missing, {twice} held more than once")
-
-    # ------------------------------------------------------------------ construction
-
-    @classmethod
-    def of_layout(cls, layout: str, seq_len: int, world_size: int) -> "Sharding":
-        """One of the fixed layouts (``parallel.layout.LAYOUTS``), exactly as the ring shards it."""
-        return cls(seq_len, tuple(tuple(segments(layout, seq_len, world_size, r)) for r in range(world_size)), layout)
-
-    @classmethod
-    def from_ranges(cls, seq_len: int, ranges: Sequence[Sequence[Tuple[int, int]]], name: str = "custom") -> "Sharding":
-        """From ``ranges[r]``: the ``(begin, end)`` runs of positions rank r holds, in local order."""
-        return cls(seq_len, tuple(tuple(Segment(b, 1, e - b) for b, e in runs) for runs in ranges), name)
-
-    # ------------------------------------------------------------------ what it holds
-
-    @property
-    def world_size(self) -> int:
-        return len(self.ranks)
-
-    def local_len(self, rank: int) -> int:
-        return sum(s.length for s in self.ranks[rank])
-
-    def max_local_len(self) -> int:
-        return max(self.local_len(r) for r in range(self.world_size))
-
-    @property
-    def equal_sizes(self) -> bool:
-        return len({self.local_len(r) for r in range(self.world_size)}) == 1
-
-    def positions(self, rank: int, device=None) -> Tensor:
-        """Global position of every local token of ``rank`` (int64), in local order."""
-        segs = self.ranks[rank]
-        if not segs:
-            return torch.zeros(0, dtype=torch.long, device=device)
-        return torch.cat([s.positions(device) for s in segs]).long()
-
-    def permutation(self, device=None) -> Tensor:
-        """Global positions in rank-major local order: ``full[perm]`` is the concatenation of shards."""
-        return torch.cat([self.positions(r, device) for r in range(self.world_size)])
-
-    def inverse(self, device=None) -> Tensor:
-        """``gathered[inv]`` restores global order from the rank-major concatenation of shards."""
-        return torch.argsort(self.permutation(device))
-
-    def owners(self) -> Tensor:
-        """[seq_len] int64: the rank holding each global position."""
-        owner = torch.empty(self.seq_len, dtype=torch.long)
-        for rank in range(self.world_size):
-            owner[self.positions(rank)] = rank
-        return owner
-
-    def local_index(self) -> Tensor:
-        """[seq_len] int64: where each global position lies in its rank's local order."""
-        local = torch.empty(self.seq_len, dtype=torch.long)
-        for rank in range(self.world_size):
-            local[self.positions(rank)] = torch.arange(self.local_len(rank))
-        return local
-
-    def take(self, x: Tensor, rank: int, dim: int = 0) -> Tensor:
-        """``rank``'s tokens of the whole sequence ``x`` along ``dim``, in local order."""
-        return x.index_select(dim, self.positions(rank, x.device))
-
-    def restore(self, gathered: Tensor, dim: int = 0) -> Tensor:
-        """The whole sequence in global order from the concatenation of every rank's shard along ``dim``."""
-        return gathered.index_select(dim, self.inverse(gathered.device))
-
-    # ------------------------------------------------------------------ comparing and printing
-
-    def digest(self) -> int:
-        """A 63-bit integer, the same in every process for the same positions per rank
-        (``name`` aside): what ranks compare to check they shard alike."""
-        data = repr((self.seq_len, tuple(tuple((s.start, s.stride, s.length) for s in segs) for segs in self.ranks)))
-        return int.from_bytes(hashlib.sha1(data.encode()).digest()[:8], "little") >> 1
-
-    def __repr__(self) -> str:
-        sizes = sorted({self.local_len(r) for r in range(self.world_size)})
-        each = f"{sizes[0]} each" if len(sizes) == 1 else "sizes " + "/".join(
-            str(self.local_len(r)) for r in range(self.world_size))
-        lines = [f"Sharding {self.name!r}: {self.seq_len} positions over {self.world_size} ranks ({each})"]
-        for rank, segs in enumerate(self.ranks):
-            shown = " ".join(_segment_text(s) for s in segs[:_SHOWN_SEGMENTS])
-            more = f" ... ({len(segs) - _SHOWN_SEGMENTS} more)" if len(segs) > _SHOWN_SEGMENTS else ""
-            lines.append(f"  rank {rank}: {shown}{more}")
-        return "\n".join(lines)
-
-    __str__ = __repr__
-
-    def _segment_labels(self) -> Tuple[Tensor, List[int]]:
-        """[seq_len] int64: the index of the segment (counted over all ranks) holding each
-        position, and the rank of each segment."""
-        labels = torch.empty(self.seq_len, dtype=torch.long)
-        rank_of = []
-        for rank, segs in enumerate(self.ranks):
-            for s in segs:
-                labels[s.start:s.start + s.stride * (s.length - 1) + 1:s.stride] = len(rank_of)
-                rank_of.append(rank)
-        return labels, rank_of
-
-
-def _segment_text(s: Segment) -> str:
-    if s.stride == 1:
-        return f"[{s.start}, {s.start + s.length})"
-    return f"[{s.start}, {s.start + s.stride * (s.length - 1)}] step {s.stride}"
 
 
 # ---------------------------------------------------------------------- the cost model
@@ -351,6 +220,32 @@ def shard_by_mask(mask_mod: Optional[Callable], seq_len: int, world_size: int, *
     found = compare(mask_mod, seq_len, world_size, document_ids=document_ids, batch=batch, heads=heads,
                     chunks=chunks, device=device, token_pairs=token_pairs, call_pairs=call_pairs)
     return min(found, key=lambda c: c[1]["cost"])[0]
+
+
+_ADVICE: Dict[tuple, Optional[str]] = {}
+
+
+def advice(mask_mod: Optional[Callable], seq_len: int, world_size: int, layout: str, *, batch: int = 1,
+           heads: int = 1, device=None) -> Optional[str]:
+    """What to say to a call that runs ``mask_mod`` in the fixed ``layout`` it did not choose,
+    where the cost model prices the best sharding more than 10% cheaper (None where it does
+    not, or where the mask cannot be priced). Priced once per mask structure and size: packed
+    batches' masks, new every step, share one."""
+    key = (fingerprint(mask_mod), seq_len, world_size, layout, batch, heads)
+    if key not in _ADVICE:
+        _ADVICE[key] = None
+        try:
+            found = compare(mask_mod, seq_len, world_size, batch=batch, heads=heads, device=device)
+        except Exception:  # noqa: BLE001 (advice only: the call itself checks the mask)
+            return None
+        given = next(e["cost"] for s, e in found if s.name == layout)
+        best, cost = min(((s, e["cost"]) for s, e in found), key=lambda c: c[1])
+        if cost < 0.9 * given:
+            _ADVICE[key] = (f"ringflex: this mask runs in the default layout {layout!r}, where its ring is estimated "
+                            f"{given / cost:.1f}x slower than in the sharding ringflex.shard_by_mask chooses for it "
+                            f"({best.name!r}): shard with layout=ringflex.shard_by_mask(mask_mod, seq_len, "
+                            "world_size) and pass the same layout to ring_flex_attention and unshard")
+    return _ADVICE[key]
 
 
 def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, document_ids: Optional[Tensor] = None,
