@@ -78,10 +78,11 @@ class PackedDocuments(Dataset):
 
 class ShardPackedRow:
     """The collator: this rank's shard of one packed row (a batch of one sequence per ring, the
-    usual batch of long-context training), and the row's document mask."""
+    usual batch of long-context training), and the row's document mask, whose ids live on the
+    model's device (the ring evaluates the mask where the attention runs)."""
 
-    def __init__(self, group, layout: str):
-        self.group, self.layout = group, layout
+    def __init__(self, group, layout: str, device):
+        self.group, self.layout, self.device = group, layout, device
 
     def __call__(self, items):
         if len(items) != 1:
@@ -95,7 +96,8 @@ class ShardPackedRow:
                 "shift_labels": next_token_labels(tokens, doc_ids=packed.doc_ids)}
         local = shard_batch(full, dim=1, group=self.group, layout=self.layout)
         # ``labels`` makes the model compute its loss; with ``shift_labels`` it does not shift them again
-        return {**local, "labels": local["shift_labels"], "mask_mod": packed.mask_mod()}
+        mask = ringflex.PackedSequences(lengths, group=self.group, layout=self.layout, device=self.device).mask_mod()
+        return {**local, "labels": local["shift_labels"], "mask_mod": mask}
 
 
 # ----------------------------------------------------------------------------- the Trainer
@@ -170,7 +172,7 @@ def evaluate(model, ring, group, layout, args, device) -> float:
     """The loss of the model on a held-out packed sequence: one forward over the ring (or the
     plain model), exact in the model's dtype (``sharded_cross_entropy``)."""
     item = PackedDocuments(1, args, seed=args.seed + 1)[0]
-    batch = ShardPackedRow(group, layout)([item])
+    batch = ShardPackedRow(group, layout, device)([item])
     mask_mod = batch.pop("mask_mod")
     if ring is not None:
         ring.mask_mod = mask_mod
@@ -247,7 +249,7 @@ def main(argv=None):
         trainer = ContextParallelTrainer(
             model=ring if ring is not None else model, args=training_args,
             train_dataset=PackedDocuments(args.rows, args, seed=args.seed),
-            data_collator=ShardPackedRow(group, args.layout), callbacks=[PrintLosses()],
+            data_collator=ShardPackedRow(group, args.layout, device), callbacks=[PrintLosses()],
             ring=ring, dp_rank=dp_rank, dp_size=dp_size)
         trainer.remove_callback(transformers.PrinterCallback)  # PrintLosses prints them, one line a step
         trainer.train()

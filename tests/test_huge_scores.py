@@ -16,7 +16,7 @@ import ringflex
 from support.emulated_cudnn import emulate
 from support.harness import run_world
 from support.oracle import attention
-from ringflex import kernels, mods
+from ringflex import config, mods
 from ringflex.kernels.base import Mods
 from ringflex.kernels.huge import huge_terms
 from ringflex.kernels.reference import ReferenceKernel
@@ -135,7 +135,7 @@ def test_the_reference_kernel_keeps_what_the_lse_rounds_away():
 
 
 def test_the_fast_kernels_say_once_why_such_rows_run_on_the_reference_kernel(monkeypatch):
-    monkeypatch.setattr(kernels, "_WARNED", set())
+    monkeypatch.setattr(config, "_WARNED", set())
     for name in ("cudnn", "flex"):
         with pytest.warns(UserWarning, match=f"computed by the reference kernel, not {name}, as one fp32 LSE cannot"):
             kernel_errors(KERNELS[name](monkeypatch), "every third row ordinary", torch.float32)
@@ -170,7 +170,7 @@ def _ring_errors(rank, world_size, layout, kernel):
     """Per (problem, dtype): the worst errors of out, LSE, dq, dk, dv (and the sinks' gradient,
     summed over the ranks) of the ring against the oracle, on this rank; every rank lends
     rows wherever that evens the work."""
-    from ringflex import lending
+    from ringflex.plan import lending
     from test_ring import _with_kernel
     lending.QUANTUM = 1
     if kernel != "reference":

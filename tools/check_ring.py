@@ -54,7 +54,7 @@ _LENT = []  # per ring call of this rank: how many of its query rows the previou
 
 
 def _recording_loans():
-    """Makes every ring call note the rows this rank lends (``ringflex.lending``), and lend
+    """Makes every ring call note the rows this rank lends (``ringflex.plan.lending``), and lend
     wherever the ranks' pairs are uneven (``harness.weigh_cudnn_calls_as_free``)."""
     weigh_cudnn_calls_as_free()
     agree = RingCall.agree

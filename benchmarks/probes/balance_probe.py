@@ -3,7 +3,7 @@
     python -m benchmarks.probes.balance_probe --seq-len 16384 --world-size 2 --layout contiguous --masks window documents
 
 A ring runs as fast as its busiest rank. Without a GPU per rank, this plans every rank's
-hops as a ring call would (the planner, the ranks' shared counts, ``ringflex.lending``),
+hops as a ring call would (the planner, the ranks' shared counts, ``ringflex.plan.lending``),
 then times each rank's hops alone on one GPU with the cuDNN kernel, forward and backward:
 its own schedule, the rows it keeps of its step-1 hops, and the rows it borrows, replayed
 from a CUDA graph so that only the GPU's time counts. It prints each rank's milliseconds with
