@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import MASKS, make_mods, timed
 
-from tools.ranks import init, max_over_ranks
+from tools.ranks import launch, max_over_ranks
 import ringflex
 from ringflex import config
 from ringflex.parallel import peer
@@ -344,12 +344,7 @@ def run(args):
 
 
 def main():
-    args = parse_args()
-    init(args.device)  # ranks sharing a GPU (a smoke test on one) run over gloo
-    try:
-        run(args)
-    finally:
-        dist.destroy_process_group()
+    launch(run, parse_args())
 
 
 if __name__ == "__main__":

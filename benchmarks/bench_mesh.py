@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import ringflex
 from benchmarks import bench  # the single-GPU baselines and the fwd / fwd+bwd timer
 from benchmarks.common import make_mods
-from tools.ranks import init, max_over_ranks
+from tools.ranks import launch, max_over_ranks
 
 MASKS = ("none", "causal", "documents")
 
@@ -182,12 +182,7 @@ def run(args):
 
 
 def main():
-    args = parse_args()
-    init(args.device)
-    try:
-        run(args)
-    finally:
-        dist.destroy_process_group()
+    launch(run, parse_args())
 
 
 if __name__ == "__main__":

@@ -26,3 +26,13 @@ def max_over_ranks(values: Sequence[float], device: torch.device, group=None) ->
     t = torch.tensor(values, dtype=torch.float64, device="cpu" if dist.get_backend(group) == "gloo" else device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
+
+
+def launch(run, args) -> None:
+    """``run(args)`` on this process's ranks (``init`` for ``args.device``), the process group
+    destroyed after, whatever ``run`` raised: a script's ``main``."""
+    init(args.device)  # ranks sharing a GPU (a smoke test on one) run over gloo
+    try:
+        run(args)
+    finally:
+        dist.destroy_process_group()

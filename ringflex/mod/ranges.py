@@ -377,13 +377,20 @@ def tile_ranges(graph, q_positions: torch.Tensor, kv_first: torch.Tensor, kv_las
     env = {"b": Range(0, 0), "h": Range(0, 0), "q_idx": Range(q, q),
            "kv_idx": Range(kv_first.long().view(1, -1), kv_last.long().view(1, -1))}
     tables = {id(n): n.value for n in graph.nodes if n.op == "tensor"}
+    bounds = mask_bounds(graph, env, tables)
+    return None if bounds is None else tuple(torch.as_tensor(x, device=q.device).expand(shape) for x in bounds)
+
+
+def mask_bounds(graph, env, tables):
+    """(lo, hi) of a mask's graph over the ranges ``env``: whether it holds at every point of
+    them and at some, as bools; None where the ranges cannot decide an op."""
     try:
         result = _ranges(graph, env, tables)
         if not all(isinstance(x, bool) or getattr(x, "dtype", None) == torch.bool for x in (result.lo, result.hi)):
             result = _cast(result, torch.bool)
     except Undecided:
         return None
-    return tuple(torch.as_tensor(x, device=q.device).expand(shape) for x in (result.lo, result.hi))
+    return result.lo, result.hi
 
 
 _LOOKUP_TILE = 128  # positions a side of the tiles a lookup's subscript is ranged over, at least

@@ -35,7 +35,7 @@ from torch import Tensor
 from ..mod import captured
 from ..mod.band import diagonal_band
 from ..mod.graph import UnsupportedModError
-from ..mod.ranges import Range, Undecided, _cast, _ranges
+from ..mod.ranges import Range, mask_bounds
 from ..mod.trace import trace_mask_mod
 from .blocks import MaskCache
 
@@ -314,15 +314,12 @@ def _kinds(graph, batch: int, heads: int, seq_len: int, q_lo: Tensor, k_lo: Tens
     q_hi, k_hi = (q_lo + size).clamp(max=seq_len) - 1, (k_lo + size).clamp(max=seq_len) - 1
     env = {"b": Range(0, batch - 1), "h": Range(0, heads - 1), "q_idx": Range(q_lo, q_hi), "kv_idx": Range(k_lo, k_hi)}
     tables = {id(node): node.value.detach().cpu() for node in graph.nodes if node.op == "tensor"}
-    try:
-        result = _ranges(graph, env, tables)
-        if not all(isinstance(x, bool) or getattr(x, "dtype", None) == torch.bool for x in (result.lo, result.hi)):
-            result = _cast(result, torch.bool)
-    except Undecided:
+    bounds = mask_bounds(graph, env, tables)
+    if bounds is None:
         return None
     shape = torch.broadcast_shapes(q_lo.shape, k_lo.shape)
     inside = (q_lo < seq_len) & (k_lo < seq_len)
-    every, some = (torch.as_tensor(x).cpu().expand(shape) for x in (result.lo, result.hi))
+    every, some = (torch.as_tensor(x).cpu().expand(shape) for x in bounds)
     return every & inside, some & ~every & inside
 
 
