@@ -295,7 +295,8 @@ def test_unshard_in_another_layout_raises_on_every_rank():
     other, misspelt = results[0][0]
     assert other == ("unshard: the ranks differ in layout (rank 0: 'zigzag', rank 1: 'striped', rank 2: 'zigzag'); "
                      "every rank must gather in the layout the shards were made in")
-    assert misspelt == "rank 1: unshard: layout must be one of ('contiguous', 'zigzag', 'striped'), got 'zigzig'"
+    assert misspelt == ("rank 1: unshard: layout must be one of ('contiguous', 'zigzag', 'striped') or a ringflex.Sharding, "
+                        "got 'zigzig'")
     assert all(error < 1e-12 for _, error in results)
     with pytest.raises(ValueError, match="unshard: layout must be one of"):
         ringflex.unshard(torch.zeros(1, 2, 4), 2, layout="zigzig")  # one process: no gather, the same check

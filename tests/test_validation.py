@@ -225,7 +225,7 @@ EXPECTED = {
     "bad argument on one rank": "CallRejected: ring_flex_attention: rank 1: q must be 4-D [batch, heads, "
                                 "local_seq_len, head_dim], got shape (2, 4, 8)",
     "bad layout name on one rank": "CallRejected: ring_flex_attention: rank 1: layout must be one of "
-                                   "('contiguous', 'zigzag', 'striped'), got 'zigzig'",
+                                   "('contiguous', 'zigzag', 'striped') or a ringflex.Sharding, got 'zigzig'",
     "mask_mod reading past a captured tensor": (
         "CallRejected: ring_flex_attention: rank 0: ValueError: mask_mod reads index 10 of a captured tensor of "
         "shape (10,) (at q_idx = 10): a tensor a mod indexes by position must cover every position of the global "

@@ -120,7 +120,7 @@ def unshard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
     group = process_group(group)
     _, world_size = _rank_and_size(group)
     if world_size == 1:
-        error = _dim_error("unshard", x, dim) or _layout_error(layout)
+        error = _dim_error("unshard", x, dim) or _layout_error(layout, "unshard")
         if error:
             raise ValueError(error)
         return x
