@@ -47,3 +47,16 @@ def test_bench_mesh_smoke():
     """The heads x ring benchmark times the pure ring and every mesh of 4 ranks."""
     rows = run_world(4, _bench_mesh)[0]
     assert rows == [(mask, ["mesh 1x4", "mesh 2x2", "mesh 4x1", "ring"], True) for mask in ("none", "causal", "documents")]
+
+
+def test_mesh_model_prices_the_measured_rows_and_prefers_heads_inside_a_node_across_hosts():
+    from pathlib import Path
+
+    from benchmarks import mesh_model
+    measured = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "4xh100_2026-11-27_mesh_8k.json"
+    rows = mesh_model.check(str(measured)).splitlines()[1:]
+    for row in rows:
+        measured, model = map(float, row.split("|")[1].split())
+        assert abs(model - measured) < 0.05 * measured, row
+    s = 8192 * 16  # 2 nodes of 8 GPUs, 8k tokens per GPU
+    assert mesh_model.efficiency(8, 2, s, 32, 0.5) > 2 * mesh_model.efficiency(1, 16, s, 32, 0.5)
