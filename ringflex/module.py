@@ -34,7 +34,6 @@ import inspect
 import sys
 import threading
 import types
-import warnings
 from typing import Callable, List, Optional
 
 import torch
@@ -46,6 +45,7 @@ from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_
 from . import mods, training
 from .parallel import mesh as meshes
 from .api import reject, ring_flex_attention
+from .config import warn_once
 from .kernels import BACKENDS
 from .plan.layout import check_layout
 
@@ -477,7 +477,7 @@ class RingFlexAttention(nn.Module):
         if self._signature is not None:
             args, kwargs = self._hf_call(args, kwargs)
         elif any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
-            _warn_once("ringflex: a Hugging Face cache reached a module wrapped by RingFlexAttention: it holds only "
+            warn_once("ringflex: a Hugging Face cache reached a module wrapped by RingFlexAttention: it holds only "
                        "this rank's keys and values, so it cannot continue the sequence (ringflex does not decode); "
                        "call the model with use_cache=False, or wrap the whole model, which turns the cache off")
         masks = self.mode.mask_mod, _enclosing_mask(self.mode)
@@ -515,7 +515,7 @@ class RingFlexAttention(nn.Module):
                               "this rank's keys and values (ring attention does not decode); pass use_cache=False")
         if "use_cache" in self._signature.parameters and given("use_cache") is None \
                 and getattr(getattr(self.module, "config", None), "use_cache", False):
-            _warn_once("ringflex: RingFlexAttention runs the model with use_cache=False (its config turns the cache "
+            warn_once("ringflex: RingFlexAttention runs the model with use_cache=False (its config turns the cache "
                        "on): a cache would hold only this rank's keys and values; pass use_cache=False, or set "
                        "model.config.use_cache = False, to silence this")
             arguments["use_cache"] = False
@@ -540,13 +540,6 @@ class RingFlexAttention(nn.Module):
 
 # The arguments by which Hugging Face models take a cache (transformers 4.x, 5.x).
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache")
-_WARNED = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, stacklevel=4)
 
 
 def _hf_signature(module: nn.Module) -> Optional[inspect.Signature]:
