@@ -183,24 +183,9 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
             attn = torch.cuda.make_graphed_callables(attn, tuple(t.detach().requires_grad_() for t in local))
         timers[f"ringflex/{label}"] = functools.partial(fwd_and_fwdbwd, attn, *local, device=device)
 
-    results, samples = {}, {name: [] for name in timers}
-    for _ in range(args.rounds):
-        for name, timer in timers.items():
-            if "error" in results.get(name, {}):
-                continue
-            try:
-                samples[name].append(timer(args.iters, args.warmup))
-            except Exception as e:  # a kernel that does not apply is reported, not fatal
-                if name.startswith("ringflex/"):
-                    raise
-                results[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    for name, times in samples.items():
-        if "error" not in results.get(name, {}):
-            fwd, both = (statistics.median(t[i] for t in times) for i in (0, 1))
-            results[name] = dict(zip(("fwd", "fwd_bwd"), max_over_ranks([fwd, both], device, _CPU_GROUP)))
-        log(f"  {name}: {results[name]}")
+    results = timed_in_rounds(timers, args, device, lambda name: name.startswith("ringflex/"))
+    for name, result in results.items():
+        log(f"  {name}: {result}")
     rows = []
     for label, (layout, local) in variants.items():
         row = {"seq_len": seq_len, "mask": mask, "layout": label, "world_size": world_size,
@@ -222,6 +207,31 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
         log(f"  ringflex ({label}): {row['ringflex']}")
         rows.append(row)
     return rows
+
+
+def timed_in_rounds(timers, args, device, required) -> dict:
+    """name -> {"fwd", "fwd_bwd"} seconds (medians over ``args.rounds`` rounds, each timing every
+    timer in turn, so that a drift of the GPUs' clocks favours none; the slowest rank's), or
+    {"error"} for a timer that raised and is not ``required`` (a kernel that does not apply is
+    reported, not fatal)."""
+    results, samples = {}, {name: [] for name in timers}
+    for _ in range(args.rounds):
+        for name, timer in timers.items():
+            if "error" in results.get(name, {}):
+                continue
+            try:
+                samples[name].append(timer(args.iters, args.warmup))
+            except Exception as e:  # noqa: BLE001
+                if required(name):
+                    raise
+                results[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    for name, times in samples.items():
+        if "error" not in results.get(name, {}):
+            fwd, both = (statistics.median(t[i] for t in times) for i in (0, 1))
+            results[name] = dict(zip(("fwd", "fwd_bwd"), max_over_ranks([fwd, both], device, _CPU_GROUP)))
+    return results
 
 
 def ring_peak_memory(ring, local) -> int:

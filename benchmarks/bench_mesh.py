@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -77,23 +76,7 @@ def bench_one(args, tokens, mask, meshes, device, dtype, world_size, log):
         local = [ringflex.shard(t, 2, group=group, layout=args.layout) for t in (q, k, v)]
         timers[name] = functools.partial(bench.fwd_and_fwdbwd, attention_on(group), *local, device=device)
 
-    samples, results = {name: [] for name in timers}, {}
-    for _ in range(args.rounds):
-        for name, timer in timers.items():
-            if "error" in results.get(name, {}):
-                continue
-            try:
-                samples[name].append(timer(args.iters, args.warmup))
-            except Exception as e:  # a single-GPU kernel that does not apply is reported, not fatal
-                if name in groups:
-                    raise
-                results[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    for name, times in samples.items():
-        if "error" not in results.get(name, {}):
-            fwd, both = (statistics.median(t[i] for t in times) for i in (0, 1))
-            results[name] = dict(zip(("fwd", "fwd_bwd"), max_over_ranks([fwd, both], device, bench._CPU_GROUP)))
+    results = bench.timed_in_rounds(timers, args, device, lambda name: name in groups)
     singles = {n: results[n] for n in bench.SINGLES if "fwd" in results.get(n, {})}
     row = {"tokens_per_rank": tokens, "seq_len": seq_len, "mask": mask, "world_size": world_size,
            "layout": args.layout, **{n: results[n] for n in results if n not in groups}}
