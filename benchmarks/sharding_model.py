@@ -20,11 +20,12 @@ import time
 import torch
 
 from ringflex import mods
-from ringflex import workload as workloads
+from ringflex.plan import workload as workloads
 from ringflex.plan.sharding import compare, shard_by_mask
 
 
-def documents(seq_len: int, low: int, high: int, seed: int) -> torch.Tensor:
+def documents(seq_len: int, low: int, high: int, seed: int = 0) -> torch.Tensor:
+    """Document ids of documents of ``low`` to ``high`` tokens filling ``seq_len`` (the last cut)."""
     rng = random.Random(seed)
     lengths = []
     while sum(lengths) < seq_len:

@@ -60,3 +60,16 @@ def test_mesh_model_prices_the_measured_rows_and_prefers_heads_inside_a_node_acr
         assert abs(model - measured) < 0.05 * measured, row
     s = 8192 * 16  # 2 nodes of 8 GPUs, 8k tokens per GPU
     assert mesh_model.efficiency(8, 2, s, 32, 0.5) > 2 * mesh_model.efficiency(1, 16, s, 32, 0.5)
+
+
+def test_sharding_model_prints_the_chosen_sharding_per_mask(capsys):
+    """``benchmarks/sharding_model.py`` at toy sizes: every mask gets a chosen row."""
+    from benchmarks import sharding_model
+    import sys
+    argv, sys.argv = sys.argv, ["sharding_model", "--per-rank", "256", "--world-sizes", "2", "--window", "64",
+                                "--repeats", "1"]
+    try:
+        sharding_model.main()
+    finally:
+        sys.argv = argv
+    assert capsys.readouterr().out.count("(chosen)") == 4

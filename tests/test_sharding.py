@@ -2,13 +2,13 @@
 (``ringflex.workload``) against the dense mask, the ring's cost model against brute force and
 the planner, and ``shard_by_mask`` against the fixed layouts and a brute-force optimum."""
 import itertools
-import random
 import time
 
 import numpy as np
 import pytest
 import torch
 
+from benchmarks.sharding_model import documents
 from ringflex import mods
 from ringflex.plan import workload as workloads
 from ringflex.plan import layout as layouts
@@ -29,16 +29,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def random_documents(seq_len: int, low: int, high: int, seed: int = 0) -> torch.Tensor:
-    """Document ids of documents of ``low`` to ``high`` tokens filling ``seq_len``."""
-    rng = random.Random(seed)
-    lengths = []
-    while sum(lengths) < seq_len:
-        lengths.append(rng.randint(low, high))
-    lengths[-1] -= sum(lengths) - seq_len
-    return mods.document_ids([n for n in lengths if n > 0])
 
 
 def dense(mask_mod, seq_len: int, batch: int = 1, heads: int = 1) -> torch.Tensor:
@@ -256,7 +246,7 @@ PER_RANK = 8192
 
 
 def masks_at(seq_len: int, seed: int = 0):
-    ids = random_documents(seq_len, 512, 6144, seed)
+    ids = documents(seq_len, 512, 6144, seed)
     return {"causal": (mods.causal, None), "window": (mods.sliding_window(4096), None),
             "documents": (mods.document(ids), ids), "prefix": (mods.prefix_lm(seq_len // 4), None)}
 
@@ -339,7 +329,7 @@ def test_shard_by_mask_without_a_mask_or_a_ring():
 
 def test_shard_by_mask_is_deterministic():
     seq_len = 4096
-    ids = random_documents(seq_len, 64, 768, seed=3)
+    ids = documents(seq_len, 64, 768, seed=3)
     a = shard_by_mask(mods.document(ids), seq_len, 4, document_ids=ids)
     workloads._WORKLOADS.cache.clear()
     b = shard_by_mask(mods.document(ids.clone()), seq_len, 4, document_ids=ids.clone())
