@@ -52,30 +52,22 @@ def _heads_from(y: Tensor, mesh, what: str) -> Tensor:
     return received.movedim(0, 1).reshape(batch, a * heads, length, *rest)
 
 
-class _ToSequence(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """One all-to-all over "heads" (towards the sequence's layout or back to the heads'); its
+    backward is the reverse all-to-all of the gradient."""
+
     @staticmethod
-    def forward(ctx, x, mesh, name):
-        ctx.mesh, ctx.name = mesh, name
-        return _sequence_from(x, mesh, f"the heads all-to-all of {name}")
+    def forward(ctx, x, mesh, name, towards_sequence: bool):
+        ctx.mesh, ctx.name, ctx.towards_sequence = mesh, name, towards_sequence
+        move = _sequence_from if towards_sequence else _heads_from
+        return move(x, mesh, f"the heads all-to-all of {name}")
 
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return None, None, None
-        return _heads_from(grad, ctx.mesh, f"the heads all-to-all of the gradient of {ctx.name}"), None, None
-
-
-class _ToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, mesh, name):
-        ctx.mesh, ctx.name = mesh, name
-        return _heads_from(y, mesh, f"the heads all-to-all of {name}")
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is None:
-            return None, None, None
-        return _sequence_from(grad, ctx.mesh, f"the heads all-to-all of the gradient of {ctx.name}"), None, None
+            return None, None, None, None
+        back = _heads_from if ctx.towards_sequence else _sequence_from
+        return back(grad, ctx.mesh, f"the heads all-to-all of the gradient of {ctx.name}"), None, None, None
 
 
 def to_sequence(x: Tensor, mesh, name: str) -> Tensor:
@@ -83,11 +75,11 @@ def to_sequence(x: Tensor, mesh, name: str) -> Tensor:
     slice of the heads, for the tokens of every rank of the heads group, in rank order)."""
     if mesh.heads == 1:
         return x
-    return _ToSequence.apply(x, mesh, name)
+    return _AllToAll.apply(x, mesh, name, True)
 
 
 def to_heads(y: Tensor, mesh, name: str) -> Tensor:
     """The reverse of ``to_sequence``: [B, H/a, a*L, ...] -> [B, H, L, ...]."""
     if mesh.heads == 1:
         return y
-    return _ToHeads.apply(y, mesh, name)
+    return _AllToAll.apply(y, mesh, name, False)
