@@ -6,7 +6,9 @@
 For every number of tokens per GPU and mask it times forward and forward+backward of
 (a) the best single-GPU kernel on the whole sequence (torch's cuDNN SDPA where it applies,
 ringflex's own kernel on one GPU; ``bench.single_gpu_candidates``), (b) the pure ring over
-every rank (``group=None``), and (c) the heads x ring mesh of every shape a x r with
+every rank (``group=None``), (c) torch's context parallel peers (``context_parallel`` around
+cuDNN SDPA for none and causal, flex_attention context parallel for masks: ``bench.py``'s),
+and (d) the heads x ring mesh of every shape a x r with
 a * r = the number of ranks (``--meshes`` picks some: 1x4, 2x2, 4x1 on 4 GPUs; 1xN is the
 pure ring through the mesh's code, its argument check included). Efficiency, as in
 ``bench.py``: t_single / (N x t), N the number of ranks. Implementations are timed in turn,
@@ -71,6 +73,12 @@ def bench_one(args, tokens, mask, meshes, device, dtype, world_size, log):
         for name, attn in bench.single_gpu_candidates(mask, score_mod, mask_mod, seq_len, device,
                                                       args.singles).items():
             timers[name] = functools.partial(bench.fwd_and_fwdbwd, attn, q, k, v, device=device)
+    if not args.no_cp:
+        peers = {"context_parallel": bench.context_parallel_attention(mask, world_size, device)}
+        if mask != "none":
+            peers["flex_cp"] = bench.flex_context_parallel(score_mod, mask_mod, tuple(q.shape), world_size, device,
+                                                           head_tail=False)
+        timers.update({name: functools.partial(peer, q, k, v) for name, peer in peers.items() if peer is not None})
     groups = {"ring": None, **{f"mesh {name}": mesh for name, mesh in meshes.items()}}
     for name, group in groups.items():
         local = [ringflex.shard(t, 2, group=group, layout=args.layout) for t in (q, k, v)]
@@ -89,6 +97,9 @@ def bench_one(args, tokens, mask, meshes, device, dtype, world_size, log):
             if singles:
                 best = singles[row[f"best_single_{phase}"]][phase]
                 result[f"efficiency_{phase}"] = best / (world_size * result[phase])
+        for peer in PEERS:
+            if "fwd_bwd" in results.get(peer, {}):
+                result[f"speedup_vs_{peer}_fwd_bwd"] = results[peer]["fwd_bwd"] / result["fwd_bwd"]
         if device.type == "cuda":
             local = [ringflex.shard(t, 2, group=groups[name], layout=args.layout) for t in (q, k, v)]
             result["peak_mem_gib"] = max_over_ranks([bench.ring_peak_memory(attention_on(groups[name]), local) / 2**30],
@@ -98,19 +109,25 @@ def bench_one(args, tokens, mask, meshes, device, dtype, world_size, log):
     return row, list(groups)
 
 
+PEERS = ("context_parallel", "flex_cp")
+
+
 def table(rows, names) -> str:
-    head = f"{'tokens/GPU':>10} {'mask':>10} | {'single f+b':>10} | " + " | ".join(
+    head = f"{'tokens/GPU':>10} {'mask':>10} | {'single f+b':>10} | {'torch CP':>8} {'flex CP':>8} | " + " | ".join(
         f"{name:>12} {'eff':>5}" for name in names)
     lines = [head, "-" * len(head)]
     for r in rows:
         best = r.get("best_single_fwd_bwd")
         single = f"{r[best]['fwd_bwd'] * 1e3:10.2f}" if best else f"{'-':>10}"
+        peers = " ".join(f"{r[p]['fwd_bwd'] * 1e3:8.2f}" if "fwd_bwd" in r.get(p, {}) else f"{'-':>8}"
+                         for p in PEERS)
         cells = []
         for name in names:
             eff = r[name].get("efficiency_fwd_bwd")
             cells.append(f"{r[name]['fwd_bwd'] * 1e3:12.2f} " + (f"{eff:5.3f}" if eff is not None else f"{'-':>5}"))
-        lines.append(f"{r['tokens_per_rank']:>10} {r['mask']:>10} | {single} | " + " | ".join(cells))
-    return "\n".join(lines) + "\n(fwd+bwd ms; eff = t_single / (N t); single = best single-GPU kernel, whole sequence)"
+        lines.append(f"{r['tokens_per_rank']:>10} {r['mask']:>10} | {single} | {peers} | " + " | ".join(cells))
+    return "\n".join(lines) + ("\n(fwd+bwd ms; eff = t_single / (N t); single = best single-GPU kernel, whole sequence; "
+                               "torch CP = context_parallel around cuDNN SDPA, flex CP = torch's flex_attention CP)")
 
 
 def parse_args(argv=None):
@@ -130,6 +147,7 @@ def parse_args(argv=None):
     p.add_argument("--single-max", type=int, default=262144, help="skip single-GPU baselines above this length")
     p.add_argument("--singles", nargs="+", default=["sdpa-cudnn", "ringflex-1gpu"], choices=bench.SINGLES,
                    help="the single-GPU kernels to time (flex compiles for minutes per length)")
+    p.add_argument("--no-cp", action="store_true", help="skip torch's context parallel peers")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the rows here (benchmarks/results/<hardware>_<date>_mesh.json)")
     return p.parse_args(argv)

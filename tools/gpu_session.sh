@@ -3,7 +3,7 @@
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash tools/gpu_session.sh check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
-#   bash tools/gpu_session.sh check4 bench4              # on 4 GPUs
+#   bash tools/gpu_session.sh links efficiency profile4 check4 sharding4 mesh4 bench4   # on 4 GPUs
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
 # Needs the cuDNN frontend wheel in .whl/ (see shared/gpu/README.md).
@@ -59,6 +59,14 @@ for stage in "$@"; do
               --heads 1 --check; done ;;  # those hops (whole 32k-row blocks) against the reference kernel
     ab2) for t in nccl auto; do export RINGFLEX_TRANSPORT=$t; run ab2 tr 2 -m benchmarks.bench --seq-lens 16384 \
               --masks none causal --no-cp --single-max 0 --iters 10 --warmup 3; done; unset RINGFLEX_TRANSPORT ;;
+    links) nvidia-smi topo -m | tee "$OUT/links.log"
+           run links tr 4 -m benchmarks.probes.link_bandwidth
+           CUDA_VISIBLE_DEVICES=0,1 run links tr 2 -m benchmarks.probes.link_bandwidth ;;  # a block's move, each way
+    efficiency) run efficiency tr 4 -m benchmarks.bench --seq-lens 32768 --masks none causal --layouts zigzag \
+              --singles sdpa-cudnn ringflex-1gpu --no-flex-cp --iters 5 --warmup 3 --json "$OUT/efficiency4.json"
+              CUDA_VISIBLE_DEVICES=0,1 run efficiency tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
+              --layouts zigzag --singles sdpa-cudnn ringflex-1gpu --no-flex-cp --iters 5 --warmup 3 \
+              --json "$OUT/efficiency2.json" ;;  # 8k tokens per GPU, with torch CP
     check4) run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 ;;
     gputests) run gputests python3 -m pytest -q -n 4 tests/gpu ;;  # every GPU test, four at a time on one GPU
     sharding4) run sharding4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks window documents causal \
@@ -99,7 +107,7 @@ for stage in "$@"; do
     profile2) run profile2 tr 2 -m benchmarks.profile_ring --seq-lens 16384 32768 --masks causal none documents \
               --trace "$OUT/ring_trace.json.gz" ;;
     profile4) mkdir -p "$OUT/traces" && run profile4 tr 4 -m benchmarks.profile_ring --seq-lens 32768 \
-              --masks documents causal --trace "$OUT/traces/ring_{}.json.gz" \
+              --masks causal none documents --trace "$OUT/traces/ring_{}.json.gz" \
               && tar -C "$OUT" -czf "$OUT/traces4.tgz" traces && rm -r "$OUT/traces" ;;
     profile8k) mkdir -p "$OUT/traces" && run profile8k tr 2 -m benchmarks.profile_ring --seq-lens 16384 \
               --masks causal none documents --trace "$OUT/traces/ring_{}.json.gz" \
