@@ -67,6 +67,16 @@ for stage in "$@"; do
               CUDA_VISIBLE_DEVICES=0,1 run efficiency tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
               --layouts zigzag --singles sdpa-cudnn ringflex-1gpu --no-flex-cp --iters 5 --warmup 3 \
               --json "$OUT/efficiency2.json" ;;  # 8k tokens per GPU, with torch CP
+    graph4) run graph4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks none causal --layouts zigzag --graph \
+              --no-cp --no-flex-cp --singles sdpa-cudnn --iters 5 --warmup 3 --json "$OUT/graph4.json"
+            CUDA_VISIBLE_DEVICES=0,1 run graph4 tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
+              --layouts zigzag --graph --no-cp --no-flex-cp --singles sdpa-cudnn --iters 5 --warmup 3 \
+              --json "$OUT/graph2.json" ;;  # eager vs CUDA graphs: how much of the gap is the host's
+    documents16k) run documents16k tr 4 -m benchmarks.bench --seq-lens 65536 --masks documents \
+              --layouts contiguous by-mask --singles ringflex-1gpu --no-flex-cp --iters 5 --warmup 3 \
+              --json "$OUT/documents16k.json" ;;  # packed documents at 16k tokens per GPU against one GPU
+    mesh32k) run mesh32k tr 4 -m benchmarks.bench_mesh --tokens-per-rank 32768 --masks causal none documents \
+              --iters 3 --warmup 1 --rounds 2 --json "$OUT/mesh32k.json" ;;  # meshes and torch's CP at 32k per GPU
     check4) run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 ;;
     gputests) run gputests python3 -m pytest -q -n 4 tests/gpu ;;  # every GPU test, four at a time on one GPU
     sharding4) run sharding4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks window documents causal \
