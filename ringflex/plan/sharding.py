@@ -525,4 +525,5 @@ class _Search:
         rows = np.arange(len(i))
         swapped[rows, i], swapped[rows, j] = owner[j], owner[i]
         first = np.concatenate([np.ones((len(i), 1), dtype=bool), swapped[:, 1:] != swapped[:, :-1]], 1)
-        return (self.eye[swapped] * first[..., None]).sum(1)
+        return np.bincount((rows[:, None] * self.world + swapped)[first], minlength=len(i) * self.world).reshape(
+            len(i), self.world)
