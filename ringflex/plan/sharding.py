@@ -438,10 +438,9 @@ def _searched(work: Union[BandRuns, Workload], world_size: int, chunks: Optional
         zig = np.arange(count) // (per_rank // 2)
         starts["zigzag"] = np.where(zig < world_size, zig, 2 * world_size - 1 - zig)
     found = {}
-    for name, start in starts.items():
-        owner = tuple(search.descend(start))
-        if owner not in found:
-            found[owner] = (float(search.cost(*search.state(np.array(owner)))), name)
+    for name, owner in zip(starts, search.descend(np.stack(list(starts.values())))):
+        if tuple(owner) not in found:
+            found[tuple(owner)] = (float(search.cost(*search.state(owner))), name)
     size, shardings = work.seq_len // count, []
     for owner, (_, name) in sorted(found.items(), key=lambda kv: kv[1][0])[:2]:  # the two cheapest go on
         runs: List[List[Tuple[int, int]]] = [[] for _ in range(world_size)]
@@ -467,10 +466,10 @@ class _Search:
         self.eye = np.eye(world)
 
     def state(self, owner: np.ndarray):
-        """(rank-pair matrix, runs of chunks per rank) of an assignment."""
+        """(rank-pair matrices, runs of chunks per rank) of assignments ``owner`` [..., C]."""
         member = self.eye[owner]
-        first = np.concatenate([[True], owner[1:] != owner[:-1]])
-        return member.T @ self.pairs @ member, (member * first[:, None]).sum(0)
+        first = np.concatenate([np.ones_like(owner[..., :1], dtype=bool), owner[..., 1:] != owner[..., :-1]], -1)
+        return np.swapaxes(member, -1, -2) @ self.pairs @ member, (member * first[..., None]).sum(-2)
 
     def cost(self, by_rank: np.ndarray, runs: np.ndarray) -> np.ndarray:
         """Cost of rank-pair matrices ``by_rank`` [..., W, W] whose ranks hold ``runs`` [..., W] runs."""
@@ -489,41 +488,47 @@ class _Search:
             owner[c], load[rank], room[rank] = rank, load[rank] + self.pairs[c].sum(), room[rank] - 1
         return owner
 
-    def descend(self, owner: np.ndarray, max_swaps: int = 32) -> np.ndarray:
-        """Swaps the best pair of chunks of two ranks while that lowers the cost."""
-        owner = owner.copy()
-        c = self.count
+    def descend(self, starts: np.ndarray, max_swaps: int = 32) -> np.ndarray:
+        """From each assignment of ``starts`` [n, C], swaps the best pair of chunks of two
+        ranks while that lowers the cost; all of them at once, each on its own path (the
+        array operations, not the swaps, are what a step costs)."""
+        owner = starts.copy()
         diag = np.diag(self.pairs)
         z = diag[:, None] + diag[None, :] - self.pairs - self.pairs.T  # u^T P u for u = e_i - e_j
-        i_idx, j_idx = np.triu_indices(c, 1)
+        i_idx, j_idx = np.triu_indices(self.count, 1)
         z = z[i_idx, j_idx]
+        moving = np.arange(len(owner))
         for _ in range(max_swaps):
-            member = self.eye[owner]  # [C, W]
+            o = owner[moving]  # [m, C]
+            member = self.eye[o]  # [m, C, W]
             x = self.pairs @ member  # chunk i's queries against rank o's keys
             y = self.pairs.T @ member  # chunk j's keys against rank r's queries
-            by_rank, runs = self.state(owner)
+            by_rank, runs = self.state(o)
             now = self.cost(by_rank, runs)
             # swapping i (rank a) and j (rank b): member += (e_i - e_j) d^T with d = e_b - e_a, so
             # by_rank += y_u d^T + d x_u^T + z d d^T, x_u = x[i] - x[j], y_u = y[i] - y[j]
-            d = member[j_idx] - member[i_idx]  # [swaps, W]
-            xu, yu = x[i_idx] - x[j_idx], y[i_idx] - y[j_idx]
-            new = (by_rank + yu[:, :, None] * d[:, None, :] + d[:, :, None] * xu[:, None, :]
-                   + z[:, None, None] * d[:, :, None] * d[:, None, :])
-            costs = self.cost(new, self._runs_after(owner, i_idx, j_idx))
-            costs[owner[i_idx] == owner[j_idx]] = np.inf
-            best = int(np.argmin(costs))
-            if not costs[best] < now - self.tiny:
+            d = member[:, j_idx] - member[:, i_idx]  # [m, swaps, W]
+            xu, yu = x[:, i_idx] - x[:, j_idx], y[:, i_idx] - y[:, j_idx]
+            new = (by_rank[:, None] + yu[..., :, None] * d[..., None, :] + d[..., :, None] * xu[..., None, :]
+                   + z[:, None, None] * d[..., :, None] * d[..., None, :])
+            costs = self.cost(new, self._runs_after(o, i_idx, j_idx))
+            costs[o[:, i_idx] == o[:, j_idx]] = np.inf
+            best = np.argmin(costs, 1)
+            better = costs[np.arange(len(o)), best] < now - self.tiny
+            moving, best = moving[better], best[better]
+            if not len(moving):
                 break
             i, j = i_idx[best], j_idx[best]
-            owner[i], owner[j] = owner[j], owner[i]
+            owner[moving, i], owner[moving, j] = owner[moving, j], owner[moving, i]
         return owner
 
     def _runs_after(self, owner: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """Runs of chunks per rank after swapping chunks i and j ([swaps, W]), counted on
-        every swapped assignment at once (a few thousand owners)."""
-        swapped = np.repeat(owner[None, :], len(i), 0)
-        rows = np.arange(len(i))
-        swapped[rows, i], swapped[rows, j] = owner[j], owner[i]
-        first = np.concatenate([np.ones((len(i), 1), dtype=bool), swapped[:, 1:] != swapped[:, :-1]], 1)
-        return np.bincount((rows[:, None] * self.world + swapped)[first], minlength=len(i) * self.world).reshape(
-            len(i), self.world)
+        """Runs of chunks per rank after swapping chunks i and j of each assignment of
+        ``owner`` [m, C] ([m, swaps, W]), counted on every swapped assignment at once."""
+        swapped = np.repeat(owner[:, None, :], len(i), 1)  # [m, swaps, C]
+        swaps = np.arange(len(i))
+        swapped[:, swaps, i], swapped[:, swaps, j] = owner[:, j], owner[:, i]
+        first = np.concatenate([np.ones_like(swapped[..., :1], dtype=bool), swapped[..., 1:] != swapped[..., :-1]], -1)
+        which = np.arange(swapped.shape[0] * len(i)).reshape(-1, len(i), 1)  # each swapped assignment's number
+        return np.bincount((which * self.world + swapped)[first], minlength=which.size * self.world).reshape(
+            *swapped.shape[:2], self.world)
