@@ -9,12 +9,15 @@ prefix-LM with a prefix of a quarter of the sequence. Each row: the critical pat
 (per head), balance, ring steps, non-empty hops, kernel calls, rows that travel per step,
 the model's cost, and that cost as milliseconds at ``--ms-per-mpair`` (H100, cuDNN, fwd+bwd,
 B=1 H=32 D=128: 0.109 ms per million pairs, kernels/cudnn/kernel.py). Host time: CPU time of
-``shard_by_mask`` on one thread, the least of ``--repeats``, its mask counted anew each time.
+``shard_by_mask`` on one thread, the least of ``--repeats``, its mask counted anew each time;
+and per new packed batch (``--batches`` random batches of documents of 512 to 6144 tokens,
+each with its own ids and mask, as a training loop meets them), the median.
 """
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 
 import torch
@@ -50,6 +53,18 @@ def host_ms(mask_mod, seq_len, world_size, ids, repeats: int) -> float:
     return 1e3 * min(spent)
 
 
+def packed_batch_ms(seq_len: int, world_size: int, batches: int, seed: int) -> float:
+    """Median CPU ms of ``shard_by_mask`` for a new packed batch: new document ids and a new
+    mask each time (the first batch, which traces the mask's code, left out)."""
+    spent = []
+    for batch in range(batches + 1):
+        ids = documents(seq_len, 512, 6144, seed + 1000 + batch)
+        begin = time.thread_time()
+        shard_by_mask(mods.document(ids), seq_len, world_size, document_ids=ids)
+        spent.append(time.thread_time() - begin)
+    return 1e3 * statistics.median(spent[1:])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--per-rank", type=int, default=8192)
@@ -57,6 +72,7 @@ def main():
     p.add_argument("--window", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batches", type=int, default=5, help="new packed batches timed per world size")
     p.add_argument("--ms-per-mpair", type=float, default=0.109)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -77,6 +93,10 @@ def main():
     print("\nhost time of shard_by_mask (CPU, one thread):")
     for world_size, name, ms in hosts:
         print(f"  {world_size} ranks, {args.per_rank * world_size} tokens, {name}: {ms:.1f} ms")
+    print(f"\nhost time of shard_by_mask per new packed batch (documents of 512 to 6144 tokens, median of {args.batches}):")
+    for world_size in args.world_sizes:
+        ms = packed_batch_ms(args.per_rank * world_size, world_size, args.batches, args.seed)
+        print(f"  {world_size} ranks, {args.per_rank * world_size} tokens: {ms:.1f} ms per batch")
 
 
 if __name__ == "__main__":

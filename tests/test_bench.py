@@ -67,7 +67,7 @@ def test_sharding_model_prints_the_chosen_sharding_per_mask(capsys):
     from benchmarks import sharding_model
     import sys
     argv, sys.argv = sys.argv, ["sharding_model", "--per-rank", "256", "--world-sizes", "2", "--window", "64",
-                                "--repeats", "1"]
+                                "--repeats", "1", "--batches", "2"]
     try:
         sharding_model.main()
     finally:

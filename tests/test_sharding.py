@@ -12,6 +12,7 @@ from benchmarks.sharding_model import documents
 from ringflex import mods
 from ringflex.plan import workload as workloads
 from ringflex.plan import layout as layouts
+from ringflex.plan import sharding as sharding_module
 from ringflex.plan.blocks import evaluate_mask, keys_read, plan_hops, steps_needed
 from ringflex.plan.layout import Segment
 from ringflex.plan.sharding import (Sharding, compare, describe, estimate, packed_documents, per_document,
@@ -231,6 +232,17 @@ def test_estimate_against_brute_force_and_the_planner(name, world_size):
         assert est["steps"] == steps_needed(reads), s.name
 
 
+def test_estimate_of_segments_of_unequal_strides_in_one_document():
+    """Strides 1 and 2 meet in a document: the closed form leaves them to the tiled count."""
+    mask_mod = mods.document(mods.document_ids([10, 30, 24]))
+    s = Sharding(64, ((Segment(0, 1, 16), Segment(16, 2, 16)), (Segment(17, 2, 16), Segment(48, 1, 16))))
+    assert sharding_module.band_runs(mask_mod, 64).usage(np.array([0, 16, 17, 48]), np.array([1, 2, 2, 1]),
+                                                         np.array([16, 16, 16, 16])) is None
+    est = estimate(s, mask_mod, token_pairs=0, call_pairs=0)
+    pairs, travel = brute_estimate(s, mask_mod)
+    assert np.allclose(est["pairs"], pairs) and est["travel_rows"] == travel
+
+
 def test_estimate_weighs_calls_and_transfers():
     s = Sharding.of_layout("contiguous", 4096, 2)
     est = estimate(s, mods.sliding_window(512), token_pairs=10, call_pairs=1000)
@@ -359,6 +371,24 @@ def test_document_candidates():
     assert packed.equal_sizes
     cut = {d for d in range(5) if len({int(o) for o in packed.owners()[ids == d]}) > 1}
     assert len(cut) <= 3  # at most one document cut per rank boundary
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_packed_documents_priced_in_closed_form_choose_as_the_tiled_count(seed, monkeypatch):
+    """A documents mask's closed-form count (``runs.band_runs``) gives every candidate the
+    cost the tiled count (``workload``) gives it, so the same choice, on random packed batches."""
+    seq_len, world_size = 16384, 4
+    ids = documents(seq_len, 512, 6144, seed)
+    masks = [mods.document(ids), mods.document(ids, causal_within=False),
+             mods.and_masks(mods.sliding_window(1024), mods.document(ids))]
+    for mask_mod in masks:
+        assert sharding_module.band_runs(mask_mod, seq_len) is not None
+        closed = compare(mask_mod, seq_len, world_size, document_ids=ids)
+        with monkeypatch.context() as m:
+            m.setattr(sharding_module, "band_runs", lambda *args: None)
+            tiled = compare(mask_mod, seq_len, world_size, document_ids=ids)
+        assert [(s, e["cost"], e["travel_rows"]) for s, e in closed] == [(s, e["cost"], e["travel_rows"]) for s, e in tiled]
+        assert min(closed, key=lambda c: c[1]["cost"])[0] == min(tiled, key=lambda c: c[1]["cost"])[0]
 
 
 def test_host_time_within_a_generous_bound():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -104,17 +104,31 @@ def diagonal_band(mask: ModGraph) -> Optional[Tuple[Optional[int], Optional[int]
     Recognises conjunctions of affine comparisons of q_idx and kv_idx (causal, sliding
     window, ...), which kernels can run with a native diagonal-band mask that skips tiles.
     """
+    split = band_and_rest(mask)
+    if split is None or split[2]:
+        return None
+    return split[0], split[1]
+
+
+def band_and_rest(mask: ModGraph) -> Optional[Tuple[Optional[int], Optional[int], List[Node]]]:
+    """(lo, hi, rest): the mask as ``lo <= q_idx - kv_idx <= hi`` (None: unbounded) and the
+    conjuncts ``rest`` that are no such comparison (a document mask's id equality), so a
+    caller can price the band and what it understands of the rest in closed form; None
+    where the mask depends on more than q_idx and kv_idx or shows no pair at all."""
     if mask.kind != "mask_mod" or not mask.deps <= {"q_idx", "kv_idx"}:
         return None
-
-    def bounds(n: Node):
-        if n.op == "and":
-            x, y = bounds(n.args[0]), bounds(n.args[1])
-            return None if x is None or y is None else (max(x[0], y[0]), min(x[1], y[1]))
-        return _atom_bounds(n)
-
-    result = bounds(mask.output)
-    if result is None or result[0] > result[1]:  # no band, or no pair at all (a False conjunct)
+    lo, hi, rest = -math.inf, math.inf, []
+    for n in _conjuncts(mask.output):
+        b = _atom_bounds(n)
+        if b is None:
+            rest.append(n)
+        else:
+            lo, hi = max(lo, b[0]), min(hi, b[1])
+    if lo > hi:  # a False conjunct, or bounds no difference meets
         return None
-    lo, hi = result
-    return (None if lo == -math.inf else int(lo)), (None if hi == math.inf else int(hi))
+    return (None if lo == -math.inf else int(lo)), (None if hi == math.inf else int(hi)), rest
+
+
+def _conjuncts(n: Node) -> List[Node]:
+    """The operands of a tree of logical ``and`` s, left to right."""
+    return _conjuncts(n.args[0]) + _conjuncts(n.args[1]) if n.op == "and" and n.dtype == torch.bool else [n]

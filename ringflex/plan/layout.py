@@ -143,6 +143,8 @@ class Sharding:
             for s in segs:
                 if s.length <= 0 or s.stride <= 0 or s.start < 0 or s.start + s.stride * (s.length - 1) >= self.seq_len:
                     raise ValueError(f"rank {rank}: segment {s} is empty, decreasing or outside [0, {self.seq_len})")
+        if _runs_tile(self.seq_len, self.ranks):
+            return
         counts = torch.bincount(self.permutation(), minlength=self.seq_len)
         if len(counts) != self.seq_len or bool((counts != 1).any()):
             missing, twice = (counts == 0).sum().item(), (counts > 1).sum().item()
@@ -245,6 +247,21 @@ class Sharding:
                 labels[s.start:s.start + s.stride * (s.length - 1) + 1:s.stride] = len(rank_of)
                 rank_of.append(rank)
         return labels, rank_of
+
+
+def _runs_tile(seq_len: int, ranks) -> bool:
+    """Whether the segments are runs (stride 1, or one position) that, sorted, follow one
+    another from 0 to ``seq_len``: every position held once, checked without listing them
+    (the candidates ``shard_by_mask`` weighs are made of such runs)."""
+    segs = sorted((s.start, s.length) for segs in ranks for s in segs if s.stride == 1 or s.length == 1)
+    if len(segs) != sum(len(r) for r in ranks):
+        return False
+    end = 0
+    for start, length in segs:
+        if start != end:
+            return False
+        end += length
+    return end == seq_len
 
 
 def _segment_text(s: Segment) -> str:

@@ -17,7 +17,7 @@ Imports no torch.distributed: it is pure planning, the same on every rank.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from ..mod.graph import UnsupportedModError
 from ..mod.fingerprint import fingerprint
 from ..mod.trace import trace_mask_mod
 from .layout import LAYOUTS, Sharding, divisor
+from .runs import BandRuns, band_runs
 from .workload import Workload, workload
 
 # The cost model's weights, in (query, key) pairs of one head's attention (fwd + bwd):
@@ -45,9 +46,17 @@ TOKEN_PAIRS = 5_000
 
 # ---------------------------------------------------------------------- the cost model
 
+def mask_work(mask_mod: Optional[Callable], seq_len: int, *, batch: int = 1, heads: int = 1,
+              device=None) -> Union[BandRuns, Workload]:
+    """What ``estimate`` counts the mask's pairs from: the closed form where the mask is a
+    band of runs (documents, causal, windows: ``runs.band_runs``), which a new packed batch
+    costs next to nothing to price, else the tiled count (``workload``)."""
+    return band_runs(mask_mod, seq_len, device) or workload(mask_mod, seq_len, batch=batch, heads=heads, device=device)
+
+
 def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1, heads: int = 1, device=None,
              token_pairs: float = TOKEN_PAIRS, call_pairs: float = CALL_PAIRS,
-             work: Optional[Workload] = None) -> Dict[str, object]:
+             work: Union[BandRuns, Workload, None] = None) -> Dict[str, object]:
     """The ring's cost under ``mask_mod`` (None: no mask) over ``sharding``, in pairs per head.
 
     - ``pairs[s][r]``: the (query, key) pairs rank r computes at ring step s (its queries
@@ -66,20 +75,14 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
       being its pairs plus ``call_pairs`` per call, a transfer ``token_pairs`` per row.
     - ``exact``: False where the mask's pairs were sampled (``workload``).
 
-    ``work``: the mask's ``Workload`` over this length, where the caller has it.
+    ``work``: the mask's count over this length (``mask_work``), where the caller has it.
     """
     world = sharding.world_size
     if work is None:
-        work = workload(mask_mod, sharding.seq_len, batch=batch, heads=heads, device=device)
-    tiled = _on_tiles(sharding, work.tile)
+        work = mask_work(mask_mod, sharding.seq_len, batch=batch, heads=heads, device=device)
     seg_rank = _segment_ranks(sharding)
-    if tiled is not None:
-        member = np.eye(len(seg_rank))[tiled[0]]  # [tiles, segments]
-        seg_pairs = member.T @ work.tile_pairs[0] @ member
-    else:
-        labels, _ = sharding._segment_labels()
-        seg_pairs, read = work.usage(labels, len(seg_rank), owner_of=torch.from_numpy(seg_rank))
-        seg_pairs = seg_pairs.numpy()
+    seg_pairs, travelling = _usage(sharding, work, lambda: workload(mask_mod, sharding.seq_len, batch=batch,
+                                                                    heads=heads, device=device))
     seg_len = np.array([seg.length for segs in sharding.ranks for seg in segs], dtype=np.float64)
     member = np.eye(world)[seg_rank]  # [segments, ranks]
     by_rank = member.T @ seg_pairs @ member
@@ -95,9 +98,7 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
         calls[0] = np.where(ordered & (pairs[0] > 0), 1, calls[0])
     seen = np.nonzero(pairs.max(1) > 0)[0]
     steps = int(seen.max()) + 1 if len(seen) else 1
-    travel = 0
-    if steps > 1:
-        travel = _travel_tiled(sharding, work, *tiled) if tiled is not None else _travel_rows(sharding, read)
+    travel = travelling() if steps > 1 else 0
     busy = (pairs + call_pairs * calls).max(1)[:steps]
     step_cost = np.maximum(busy, np.where(np.arange(steps) > 0, token_pairs * travel, 0.0))
     critical = float(pairs.max(1)[:steps].sum())
@@ -161,13 +162,40 @@ def _on_tiles(sharding: Sharding, tile: int):
     return seg_of_tile, np.array(local_start, dtype=np.int64)
 
 
+def _usage(sharding: Sharding, work, tiled_count: Callable[[], Workload]):
+    """(pairs [S, S] of the sharding's segments, queries against keys; a function that
+    gives ``estimate``'s travelling rows) from ``work`` (``mask_work``); where a ``BandRuns``
+    cannot count these segments, from the tiled count ``tiled_count()``."""
+    seg_rank = _segment_ranks(sharding)
+    if isinstance(work, BandRuns):
+        segs = [seg for segs in sharding.ranks for seg in segs]
+        start, stride, length = (np.array(x, dtype=np.int64) for x in zip(*((s.start, s.stride, s.length) for s in segs)))
+        found = work.usage(start, stride, length, seg_rank, _local_starts(sharding))
+        if found is not None:
+            return found[0], lambda: _travel(sharding, _spans(sharding.world_size, *found[1]))
+        work = tiled_count()
+    tiled = _on_tiles(sharding, work.tile)
+    if tiled is not None:
+        member = np.eye(len(seg_rank))[tiled[0]]  # [tiles, segments]
+        return member.T @ work.tile_pairs[0] @ member, lambda: _travel(sharding, _read_spans_tiled(sharding, work, *tiled))
+    labels, _ = sharding._segment_labels()
+    seg_pairs, read = work.usage(labels, len(seg_rank), owner_of=torch.from_numpy(seg_rank))
+    return seg_pairs.numpy(), lambda: _travel(sharding, _read_spans(sharding, read))
+
+
+def _local_starts(sharding: Sharding) -> np.ndarray:
+    """The first local row of every segment (counted over all ranks)."""
+    lengths = [[seg.length for seg in segs] for segs in sharding.ranks]
+    return np.array([sum(ls[:i]) for ls in lengths for i in range(len(ls))], dtype=np.int64)
+
+
 def _widened(span: int, length: int) -> int:
     """Rows that travel for ``span`` rows read: a power of two, at most the block (``ring.widened``)."""
     return min(length, 1 << (span - 1).bit_length()) if span > 0 else 0
 
 
-def _travel_tiled(sharding: Sharding, work: Workload, seg_of_tile: np.ndarray, local_start: np.ndarray) -> int:
-    """``_travel_rows`` from the tile pairs' first and end keys (a sharding on whole tiles)."""
+def _read_spans_tiled(sharding: Sharding, work: Workload, seg_of_tile: np.ndarray, local_start: np.ndarray) -> np.ndarray:
+    """``_read_spans`` from the tile pairs' first and end keys (a sharding on whole tiles)."""
     pairs, first, last = work.tile_pairs
     seg_rank = _segment_ranks(sharding)
     seg_begin = np.array([seg.start for segs in sharding.ranks for seg in segs], dtype=np.int64)
@@ -177,25 +205,33 @@ def _travel_tiled(sharding: Sharding, work: Workload, seg_of_tile: np.ndarray, l
     lo = np.where(others, first, sharding.seq_len).min(0)[read]
     hi = np.where(others, last, 0).max(0)[read] - 1
     seg = seg_of_tile[read]
-    lo_local, hi_local = local_start[seg] + lo - seg_begin[seg], local_start[seg] + hi - seg_begin[seg]
-    most = 0
-    for rank in np.unique(owner[read]):
-        mine = owner[read] == rank
-        most = max(most, _widened(int(hi_local[mine].max() - lo_local[mine].min()) + 1, sharding.local_len(int(rank))))
-    return most
+    return _spans(sharding.world_size, owner[read], local_start[seg] + lo - seg_begin[seg],
+                  local_start[seg] + hi - seg_begin[seg])
 
 
-def _travel_rows(sharding: Sharding, read: Tensor) -> int:
+def _read_spans(sharding: Sharding, read: Tensor) -> np.ndarray:
+    """[world, 2]: the first and last local row of each rank's keys that another rank's
+    queries see (``read``, by position; first > last where none)."""
+    read = read.numpy()
+    return _spans(sharding.world_size, sharding.owners().numpy()[read], sharding.local_index().numpy()[read])
+
+
+def _spans(world: int, rank: np.ndarray, first: np.ndarray, last: Optional[np.ndarray] = None) -> np.ndarray:
+    """[world, 2]: each rank's least ``first`` and greatest ``last`` local row (default:
+    ``first``) over the reads of ``rank``; first > last where it has none."""
+    last = first if last is None else last
+    spans = np.stack([np.full(world, np.iinfo(np.int64).max), np.full(world, -1)], 1)
+    np.minimum.at(spans[:, 0], rank, first)
+    np.maximum.at(spans[:, 1], rank, last)
+    return spans
+
+
+def _travel(sharding: Sharding, spans: np.ndarray) -> int:
     """The most rows of one rank's block that travel: one range (in local order) around its
-    keys that another rank's queries see (``read``, by position), widened to a power of two
-    (``ring.widened``)."""
-    owners, local = sharding.owners(), sharding.local_index()
-    most = 0
-    for rank in range(sharding.world_size):
-        rows = local[read & (owners == rank)]
-        if len(rows):
-            most = max(most, _widened(int(rows.max() - rows.min()) + 1, sharding.local_len(rank)))
-    return most
+    keys that another rank's queries see (``spans``: its first and last such local row),
+    widened to a power of two (``ring.widened``)."""
+    return max((_widened(int(last - first) + 1, sharding.local_len(rank))
+                for rank, (first, last) in enumerate(spans) if first <= last), default=0)
 
 
 def describe(est: Dict[str, object]) -> str:
@@ -261,7 +297,7 @@ def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, docu
     device = device if device is not None else (document_ids.device if document_ids is not None else None)
     fixed = [Sharding.of_layout(name, seq_len, world_size) for name in LAYOUTS
              if seq_len % divisor(name, world_size) == 0]
-    work = workload(mask_mod, seq_len, batch=batch, heads=heads, device=device)
+    work = mask_work(mask_mod, seq_len, batch=batch, heads=heads, device=device)
     price = dict(work=work, token_pairs=token_pairs, call_pairs=call_pairs)
     if world_size == 1 or mask_mod is None:  # every sharding does the same work; one segment a rank calls least
         return [(fixed[0], estimate(fixed[0], mask_mod, **price))]
@@ -373,7 +409,20 @@ def _chunk_count(seq_len: int, world_size: int, chunks: Optional[int], tile: int
     return world_size
 
 
-def _searched(work: Workload, world_size: int, chunks: Optional[int], token_pairs: float,
+def _chunk_pairs(work: Union[BandRuns, Workload], count: int) -> np.ndarray:
+    """[count, count]: the pairs of equal chunk i's queries against chunk j's keys."""
+    size = work.seq_len // count
+    if isinstance(work, BandRuns):
+        return work.usage(np.arange(count) * size, np.ones(count, dtype=np.int64), np.full(count, size))[0]
+    if size % work.tile:
+        return work.pairs(torch.arange(work.seq_len) // size, count).numpy()
+    tiles = size // work.tile
+    tile_pairs = work.tile_pairs[0]
+    n = len(tile_pairs)
+    return np.pad(tile_pairs, ((0, count * tiles - n), (0, count * tiles - n))).reshape(count, tiles, count, tiles).sum((1, 3))
+
+
+def _searched(work: Union[BandRuns, Workload], world_size: int, chunks: Optional[int], token_pairs: float,
               call_pairs: float) -> List[Sharding]:
     """Assignments of equal chunks to ranks, each found by swapping two chunks of two ranks
     while that lowers the cost (``_Search``), from several starts: contiguous and zigzag
@@ -381,15 +430,7 @@ def _searched(work: Workload, world_size: int, chunks: Optional[int], token_pair
     count = _chunk_count(work.seq_len, world_size, chunks, work.tile)
     if count == world_size:
         return []
-    size = work.seq_len // count
-    if size % work.tile == 0:
-        tiles = size // work.tile
-        tile_pairs = work.tile_pairs[0]
-        n = len(tile_pairs)
-        chunk_pairs = np.pad(tile_pairs, ((0, count * tiles - n), (0, count * tiles - n))).reshape(
-            count, tiles, count, tiles).sum((1, 3))
-    else:
-        chunk_pairs = work.pairs(torch.arange(work.seq_len) // size, count).numpy()
+    chunk_pairs = _chunk_pairs(work, count)
     search = _Search(chunk_pairs, world_size, work.seq_len // world_size, token_pairs, call_pairs)
     per_rank = count // world_size
     starts = {"contiguous": np.arange(count) // per_rank, "greedy": search.greedy()}
@@ -397,11 +438,10 @@ def _searched(work: Workload, world_size: int, chunks: Optional[int], token_pair
         zig = np.arange(count) // (per_rank // 2)
         starts["zigzag"] = np.where(zig < world_size, zig, 2 * world_size - 1 - zig)
     found = {}
-    for name, start in starts.items():
-        owner = tuple(search.descend(start))
-        if owner not in found:
-            found[owner] = (float(search.cost(*search.state(np.array(owner)))), name)
-    shardings = []
+    for name, owner in zip(starts, search.descend(np.stack(list(starts.values())))):
+        if tuple(owner) not in found:
+            found[tuple(owner)] = (float(search.cost(*search.state(owner))), name)
+    size, shardings = work.seq_len // count, []
     for owner, (_, name) in sorted(found.items(), key=lambda kv: kv[1][0])[:2]:  # the two cheapest go on
         runs: List[List[Tuple[int, int]]] = [[] for _ in range(world_size)]
         for c in range(count):
@@ -418,27 +458,26 @@ class _Search:
 
     def __init__(self, pairs: np.ndarray, world: int, local_len: int, token_pairs: float, call_pairs: float):
         self.pairs, self.world, self.count = pairs, world, len(pairs)
-        self.transfer, self.call_pairs = token_pairs * local_len, call_pairs
-        ranks = np.arange(world)
-        self.rank_grid, self.held = ranks[None, :], (ranks[None, :] - ranks[:, None]) % world
+        self.steps = np.arange(world)
+        self.transfer = np.where(self.steps > 0, token_pairs * local_len, 0.0)  # step 0 waits for no block
+        self.call_pairs = call_pairs
+        self.held_at = self.steps[None, :] * world + (self.steps[None, :] - self.steps[:, None]) % world  # [step, rank]
         self.tiny = 1e-9 * max(1.0, float(pairs.sum()))
         self.eye = np.eye(world)
 
     def state(self, owner: np.ndarray):
-        """(rank-pair matrix, runs of chunks per rank) of an assignment."""
+        """(rank-pair matrices, runs of chunks per rank) of assignments ``owner`` [..., C]."""
         member = self.eye[owner]
-        first = np.concatenate([[True], owner[1:] != owner[:-1]])
-        return member.T @ self.pairs @ member, (member * first[:, None]).sum(0)
+        first = np.concatenate([np.ones_like(owner[..., :1], dtype=bool), owner[..., 1:] != owner[..., :-1]], -1)
+        return np.swapaxes(member, -1, -2) @ self.pairs @ member, (member * first[..., None]).sum(-2)
 
     def cost(self, by_rank: np.ndarray, runs: np.ndarray) -> np.ndarray:
         """Cost of rank-pair matrices ``by_rank`` [..., W, W] whose ranks hold ``runs`` [..., W] runs."""
-        pairs = by_rank[..., self.rank_grid, self.held]  # [..., step, rank]
+        pairs = np.take(by_rank.reshape(*by_rank.shape[:-2], -1), self.held_at, -1)  # [..., step, rank]
         active = pairs > self.tiny
         busy = (pairs + self.call_pairs * active * runs[..., None, :]).max(-1)
-        needed = np.flip(np.maximum.accumulate(np.flip(active.any(-1), -1), -1), -1)
-        needed[..., 0] = True
-        step = np.concatenate([busy[..., :1], np.maximum(busy[..., 1:], self.transfer)], -1)
-        return (step * needed).sum(-1)
+        last = (active.any(-1) * self.steps).max(-1)  # the last step in which a rank sees keys
+        return (np.maximum(busy, self.transfer) * (self.steps <= last[..., None])).sum(-1)
 
     def greedy(self) -> np.ndarray:
         """Heaviest chunks first, each to the least loaded rank with room (by the pairs its rows see)."""
@@ -449,45 +488,47 @@ class _Search:
             owner[c], load[rank], room[rank] = rank, load[rank] + self.pairs[c].sum(), room[rank] - 1
         return owner
 
-    def descend(self, owner: np.ndarray, max_swaps: int = 32) -> np.ndarray:
-        """Swaps the best pair of chunks of two ranks while that lowers the cost."""
-        owner = owner.copy()
-        c = self.count
+    def descend(self, starts: np.ndarray, max_swaps: int = 32) -> np.ndarray:
+        """From each assignment of ``starts`` [n, C], swaps the best pair of chunks of two
+        ranks while that lowers the cost; all of them at once, each on its own path (the
+        array operations, not the swaps, are what a step costs)."""
+        owner = starts.copy()
         diag = np.diag(self.pairs)
         z = diag[:, None] + diag[None, :] - self.pairs - self.pairs.T  # u^T P u for u = e_i - e_j
-        i_idx, j_idx = np.triu_indices(c, 1)
+        i_idx, j_idx = np.triu_indices(self.count, 1)
         z = z[i_idx, j_idx]
+        moving = np.arange(len(owner))
         for _ in range(max_swaps):
-            member = self.eye[owner]  # [C, W]
+            o = owner[moving]  # [m, C]
+            member = self.eye[o]  # [m, C, W]
             x = self.pairs @ member  # chunk i's queries against rank o's keys
             y = self.pairs.T @ member  # chunk j's keys against rank r's queries
-            by_rank, runs = self.state(owner)
+            by_rank, runs = self.state(o)
             now = self.cost(by_rank, runs)
             # swapping i (rank a) and j (rank b): member += (e_i - e_j) d^T with d = e_b - e_a, so
             # by_rank += y_u d^T + d x_u^T + z d d^T, x_u = x[i] - x[j], y_u = y[i] - y[j]
-            d = member[j_idx] - member[i_idx]  # [swaps, W]
-            xu, yu = x[i_idx] - x[j_idx], y[i_idx] - y[j_idx]
-            new = (by_rank + yu[:, :, None] * d[:, None, :] + d[:, :, None] * xu[:, None, :]
-                   + z[:, None, None] * d[:, :, None] * d[:, None, :])
-            costs = self.cost(new, self._runs_after(owner, runs, i_idx, j_idx))
-            costs[owner[i_idx] == owner[j_idx]] = np.inf
-            best = int(np.argmin(costs))
-            if not costs[best] < now - self.tiny:
+            d = member[:, j_idx] - member[:, i_idx]  # [m, swaps, W]
+            xu, yu = x[:, i_idx] - x[:, j_idx], y[:, i_idx] - y[:, j_idx]
+            new = (by_rank[:, None] + yu[..., :, None] * d[..., None, :] + d[..., :, None] * xu[..., None, :]
+                   + z[:, None, None] * d[..., :, None] * d[..., None, :])
+            costs = self.cost(new, self._runs_after(o, i_idx, j_idx))
+            costs[o[:, i_idx] == o[:, j_idx]] = np.inf
+            best = np.argmin(costs, 1)
+            better = costs[np.arange(len(o)), best] < now - self.tiny
+            moving, best = moving[better], best[better]
+            if not len(moving):
                 break
             i, j = i_idx[best], j_idx[best]
-            owner[i], owner[j] = owner[j], owner[i]
+            owner[moving, i], owner[moving, j] = owner[moving, j], owner[moving, i]
         return owner
 
-    def _runs_after(self, owner: np.ndarray, runs: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """Runs of chunks per rank after swapping chunks i < j ([swaps, W]): only where
-        chunks i, i+1, j and j+1 begin a run can that change."""
-        c = self.count
-        at = np.stack([i, i + 1, j, j + 1])  # [4, swaps]
-        valid = (at < c) & ~((np.arange(4)[:, None] == 2) & (j == i + 1))  # j is i + 1's place: counted once
-        padded = np.concatenate([[-1], owner, [-1]])  # owner of chunk ``at`` is padded[at + 1]
-        old, old_prev = padded[at + 1], padded[at]
-        new = np.where(at == i, owner[j], np.where(at == j, owner[i], old))
-        new_prev = np.where(at - 1 == i, owner[j], np.where(at - 1 == j, owner[i], old_prev))
-        eye = np.eye(self.world + 1)  # owner -1 (past the end) takes the last column
-        change = (eye[new] * ((new != new_prev) & valid)[..., None] - eye[old] * ((old != old_prev) & valid)[..., None])
-        return runs + change.sum(0)[:, :self.world]
+    def _runs_after(self, owner: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Runs of chunks per rank after swapping chunks i and j of each assignment of
+        ``owner`` [m, C] ([m, swaps, W]), counted on every swapped assignment at once."""
+        swapped = np.repeat(owner[:, None, :], len(i), 1)  # [m, swaps, C]
+        swaps = np.arange(len(i))
+        swapped[:, swaps, i], swapped[:, swaps, j] = owner[:, j], owner[:, i]
+        first = np.concatenate([np.ones_like(swapped[..., :1], dtype=bool), swapped[..., 1:] != swapped[..., :-1]], -1)
+        which = np.arange(swapped.shape[0] * len(i)).reshape(-1, len(i), 1)  # each swapped assignment's number
+        return np.bincount((which * self.world + swapped)[first], minlength=which.size * self.world).reshape(
+            *swapped.shape[:2], self.world)
