@@ -156,7 +156,8 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
                                                 layout=layout, backend=args.backend)
         return attn
 
-    chosen = {label: label for label in args.layouts}  # row label -> its layout (a name or a Sharding)
+    # row label -> its layout: a name, a Sharding, or None (the caller chose none: ``shard``'s and the call's default)
+    chosen = {label: None if label == "default" else label for label in args.layouts}
     if "by-mask" in chosen:
         start = time.perf_counter()
         chosen["by-mask"] = ringflex.shard_by_mask(mask_mod, seq_len, world_size, batch=args.batch, heads=args.heads)
@@ -298,8 +299,9 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=4096)
     p.add_argument("--doc-len", type=int, default=4096, help="mean document length of the documents mask")
-    p.add_argument("--layouts", nargs="+", default=["zigzag"], choices=(*ringflex.LAYOUTS, "by-mask"),
-                   help="time the ring in each of these layouts (one row each); by-mask: ringflex.shard_by_mask's")
+    p.add_argument("--layouts", nargs="+", default=["zigzag"], choices=(*ringflex.LAYOUTS, "by-mask", "default"),
+                   help="time the ring in each of these layouts (one row each); by-mask: ringflex.shard_by_mask's; "
+                        "default: no layout given to shard or the call")
     p.add_argument("--backend", default="auto")
     p.add_argument("--graph", action="store_true",
                    help="also time each layout captured in CUDA graphs (make_graphed_callables; GPUs only). "
