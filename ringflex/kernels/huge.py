@@ -109,8 +109,10 @@ def exact_backward(kernel: str, may_be_huge: bool, backward: Callable[[Tensor], 
     """A hop's gradients from a kernel's ``backward(lse)``: where the score_mod ``may_be_huge``,
     rows of a huge (finite) global LSE are left out of it (an LSE of +inf gives them
     probabilities 0) and computed by the reference kernel, with the LSE's res, instead."""
+    if not may_be_huge:  # no pass over the LSE at all: most calls
+        return backward(lse)
     huge = (lse.abs() >= HUGE) & lse.isfinite()
-    span = _span(huge) if may_be_huge else None
+    span = _span(huge)
     if span is None:
         return backward(lse)
     _warn(kernel)
