@@ -83,8 +83,11 @@ def ring_flex_attention(
     q: [B, Hq, S_local, D]; k, v: [B, Hkv, S_local_kv, D(v)], each rank's shard of the
     sequence in ``layout`` (see ``ringflex.shard``): a name of ``LAYOUTS``, a ``Sharding``
     (``ringflex.shard_by_mask`` chooses one from the mask), or None: "zigzag", ``shard``'s
-    default, and a call whose mask another sharding would run more than 10% faster (by the
-    cost model of ``plan.sharding``) says so once. ``score_mod(score, b, h, q_idx, kv_idx)``
+    default, where a call whose mask another sharding runs more than 10% faster, the move of
+    its tokens included (by the cost model of ``plan.sharding``), re-shards: an all-to-all
+    moves q, k and v to that sharding and the output back, so the caller still sees zigzag
+    shards, and it says so once. A layout passed (``layout="zigzag"`` too) never moves the
+    tokens. ``score_mod(score, b, h, q_idx, kv_idx)``
     and ``mask_mod(b, h, q_idx, kv_idx)`` are flex_attention's, and see GLOBAL positions.
     Returns this rank's output [B, Hq, S_local, Dv] (and the log-sum-exp [B, Hq, S_local],
     fp32, fp64 for fp64 inputs, if ``return_lse``; differentiable, as flex_attention's: a loss that reads it

@@ -268,10 +268,11 @@ def resharding(mask_mod: Optional[Callable], seq_len: int, world_size: int, layo
     moving = TOKEN_PAIRS * rows
     if cost + moving < 0.9 * given:
         _RESHARDINGS[key] = Resharding(source, best, (
-            f"ringflex: this mask runs in the default layout {layout!r} an estimated {given / cost:.1f}x slower than "
+            f"ringflex: this mask runs an estimated {given / cost:.1f}x slower in the default layout {layout!r} than "
             f"in the sharding {best.name!r} that ringflex.shard_by_mask chooses for it, so each call re-shards: an "
             f"all-to-all moves q, k and v there and the output back (up to {rows} of a rank's {seq_len // world_size} "
-            f"tokens, about {moving / (cost + moving):.0%} of the call's estimated time). To avoid the move, shard "
+            f"tokens; with the move the call is estimated {given / (cost + moving):.1f}x faster than in place, the "
+            f"move about {moving / (cost + moving):.0%} of its time). To avoid the move, shard "
             "with layout=ringflex.shard_by_mask(mask_mod, seq_len, world_size) and pass the same layout to "
             f"ring_flex_attention and unshard; or pass layout={layout!r} to keep the tokens where they are"))
     return _RESHARDINGS[key]
