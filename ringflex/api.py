@@ -21,14 +21,14 @@ from .config import warn_once
 from .kernels import select_kernel
 from .kernels.base import HopKernel, Mods
 from .mod.trace import tensors_requiring_grad
-from .parallel import agreement, comm, debug, mesh as meshes
+from .parallel import agreement, comm, debug, mesh as meshes, reshard
 from .parallel.fault import GuardedComm
 from .parallel.groups import rank_and_size, ring_of
 from .parallel.ring import RingAttention, RingCall
 from .parallel.shard import warn_if_launched_alone
 from .plan import layout as layouts
 from .plan import lending
-from .plan.sharding import advice
+from .plan.sharding import Resharding, resharding
 from .plan.blocks import Hop, PlanCache, around, check_lookups, keys_read, plan_hops
 
 _PLANS = PlanCache()
@@ -83,8 +83,11 @@ def ring_flex_attention(
     q: [B, Hq, S_local, D]; k, v: [B, Hkv, S_local_kv, D(v)], each rank's shard of the
     sequence in ``layout`` (see ``ringflex.shard``): a name of ``LAYOUTS``, a ``Sharding``
     (``ringflex.shard_by_mask`` chooses one from the mask), or None: "zigzag", ``shard``'s
-    default, and a call whose mask another sharding would run more than 10% faster (by the
-    cost model of ``plan.sharding``) says so once. ``score_mod(score, b, h, q_idx, kv_idx)``
+    default, where a call whose mask another sharding runs more than 10% faster, the move of
+    its tokens included (by the cost model of ``plan.sharding``), re-shards: an all-to-all
+    moves q, k and v to that sharding and the output back, so the caller still sees zigzag
+    shards, and it says so once. A layout passed (``layout="zigzag"`` too) never moves the
+    tokens. ``score_mod(score, b, h, q_idx, kv_idx)``
     and ``mask_mod(b, h, q_idx, kv_idx)`` are flex_attention's, and see GLOBAL positions.
     Returns this rank's output [B, Hq, S_local, Dv] (and the log-sum-exp [B, Hq, S_local],
     fp32, fp64 for fp64 inputs, if ``return_lse``; differentiable, as flex_attention's: a loss that reads it
@@ -114,9 +117,12 @@ def ring_flex_attention(
 
     # 1. Check and plan on this rank. What goes wrong stays a message until every rank knows it.
     error = checks.local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, group, sinks)
-    plan, cause = None, None
+    plan, cause, moved = None, None, None
     if error is None:
         try:
+            if not chose_layout and world_size > 1:
+                moved = _resharding(mask_mod, q, k, world_size)
+                layout = moved.target if moved else layout
             plan = _plan(q, k, v, mods, group, layout, backend, debugging)
         except BaseException as e:  # noqa: BLE001 (a mask_mod that raises on one rank fails all)
             # a KeyboardInterrupt too: leaving before the agreement would pair the other ranks'
@@ -131,11 +137,12 @@ def ring_flex_attention(
         grad=torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
                                              for t in (q, k, v, sinks, *plan.tensors)))
     agreed = agreement.start(group, args, plan.shares(world_size) if plan else _no_shares(world_size), error, cause)
-    if agreed.failed_here or debugging:  # raises here (or, debugging, agrees before the checks below)
+    if agreed.failed_here or debugging or moved:  # raises here (or agrees before the checks or the move below)
         agreed.wait()
-
-    if not chose_layout and rank_and_size(group) == (0, world_size) and world_size > 1:
-        _advise_on_layout(mask_mod, q, k, world_size)
+    if moved:  # the ranks agree on the layout: every rank moves, to the same sharding
+        if rank_and_size(group)[0] == 0:
+            warn_once(moved.message)
+        q, k, v = reshard.move((q, k, v), 2, moved.source, moved.target, group, "the re-sharding of q, k and v")
 
     # 3. The ring, and the merge of its hops' results.
     transfers = None
@@ -150,20 +157,21 @@ def ring_flex_attention(
     out, lse = RingAttention.apply(q, k.contiguous(), v.contiguous(), call, sinks, *plan.tensors)
     if debugging:
         debug.check_outputs(group, out, lse)
+    if moved:  # back to the caller's shards; the LSE apart, so a loss that does not read it costs no LSE backward
+        out, = reshard.move((out,), 2, moved.target, moved.source, group, "the re-sharding of the output")
+        if return_lse:
+            lse, = reshard.move((lse,), 2, moved.target, moved.source, group, "the re-sharding of the LSE")
     return (out, lse) if return_lse else out
 
 
-def _advise_on_layout(mask_mod, q: Tensor, k: Tensor, world_size: int) -> None:
-    """Says once, on the ring's first rank, where the default layout runs this call's mask
-    markedly slower than the sharding ``shard_by_mask`` would choose (the tokens are already
-    sharded: only the caller can move them). Not during a CUDA-graph capture, whose device
-    may not be used for the pricing."""
-    if mask_mod is None or q.shape[2] != k.shape[2] or comm.capturing(q):
-        return
-    said = advice(mask_mod, q.shape[2] * world_size, world_size, layouts.DEFAULT, batch=q.shape[0],
-                  heads=q.shape[1], device=q.device)
-    if said:
-        warn_once(said)
+def _resharding(mask_mod, q: Tensor, k: Tensor, world_size: int) -> Optional[Resharding]:
+    """Where a call left in the default layout runs instead, the same on every rank
+    (``plan.sharding.resharding``): where q and k have one length, and so move alike. During
+    a CUDA-graph capture, whose device cannot price the mask, only as the eager calls before it."""
+    if q.shape[2] != k.shape[2]:
+        return None
+    return resharding(mask_mod, q.shape[2] * world_size, world_size, layouts.DEFAULT, batch=q.shape[0],
+                      heads=q.shape[1], device=q.device, price=not comm.capturing(q))
 
 
 def _warn_if_bound(score_mod, mask_mod) -> None:

@@ -94,21 +94,3 @@ def test_a_sharding_prints_its_ranges_and_is_a_layout_value():
     with pytest.raises(ValueError, match="cannot shard 32 positions"):
         ringflex.shard(torch.zeros(32), 0, layout=s)
 
-
-def _warnings_of_default_layout(rank, world_size):
-    import warnings
-    q = torch.randn(B, H, 64, D, dtype=torch.float64)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ringflex.ring_flex_attention(q, q, q, mask_mod=mods.sliding_window(8), backend="reference")  # default
-        ringflex.ring_flex_attention(q, q, q, mask_mod=mods.sliding_window(8), layout="zigzag", backend="reference")
-        ringflex.ring_flex_attention(q, q, q, mask_mod=mods.causal, backend="reference")
-    return [str(w.message) for w in caught if "default layout" in str(w.message)]
-
-
-def test_the_default_layout_says_once_where_the_mask_runs_faster_in_another():
-    """A window over zigzag: every step has work for a neighbour's keys only; contiguous keeps
-    them local. Said on the first rank, for the default only; causal is zigzag's own mask."""
-    said = run_world(4, _warnings_of_default_layout)
-    assert len(said[0]) == 1 and "'contiguous'" in said[0][0] and "shard_by_mask" in said[0][0], said
-    assert said[1:] == [[], [], []]

@@ -349,9 +349,9 @@ def _debug_checks(rank, world_size):
 
     ids = mods.document_ids([6, 6])
     mask = mods.document(ids)
-    ringflex.ring_flex_attention(q, k, v, mask_mod=mask)  # planned and cached
+    ringflex.ring_flex_attention(q, k, v, mask_mod=mask, layout="zigzag")  # planned and cached (in place)
     ids.data[:] = 0  # one document now, but .data does not bump the version the cache keys on
-    results["stale plan"] = _error_text(lambda: ringflex.ring_flex_attention(q, k, v, mask_mod=mask))
+    results["stale plan"] = _error_text(lambda: ringflex.ring_flex_attention(q, k, v, mask_mod=mask, layout="zigzag"))
 
     from ringflex.parallel import fault
     original = fault.GuardedComm.exchange

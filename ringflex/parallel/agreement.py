@@ -114,7 +114,6 @@ _FIELDS: Tuple[_Field, ...] = (
     ("value head dim", lambda a: a["v"].shape[3], str),
     ("dtype", lambda a: DTYPES.index(a["q"].dtype), lambda n: str(DTYPES[n])),
     ("device type", lambda a: _device_code(a["q"].device), _device_name),
-    ("layout", lambda a: layouts.code(a["layout"]), layouts.text),
     ("backend", lambda a: BACKENDS.index(a["backend"]), lambda n: repr(BACKENDS[n])),
     ("kernel", lambda a: _kernel_code(a["kernel"]),  # "auto" may choose differently per rank
      lambda n: repr(BACKENDS[n]) if n < len(BACKENDS) else "another kernel"),
@@ -124,6 +123,8 @@ _FIELDS: Tuple[_Field, ...] = (
      lambda n: "None" if n == -1 else repr(_from_bits(n))),
     ("score_mod", lambda a: fingerprint(a["score_mod"], a["debug"]), lambda n: f"fingerprint {n:016x}"),
     ("mask_mod", lambda a: fingerprint(a["mask_mod"], a["debug"]), lambda n: f"fingerprint {n:016x}"),
+    # after the mods: a call left in the default layout runs in the sharding its mask chooses
+    ("layout", lambda a: layouts.code(a["layout"]), layouts.text),
     ("gradient tracking (whether backward will run the ring)", lambda a: int(a["grad"]), lambda n: str(bool(n))),
     ("RINGFLEX_DEBUG mode", lambda a: int(a["debug"]), lambda n: str(bool(n))),
     ("RINGFLEX_TRANSPORT", lambda a: _transport(), lambda n: repr(_TRANSPORTS[n])),

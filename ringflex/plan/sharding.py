@@ -17,6 +17,7 @@ Imports no torch.distributed: it is pure planning, the same on every rank.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -258,30 +259,66 @@ def shard_by_mask(mask_mod: Optional[Callable], seq_len: int, world_size: int, *
     return min(found, key=lambda c: c[1]["cost"])[0]
 
 
-_ADVICE: Dict[tuple, Optional[str]] = {}
+# Moving a call's tokens to another sharding and back costs about ``TOKEN_PAIRS`` per row
+# that the busiest rank sends: a moved row carries q, k and v there and the output back (and
+# in backward dO there and dq, dk and dv back), twice the tensors of a row that travels one
+# ring hop (K and V, and dK and dV back), but an all-to-all spreads a rank's rows over its
+# links to every other rank at once, where a hop has the link to one neighbour.
+@dataclass(frozen=True)
+class Resharding:
+    """Where a call left in the default layout runs instead: its tokens move from ``source``
+    (the caller's shards) to ``target`` and its output back; ``message`` says so."""
+
+    source: Sharding
+    target: Sharding
+    message: str
 
 
-def advice(mask_mod: Optional[Callable], seq_len: int, world_size: int, layout: str, *, batch: int = 1,
-           heads: int = 1, device=None) -> Optional[str]:
-    """What to say to a call that runs ``mask_mod`` in the fixed ``layout`` it did not choose,
-    where the cost model prices the best sharding more than 10% cheaper (None where it does
-    not, or where the mask cannot be priced). Priced once per mask structure and size: packed
-    batches' masks, new every step, share one."""
+_RESHARDINGS: Dict[tuple, Optional[Resharding]] = {}
+
+
+def resharding(mask_mod: Optional[Callable], seq_len: int, world_size: int, layout: str, *, batch: int = 1,
+               heads: int = 1, device=None, price: bool = True) -> Optional[Resharding]:
+    """How a call that runs ``mask_mod`` in the fixed ``layout`` it did not choose re-shards:
+    where the cost model prices the best sharding of ``compare`` more than 10% cheaper than
+    ``layout`` even with the move of its tokens there and back (None where it does not, or
+    where the mask cannot be priced). Decided once per mask structure and size (packed
+    batches' masks, new every step, share one), the same on every rank; ``price=False``
+    gives only a decision made before (a CUDA-graph capture cannot price on its device)."""
     key = (fingerprint(mask_mod), seq_len, world_size, layout, batch, heads)
-    if key not in _ADVICE:
-        _ADVICE[key] = None
-        try:
-            found = compare(mask_mod, seq_len, world_size, batch=batch, heads=heads, device=device)
-        except Exception:  # noqa: BLE001 (advice only: the call itself checks the mask)
-            return None
-        given = next(e["cost"] for s, e in found if s.name == layout)
-        best, cost = min(((s, e["cost"]) for s, e in found), key=lambda c: c[1])
-        if cost < 0.9 * given:
-            _ADVICE[key] = (f"ringflex: this mask runs in the default layout {layout!r}, where its ring is estimated "
-                            f"{given / cost:.1f}x slower than in the sharding ringflex.shard_by_mask chooses for it "
-                            f"({best.name!r}): shard with layout=ringflex.shard_by_mask(mask_mod, seq_len, "
-                            "world_size) and pass the same layout to ring_flex_attention and unshard")
-    return _ADVICE[key]
+    if key in _RESHARDINGS or not price:
+        return _RESHARDINGS.get(key)
+    _RESHARDINGS[key] = None
+    if mask_mod is None or world_size < 2:
+        return None
+    try:
+        found = compare(mask_mod, seq_len, world_size, batch=batch, heads=heads, device=device)
+    except Exception:  # noqa: BLE001 (the call itself checks the mask, in its plan)
+        return None
+    given = next((e["cost"] for s, e in found if s.name == layout), None)
+    best, cost = min(((s, e["cost"]) for s, e in found), key=lambda c: c[1])
+    if given is None or best.name == layout:
+        return None
+    source = Sharding.of_layout(layout, seq_len, world_size)
+    rows = _most_rows_sent(source, best)
+    moving = TOKEN_PAIRS * rows
+    if cost + moving < 0.9 * given:
+        _RESHARDINGS[key] = Resharding(source, best, (
+            f"ringflex: this mask runs an estimated {given / cost:.1f}x slower in the default layout {layout!r} than "
+            f"in the sharding {best.name!r} that ringflex.shard_by_mask chooses for it, so each call re-shards: an "
+            f"all-to-all moves q, k and v there and the output back (up to {rows} of a rank's {seq_len // world_size} "
+            f"tokens; with the move the call is estimated {given / (cost + moving):.1f}x faster than in place, the "
+            f"move about {moving / (cost + moving):.0%} of its time). To avoid the move, shard "
+            "with layout=ringflex.shard_by_mask(mask_mod, seq_len, world_size) and pass the same layout to "
+            f"ring_flex_attention and unshard; or pass layout={layout!r} to keep the tokens where they are"))
+    return _RESHARDINGS[key]
+
+
+def _most_rows_sent(source: Sharding, target: Sharding) -> int:
+    """The most rows one rank sends to other ranks when a sequence moves from ``source`` to ``target``."""
+    owners = source.owners()
+    leaving = owners[owners != target.owners()]
+    return int(torch.bincount(leaving, minlength=source.world_size).max())
 
 
 def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, document_ids: Optional[Tensor] = None,

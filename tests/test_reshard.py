@@ -1,0 +1,171 @@
+"""Re-sharding a call left in the default layout: ``parallel.reshard.move`` against the
+permutation it stands for (random Shardings, 2 to 4 ranks, forward and gradient, float64);
+``ring_flex_attention`` with ``layout=None`` and a mask another sharding runs faster
+(a sliding window, packed documents) against the float64 oracle in the caller's zigzag
+shards, saying so once; causal and explicit layouts, which move nothing; a call whose mask
+differs on one rank, refused alike on every rank before any move."""
+import warnings
+
+import pytest
+import torch
+
+import ringflex
+from ringflex import mods
+from ringflex.parallel import reshard
+from ringflex.plan.layout import Sharding
+from ringflex.plan.sharding import compare, resharding
+from support.harness import run_world
+from support.oracle import attention
+
+HQ, HKV, D, DV = 4, 2, 8, 6
+PER_RANK = 16
+
+
+def _random_sharding(seq_len: int, world_size: int, seed: int) -> Sharding:
+    """Every rank holds seq_len / world_size positions from anywhere, in any local order."""
+    order = torch.randperm(seq_len, generator=torch.Generator().manual_seed(seed)).tolist()
+    local = seq_len // world_size
+    return Sharding.from_ranges(seq_len, [[(p, p + 1) for p in order[r * local:(r + 1) * local]]
+                                          for r in range(world_size)], f"random {seed}")
+
+
+def _moves(rank, world_size):
+    seq_len = 6 * world_size
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(2, 3, seq_len, 5, generator=gen, dtype=torch.float64),
+            torch.randn(2, 1, seq_len, 4, generator=gen, dtype=torch.float64)]
+    grads = [torch.randn_like(t) for t in full]
+    worst = 0.0
+    for seed in range(3):
+        source, target = _random_sharding(seq_len, world_size, seed), _random_sharding(seq_len, world_size, seed + 10)
+        local = [source.take(t, rank, dim=2).requires_grad_() for t in full]
+        moved = reshard.move(local, 2, source, target, None, "a test move")
+        sum(((m * target.take(g, rank, dim=2)).sum() for m, g in zip(moved, grads))).backward()
+        got = [*moved, *(t.grad for t in local)]
+        want = [*(target.take(t, rank, dim=2) for t in full), *(source.take(g, rank, dim=2) for g in grads)]
+        assert all(g.shape == w.shape and g.is_contiguous() for g, w in zip(got, want))
+        worst = max(worst, *((g - w).abs().max().item() for g, w in zip(got, want)))
+    lse = source.take(full[0][:, :, :, 0], rank, dim=2)  # along the last dim: an LSE's shape
+    assert torch.equal(reshard.move([lse], 2, source, target, None, "an LSE")[0], target.take(full[0][..., 0], rank, 2))
+    return worst
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_a_move_is_the_permutation_between_two_shardings_and_its_gradient_the_reverse(world_size):
+    assert run_world(world_size, _moves) == [0.0] * world_size
+
+
+def _documents(seq_len: int) -> torch.Tensor:
+    return mods.document_ids([5, 11, seq_len // 2 - 16, 3, seq_len - seq_len // 2 - 3])
+
+
+MASKS = {"window": lambda seq_len: mods.sliding_window(9),
+         "documents": lambda seq_len: mods.and_masks(mods.causal, mods.document(_documents(seq_len))),
+         "causal": lambda seq_len: mods.causal}
+
+
+def _inputs(seq_len: int):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(HQ, D), (HKV, D), (HKV, DV), (HQ, DV)]
+    q, k, v, dout = (torch.randn(1, h, seq_len, d, generator=gen, dtype=torch.float64) for h, d in shapes)
+    return q, k, v, dout, torch.randn(1, HQ, seq_len, generator=gen, dtype=torch.float64)
+
+
+def _default_layout(rank, world_size, mask_name):
+    """Two calls in the default layout (the LSE returned and read by the loss, then not),
+    against the oracle in zigzag shards; the warnings said; whether routes were made."""
+    seq_len = PER_RANK * world_size
+    mask_mod, softcap = MASKS[mask_name](seq_len), mods.softcap(3.0)
+    q, k, v, dout, dlse = _inputs(seq_len)
+    errors = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for return_lse in (True, False):
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            want, want_lse = attention(*full, mask_mod=mask_mod, score_mod=softcap, return_lse=True)
+            ((want * dout).sum() + return_lse * (want_lse * dlse).sum()).backward()
+            local = [ringflex.shard(t, 2).requires_grad_() for t in (q, k, v)]
+            got = ringflex.ring_flex_attention(*local, mask_mod=mask_mod, score_mod=softcap, enable_gqa=True,
+                                               return_lse=return_lse, backend="reference")
+            out, lse = got if return_lse else (got, None)
+            ((out * ringflex.shard(dout, 2)).sum() + (0 if lse is None else (lse * ringflex.shard(dlse, 2)).sum())
+             ).backward()
+            pairs = [(out, want), *((x.grad, y.grad) for x, y in zip(local, full))] + [(lse, want_lse)] * return_lse
+            errors.append(max((g.detach() - ringflex.shard(w, 2)).abs().max().item() for g, w in pairs))
+    said = [str(w.message) for w in caught if "re-shards" in str(w.message)]
+    return errors, said, len(reshard._ROUTES)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("mask_name", ["window", "documents"])
+def test_the_default_layout_reshards_a_local_mask_and_gives_the_oracles_shards(world_size, mask_name):
+    results = run_world(world_size, _default_layout, mask_name)
+    for errors, _, routes in results:
+        assert all(e < 1e-10 for e in errors), errors
+        assert routes > 0  # the tokens moved
+    said = [s for _, s, _ in results]
+    assert len(said[0]) == 1 and all(s == [] for s in said[1:]), said
+    assert "shard_by_mask" in said[0][0] and "layout='zigzag'" in said[0][0], said[0]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_causal_stays_in_zigzag_without_a_word(world_size):
+    for errors, said, routes in run_world(world_size, _default_layout, "causal"):
+        assert all(e < 1e-10 for e in errors), errors
+        assert said == [] and routes == 0
+
+
+def _explicit_layouts(rank, world_size):
+    seq_len = PER_RANK * world_size
+    q, k, v, _, _ = _inputs(seq_len)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for layout in ("zigzag", "striped", Sharding.of_layout("zigzag", seq_len, world_size)):
+            local = [ringflex.shard(t, 2, layout=layout) for t in (q, k, v)]
+            ringflex.ring_flex_attention(*local, mask_mod=MASKS["window"](seq_len), layout=layout, enable_gqa=True,
+                                         backend="reference")
+    return [str(w.message) for w in caught if "re-shards" in str(w.message)], len(reshard._ROUTES)
+
+
+def test_an_explicit_layout_never_moves():
+    assert run_world(4, _explicit_layouts) == [([], 0)] * 4
+
+
+def _one_rank_differs(rank, world_size):
+    seq_len = PER_RANK * world_size
+    q, k, v, _, _ = _inputs(seq_len)
+    local = [ringflex.shard(t, 2) for t in (q, k, v)]
+    window = MASKS["window"](seq_len)
+    try:
+        ringflex.ring_flex_attention(*local, mask_mod=mods.causal if rank == 1 else window, enable_gqa=True,
+                                     backend="reference")
+        refused = "no error"
+    except ringflex.CallRejected as e:
+        refused = str(e)
+    out = ringflex.ring_flex_attention(*local, mask_mod=window, enable_gqa=True, backend="reference")
+    want = ringflex.shard(attention(q, k, v, mask_mod=window), 2)
+    return refused, (out - want).abs().max().item()
+
+
+def test_a_mask_that_differs_on_one_rank_is_refused_alike_everywhere_and_the_group_lives_on():
+    results = run_world(3, _one_rank_differs)
+    refused = {r for r, _ in results}
+    assert len(refused) == 1 and "disagree on the mask_mod" in refused.pop(), results
+    assert all(error < 1e-10 for _, error in results), results
+
+
+def test_the_decision_pays_for_the_move():
+    """At 8k tokens a rank: a window of 4096 over 4 ranks re-shards to contiguous (zigzag
+    149.4M pairs against 47.0M and 41.0M for the move of 8192 rows), not over 2 (a tie);
+    prefix-LM over 4 ranks runs 10.3% cheaper striped, but not once its tokens move; causal
+    is zigzag's own."""
+    per_rank = 8192
+    window = resharding(mods.sliding_window(4096), 4 * per_rank, 4, "zigzag")
+    assert window.source == Sharding.of_layout("zigzag", 4 * per_rank, 4)
+    assert window.target == Sharding.of_layout("contiguous", 4 * per_rank, 4)
+    assert "up to 8192 of a rank's 8192 tokens" in window.message, window.message
+    assert resharding(mods.sliding_window(4096), 2 * per_rank, 2, "zigzag") is None
+    prefix_lm = mods.prefix_lm(per_rank)
+    cost = {s.name: e["cost"] for s, e in compare(prefix_lm, 4 * per_rank, 4)}
+    assert cost["striped"] < 0.9 * cost["zigzag"] and resharding(prefix_lm, 4 * per_rank, 4, "zigzag") is None
+    assert resharding(mods.causal, 4 * per_rank, 4, "zigzag") is None
