@@ -135,6 +135,10 @@ def main():
     p.add_argument("--layout", default="zigzag")
     p.add_argument("--host-profile", type=int, default=0, metavar="N",
                    help="print rank 0's hottest Python functions over N fwd+bwd calls")
+    p.add_argument("--profiled-calls", type=int, default=3, help="fwd+bwd calls under the profiler")
+    p.add_argument("--gpu-only", action="store_true",
+                   help="record GPU activity only: the host runs at its own pace, not the profiler's (no CPU ops "
+                        "in the trace)")
     p.add_argument("--trace", help="write a chrome trace (gzip) of rank 0's first workload here, or, if the "
                                    "name has a {} (filled with tokens_mask_rank), of every workload and rank")
     args = p.parse_args()
@@ -177,8 +181,9 @@ def main():
                 check()
             check_ms = (time.perf_counter() - t0) / args.iters * 1e3
             row = {"fwd": measure(forward, args.iters), "fwd_bwd": measure(forward_backward, args.iters)}
-            calls = 3
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            calls = args.profiled_calls
+            activities = [ProfilerActivity.CUDA] if args.gpu_only else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with profile(activities=activities) as prof:
                 for _ in range(calls):
                     forward_backward()
                 torch.cuda.synchronize()

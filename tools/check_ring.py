@@ -76,7 +76,8 @@ def main():
     p.add_argument("--backend", default="auto")
     p.add_argument("--local-len", type=int, default=1024, help="query tokens per rank")
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--layouts", nargs="+", default=list(ringflex.LAYOUTS))
+    p.add_argument("--layouts", nargs="+", default=list(ringflex.LAYOUTS), choices=(*ringflex.LAYOUTS, "default"),
+                   help="default: no layout given to shard or the call (which may re-shard inside)")
     p.add_argument("--cases", nargs="+", help="only these cases of the matrix (default: all)")
     p.add_argument("--tolerance", type=float, default=None, help="max relative error (default: 3e-2 bf16, 1e-4 fp32)")
     p.add_argument("--lse-grad", action="store_true", help="the loss reads the LSE too (its gradient flows back)")
@@ -98,7 +99,8 @@ def main():
             want = reference_through_lse(q, k, v, dout, dlse, on_cpu[name])
         else:
             want = reference(q, k, v, dout, case)
-        for layout in args.layouts:
+        for name_of_layout in args.layouts:
+            layout = None if name_of_layout == "default" else name_of_layout
             local = [ringflex.shard(t, 2, layout=layout).requires_grad_() for t in (q, k, v)]
             _LENT.clear()
             try:
@@ -112,7 +114,7 @@ def main():
             except Exception as e:  # report and go on: one unsupported case must not hide the rest
                 failed += 1
                 if rank == 0:
-                    print(f"{name:>18} {layout:>10}: ERROR {type(e).__name__}: {e}", flush=True)
+                    print(f"{name:>18} {name_of_layout:>10}: ERROR {type(e).__name__}: {e}", flush=True)
                 continue
             got = [out] + [t.grad for t in local]
             *errs, lent = ranks.max_over_ranks([relative_error(g, ringflex.shard(w, 2, layout=layout))
@@ -120,7 +122,7 @@ def main():
             ok = max(errs) <= tolerance and not any(torch.isnan(g).any() for g in got)
             failed += not ok
             if rank == 0:
-                print(f"{name:>18} {layout:>10}: out {errs[0]:.2e} dq {errs[1]:.2e} dk {errs[2]:.2e} dv {errs[3]:.2e}"
+                print(f"{name:>18} {name_of_layout:>10}: out {errs[0]:.2e} dq {errs[1]:.2e} dk {errs[2]:.2e} dv {errs[3]:.2e}"
                       f" lent {int(lent):>4} {'ok' if ok else 'FAIL'}", flush=True)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     transport = peer.in_use(dist.group.WORLD, device)

@@ -80,7 +80,7 @@ for stage in "$@"; do
     check4) run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 ;;
     gputests) run gputests python3 -m pytest -q -n 4 tests/gpu ;;  # every GPU test, four at a time on one GPU
     sharding4) run sharding4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks window documents causal \
-              --layouts zigzag contiguous by-mask --iters 5 --warmup 3 --json "$OUT/sharding4.json" ;;  # vs flex CP
+              --layouts default zigzag contiguous by-mask --iters 10 --warmup 3 --json "$OUT/sharding4.json" ;;  # vs flex CP
     mesh4) run mesh4 tr 4 -m benchmarks.bench_mesh --tokens-per-rank 8192 --masks none causal documents \
               --json "$OUT/mesh4.json" ;;  # heads x ring meshes 1x4, 2x2, 4x1 against the pure ring
     examples2) run examples2 tr 2 examples/train_example.py --device cuda --dtype bfloat16 --seq-len 8192 \
@@ -119,6 +119,11 @@ for stage in "$@"; do
     profile4) mkdir -p "$OUT/traces" && run profile4 tr 4 -m benchmarks.profile_ring --seq-lens 32768 \
               --masks causal none documents --trace "$OUT/traces/ring_{}.json.gz" \
               && tar -C "$OUT" -czf "$OUT/traces4.tgz" traces && rm -r "$OUT/traces" ;;
+    profile4gpu) mkdir -p "$OUT/traces" && run profile4gpu tr 4 -m benchmarks.profile_ring --seq-lens 32768 \
+              --masks causal none --gpu-only --profiled-calls 6 --host-profile 20 --trace "$OUT/traces/ring_{}.json.gz" \
+              && tar -C "$OUT" -czf "$OUT/traces4gpu.tgz" traces && rm -r "$OUT/traces" ;;  # the GPUs at the host's own pace
+    check4default) run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 4096 \
+              --layouts default zigzag --cases sliding_window documents causal ;;  # calls that re-shard inside (NCCL)
     profile8k) mkdir -p "$OUT/traces" && run profile8k tr 2 -m benchmarks.profile_ring --seq-lens 16384 \
               --masks causal none documents --trace "$OUT/traces/ring_{}.json.gz" \
               && tar -C "$OUT" -czf "$OUT/traces.tgz" traces && rm -r "$OUT/traces" ;;

@@ -38,13 +38,14 @@ def _dim_error(what: str, x: Tensor, dim) -> str:
     return ""
 
 
-def shard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
+def shard(x: Tensor, dim: int, group=None, layout=None) -> Tensor:
     """This rank's tokens of the full sequence ``x`` along ``dim`` (every rank passes the same x).
 
     Differentiable: the gradient flows back into the slice this rank took. ``layout``: a name
-    of ``LAYOUTS`` or a ``Sharding`` (``ringflex.shard_by_mask``). ``group`` may be a heads x
-    ring mesh (``ringflex.heads``).
+    of ``LAYOUTS``, a ``Sharding`` (``ringflex.shard_by_mask``), or None: "zigzag", the
+    default of ``ring_flex_attention`` too. ``group`` may be a heads x ring mesh (``ringflex.heads``).
     """
+    layout = layouts.DEFAULT if layout is None else layout
     heads_ring = meshes.describe(group)
     if heads_ring is not None:
         return _shard_over_mesh(x, dim, heads_ring, layout)
@@ -108,12 +109,13 @@ class _Gather(torch.autograd.Function):
         return grad.index_select(ctx.dim, ctx.index), None, None, None
 
 
-def unshard(x: Tensor, dim: int, group=None, layout: str = "zigzag") -> Tensor:
-    """The full sequence, in global order, gathered from every rank's shard ``x``.
+def unshard(x: Tensor, dim: int, group=None, layout=None) -> Tensor:
+    """The full sequence, in global order, gathered from every rank's shard ``x`` (in ``layout``, as ``shard``'s).
 
     The result is a value every rank holds alike; its gradient on each rank flows back into
     that rank's own shard (so a loss computed identically on every rank is counted once).
     """
+    layout = layouts.DEFAULT if layout is None else layout
     heads_ring = meshes.describe(group)
     if heads_ring is not None:
         return _unshard_over_mesh(x, dim, heads_ring, layout)
