@@ -1,4 +1,4 @@
-"""Moving sharded tensors from one ``Sharding`` to another: one all-to-all, with its autograd.
+"""Moving sharded tensors from one ``Sharding`` to another: an all-to-all each, with its autograd.
 
 Each rank sends every other rank the rows of its shard that the target gives that rank, in
 the target's local order there, and puts the rows it receives (grouped by the rank they come
@@ -11,7 +11,6 @@ runs faster in (``plan.sharding.resharding``): q, k and v there, the output back
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
@@ -51,15 +50,18 @@ def _route(source: Sharding, target: Sharding, rank: int, device) -> _Route:
     return _ROUTES[key]
 
 
-def _moved(rows: Tensor, source: Sharding, target: Sharding, group, what: str) -> Tensor:
-    """``rows`` [source local length, C] moved to [target local length, C]. A failure here
-    fails the group for every rank (``fault``): the others wait in the same all-to-all."""
+def _moved(x: Tensor, dim: int, source: Sharding, target: Sharding, group, what: str) -> Tensor:
+    """``x``'s shard along ``dim`` moved from ``source`` to ``target``, contiguous. Each side
+    gathers the rows in the order they travel or land with one ``index_select`` over a view
+    that puts ``dim`` first (a pass that also lays the rows out for the all-to-all), and one
+    last pass puts ``dim`` back. A failure here fails the group for every rank (``fault``):
+    the others wait in the same all-to-all."""
     rank = dist.get_rank(group)
-    route = _route(source, target, rank, rows.device)
-    send = rows.index_select(0, route.send_order)
-    received = rows.new_empty((target.local_len(rank), rows.shape[1]))
+    route = _route(source, target, rank, x.device)
+    send = x.movedim(dim, 0).index_select(0, route.send_order)
+    received = send.new_empty((target.local_len(rank), *send.shape[1:]))
     try:
-        if rows.is_cuda:  # NCCL: ordered on the stream, the host does not wait
+        if x.is_cuda:  # NCCL: ordered on the stream, the host does not wait
             dist.all_to_all_single(received, send, route.receive_counts, route.send_counts, group=group)
         else:
             work = dist.all_to_all_single(received, send, route.receive_counts, route.send_counts, group=group,
@@ -70,29 +72,25 @@ def _moved(rows: Tensor, source: Sharding, target: Sharding, group, what: str) -
     except BaseException as e:
         fault.fail(group, f"rank {rank} raised in {what}: {type(e).__name__}: {e}")
         raise
-    return received.index_select(0, route.receive_order)
+    return received.index_select(0, route.receive_order).movedim(0, dim).contiguous()
 
 
 class _Move(torch.autograd.Function):
-    """A move of rows; its backward moves the gradient back."""
+    """A move of a shard; its backward moves the gradient back."""
 
     @staticmethod
-    def forward(ctx, rows, source, target, group, what):
-        ctx.route = source, target, group, what
-        return _moved(rows, source, target, group, what)
+    def forward(ctx, x, dim, source, target, group, what):
+        ctx.route = dim, source, target, group, what
+        return _moved(x, dim, source, target, group, what)
 
     @staticmethod
     def backward(ctx, grad):
-        source, target, group, what = ctx.route
-        return _moved(grad.contiguous(), target, source, group, f"the gradient of {what}"), None, None, None, None
+        dim, source, target, group, what = ctx.route
+        return _moved(grad, dim, target, source, group, f"the gradient of {what}"), None, None, None, None, None
 
 
 def move(tensors: Sequence[Tensor], dim: int, source: Sharding, target: Sharding, group, what: str) -> List[Tensor]:
-    """``tensors``, this rank's shards in ``source`` along ``dim`` (of one dtype and one length
-    there), as this rank's shards in ``target``, contiguous; in one all-to-all over ``group``
-    (``what`` names it in errors). Differentiable."""
-    along = [t.movedim(dim, 0) for t in tensors]
-    widths = [math.prod(t.shape[1:]) for t in along]
-    rows = torch.cat([t.reshape(t.shape[0], w) for t, w in zip(along, widths)], 1)
-    parts = _Move.apply(rows, source, target, group, what).split(widths, 1)
-    return [p.reshape(-1, *t.shape[1:]).movedim(0, dim).contiguous() for p, t in zip(parts, along)]
+    """``tensors``, this rank's shards in ``source`` along ``dim``, as this rank's shards in
+    ``target``, contiguous: an all-to-all over ``group`` each (``what`` names them in errors).
+    Differentiable."""
+    return [_Move.apply(t, dim, source, target, group, what) for t in tensors]
