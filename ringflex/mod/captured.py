@@ -19,6 +19,12 @@ PLAIN = (type(None), bool, int, float, complex, str, bytes, numbers.Number)
 _MAX_DEPTH = 8
 
 
+def device_of(fn):
+    """The device of the first tensor ``fn`` captured (document ids on a GPU), or None: where
+    its trace must put the tensors it makes, and so the one device its traces are kept for."""
+    return next((p.device for p in parts(fn) if isinstance(p, Tensor)), None)
+
+
 def parts(fn) -> List[object]:
     """The parts of ``fn`` in a fixed order: code objects; the values in its closure cells,
     default arguments and ``functools.partial`` arguments, and the module globals its code

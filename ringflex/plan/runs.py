@@ -131,7 +131,7 @@ def band_runs(mask_mod: Optional[Callable], seq_len: int, device=None) -> Option
     if mask_mod is None:
         return None
     if device is None:  # where the tensors it captured live (document ids on a GPU)
-        device = next((p.device for p in captured.parts(mask_mod) if isinstance(p, Tensor)), None)
+        device = captured.device_of(mask_mod)
     try:
         split = band_and_rest(trace_mask_mod(mask_mod, device))
     except UnsupportedModError:

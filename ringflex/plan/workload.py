@@ -210,7 +210,7 @@ def workload(mask_mod: Optional[Callable], seq_len: int, *, batch: int = 1, head
     those tensors are the very same objects, unmodified."""
     t = tile or tile_size(seq_len)
     if device is None:  # where the tensors it captured live (document ids on a GPU)
-        device = next((p.device for p in captured.parts(mask_mod) if isinstance(p, Tensor)), None)
+        device = captured.device_of(mask_mod)
     key = ("workload", seq_len, batch, heads, t, str(device))
     return _WORKLOADS.lookup(mask_mod, key, lambda: _workload(mask_mod, seq_len, batch, heads, device, t))
 
