@@ -47,7 +47,7 @@ from .parallel import mesh as meshes
 from .api import reject, ring_flex_attention
 from .config import warn_once
 from .kernels import BACKENDS
-from .plan.layout import check_layout
+from .plan.layout import check_layout, or_default
 
 _TORCH_FLEX = _flex.flex_attention
 _FLEX_SIGNATURE = inspect.signature(_TORCH_FLEX)
@@ -200,8 +200,8 @@ def _enclosing_mask(mode: "RingFlexMode") -> Optional[Callable]:
     innermost, where it runs on the same ring and layout (another ring's positions are not
     this one's)."""
     enclosing = _entered()[-1] if _entered() else None
-    if enclosing is None or ((meshes.ring_key(enclosing.group), enclosing.layout)
-                             != (meshes.ring_key(mode.group), mode.layout)):
+    if enclosing is None or ((meshes.ring_key(enclosing.group), or_default(enclosing.layout))
+                             != (meshes.ring_key(mode.group), or_default(mode.layout))):
         return None
     return enclosing.extra_mask()
 
@@ -251,7 +251,8 @@ class RingFlexMode(TorchFunctionMode):
     ``ring_flex_attention`` takes it: a heads x ring DeviceMesh too).
 
     Every q/k/v that reaches attention must be this rank's shard of the sequence in ``layout``
-    (see ``ringflex.shard``); every rank must make the same calls. ``mask_mod`` (optional) is
+    (see ``ringflex.shard``; None, the default: zigzag, and the calls may re-shard inside as
+    ``ring_flex_attention``'s do); every rank must make the same calls. ``mask_mod`` (optional) is
     ANDed onto every call's mask -- the document mask of a packed batch, for a model that only
     knows ``is_causal`` -- and so are those of the modes it is entered inside on the same ring
     and layout (a wrapped block inside a wrapped model). Calls that cannot be routed exactly raise instead of computing
@@ -259,9 +260,10 @@ class RingFlexMode(TorchFunctionMode):
     ``nn.MultiheadAttention`` asked for its attention weights.
     """
 
-    def __init__(self, group=None, layout: str = "zigzag", backend: str = "auto", mask_mod: Optional[Callable] = None):
+    def __init__(self, group=None, layout=None, backend: str = "auto", mask_mod: Optional[Callable] = None):
         super().__init__()
-        check_layout(layout)
+        if layout is not None:
+            check_layout(layout)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if mask_mod is not None and not callable(mask_mod):
@@ -436,7 +438,7 @@ class RingFlexMode(TorchFunctionMode):
 class RingFlexAttention(nn.Module):
     """Wraps an attention module or a whole model: its forward runs inside a ``RingFlexMode``.
 
-    ``RingFlexAttention(model, group=g, layout="zigzag")(*inputs)`` computes what ``model``
+    ``RingFlexAttention(model, group=g)(*inputs)`` computes what ``model``
     computes on one device, given this rank's shards of the inputs (and the global position
     ids, for RoPE). ``mask_mod`` may be changed between steps (new packed documents).
     ``checkpoint=True``: activation checkpointing of ``module`` (torch's, non-reentrant), whose
@@ -453,7 +455,7 @@ class RingFlexAttention(nn.Module):
     config that turns it on runs with ``use_cache=False`` and warns once.
     """
 
-    def __init__(self, module: nn.Module, *, group=None, layout: str = "zigzag", backend: str = "auto",
+    def __init__(self, module: nn.Module, *, group=None, layout=None, backend: str = "auto",
                  mask_mod: Optional[Callable] = None, checkpoint: bool = False):
         super().__init__()
         if not isinstance(module, nn.Module):

@@ -28,10 +28,10 @@ def _group_size(group) -> int:
     return meshes.world_size(group)
 
 
-def shard_batch(batch, *, dim: int = 1, group=None, layout: str = "zigzag"):
+def shard_batch(batch, *, dim: int = 1, group=None, layout=None):
     """This rank's shard, along ``dim``, of every tensor of ``batch`` (a tensor, a mapping, a
     list or a (named) tuple); other values pass unchanged. Shard inputs, labels and position ids together
-    so that every token keeps its label and its global position."""
+    so that every token keeps its label and its global position. ``layout``: as ``shard``'s."""
     if isinstance(batch, Tensor):
         return shard(batch, dim, group, layout)
     if isinstance(batch, Mapping):
@@ -47,8 +47,10 @@ def shard_batch(batch, *, dim: int = 1, group=None, layout: str = "zigzag"):
     return batch
 
 
-def position_ids(seq_len: int, *, group=None, layout: str = "zigzag", device=None) -> Tensor:
-    """Global positions [seq_len // world_size] of this rank's tokens: pass them to RoPE."""
+def position_ids(seq_len: int, *, group=None, layout=None, device=None) -> Tensor:
+    """Global positions [seq_len // world_size] of this rank's tokens in ``layout`` (as
+    ``shard``'s; None: the default): pass them to RoPE."""
+    layout = layouts.or_default(layout)
     if meshes.describe(group) is not None:  # a heads x ring mesh: its own order (``ringflex.mesh``)
         return meshes.positions(layout, seq_len, group, device)
     rank, world_size = rank_and_size(group)

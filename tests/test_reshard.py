@@ -169,3 +169,27 @@ def test_the_decision_pays_for_the_move():
     cost = {s.name: e["cost"] for s, e in compare(prefix_lm, 4 * per_rank, 4)}
     assert cost["striped"] < 0.9 * cost["zigzag"] and resharding(prefix_lm, 4 * per_rank, 4, "zigzag") is None
     assert resharding(mods.causal, 4 * per_rank, 4, "zigzag") is None
+
+
+def _through_the_mode(rank, world_size):
+    """SDPA inside a ``RingFlexMode`` that chose no layout, with the window as the mode's mask:
+    the call re-shards as a direct call in the default layout does."""
+    import torch.nn.functional as F
+
+    seq_len = PER_RANK * world_size
+    q, k, v, dout, _ = _inputs(seq_len)
+    q, k, v, dout = (t[:, :HKV] for t in (q, k, v, dout))  # one head count: SDPA without GQA
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = attention(*full, mask_mod=MASKS["window"](seq_len))
+    (want * dout).sum().backward()
+    local = [ringflex.shard(t, 2).requires_grad_() for t in (q, k, v)]
+    with ringflex.RingFlexMode(mask_mod=MASKS["window"](seq_len), backend="reference"):
+        out = F.scaled_dot_product_attention(*local)
+    (out * ringflex.shard(dout, 2)).sum().backward()
+    pairs = [(out, want), *((x.grad, y.grad) for x, y in zip(local, full))]
+    return max((g.detach() - ringflex.shard(w, 2)).abs().max().item() for g, w in pairs), len(reshard._ROUTES)
+
+
+def test_a_mode_without_a_layout_reshards_as_the_call_does():
+    for error, routes in run_world(4, _through_the_mode):
+        assert error < 1e-10 and routes > 0

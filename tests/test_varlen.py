@@ -92,11 +92,23 @@ def _ring(rank, world_size, layout, causal, with_sinks):
     if with_sinks:  # the padding's rows, which no loss reads, add nothing to it
         dist.all_reduce(local_sinks.grad)
         errors.append((local_sinks.grad - want[4]).abs().max().item())
+    if layout is None:  # chosen from the mask, the same on every rank
+        assert isinstance(packed.layout, ringflex.Sharding)
+        errors.append(float(len(set(_gathered_digests(packed.layout.digest()))) - 1))
     return packed.padded_len, errors
 
 
+def _gathered_digests(value):
+    import torch.distributed as dist
+
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 @pytest.mark.parametrize("world_size,layout,causal,padded_len,with_sinks", [
-    (2, "zigzag", True, 28, False), (3, "contiguous", False, 27, False), (2, "zigzag", True, 28, True)])
+    (2, "zigzag", True, 28, False), (3, "contiguous", False, 27, False), (2, "zigzag", True, 28, True),
+    (3, None, True, 30, False), (4, None, False, 32, True)])  # None: the sharding chosen from the sequences
 def test_varlen_ring_matches_each_sequence_alone(world_size, layout, causal, padded_len, with_sinks):
     for rank, (got_len, errors) in enumerate(run_world(world_size, _ring, layout, causal, with_sinks)):
         assert got_len == padded_len

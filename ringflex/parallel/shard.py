@@ -45,7 +45,7 @@ def shard(x: Tensor, dim: int, group=None, layout=None) -> Tensor:
     of ``LAYOUTS``, a ``Sharding`` (``ringflex.shard_by_mask``), or None: "zigzag", the
     default of ``ring_flex_attention`` too. ``group`` may be a heads x ring mesh (``ringflex.heads``).
     """
-    layout = layouts.DEFAULT if layout is None else layout
+    layout = layouts.or_default(layout)
     heads_ring = meshes.describe(group)
     if heads_ring is not None:
         return _shard_over_mesh(x, dim, heads_ring, layout)
@@ -115,7 +115,7 @@ def unshard(x: Tensor, dim: int, group=None, layout=None) -> Tensor:
     The result is a value every rank holds alike; its gradient on each rank flows back into
     that rank's own shard (so a loss computed identically on every rank is counted once).
     """
-    layout = layouts.DEFAULT if layout is None else layout
+    layout = layouts.or_default(layout)
     heads_ring = meshes.describe(group)
     if heads_ring is not None:
         return _unshard_over_mesh(x, dim, heads_ring, layout)

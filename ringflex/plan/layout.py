@@ -27,6 +27,11 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 DEFAULT = "zigzag"  # shard's and ring_flex_attention's: balances causal work
 
 
+def or_default(layout):
+    """``layout``, or ``DEFAULT`` where the caller chose none (None): the layout tokens are in."""
+    return DEFAULT if layout is None else layout
+
+
 @dataclass(frozen=True)
 class Segment:
     """Global positions ``start + stride * i`` for ``i < length`` of one run of local tokens."""
