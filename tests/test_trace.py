@@ -386,3 +386,12 @@ def test_tensors_requiring_grad_are_found_where_grad_mode_is_on():
     assert tensors_requiring_grad(None) == ()
     with torch.no_grad():
         assert tensors_requiring_grad(learnable) == ()
+
+
+def test_a_mod_is_traced_where_its_tensors_live():
+    """Without a device the trace takes its captured tensors' (document ids on a GPU; here the
+    meta device), and is the very trace a caller naming that device gets: a mod's traces are
+    kept for one device, and callers that disagreed would trace it again at every turn."""
+    ids = torch.zeros(8, dtype=torch.int64, device="meta")
+    mask = mods.document(ids)
+    assert trace_mask_mod(mask) is trace_mask_mod(mask, torch.device("meta"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import numbers
 import types
-from typing import List
+from typing import List, Optional
 
 from torch import Tensor
 from torch.nn import Module
@@ -19,10 +19,10 @@ PLAIN = (type(None), bool, int, float, complex, str, bytes, numbers.Number)
 _MAX_DEPTH = 8
 
 
-def device_of(fn):
-    """The device of the first tensor ``fn`` captured (document ids on a GPU), or None: where
-    its trace must put the tensors it makes, and so the one device its traces are kept for."""
-    return next((p.device for p in parts(fn) if isinstance(p, Tensor)), None)
+def device_of(fn, found: Optional[List[object]] = None):
+    """The device of the first tensor ``fn`` captured (document ids on a GPU), or None
+    (``found``: its ``parts``, where the caller walked them already)."""
+    return next((p.device for p in (parts(fn) if found is None else found) if isinstance(p, Tensor)), None)
 
 
 def parts(fn) -> List[object]:

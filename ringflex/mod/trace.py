@@ -301,6 +301,8 @@ def _traced(fn, parts, inputs, kind, device, where: str) -> ModGraph:
 
 def _cached(fn, inputs, kind, device) -> ModGraph:
     parts = captured.parts(fn)
+    if device is None:  # where its tensors live: a mod's traces are kept for one device, so every caller agrees
+        device = captured.device_of(fn, parts)
     where = str(torch.device(device)) if device is not None else "cpu"
     # a write into a captured tensor is a new key: a trace may have read its values on the host
     # (``int(window)``); where it read none, the mod takes its template again (``_traced``)

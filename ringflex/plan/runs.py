@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..mod import captured
 from ..mod.band import band_and_rest
 from ..mod.graph import Node, UnsupportedModError
 from ..mod.trace import trace_mask_mod
@@ -130,8 +129,6 @@ def band_runs(mask_mod: Optional[Callable], seq_len: int, device=None) -> Option
     none (another mask, ids whose values come back after another, no mask at all)."""
     if mask_mod is None:
         return None
-    if device is None:  # where the tensors it captured live (document ids on a GPU)
-        device = captured.device_of(mask_mod)
     try:
         split = band_and_rest(trace_mask_mod(mask_mod, device))
     except UnsupportedModError:

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..mod import captured
 from ..mod.band import diagonal_band
 from ..mod.graph import UnsupportedModError
 from ..mod.fingerprint import fingerprint
@@ -123,8 +122,8 @@ def _compares_order_only(mask_mod, device) -> bool:
     """Whether ``mask_mod`` only compares q_idx with kv_idx (``plan._local_order_hop``)."""
     if mask_mod is None:
         return False
-    try:  # traced where its tensors live, as every other trace of it: a mod's traces are kept for one device
-        return diagonal_band(trace_mask_mod(mask_mod, device or captured.device_of(mask_mod))) in _ORDER_BANDS
+    try:
+        return diagonal_band(trace_mask_mod(mask_mod, device)) in _ORDER_BANDS
     except UnsupportedModError:
         return False
 
@@ -332,9 +331,7 @@ def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, docu
                          "a ring's shards have equal sizes")
     if document_ids is not None and tuple(document_ids.shape) != (seq_len,):
         raise ValueError(f"document_ids must have shape [{seq_len}], got {tuple(document_ids.shape)}")
-    if device is None:  # one device for every trace of the mask below: its traces are kept per device
-        device = captured.device_of(mask_mod) if mask_mod is not None else None
-        device = device if device is not None or document_ids is None else document_ids.device
+    device = device if device is not None else (document_ids.device if document_ids is not None else None)
     fixed = [Sharding.of_layout(name, seq_len, world_size) for name in LAYOUTS
              if seq_len % divisor(name, world_size) == 0]
     work = mask_work(mask_mod, seq_len, batch=batch, heads=heads, device=device)
