@@ -102,7 +102,7 @@ def ring_flex_attention(
     docs/reliability.md).
     """
     chose_layout = layout is not None
-    layout = layout if chose_layout else layouts.DEFAULT
+    layout = layouts.or_default(layout)
     heads_ring = meshes.describe(group)
     if heads_ring is not None:
         return heads.attention(heads_ring, ring_flex_attention, q, k, v, score_mod=score_mod, mask_mod=mask_mod,
