@@ -29,7 +29,7 @@ def _fault_in_forward(score, b, h, q_idx, kv_idx):
 
 def _fault_in_backward(score, b, h, q_idx, kv_idx):
     """Raises on rank 2 at backward step 0, where it holds rank 3's block (the block forward
-    ended on), before it sends its first partial dK/dV: every other rank needs that sum."""
+    ended on), before it sends its first dK/dV share (every rank waits for a share from it)."""
     if dist.get_rank() == 2 and torch.is_grad_enabled() and 3 * L <= int(kv_idx.min()):
         raise RuntimeError("injected fault")
     return score

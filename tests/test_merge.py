@@ -157,6 +157,34 @@ def test_three_parts_are_summed_in_one_pass_after_a_part_written_in_place(whole_
     assert got.data_ptr() == into.data_ptr() and torch.equal(got, want.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("count", [4, 5, 8])
+def test_up_to_four_parts_are_summed_in_one_pass(monkeypatch, count):
+    """Parts of the same rows are kept as they came up to three, and the fourth sums all four
+    in one pass (a ring's dq over four ranks: no fp32 buffer); more parts go to an fp32 sum
+    of the first four, kept with up to two more until a pass can take four. Bit for bit the
+    sum in arrival order, rounded once."""
+    from ringflex.kernels import merge
+
+    passes = []
+    real = merge.sum_parts
+    monkeypatch.setattr(merge, "sum_parts", lambda d, parts, acc: passes.append((len(parts), d.dtype)) or
+                        real(d, parts, acc))
+    ranges = [(0, LENGTH)] * count
+    parts = _parts(ranges, torch.bfloat16)
+    want = _summed(ranges, parts)
+    total = RowSum([want.shape], torch.bfloat16, torch.float32, "cpu", ranges)
+    for r, p in zip(ranges, parts):
+        total.add(r, p)
+    (got,) = total.result()
+    assert torch.equal(got, want.to(torch.bfloat16))
+    if count == 4:
+        assert passes == [(4, torch.bfloat16)] and total.acc is None and got is parts[-1]
+    elif count == 5:
+        assert passes == [(4, torch.float32), (2, torch.bfloat16)]
+    else:
+        assert passes == [(4, torch.float32), (4, torch.float32), (2, torch.bfloat16)]
+
+
 @pytest.mark.parametrize("last", ["a view", "another dtype", "not last"])
 def test_a_part_that_cannot_be_the_result_is_summed_aside(last):
     ranges = [(0, 8), (0, LENGTH)] if last != "not last" else [(0, LENGTH), (0, 8)]

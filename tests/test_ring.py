@@ -359,13 +359,13 @@ def _with_kernel(kernel):
 
 @contextlib.contextmanager
 def _recorded_transfers(describe):
-    """Yields a list that gets ``describe(comm, send, reverse)`` of every transfer made inside."""
+    """Yields a list that gets ``describe(comm, send, shift)`` of every transfer made inside."""
     from ringflex.parallel import fault
     seen, original = [], fault.GuardedComm.exchange
 
-    def recording(self, send, recv, reverse=False):
-        seen.append(describe(self, send, reverse))
-        return original(self, send, recv, reverse)
+    def recording(self, send, recv, shift=1):
+        seen.append(describe(self, send, shift))
+        return original(self, send, recv, shift)
 
     fault.GuardedComm.exchange = recording
     try:
@@ -375,38 +375,40 @@ def _recorded_transfers(describe):
 
 
 def _transfers(rank, world_size, kernel=None):
-    """The transfers of one forward and one backward: (pass, direction, tensors, dtypes)."""
+    """The transfers of one forward and one backward: (pass, shift, tensors, dtypes)."""
     if kernel is not None:
         _with_kernel(kernel)
-    with _recorded_transfers(lambda comm, send, reverse: (comm.phase, "reverse" if reverse else "forward", len(send),
-                                                          tuple(str(t.dtype) for t in send))) as seen:
+    with _recorded_transfers(lambda comm, send, shift: (comm.phase, shift, len(send),
+                                                        tuple(str(t.dtype) for t in send))) as seen:
         q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         ringflex.ring_flex_attention(q, k, v, layout="contiguous").sum().backward()
     return seen
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_backward_sends_no_finished_gradient(world_size):
+def test_backward_sends_each_share_straight_to_the_owner(world_size):
     """Backward starts on the block forward ended on and runs the ring in reverse, so each
-    block's last stop is its owner: N - 2 K/V transfers (the owner holds its block), N - 1
-    transfers of dK/dV partial sums (the first, one rank's share, in the dtype the kernel
-    returned it in: fp32 for the reference kernel; sums of several in fp32), and none of the finished gradient, which nothing could hide behind."""
+    block's last stop is its owner: N - 2 K/V transfers to the previous rank (the owner holds
+    its block), and at each other step every rank's share of the block it holds goes straight
+    to that block's owner, the rank as many before it as the steps left, in the dtype the
+    kernel returned it in (fp32 for the reference kernel): no partial sum travels on, and no
+    finished gradient, which nothing could hide behind."""
     bf16, fp32 = ("torch.bfloat16",) * 2, ("torch.float32",) * 2
-    expected = sorted([("forward", "forward", 2, bf16)] * (world_size - 1)
-                      + [("backward", "reverse", 2, bf16)] * (world_size - 2)
-                      + [("backward", "reverse", 2, fp32)] * (world_size - 1))
+    expected = sorted([("forward", 1, 2, bf16)] * (world_size - 1)
+                      + [("backward", -1, 2, bf16)] * (world_size - 2)
+                      + [("backward", -distance, 2, fp32) for distance in range(1, world_size)])
     for seen in run_world(world_size, _transfers):
         assert sorted(seen) == expected
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_first_partial_sum_travels_as_the_kernel_returned_it(world_size):
-    """A kernel that returns dk/dv in the input dtype (cuDNN) sends the first partial sum,
-    one rank's share, in that dtype: half the bytes of fp32 and nothing rounded twice."""
-    bf16, fp32 = ("torch.bfloat16",) * 2, ("torch.float32",) * 2
-    expected = sorted([("forward", "forward", 2, bf16)] * (world_size - 1)
-                      + [("backward", "reverse", 2, bf16)] * (world_size - 2 + 1)  # K/V blocks, the first sum
-                      + [("backward", "reverse", 2, fp32)] * (world_size - 2))
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shares_travel_as_the_kernel_returned_them(world_size):
+    """A kernel that returns dk/dv in the input dtype (cuDNN) sends its shares in that dtype:
+    half the bytes of fp32 and nothing rounded twice."""
+    bf16 = ("torch.bfloat16",) * 2
+    expected = sorted([("forward", 1, 2, bf16)] * (world_size - 1)
+                      + [("backward", -1, 2, bf16)] * (world_size - 2)  # K/V blocks
+                      + [("backward", -distance, 2, bf16) for distance in range(1, world_size)])
     for seen in run_world(world_size, _transfers, _RoundingKernel()):
         assert sorted(seen) == expected
 
@@ -614,7 +616,7 @@ def _short_ring(rank, world_size, mask_name, kernel=None):
     want = attention(*full, mask_mod=mask)
     want.backward(dout)
     parts = [ringflex.shard(t, 2, layout="contiguous").requires_grad_() for t in (q, k, v)]
-    with _recorded_transfers(lambda comm, send, reverse: (comm.phase, tuple(t.shape[2] for t in send))) as seen:
+    with _recorded_transfers(lambda comm, send, shift: (comm.phase, tuple(t.shape[2] for t in send))) as seen:
         out = ringflex.ring_flex_attention(*parts, mask_mod=mask, layout="contiguous")
         out.backward(ringflex.shard(dout, 2, layout="contiguous"))
     errors = [(a - ringflex.shard(b, 2, layout="contiguous")).abs().max().item()
@@ -625,8 +627,8 @@ def _short_ring(rank, world_size, mask_name, kernel=None):
 @pytest.mark.parametrize("mask_name, forward, backward", [("window", 1, 1), ("aligned_documents", 0, 0)])
 def test_ring_stops_where_no_rank_needs_further_blocks(mask_name, forward, backward, monkeypatch):
     """A sliding window over the contiguous layout needs the previous rank's block only: the
-    ring runs two steps on 4 ranks (one K/V transfer forward; backward one partial sum and no
-    K/V block), not four. Documents that end at rank boundaries need no transfer at all.
+    ring runs two steps on 4 ranks (one K/V transfer forward; backward one exchange of dK/dV
+    shares and no K/V block), not four. Documents that end at rank boundaries need no transfer at all.
     (Without lending, whose transfers tests/test_lending.py counts.)"""
     monkeypatch.setenv("RINGFLEX_LENDING", "0")
     for seen, error in run_world(4, _short_ring, mask_name):
@@ -639,11 +641,11 @@ def test_ring_stops_where_no_rank_needs_further_blocks(mask_name, forward, backw
 def test_only_the_rows_other_ranks_read_travel(world_size, monkeypatch):
     """With a kernel that reports which keys its calls reach, a window of 4 over the
     contiguous layout moves the last 3 rows of a block (of 8), widened to 4 (``widened``),
-    forward, and their partial dK/dV sums back; the last rank's block, which no rank reads,
-    moves no row. (Without lending.)"""
+    forward, and the dK/dV shares of those 3 rows back; the last rank's block, which no rank
+    reads, moves no row. (Without lending.)"""
     monkeypatch.setenv("RINGFLEX_LENDING", "0")
     for rank, (seen, error) in enumerate(run_world(world_size, _short_ring, "window", _WholeBlockKernel())):
-        forward, backward = (4, 4) if rank < world_size - 1 else (0, 0), (4, 4) if rank > 0 else (0, 0)
+        forward, backward = (4, 4) if rank < world_size - 1 else (0, 0), (3, 3) if rank > 0 else (0, 0)
         assert seen == [("forward", forward), ("backward", backward)], (rank, seen)
         assert error < 1e-10
 

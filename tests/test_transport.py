@@ -46,34 +46,35 @@ class _Flags:
 def _ranks(world_size: int):
     """One PeerTransport per simulated rank, their mailboxes plain CPU tensors they share."""
     flags = _Flags()
-    total = peer._FLAGS_BYTES + 2 * peer.SLOTS * peer.SLOT_BYTES
+    shifts = peer.channel_shifts(world_size)
+    total = peer._FLAGS_BYTES + len(shifts) * peer.SLOTS * peer.SLOT_BYTES
     mailboxes = [torch.zeros(total, dtype=torch.uint8) for _ in range(world_size)]
     ranks = []
     for r in range(world_size):
         t = object.__new__(peer.PeerTransport)
-        t.driver, t.rank, t.mailbox = flags, r, mailboxes[r]
-        t.to = [(r + 1) % world_size, (r - 1) % world_size]
-        t.source = [t.to[1], t.to[0]]
+        t.driver, t.rank, t.mailbox, t.size, t.shifts = flags, r, mailboxes[r], world_size, shifts
+        t.to = [(r + s) % world_size for s in shifts]
+        t.source = [(r - s) % world_size for s in shifts]
         t.peer_mailbox = {p: mailboxes[p] for p in t.to}
         t.base = {p: mailboxes[p].data_ptr() for p in range(world_size)}
-        t.sent, t.received = [0, 0], [0, 0]
+        t.sent, t.received = [0] * len(shifts), [0] * len(shifts)
         ranks.append(t)
     return ranks
 
 
-def _exchange_all(ranks, reverse: bool, sizes, g):
-    """Every rank sends chunks of ``sizes`` bytes, then every rank receives; returns whether
-    each received what its source sent."""
-    direction = int(reverse)
+def _exchange_all(ranks, shift: int, sizes, g):
+    """Every rank sends chunks of ``sizes`` bytes to the rank ``shift`` ahead, then every rank
+    receives; returns whether each received what its source sent."""
+    channel = peer.channel_of(shift, len(ranks))
     sends = [[torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes] for _ in ranks]
     recvs = [[torch.empty(n, dtype=torch.uint8) for n in sizes] for _ in ranks]
     for t, send in zip(ranks, sends):
         for data in send:
-            t._send(0, direction, data)
+            t._send(0, channel, data)
     for t, recv in zip(ranks, recvs):
         for data in recv:
-            t._receive(0, direction, data)
-    sources = [(r + (1 if reverse else -1)) % len(ranks) for r in range(len(ranks))]
+            t._receive(0, channel, data)
+    sources = [(r - shift) % len(ranks) for r in range(len(ranks))]
     return [all(torch.equal(got, sent) for got, sent in zip(recv, sends[source]))
             for recv, source in zip(recvs, sources)]
 
@@ -82,24 +83,37 @@ def _end_pass(ranks) -> None:
     """``end_pass`` without CUDA: each rank's uses without data, senders first."""
     for count, chunk in (("sent", "_send_chunk"), ("received", "_receive_chunk")):
         for t in ranks:
-            for direction in (0, 1):
-                for slot in peer.odd_slots(getattr(t, count)[direction]):
-                    getattr(t, chunk)(0, direction, slot, peer.MARKS[1])
-                getattr(t, count)[direction] = 0
+            for channel in range(len(t.shifts)):
+                for slot in peer.odd_slots(getattr(t, count)[channel]):
+                    getattr(t, chunk)(0, channel, slot, peer.MARKS[1])
+                getattr(t, count)[channel] = 0
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_chunks_reach_the_right_neighbour_through_the_slots(world_size, monkeypatch):
-    """The mailbox protocol: each byte lands where the receiver reads it, in both directions,
+def test_each_shift_has_a_channel():
+    """+1 and -1 have channels of their own, even where they reach the same rank (two ranks);
+    every other distance one more, whichever sign names it."""
+    assert peer.channel_shifts(2) == peer.channel_shifts(3) == [1, -1]
+    assert peer.channel_shifts(5) == [1, -1, 2, 3]
+    assert [peer.channel_of(s, 2) for s in (1, -1)] == [0, 1]
+    assert [peer.channel_of(s, 3) for s in (1, -1, 2, -2)] == [0, 1, 1, 0]
+    assert [peer.channel_of(s, 5) for s in (1, -1, 2, -2, 3, -3, 4, -4)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    with pytest.raises(ValueError, match="itself"):
+        peer.channel_of(4, 4)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+def test_chunks_reach_the_right_rank_through_the_slots(world_size, monkeypatch):
+    """The mailbox protocol: each byte lands where the receiver reads it, in every channel,
     over several uses of every slot. Here every rank's sends run before the receives, so an
     exchange takes at most SLOTS chunks (a larger one needs both ends at once, as on the
     GPUs: tests/gpu/test_peer_transport.py moves 9 slots' worth)."""
     monkeypatch.setattr(peer, "SLOT_BYTES", 64)
     ranks = _ranks(world_size)
     g = torch.Generator().manual_seed(0)
-    for reverse, sizes in [(False, [100, 28]), (True, [256]), (False, [1, 64, 120]),
-                           (True, [65]), (False, [256]), (True, [190, 3])]:
-        assert _exchange_all(ranks, reverse, sizes, g) == [True] * world_size
+    for shift, sizes in [(1, [100, 28]), (-1, [256]), (1, [1, 64, 120]), (-2, [65]), (1, [256]), (-1, [190, 3]),
+                         (2, [64, 30]), (-3, [129]), (3, [7])]:
+        if shift % world_size:
+            assert _exchange_all(ranks, shift, sizes, g) == [True] * world_size
 
 
 @pytest.mark.parametrize("chunks", [1, 3, 4, 5, 8])
@@ -110,11 +124,11 @@ def test_a_pass_leaves_the_flags_as_it_found_them(chunks, monkeypatch):
     monkeypatch.setattr(peer, "SLOT_BYTES", 64)
     ranks = _ranks(2)
     flags, g = ranks[0].driver, torch.Generator().manual_seed(1)
-    for reverse in (False, True, False):
+    for shift in (1, -1, 1):
         before = dict(flags.values)
         for _ in range(2):  # the pass, then its replay: the same chunks in the same slots
             for step in range(chunks):
-                assert _exchange_all(ranks, reverse, [64], g) == [True, True], step
+                assert _exchange_all(ranks, shift, [64], g) == [True, True], step
             _end_pass(ranks)
             after = {a: v for a, v in flags.values.items() if before.get(a, peer.MARKS[1]) != v}
             assert after == {}, after
@@ -128,7 +142,7 @@ def test_a_slot_used_oddly_holds_the_first_mark_until_the_pass_ends(monkeypatch)
     monkeypatch.setattr(peer, "SLOT_BYTES", 64)
     ranks = _ranks(2)
     flags, g = ranks[0].driver, torch.Generator().manual_seed(2)
-    assert _exchange_all(ranks, False, [64], g) == [True, True]  # slot 0 used once
+    assert _exchange_all(ranks, 1, [64], g) == [True, True]  # slot 0 used once
     ready = ranks[1]._flag(1, peer._READY, 0, 0)
     assert flags.values[ready] == peer.slot_of(0)[1]
     _end_pass(ranks)

@@ -356,8 +356,8 @@ def _debug_checks(rank, world_size):
     from ringflex.parallel import fault
     original = fault.GuardedComm.exchange
 
-    def corrupting(self, send, recv, reverse=False):
-        pending = original(self, send, recv, reverse)
+    def corrupting(self, send, recv, shift=1):
+        pending = original(self, send, recv, shift)
 
         class Corrupted:
             def wait(self_inner):
@@ -427,12 +427,12 @@ def test_check_transfer_names_the_fault():
     # The backward ring passes blocks to the previous rank: rank r receives from rank r + 1.
     received = {1: 2, 2: 3, 3: 1}  # what each of three ranks sent -> what reached it, backwards
     three = [[2, 0, 11, sent, 1, 11, received[sent], 1] for sent in (1, 2, 3)]
-    _check_transfer(three, 3, "backward", reverse=True)
+    _check_transfer(three, 3, "backward", shift=-1)
     with pytest.raises(RingDebugError, match="rank 0 received other bytes than rank 2 sent"):
         _check_transfer(three, 3, "forward")
     three[0][6] = 9
     with pytest.raises(RingDebugError, match="rank 0 received other bytes than rank 1 sent"):
-        _check_transfer(three, 3, "backward", reverse=True)
+        _check_transfer(three, 3, "backward", shift=-1)
 
 
 def test_lookups_of_a_mod_used_every_call_are_checked_once(monkeypatch):

@@ -87,8 +87,8 @@ class HopKernel(Protocol):
         ...
 
     def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype of the dk/dv ``backward`` returns for inputs of ``dtype``. A ring's first
-        partial dK/dV sum (one rank's share) travels in it: no wider than needed, never rounded."""
+        """The dtype of the dk/dv ``backward`` returns for inputs of ``dtype``. A rank's dK/dV
+        share of a block travels to the block's owner in it: no wider than needed, never rounded."""
         ...
 
 

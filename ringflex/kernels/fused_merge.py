@@ -1,5 +1,5 @@
 """Partial results combined in one pass on a CUDA GPU (Triton): the log-sum-exp merge of two
-attention outputs, the sum of two or three gradient parts, and the copy of a block's rows.
+attention outputs, the sum of two to four gradient parts, and the copy of a block's rows.
 
 In torch the merge takes two passes over the rows (one part scaled into an fp32 temporary,
 then the other added into the result), and a sum of bf16 parts that must not be rounded
@@ -35,7 +35,7 @@ def applies(d: Tensor, a: Tensor, b: Tensor, lse_a: Tensor, lse_b: Tensor, res_a
 
 def sum_applies(d: Tensor, parts: Sequence[Tensor]) -> bool:
     """Whether ``add`` can take these tensors (laid out as ``applies`` asks, no float64)."""
-    return 1 <= len(parts) <= 3 and _in_rows_of_one_gpu(d, *parts)
+    return 1 <= len(parts) <= 4 and _in_rows_of_one_gpu(d, *parts)
 
 
 def _in_rows_of_one_gpu(d: Tensor, *others: Tensor) -> bool:
@@ -71,14 +71,15 @@ def merge(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor, res_a: 
 
 
 def add(d: Tensor, parts: Sequence[Tensor]) -> None:
-    """d = the sum of one to three [B, H, L, D] ``parts``, in fp32, rounded once into ``d``
+    """d = the sum of one to four [B, H, L, D] ``parts``, in fp32, rounded once into ``d``
     (which may be one of them); one part: a copy."""
-    a, b, c = (list(parts) + [parts[0]] * 2)[:3]
-    for rows in _launches(a, b, c, d):
-        a_, b_, c_, d_ = rows
+    a, b, c, e = (list(parts) + [parts[0]] * 3)[:4]  # unread beyond ``len(parts)``
+    for rows in _launches(a, b, c, e, d):
+        a_, b_, c_, e_, d_ = rows
         _kernels()[1][_grid(d_)](
-            a_, b_, c_, d_, d.shape[1], d_.shape[2], d.shape[3],
-            *_in_rows(a_), *_in_rows(b_), *_in_rows(c_), *_in_rows(d_), PARTS=len(parts), **_blocks(d))
+            a_, b_, c_, e_, d_, d.shape[1], d_.shape[2], d.shape[3],
+            *_in_rows(a_), *_in_rows(b_), *_in_rows(c_), *_in_rows(e_), *_in_rows(d_), PARTS=len(parts),
+            **_blocks(d))
 
 
 def _launches(*tensors: Tensor):
@@ -158,9 +159,11 @@ def _kernels():
             tl.store(res_a + batch * ra_sb + head * ra_sh + row64 * ra_sl,
                      tl.where(seen, (top - merged) + log_sum, 0.0), mask=in_rows)
 
-    @triton.jit(do_not_specialize=["heads", "length", "a_rb", "a_rh", "b_rb", "b_rh", "c_rb", "c_rh", "d_rb", "d_rh"])
-    def sum_parts(a, b, c, d, heads, length, dim, a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, c_rb, c_rh, c_sl,
-                  d_rb, d_rh, d_sl, PARTS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+    @triton.jit(do_not_specialize=["heads", "length", "a_rb", "a_rh", "b_rb", "b_rh", "c_rb", "c_rh", "e_rb", "e_rh",
+                                   "d_rb", "d_rh"])
+    def sum_parts(a, b, c, e, d, heads, length, dim, a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, c_rb, c_rh, c_sl,
+                  e_rb, e_rh, e_sl, d_rb, d_rh, d_sl, PARTS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                  BLOCK_DIM: tl.constexpr):
         bh = tl.program_id(0)
         batch, head = (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
         row = (tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
@@ -172,6 +175,8 @@ def _kernels():
             total += tl.load(b + (batch * b_rb + head * b_rh + row[:, None]) * b_sl + cols, mask=both).to(tl.float32)
         if PARTS > 2:
             total += tl.load(c + (batch * c_rb + head * c_rh + row[:, None]) * c_sl + cols, mask=both).to(tl.float32)
+        if PARTS > 3:
+            total += tl.load(e + (batch * e_rb + head * e_rh + row[:, None]) * e_sl + cols, mask=both).to(tl.float32)
         tl.store(d + (batch * d_rb + head * d_rh + row[:, None]) * d_sl + cols, total.to(d.dtype.element_ty),
                  mask=both)
 

@@ -51,8 +51,8 @@ class _Span:
     """Rows ``begin:end`` of a result: how many announced parts are still to come, and where
     their value is so far: nowhere (None), ``_ACC`` (the accumulator), ``_DONE`` (the result,
     complete), ``_IN_PLACE`` (the result, a single part written there through ``destination``),
-    ``(part, row0)``: rows of a part kept as it came, whose first row is ``row0``, or a
-    ``_Pair`` of two of these (sums only)."""
+    ``(part, row0)``: rows of a part kept as it came, whose first row is ``row0``, or
+    ``_Kept``: several of these (sums only)."""
 
     __slots__ = ("begin", "end", "remaining", "state")
 
@@ -63,17 +63,23 @@ class _Span:
 _ACC, _DONE, _IN_PLACE = "acc", "done", "in place"
 
 
-class _Pair:
-    """Two parts kept as they came, where one more is to come: the three are then summed in one pass."""
+class _Kept:
+    """Parts kept as they came (two or more, sums only; the accumulator may be one): the part
+    that completes the rows, or the one that fills a pass's inputs, sums them all in one pass."""
 
-    __slots__ = ("first", "second")
+    __slots__ = ("sources",)
 
-    def __init__(self, first, second):
-        self.first, self.second = first, second
+    def __init__(self, sources):
+        self.sources = tuple(sources)
 
     def __eq__(self, other) -> bool:
-        return (isinstance(other, _Pair) and _same_source(self.first, other.first)
-                and _same_source(self.second, other.second))
+        return (isinstance(other, _Kept) and len(self.sources) == len(other.sources)
+                and all(_same_source(a, b) for a, b in zip(self.sources, other.sources)))
+
+
+def _sources(state) -> tuple:
+    """The parts a span keeps as they came, as a tuple of sources."""
+    return state.sources if isinstance(state, _Kept) else (state,)
 
 
 class _RowParts:
@@ -83,11 +89,13 @@ class _RowParts:
     accumulate in ``acc_dtype``, and the part that completes them writes the result dtype
     directly. So a row with one part costs a copy at most (none if one part is the whole
     result), a row with two parts one pass, and no row is rounded before its last part.
-    Where ``KEEPS_PAIRS`` (sums), a second part that leaves one to come is kept too, and the
-    third sums all three in one pass instead of widening the first into ``acc_dtype``.
+    Sums keep up to ``PASS_INPUTS - 1`` parts as they came (the accumulator counting as
+    one), so that one pass adds up to ``PASS_INPUTS`` of them: a ring's dq over four ranks
+    takes one pass, not three through an fp32 buffer; only a row with more parts than that
+    widens into ``acc_dtype``, and then takes a pass per three more parts.
     """
 
-    KEEPS_PAIRS = False
+    PASS_INPUTS = 2  # the most parts one pass combines
 
     def __init__(self, shapes: Sequence[torch.Size], dtype: torch.dtype, acc_dtype: torch.dtype, device,
                  expected: Sequence[Rows], empty=torch.empty):
@@ -170,10 +178,11 @@ class _RowParts:
         if group:
             yield group
 
-    def _stage(self, s: _Span) -> int:
-        """Spans combine alike if the part that reached them is their last, or (keeping pairs)
-        the last but one, for both or neither."""
-        return min(s.remaining, 2 if self.KEEPS_PAIRS else 1)
+    @staticmethod
+    def _stage(s: _Span) -> int:
+        """Spans in the same state combine alike if the part that reached them is their last
+        for both or neither."""
+        return min(s.remaining, 1)
 
     def _add(self, r: Rows, parts: Sequence[Tensor], combine) -> None:
         handed = self.handed_out.pop(r, None)
@@ -183,8 +192,8 @@ class _RowParts:
             if state is None:
                 self._first((b, e), (b - r[0], e - r[0]))
                 new_state = arrived
-            elif self.KEEPS_PAIRS and group[0].remaining == 1 and state != _ACC and not isinstance(state, _Pair):
-                new_state = _Pair(state, arrived)
+            elif group[0].remaining and len(_sources(state)) + 1 < self.PASS_INPUTS:
+                new_state = _Kept(_sources(state) + (arrived,))
             else:
                 new = [rows(p, (b - r[0], e - r[0])) for p in parts]
                 dest = [rows(t, (b, e)) for t in self._buffers(final)]
@@ -198,10 +207,10 @@ class _RowParts:
         return all(p.dtype == self.dtype and p.shape == s and p.is_contiguous() for p, s in zip(parts, self.shapes))
 
     def _kept(self, state, b: int, e: int) -> List[List[Tensor]]:
-        """The parts held for result rows ``b:e`` in ``state`` (one, or two for a ``_Pair``),
+        """The parts held for result rows ``b:e`` in ``state`` (one, or several ``_Kept``),
         each as views of its tensors over those rows."""
-        if isinstance(state, _Pair):
-            return self._kept(state.first, b, e) + self._kept(state.second, b, e)
+        if isinstance(state, _Kept):
+            return [part for source in state.sources for part in self._kept(source, b, e)]
         held, row0 = (self.acc, 0) if state == _ACC else (self.out, 0) if state == _IN_PLACE else state
         return [[rows(p, (b - row0, e - row0)) for p in held]]
 
@@ -291,7 +300,7 @@ class RowSum(_RowParts):
     dtype and layout (a kernel's fresh gradients), becomes the result, and the parts before
     it are added into it in place, so rows it alone covers are not copied (``_adopt``)."""
 
-    KEEPS_PAIRS = True
+    PASS_INPUTS = 4
 
     def add(self, r: Rows, *parts: Tensor) -> None:
         if not self._adopt(r, parts):
@@ -317,7 +326,7 @@ class RowSum(_RowParts):
 
 
 def sum_parts(d: Tensor, parts: Sequence[Tensor], acc_dtype: torch.dtype) -> None:
-    """``d`` = the sum of two or three ``parts``, computed in ``acc_dtype`` (or wider) and
+    """``d`` = the sum of two to four ``parts``, computed in ``acc_dtype`` (or wider) and
     rounded once into ``d``, which may be one of them. One fused pass on a CUDA GPU; torch's
     add where two whole tensors meet, which is as fast (over row views it takes twice as long)."""
     common = functools.reduce(torch.promote_types, [p.dtype for p in parts])
@@ -335,7 +344,9 @@ def sum_parts(d: Tensor, parts: Sequence[Tensor], acc_dtype: torch.dtype) -> Non
         return
     *first, last = parts  # widened first, or the sum is rounded to the parts' dtype
     total = first[0].to(torch.promote_types(torch.promote_types(common, d.dtype), acc_dtype))
-    torch.add(total + first[1] if len(first) == 2 else total, last, out=d)
+    for part in first[1:]:
+        total = total + part
+    torch.add(total, last, out=d)
 
 
 class RowMerge(_RowParts):

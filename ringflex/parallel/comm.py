@@ -1,4 +1,5 @@
-"""The ring's point-to-point exchange: send to the next rank while receiving from the previous (or the reverse).
+"""The ring's point-to-point exchange: send to the rank ``shift`` ahead while receiving from
+the one ``shift`` behind (the next and the previous rank by default; -1 the reverse).
 
 Between the GPUs of one host the copy engines carry it (``peer``); elsewhere the process
 group's batched P2P ops (NCCL, gloo)."""
@@ -37,28 +38,30 @@ def capture_error(t: Tensor, group) -> Optional[str]:
 
 
 class RingComm:
-    """Sends to rank+1 and receives from rank-1 of ``group`` (or the reverse) with batched P2P ops."""
+    """Sends to rank + shift and receives from rank - shift of ``group`` with batched P2P ops."""
 
     def __init__(self, group):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world_size)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world_size)
 
-    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], reverse: bool = False):
-        """Starts the transfer; call ``.wait()`` on the result before reading ``recv``, and
-        ``join_sends`` before the caller writes into ``send``. ``reverse``: send to the
-        previous rank and receive from the next. Empty tensors do not travel (a block none of
-        whose rows another rank reads).
+    def peer(self, shift: int) -> int:
+        """The global rank ``shift`` ranks after this one in the ring."""
+        return dist.get_global_rank(self.group, (self.rank + shift) % self.world_size)
+
+    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], shift: int = 1):
+        """Starts the transfer of ``send`` to the rank ``shift`` ahead while ``recv`` is filled
+        from the rank ``shift`` behind (every rank makes the same call); call ``.wait()`` on
+        the result before reading ``recv``, and ``join_sends`` before the caller writes into
+        ``send``. Empty tensors do not travel (a block none of whose rows another rank reads).
 
         It runs beside the compute launched meanwhile (NCCL and the copy engines use their own
         streams).
         """
         transport = self._copy_engines(send[0].device)
         if transport is not None:
-            return transport.exchange(send, recv, reverse)
-        to, source = (self.prev, self.next) if reverse else (self.next, self.prev)
+            return transport.exchange(send, recv, shift)
+        to, source = self.peer(shift), self.peer(-shift)
         ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send if t.numel()]
         ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv if t.numel()]
         return _Pending(dist.batch_isend_irecv(ops) if ops else [])

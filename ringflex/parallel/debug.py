@@ -83,17 +83,17 @@ class DebugComm(GuardedComm):
         super().__init__(group)
         self.transfers = dict.fromkeys(self._PHASES, 0)  # per pass of the ring
 
-    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], reverse: bool = False):
-        pending = super().exchange(send, recv, reverse)
+    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], shift: int = 1):
+        pending = super().exchange(send, recv, shift)
         index = self.transfers[self.phase]
         self.transfers[self.phase] += 1
-        return _CheckedPending(self, pending, send, recv, self.phase, index, reverse)
+        return _CheckedPending(self, pending, send, recv, self.phase, index, shift)
 
 
 class _CheckedPending:
-    def __init__(self, comm: DebugComm, pending, send, recv, phase: str, index: int, reverse: bool):
+    def __init__(self, comm: DebugComm, pending, send, recv, phase: str, index: int, shift: int):
         self.comm, self.pending, self.send, self.recv, self.phase, self.index = comm, pending, send, recv, phase, index
-        self.reverse = reverse
+        self.shift = shift
 
     def wait(self) -> None:
         self.pending.wait()
@@ -103,12 +103,12 @@ class _CheckedPending:
         received = [x for t in self.recv for x in _describe(t)]
         records = _agree(comm.group, None, f"the debug check of {self.phase} transfer {self.index}",
                          where + sent + received)
-        _check_transfer(records, len(sent), self.phase, self.reverse)
+        _check_transfer(records, len(sent), self.phase, self.shift)
 
 
-def _check_transfer(records, n: int, phase: str, reverse: bool = False) -> None:
+def _check_transfer(records, n: int, phase: str, shift: int = 1) -> None:
     """Raises RingDebugError (on every rank: all see the same records) if the transfer went wrong.
-    ``reverse``: each rank received from the next rank, not the previous one."""
+    ``shift``: each rank received from the rank ``shift`` before it."""
     world = len(records)
     where = {tuple(rec[:2]) for rec in records}
     if len(where) > 1:
@@ -116,7 +116,7 @@ def _check_transfer(records, n: int, phase: str, reverse: bool = False) -> None:
         raise RingDebugError(f"ring_flex_attention: the ranks are at different transfers ({detail})")
     index = records[0][1]
     for r, rec in enumerate(records):
-        source = (r + (1 if reverse else -1)) % world
+        source = (r - shift) % world
         sent, received = records[source][2:2 + n], rec[2 + n:2 + 2 * n]
         for t in range(0, n, 3):
             what = f"{phase} transfer {index}, tensor {t // 3}"

@@ -244,11 +244,11 @@ class GuardedComm(RingComm):
 
     phase = "ring"  # set by ``guard``: which pass of the ring the transfers belong to
 
-    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], reverse: bool = False):
-        pending = super().exchange(send, recv, reverse)
+    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], shift: int = 1):
+        pending = super().exchange(send, recv, shift)
         if send[0].is_cuda:
             return pending
-        source = (self.rank + (1 if reverse else -1)) % self.world_size
+        source = (self.rank - shift) % self.world_size
         return _PolledPending(pending.works, self.group,  # RingComm's pending holds its works
                               f"the {self.phase} transfer from rank {source}")
 

@@ -32,7 +32,7 @@ def lend_forward(call, q: Tensor, k: Tensor, v: Tensor, first_stream):
         # so it must not get memory that the compute's temporaries were freed from (the
         # current stream's), as ``_KVStream``'s first buffer must not.
         borrowed_q = new_rows(q, held, q.shape[3])
-        queries = call.comm.exchange([contiguous_rows(rows(q, sent))], [borrowed_q], reverse=True)
+        queries = call.comm.exchange([contiguous_rows(rows(q, sent))], [borrowed_q], shift=-1)
     if first_stream is not None:
         borrowed_q.record_stream(torch.cuda.current_stream(q.device))  # computed on, and saved for backward
     queries.wait()
@@ -74,7 +74,7 @@ def lend_backward(call, dout, out, lse, res, dlse):
         given.append(dlse if dlse is not None else torch.zeros_like(lse))
     send = [contiguous_rows(rows(t, _travelling(loan.lent, out))) for t in given]
     recv = [new_rows(t, _travelling(loan.borrowed, out), *t.shape[3:]) for t in given]
-    return call.comm.exchange(send, recv, reverse=True), recv
+    return call.comm.exchange(send, recv, shift=-1), recv
 
 
 def borrowed_backward(call, q, k, v, borrowed_q, borrowed_inputs, d_tensors):

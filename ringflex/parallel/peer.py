@@ -6,16 +6,17 @@ then sits on the critical path. A copy engine needs no SM, so its transfer runs 
 kernel and adds little to it.
 
 Each rank owns a mailbox in symmetric memory (``torch.distributed._symmetric_memory``; where
-ranks share a GPU, which it refuses, one mapped by CUDA IPC): for each direction of the
-ring, ``SLOTS`` slots of ``SLOT_BYTES`` and their flags. A transfer moves in chunks of at
-most a slot, copied by the driver's ``cuMemcpyAsync``. The sender waits until the slot is
-FREE, copies the chunk into the receiver's mailbox and raises the slot's READY flag there;
-the receiver waits for READY, copies the chunk out into its own tensor and raises FREE at
-the sender. Flags are
-written and awaited by CUDA stream memory operations (the driver's cuStreamWriteValue32 and
+ranks share a GPU, which it refuses, one mapped by CUDA IPC): for each channel, ``SLOTS``
+slots of ``SLOT_BYTES`` and their flags. A channel carries the transfers of one shift: to the
+next rank, to the previous one, and (backward's dK/dV shares, which go straight to the
+block's owner) to each rank further away: ``max(2, world - 1)`` channels. A transfer moves in
+chunks of at most a slot, copied by the driver's ``cuMemcpyAsync``. The sender waits until
+the slot is FREE, copies the chunk into the receiver's mailbox and raises the slot's READY
+flag there; the receiver waits for READY, copies the chunk out into its own tensor and raises
+FREE at the sender. Flags are written and awaited by CUDA stream memory operations (the driver's cuStreamWriteValue32 and
 cuStreamWaitValue32), so no host thread and no SM takes part, and a rank waits only on
 flags in its own memory. Every rank makes the same transfers in the same order, so both
-ends of a link count the chunks of a pass of the ring (a forward or a backward) alike:
+ends of a channel count the chunks of a pass of the ring (a forward or a backward) alike:
 chunk ``c`` uses slot ``c % SLOTS``, and its flags carry the mark of the slot's use in the
 pass, ``MARKS[(c // SLOTS) % 2]``: a wait looks for that mark, so it is passed by the flag
 of this use and not of the one before. A pass ends (``end_pass``) by using once more, with
@@ -55,7 +56,7 @@ from .. import config
 from ..config import warn_once
 
 SLOT_BYTES = 32 << 20
-SLOTS = 4  # per direction: 256 MiB of mailbox per rank in all
+SLOTS = 4  # per channel: 128 MiB of mailbox per rank and channel
 _FLAGS_BYTES = 4096
 _READY, _FREE = 0, 1
 MARKS = (1, 2)  # a slot's flag after its even / odd uses in a pass; it starts as after an odd one
@@ -69,7 +70,7 @@ def chunks(nbytes: int) -> List[Tuple[int, int]]:
 
 
 def slot_of(chunk: int) -> Tuple[int, int]:
-    """The slot of the ``chunk``-th chunk of a pass in one direction, and the mark its flags carry."""
+    """The slot of the ``chunk``-th chunk of a pass in one channel, and the mark its flags carry."""
     return chunk % SLOTS, MARKS[(chunk // SLOTS) % 2]
 
 
@@ -81,6 +82,24 @@ def other(mark: int) -> int:
 def odd_slots(chunks: int) -> List[int]:
     """The slots that ``chunks`` chunks of a pass used an odd number of times."""
     return [s for s in range(SLOTS) if len(range(s, chunks, SLOTS)) % 2]
+
+
+def channel_shifts(world_size: int) -> List[int]:
+    """The shift each channel carries: +1 and -1 (the ring's two directions), then 2 to
+    ``world_size - 2`` (the ranks further away)."""
+    return [1, -1] + list(range(2, world_size - 1))
+
+
+def channel_of(shift: int, world_size: int) -> int:
+    """The channel of transfers to rank + ``shift``: +1 and -1 keep their own (on two ranks
+    both reach the other rank), another shift s (mod the world) takes channel s, where
+    ``world_size - 1`` is -1's and 1 is +1's."""
+    if shift in (1, -1):
+        return int(shift == -1)
+    s = shift % world_size
+    if s == 0:
+        raise ValueError("ringflex: a rank does not send to itself")
+    return {1: 0, world_size - 1: 1}.get(s, s)
 
 
 class _Driver:
@@ -124,17 +143,19 @@ class _Driver:
 
 
 class PeerTransport:
-    """The ring's exchange over copy engines and a mailbox per rank that its neighbours map
+    """The ring's exchange over copy engines and a mailbox per rank that the other ranks map
     (see module). ``shared_gpu``: some ranks share a GPU, where torch's symmetric memory
     refuses to map the mailboxes; CUDA IPC maps them instead (``_ipc_mailboxes``)."""
 
     def __init__(self, group, device: torch.device, shared_gpu: bool = False):
         self.device, self.driver = device, _Driver()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        # direction 0 sends to the next rank and receives from the previous one; 1 the reverse
-        self.to = [(rank + 1) % size, (rank - 1) % size]
-        self.source = [self.to[1], self.to[0]]
-        total = _FLAGS_BYTES + 2 * SLOTS * SLOT_BYTES
+        self.size = size
+        # channel c sends to rank + shifts[c] and receives from rank - shifts[c]
+        self.shifts = channel_shifts(size)
+        self.to = [(rank + shift) % size for shift in self.shifts]
+        self.source = [(rank - shift) % size for shift in self.shifts]
+        total = _FLAGS_BYTES + len(self.shifts) * SLOTS * SLOT_BYTES
         if shared_gpu:
             self.mailbox = torch.empty(total, dtype=torch.uint8, device=device)
             self.peer_mailbox = _ipc_mailboxes(group, self.mailbox, set(self.to))
@@ -148,41 +169,41 @@ class PeerTransport:
         _gather(group, None)  # no rank raises a flag in a mailbox before its owner has set them
         self.base = {r: mailbox.data_ptr() for r, mailbox in (*self.peer_mailbox.items(), (rank, self.mailbox))}
         self.rank = rank
-        self.streams = [(torch.cuda.Stream(device), torch.cuda.Stream(device)) for _ in range(2)]  # (send, recv)
-        self.sent, self.received = [0, 0], [0, 0]  # chunks of the pass, per direction
+        self.streams = [(torch.cuda.Stream(device), torch.cuda.Stream(device)) for _ in self.shifts]  # (send, recv)
+        self.sent, self.received = [0] * len(self.shifts), [0] * len(self.shifts)  # chunks of the pass, per channel
         # storage address -> the event of the last send that reads it; eager sends, and those
         # of the pass being captured (its events mean nothing outside the graph)
         self.sending, self.sending_captured = {}, {}
         self.captured = False  # whether a pass was captured in a CUDA graph (see ``end_pass``)
 
-    def _slot(self, owner: int, direction: int, slot: int) -> int:
+    def _slot(self, owner: int, channel: int, slot: int) -> int:
         """The address of a slot of ``owner``'s mailbox."""
-        return self.base[owner] + _FLAGS_BYTES + (direction * SLOTS + slot) * SLOT_BYTES
+        return self.base[owner] + _FLAGS_BYTES + (channel * SLOTS + slot) * SLOT_BYTES
 
-    def _flag(self, owner: int, kind: int, direction: int, slot: int) -> int:
-        return self.base[owner] + 4 * ((kind * 2 + direction) * SLOTS + slot)
+    def _flag(self, owner: int, kind: int, channel: int, slot: int) -> int:
+        return self.base[owner] + 4 * ((kind * len(self.shifts) + channel) * SLOTS + slot)
 
-    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], reverse: bool = False):
-        """Sends ``send`` to the next rank (previous if ``reverse``) while ``recv`` is filled from
-        the other neighbour; the copies start once the work queued so far on the current stream
-        is done. ``wait()`` on the result orders the current stream after them."""
-        direction = int(reverse)
+    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], shift: int = 1):
+        """Sends ``send`` to rank + ``shift`` while ``recv`` is filled from rank - ``shift``; the
+        copies start once the work queued so far on the current stream is done. ``wait()`` on
+        the result orders the current stream after them."""
+        channel = channel_of(shift, self.size)
         send = [t.contiguous() for t in send if t.numel()]
         recv = [t for t in recv if t.numel()]
         if any(not t.is_contiguous() for t in recv):
             raise ValueError("ringflex: a receive buffer of the copy-engine transport must be contiguous")
         sending = self._sending()
         queued = torch.cuda.current_stream(self.device).record_event()
-        send_stream, recv_stream = self.streams[direction]
+        send_stream, recv_stream = self.streams[channel]
         recv_stream.wait_event(queued)
         for event in self._still_sending(sending, recv):
             recv_stream.wait_event(event)
         for t in recv:
-            self._receive(recv_stream.cuda_stream, direction, t)
+            self._receive(recv_stream.cuda_stream, channel, t)
         received = recv_stream.record_event()
         send_stream.wait_event(queued)
         for t in send:
-            self._send(send_stream.cuda_stream, direction, t)
+            self._send(send_stream.cuda_stream, channel, t)
         sent = send_stream.record_event()
         for t in send:
             t.record_stream(send_stream)  # its memory is not reused before the send has read it
@@ -228,55 +249,55 @@ class PeerTransport:
         other streams than the transport's, would take for its own first chunk."""
         capturing = torch.cuda.is_current_stream_capturing()
         self.captured |= capturing
-        for direction, (send_stream, recv_stream) in enumerate(self.streams):
+        for channel, (send_stream, recv_stream) in enumerate(self.streams):
             for stream, count, chunk in ((send_stream, self.sent, self._send_chunk),
                                          (recv_stream, self.received, self._receive_chunk)):
-                if count[direction] == 0:
-                    continue  # this pass left the direction's streams alone
-                for slot in odd_slots(count[direction]):
-                    chunk(stream.cuda_stream, direction, slot, MARKS[1])  # an odd use of the slot
-                count[direction] = 0
+                if count[channel] == 0:
+                    continue  # this pass left the channel's streams alone
+                for slot in odd_slots(count[channel]):
+                    chunk(stream.cuda_stream, channel, slot, MARKS[1])  # an odd use of the slot
+                count[channel] = 0
                 if capturing or (self.captured and stream is recv_stream):
                     torch.cuda.current_stream(self.device).wait_stream(stream)
         if capturing:
             self.sending_captured.clear()
 
-    def _send(self, stream: int, direction: int, data: Tensor) -> None:
-        self._in_chunks(stream, direction, data, self.sent, self._send_chunk)
+    def _send(self, stream: int, channel: int, data: Tensor) -> None:
+        self._in_chunks(stream, channel, data, self.sent, self._send_chunk)
 
-    def _receive(self, stream: int, direction: int, data: Tensor) -> None:
-        self._in_chunks(stream, direction, data, self.received, self._receive_chunk)
+    def _receive(self, stream: int, channel: int, data: Tensor) -> None:
+        self._in_chunks(stream, channel, data, self.received, self._receive_chunk)
 
     @staticmethod
-    def _in_chunks(stream: int, direction: int, data: Tensor, count: List[int], chunk) -> None:
+    def _in_chunks(stream: int, channel: int, data: Tensor, count: List[int], chunk) -> None:
         """``data`` moved by ``chunk`` (``_send_chunk`` or ``_receive_chunk``) a slot at a time,
         each chunk numbered in ``count`` (``sent`` or ``received``) as both ends number it."""
         address = data.data_ptr()
         for start, end in chunks(data.numel() * data.element_size()):
-            chunk(stream, direction, *slot_of(count[direction]), address + start, end - start)
-            count[direction] += 1
+            chunk(stream, channel, *slot_of(count[channel]), address + start, end - start)
+            count[channel] += 1
 
-    def _send_chunk(self, stream: int, direction: int, slot: int, mark: int, source: int = 0, nbytes: int = 0) -> None:
+    def _send_chunk(self, stream: int, channel: int, slot: int, mark: int, source: int = 0, nbytes: int = 0) -> None:
         """Waits until the receiver has copied out the slot's previous use, fills it with
         ``nbytes`` from address ``source`` (none: a use without data) and raises READY at the
         receiver."""
-        to = self.to[direction]
-        self.driver.wait(stream, self._flag(self.rank, _FREE, direction, slot), other(mark))
+        to = self.to[channel]
+        self.driver.wait(stream, self._flag(self.rank, _FREE, channel, slot), other(mark))
         if nbytes:
-            self.driver.copy(stream, self._slot(to, direction, slot), source, nbytes)
-        self.driver.write(stream, self._flag(to, _READY, direction, slot), mark)
+            self.driver.copy(stream, self._slot(to, channel, slot), source, nbytes)
+        self.driver.write(stream, self._flag(to, _READY, channel, slot), mark)
 
-    def _receive_chunk(self, stream: int, direction: int, slot: int, mark: int, destination: int = 0,
+    def _receive_chunk(self, stream: int, channel: int, slot: int, mark: int, destination: int = 0,
                        nbytes: int = 0) -> None:
         """Waits for READY, copies ``nbytes`` of the slot out to address ``destination`` (if any)
         and raises FREE at the sender."""
-        self.driver.wait(stream, self._flag(self.rank, _READY, direction, slot), mark)
+        self.driver.wait(stream, self._flag(self.rank, _READY, channel, slot), mark)
         if nbytes:
-            self.driver.copy(stream, destination, self._slot(self.rank, direction, slot), nbytes)
-        self.driver.write(stream, self._flag(self.source[direction], _FREE, direction, slot), mark)
+            self.driver.copy(stream, destination, self._slot(self.rank, channel, slot), nbytes)
+        self.driver.write(stream, self._flag(self.source[channel], _FREE, channel, slot), mark)
 
     def release(self) -> None:
-        """Raises every flag this rank's and its neighbours' streams may wait on (see ``release``)."""
+        """Raises every flag this rank's and its peers' streams may wait on (see ``release``)."""
         with torch.cuda.stream(torch.cuda.Stream(self.device)):  # the transport's streams may be blocked
             for mailbox in (self.mailbox, *self.peer_mailbox.values()):
                 mailbox[:_FLAGS_BYTES].view(torch.int32).fill_(_RELEASED)
@@ -292,7 +313,7 @@ def _ipc_mailboxes(group, mailbox: Tensor, ranks) -> dict:
 
 
 def release(group) -> None:
-    """After ``group`` failed: releases the GPU streams of this rank and its neighbours that
+    """After ``group`` failed: releases the GPU streams of this rank and its peers that
     wait for a transfer which will not come, so no GPU stays blocked (there is no timeout on
     these waits). What the released copies then deliver is garbage; every rank raises
     ``RingFailure`` at its next call on the group (``fault``)."""
@@ -360,13 +381,13 @@ def _why_not(group, device: torch.device, ranks) -> Optional[str]:
         if reason:
             return f"rank {r}: {reason}"
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    neighbours = {ranks[(rank + 1) % size][2], ranks[(rank - 1) % size][2]}
+    peers = {ranks[r][2] for r in range(size) if r != rank}
     local = {_uuid(torch.device("cuda", i)): i for i in range(torch.cuda.device_count())}
-    blocked = [u for u in neighbours if u in local and local[u] != device.index
+    blocked = [u for u in peers if u in local and local[u] != device.index
                and not torch.cuda.can_device_access_peer(device.index, local[u])]
     verdicts = _gather(group, bool(blocked))
     if any(verdicts):
-        return f"rank {verdicts.index(True)} cannot access a neighbour's GPU memory (no peer access)"
+        return f"rank {verdicts.index(True)} cannot access another rank's GPU memory (no peer access)"
     return None
 
 

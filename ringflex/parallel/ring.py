@@ -4,8 +4,8 @@ widened to a power of two (``plan.blocks.widened``).
 
 Results accumulate in fp32 (fp64 for fp64 inputs) and are rounded once into the input dtype
 (``merge.RowMerge`` / ``RowSum``). Backward runs the ring in reverse, from the block forward
-ended on, so each block's last stop is its owner: the dK/dV accumulated for a block travel
-with it and are complete when they arrive.
+ended on, so each block's last stop is its owner; each rank's share of a block's dK/dV goes
+straight to the owner, which sums the shares once.
 
 Where the ranks agree on loans (``plan.lending``), query rows travel the other way: a
 rank's lent rows go to the previous rank, which computes them against its own block and
@@ -29,7 +29,7 @@ from ..mod import captured
 from ..plan.blocks import Hop, part_planner, steps_needed, travelling_rows, widened
 from ..plan.lending import Loan, Offer
 from .comm import RingComm, capture_error
-from .compute import hop_backward, hop_forward, lse_as_attention, new_rows, some
+from .compute import hop_backward, hop_forward, lse_as_attention, new_rows, rows_shape, some
 from .fault import guard
 from .loans import borrowed_backward, lend_backward, lend_forward
 
@@ -50,6 +50,7 @@ class RingCall:
     offer: Optional[Offer] = None  # this rank's side of lending, before the ranks agree
     loan: Optional[Loan] = None  # the rows lent and borrowed, once they agree (``plan.lending``)
     lse_grad: bool = False  # a loss may read the LSE (return_lse): lent rows take its gradient along
+    reads: Optional[List[List[Rows]]] = None  # per rank and step, the rows of the block held then that it reads
 
     def agree(self, device) -> None:
         """Waits for the agreement. Then the ring runs only the steps some rank needs, moves
@@ -60,7 +61,8 @@ class RingCall:
         self.agreement.wait()
         shared = self.agreement.shared
         world = len(shared)
-        reads = [[(s[i], s[i + 1]) for i in range(0, 2 * world, 2)] for s in shared]
+        self.reads = [[(s[i], s[i + 1]) for i in range(0, 2 * world, 2)] for s in shared]
+        reads = self.reads
         self.schedule = self.schedule[:steps_needed(reads)]
         if self.comm is not None:
             self.travelling = travelling_rows(reads, len(self.schedule))
@@ -159,7 +161,7 @@ class _KVStream:
             else:
                 send = tuple(contiguous_rows(rows(t, self.travelling(step))) for t in self.current)
             recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
-            return self.call.comm.exchange(send, recv, reverse=self.reverse), send, recv, lo
+            return self.call.comm.exchange(send, recv, shift=-1 if self.reverse else 1), send, recv, lo
 
     def close(self) -> None:
         """Ends the stream's pass: the current stream joins the first transfer's stream (a CUDA
@@ -231,44 +233,37 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
     """The ring in reverse. It starts on the block forward ended on (``last_k``, ``last_v``,
     kept for it) and passes blocks to the previous rank, so every block visits the ranks in
     the reverse order and its last stop is its owner, which holds it already (no transfer).
-    The dK/dV of a block follow it as partial sums over the rows of it that travel: each rank
-    adds its hops' share to the sum it received and passes it on, and the owner's share
-    completes it. So the finished gradient never travels: no transfer is left that compute
-    could not hide. The first sum is one rank's share and travels in the dtype the kernel
-    returned it in (the input dtype for cuDNN: half the bytes of fp32); later ones travel in
-    fp32; the owner rounds once. ``dlse`` (None where the loss does not read the LSE) adds the
-    LSE's share of dq and dk, a second kernel call per hop (``compute.lse_as_attention``) that
-    needs no transfer; ``dout`` is None where the loss reads the LSE alone. The gradients of
-    ``call.tensors`` are this rank's share (its queries' scores), summed over its hops: as for
-    any weight, the ranks' shares add up. ``res``: the LSE's res (``kernels.base``), or None.
-    Lent rows (``call.loan``) send their output, dO and LSE to the previous rank, which
-    computes them again from ``borrowed_q`` (its forward kept them) and returns their dQ;
-    their dK/dV join its own block's sum at the last step."""
+    At each step a rank sends its hops' share of the dK/dV of the block it holds straight to
+    the block's owner (``_exchange_shares``), in the dtype the kernel returned it in (the
+    input dtype for cuDNN: half the bytes of fp32, and nothing rounded that the kernel did not
+    round), and receives its own block's share from the rank that holds that now. The owner
+    sums the shares, its own hops' and the borrowed rows' once, in fp32, rounded once
+    (``merge.RowSum``: one pass where they are at most four): no rank adds into another's
+    partial sum, so no step waits for the rank before it, and no fp32 sum travels.
+    ``dlse`` (None where the loss does not read the LSE) adds the LSE's share of dq and dk, a
+    second kernel call per hop (``compute.lse_as_attention``) that needs no transfer; ``dout``
+    is None where the loss reads the LSE alone. The gradients of ``call.tensors`` are this
+    rank's share (its queries' scores), summed over its hops: as for any weight, the ranks'
+    shares add up. ``res``: the LSE's res (``kernels.base``), or None. Lent rows
+    (``call.loan``) send their output, dO and LSE to the previous rank, which computes them
+    again from ``borrowed_q`` (its forward kept them) and returns their dQ; their dK/dV join
+    its own block's sum."""
     acc = compute_dtype(q.dtype)
     steps = len(call.schedule)
-    sum_dtypes = [acc] * steps  # of the partial sum each step sends; the last step's is the gradient
-    sum_dtypes[0], sum_dtypes[-1] = call.kernel.grad_dtype(k.dtype), k.dtype
     schedule = call.schedule[::-1]
     loan = call.loan
     lent = [loan.lent] if loan is not None and some(loan.lent) else []
     dq = RowSum([q.shape], q.dtype, acc, q.device, [hop.q_rows for hops in schedule for hop in hops] + lent)
     borrowed_inputs = lend_backward(call, dout, out, lse, res, dlse) if loan is not None else None
     blocks = _KVStream(call, (last_k, last_v), last=(k, v), reverse=True)
-    received = None  # the partial sums on their way here: (tensors, transfer)
     lse_grad = lse_as_attention(dlse, out, lse) if dlse is not None else None
     d_tensors = [torch.zeros_like(t, dtype=acc) for t in call.tensors]
-    borrowed_keys, returned = [], None  # the borrowed rows' (key rows, dk, dv); the lent rows' dq on its way
+    own_sum, arriving, returned = None, None, None  # the own block's dK/dV; a share on its way here; the lent dq
     for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
-        arriving = blocks.travelling(step)  # what the partial sum on its way covers
-        own_block = step + 1 == steps
-        sums = RowSum([t.shape for t in blocks.current], sum_dtypes[step], acc, k.device,
-                      [arriving] * (received is not None and arriving[1] > arriving[0])
-                      + [blocks.local(hop.kv_rows) for hop in hops] + [r for r, *_ in borrowed_keys] * own_block)
-        if own_block:  # first: an own hop that covers every key row, added last, becomes the sum
-            for keys in borrowed_keys:
-                sums.add(*keys)
-        for i, hop in enumerate(hops):
+        distance = steps - 1 - step  # the block held is the one of the rank this many before
+        parts = []  # this step's (key rows, dk, dv)
+        for hop in hops:
             hop_k, hop_v = blocks.keys(hop)
             hq, hk, hv, ht = hop_backward(call, hop, rows(q, hop.q_rows), hop_k, hop_v, rows(out, hop.q_rows),
                                           rows(lse, hop.q_rows), optional_rows(res, hop.q_rows), dout, lse_grad,
@@ -276,36 +271,84 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
             for total, g in zip(d_tensors, ht):
                 total += g
             dq.add(hop.q_rows, hq)
-            if i == 0:  # the first kernel ran while the sum of the ranks before arrived
-                received = _receive(received, sums, arriving)
-            sums.add(blocks.local(hop.kv_rows), hk, hv)
-        received = _receive(received, sums, arriving)
-        total = sums.result()
-        if step + 1 < steps:  # ``total`` stays referenced until this transfer is waited for
-            arriving_next = blocks.travelling(step + 1)  # the rows of the next step's block that travel
-            incoming = [new_rows(t, arriving_next, *t.shape[3:]) for t in total]  # one dtype on every rank
-            received = (incoming, call.comm.exchange(total, incoming, reverse=True))
-        if step == 0 and borrowed_inputs is not None:  # after the sum left: it does not wait for them
-            returned, borrowed_keys = borrowed_backward(call, q, k, v, borrowed_q, borrowed_inputs, d_tensors)
+            parts.append((hop.kv_rows, hk, hv))
+        if arriving is not None:  # waited for after this step's kernels, which ran while it came
+            arriving.arrive(own_sum)
+        arriving = _exchange_shares(call, distance, parts, k, v, acc) if distance else None
+        if step == 0:
+            borrowed_keys = []  # the borrowed rows' (key rows, dk, dv): after the share left, not before it
+            if borrowed_inputs is not None:
+                returned, borrowed_keys = borrowed_backward(call, q, k, v, borrowed_q, borrowed_inputs, d_tensors)
+            own_sum = RowSum([k.shape, v.shape], k.dtype, acc, k.device,
+                             _share_rows_arriving(call, steps) + [r for r, *_ in borrowed_keys]
+                             + [hop.kv_rows for hop in call.schedule[0]])
+            for keys in borrowed_keys:
+                own_sum.add(*keys)
         blocks.advance(step, kv_pending)
     blocks.close()
+    for part in parts:  # the own block's hops, added last: one that covers every key row becomes the sum
+        own_sum.add(*part)
     if returned is not None:
         transfer, dq_lent = returned
         transfer.wait()
         if lent:
             dq.add(loan.lent, dq_lent)
-    (dq,), (dk, dv) = dq.result(), total
+    (dq,), (dk, dv) = dq.result(), own_sum.result()
     return dq, dk, dv, d_tensors
 
 
-def _receive(received, sums: RowSum, r: Rows):
-    """Adds the partial sum on its way (if any) over rows ``r`` once it has arrived; returns None."""
-    if received is not None:
-        tensors, transfer = received
-        transfer.wait()
-        if r[1] > r[0]:
-            sums.add(r, *tensors)
-    return None
+class _Share:
+    """The exchange of dK/dV shares under way: the own block's share on its way here, over
+    rows ``rows`` of the block (none where that rank read none of it)."""
+
+    def __init__(self, rows_: Rows, tensors, transfer, sent):
+        self.rows, self.tensors, self.transfer = rows_, tensors, transfer
+        self.sent = sent  # referenced until the transfer is waited for (a CPU send reads it until then)
+
+    def arrive(self, own_sum: RowSum) -> None:
+        """Waits for the exchange (a CPU send completes only then) and adds the share that arrived."""
+        self.transfer.wait()
+        if some(self.rows):
+            own_sum.add(self.rows, *self.tensors)
+
+
+def _share_rows_arriving(call: RingCall, steps: int) -> List[Rows]:
+    """The rows of the own block whose dK/dV shares arrive, one range per rank that read some."""
+    if call.comm is None:
+        return []
+    rank, world = call.comm.rank, call.comm.world_size
+    return [r for d in range(1, steps) for r in [call.reads[(rank + d) % world][d]] if some(r)]
+
+
+def _exchange_shares(call: RingCall, distance: int, parts, k: Tensor, v: Tensor, acc) -> _Share:
+    """Sends this rank's share of the dK/dV of the block it holds (the rank ``distance`` before
+    it owns it) to that rank and receives its own block's share from the rank ``distance``
+    after it, which holds the block now: each over the rows that rank read of it in forward
+    (``RingCall.reads``, which every rank knows), summed over its hops (``parts``: block rows,
+    dk, dv) in fp32 where they overlap and rounded once into the kernel's gradient dtype.
+    Returns the exchange under way."""
+    rank, world = call.comm.rank, call.comm.world_size
+    dtype = call.kernel.grad_dtype(k.dtype)
+    mine, theirs = call.reads[rank][distance], call.reads[(rank + distance) % world][distance]
+    send = _share(parts, mine, k, v, dtype, acc)
+    recv = [new_rows(t, theirs, t.shape[3], dtype=dtype) for t in (k, v)]
+    transfer = call.comm.exchange(send, recv, shift=-distance)
+    return _Share(theirs, recv, transfer, send)
+
+
+def _share(parts, r: Rows, k: Tensor, v: Tensor, dtype, acc) -> List[Tensor]:
+    """This rank's dK/dV share over block rows ``r``: its hops' ``parts`` summed (0 where none
+    reaches), rounded once into ``dtype``; a single part over all of ``r`` as it is."""
+    share = RowSum([rows_shape(k, r, k.shape[3]), rows_shape(v, r, v.shape[3])], dtype, acc, k.device,
+                   [_within(kv_rows, r) for kv_rows, _, _ in parts])
+    for kv_rows, dk, dv in parts:
+        share.add(_within(kv_rows, r), dk, dv)
+    return share.result()
+
+
+def _within(r: Rows, base: Rows) -> Rows:
+    """Block rows ``r`` as rows of the part of the block that starts at ``base[0]``."""
+    return r[0] - base[0], r[1] - base[0]
 
 
 def _with_sinks(out: Tensor, lse: Tensor, res: Optional[Tensor], sinks: Tensor):

@@ -368,7 +368,7 @@ def travelling_rows(keys_read_by_rank, steps: int) -> List[Tuple[int, int]]:
     """Per block (by owner), the rows of it that travel: one range around the rows that the
     other ranks read of it in the first ``steps`` steps ((0, 0): none, and it never leaves).
     Over the contiguous layout a sliding window reads only the end of the previous rank's
-    block, so only that end travels, forward and back (its partial dK/dV sums too)."""
+    block, so only that end travels (and, in backward, the dK/dV shares of the rows read)."""
     world_size = len(keys_read_by_rank)
     return [around(keys_read_by_rank[(owner + step) % world_size][step] for step in range(1, steps))
             for owner in range(world_size)]

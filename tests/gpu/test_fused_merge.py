@@ -117,10 +117,10 @@ def test_fused_merge_compiles_once_for_any_rows():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dim,length", [(128, 1000), (64, 32), (80, 7)])
-@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("count", [2, 3, 4])
 @pytest.mark.parametrize("into", ["bf16", "fp32", "in place"])
 def test_fused_sum_rounds_once(dim, length, count, into):
-    """Two or three bf16 parts (row views, as the ring sums them), summed in fp32 and rounded
+    """Two to four bf16 parts (row views, as the ring sums them), summed in fp32 and rounded
     once: into a bf16 result, an fp32 accumulator, or the last part itself; the torch path
     gives the same numbers."""
     names = {"bf16": torch.bfloat16, "fp32": torch.float32}

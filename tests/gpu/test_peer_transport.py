@@ -1,5 +1,5 @@
-"""The copy-engine transport (``ringflex.parallel.peer``): every byte arrives, in both
-directions, for transfers smaller and larger than its mailbox, several in flight, over
+"""The copy-engine transport (``ringflex.parallel.peer``): every byte arrives, in every
+channel, for transfers smaller and larger than its mailbox, several in flight, over
 passes that each end as ``end_pass`` leaves them; a failing rank releases the others' waits
 (these on two ranks that share one GPU where there is only one); an arrival does not wait
 for the rank's own send; and a ring over it computes bit for bit what the same ring
@@ -34,24 +34,30 @@ def _exchanges(rank, world_size):
     comm = RingComm(dist.group.WORLD)
     assert peer.transport(comm.group, on_a_gpu(rank)) is not None
     wrong = []
-    for reverse in (False, True, False, True):  # a pass per direction, as forward and backward make
-        source = (rank + (1 if reverse else -1)) % world_size
-        sends = [_payload(rank, i, n) for i, n in enumerate(_SIZES)]
-        recvs = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in _SIZES]
-        first = comm.exchange(sends[:2], recvs[:2], reverse)  # two transfers in flight at once
-        second = comm.exchange(sends[2:], recvs[2:], reverse)
-        first.wait()
-        second.wait()
-        for i, n in enumerate(_SIZES):
-            if not torch.equal(recvs[i], _payload(source, i, n)):
-                wrong.append((reverse, n))
+    # a pass per direction, as forward and backward make; backward's shares go further
+    for shifts in ([1], [-1], [1], [-1, *range(-2, -world_size, -1)]):
+        pending = []
+        for shift in shifts:
+            source = (rank - shift) % world_size
+            sends = [_payload(rank, i, n) for i, n in enumerate(_SIZES)]
+            recvs = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in _SIZES]
+            # two transfers in flight at once
+            pending.append((shift, source, recvs, comm.exchange(sends[:2], recvs[:2], shift),
+                            comm.exchange(sends[2:], recvs[2:], shift)))
+        for shift, source, recvs, first, second in pending:
+            first.wait()
+            second.wait()
+            for i, n in enumerate(_SIZES):
+                if not torch.equal(recvs[i], _payload(source, i, n)):
+                    wrong.append((shift, n))
         comm.end_pass(torch.device("cuda"))
     torch.cuda.synchronize()
     return wrong
 
 
-def test_every_byte_arrives_in_both_directions():
-    assert run_world(2, _exchanges, backend=gpu_backend(2)) == [[], []]
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_byte_arrives_in_every_channel(world_size):
+    assert run_world(world_size, _exchanges, backend=gpu_backend(world_size)) == [[]] * world_size
 
 
 def _arrival_before_send(rank, world_size):
