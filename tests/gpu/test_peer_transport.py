@@ -126,13 +126,13 @@ _L = 256  # local tokens
 def _raising_on_rank_1(phase: str):
     """Rank 1's reference kernel raises in ``phase`` ("forward" or "backward") at its hop
     against rank 0's block (contiguous layout): at forward step 1, or at backward step 0,
-    before its first partial sum leaves."""
+    before its first dK/dV share leaves."""
     method = getattr(ReferenceKernel, phase)
 
-    def failing(self, *args):
+    def failing(self, *args, **kwargs):
         if dist.get_rank() == 1 and args[7 if phase == "backward" else 4].start < _L:  # the K/V segment
             raise RuntimeError("injected fault")
-        return method(self, *args)
+        return method(self, *args, **kwargs)
     setattr(ReferenceKernel, phase, failing)
     try:
         yield
