@@ -4,7 +4,7 @@
 #   bash tools/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash tools/gpu_session.sh check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash tools/gpu_session.sh links efficiency profile4 check4 sharding4 mesh4 bench4   # on 4 GPUs
-#   BASE=.whl/base bash tools/gpu_session.sh base4   # on 4 GPUs: against another tree's ringflex/ (git archive REV ringflex)
+#   BASE=$PWD/.whl/base bash tools/gpu_session.sh base4   # on 4 GPUs: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
 # Needs the cuDNN frontend wheel in .whl/ (see shared/gpu/README.md).
@@ -68,14 +68,14 @@ for stage in "$@"; do
               CUDA_VISIBLE_DEVICES=0,1 run efficiency tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
               --layouts zigzag --singles sdpa-cudnn ringflex-1gpu --no-flex-cp --iters 5 --warmup 3 \
               --json "$OUT/efficiency2.json" ;;  # 8k tokens per GPU, with torch CP
-    base4) test -n "${BASE:-}" || { echo "base4 needs BASE=<a folder holding another tree's ringflex/>"; exit 2; }
-           for round in 1 2; do for tree in "$BASE" "$PWD"; do name=$(basename "$tree")
-             PYTHONPATH=/tmp/site:$tree:$PWD run base4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks none causal \
+    base4) test -n "${BASE:-}" || { echo "base4 needs BASE=<another tree: git archive REV ringflex benchmarks tools>"; exit 2; }
+           for round in 1 2; do for tree in "$BASE" "$PWD"; do name=$(basename "$tree")  # -m imports from the tree's folder
+             (cd "$tree" && run base4 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
+             run base4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks none causal --layouts zigzag \
+               --singles sdpa-cudnn --no-cp --no-flex-cp --iters 10 --warmup 3 --json "$OUT/base4_${name}_$round.json"
+             CUDA_VISIBLE_DEVICES=0,1 run base4 tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
                --layouts zigzag --singles sdpa-cudnn --no-cp --no-flex-cp --iters 10 --warmup 3 \
-               --json "$OUT/base4_${name}_$round.json"
-             CUDA_VISIBLE_DEVICES=0,1 PYTHONPATH=/tmp/site:$tree:$PWD run base4 tr 2 -m benchmarks.bench --seq-lens 16384 \
-               --masks none causal --layouts zigzag --singles sdpa-cudnn --no-cp --no-flex-cp --iters 10 --warmup 3 \
-               --json "$OUT/base2_${name}_$round.json"; done; done ;;  # this tree against BASE's ringflex, alternately
+               --json "$OUT/base2_${name}_$round.json"); done; done ;;  # this tree against BASE, alternately
     graph4) run graph4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks none causal --layouts zigzag --graph \
               --no-cp --no-flex-cp --singles sdpa-cudnn --iters 5 --warmup 3 --json "$OUT/graph4.json"
             CUDA_VISIBLE_DEVICES=0,1 run graph4 tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
@@ -130,6 +130,8 @@ for stage in "$@"; do
               && tar -C "$OUT" -czf "$OUT/traces4.tgz" traces && rm -r "$OUT/traces" ;;
     profile4gpu) mkdir -p "$OUT/traces" && run profile4gpu tr 4 -m benchmarks.profile_ring --seq-lens 32768 \
               --masks causal none --gpu-only --profiled-calls 6 --host-profile 20 --trace "$OUT/traces/ring_{}.json.gz" \
+              && CUDA_VISIBLE_DEVICES=0,1 run profile4gpu tr 2 -m benchmarks.profile_ring --seq-lens 16384 \
+              --masks causal none --gpu-only --profiled-calls 6 --trace "$OUT/traces/ring_{}.json.gz" \
               && tar -C "$OUT" -czf "$OUT/traces4gpu.tgz" traces && rm -r "$OUT/traces" ;;  # the GPUs at the host's own pace
     check4default) run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 4096 \
               --layouts default zigzag --cases sliding_window documents causal ;;  # calls that re-shard inside (NCCL)
