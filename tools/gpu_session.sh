@@ -76,6 +76,9 @@ for stage in "$@"; do
              CUDA_VISIBLE_DEVICES=0,1 run base4 tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
                --layouts zigzag --singles sdpa-cudnn --no-cp --no-flex-cp --iters 10 --warmup 3 \
                --json "$OUT/base2_${name}_$round.json"); done; done ;;  # this tree against BASE, alternately
+    pace) for flag in "" --gc-off; do run pace tr 4 -m benchmarks.probes.iteration_times --seq-len 32768 $flag
+            CUDA_VISIBLE_DEVICES=0,1 run pace tr 2 -m benchmarks.probes.iteration_times --seq-len 16384 $flag
+          done ;;  # each of 40 back-to-back calls' GPU time: a steady pace, or stalls now and then
     graph4) run graph4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks none causal --layouts zigzag --graph \
               --no-cp --no-flex-cp --singles sdpa-cudnn --iters 5 --warmup 3 --json "$OUT/graph4.json"
             CUDA_VISIBLE_DEVICES=0,1 run graph4 tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
