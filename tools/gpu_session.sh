@@ -76,7 +76,7 @@ for stage in "$@"; do
              CUDA_VISIBLE_DEVICES=0,1 run base4 tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
                --layouts zigzag --singles sdpa-cudnn --no-cp --no-flex-cp --iters 10 --warmup 3 \
                --json "$OUT/base2_${name}_$round.json"); done; done ;;  # this tree against BASE, alternately
-    pace) for flag in "" --gc-off; do run pace tr 4 -m benchmarks.probes.iteration_times --seq-len 32768 $flag
+    pace) for flag in "" "--lag 2" "--lag 4" --gc-off; do run pace tr 4 -m benchmarks.probes.iteration_times --seq-len 32768 $flag
             CUDA_VISIBLE_DEVICES=0,1 run pace tr 2 -m benchmarks.probes.iteration_times --seq-len 16384 $flag
           done ;;  # each of 40 back-to-back calls' GPU time: a steady pace, or stalls now and then
     graph4) run graph4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks none causal --layouts zigzag --graph \

@@ -31,6 +31,8 @@ def main():
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--gc-off", action="store_true", help="Python's cyclic garbage collector off during the calls")
+    p.add_argument("--lag", type=int, default=0, metavar="N",
+                   help="the host issues a call only once the call N before it has run (0: no limit)")
     args = p.parse_args()
     device = init()
     world = dist.get_world_size()
@@ -55,6 +57,8 @@ def main():
         host = []
         events[0].record()
         for i in range(args.calls):
+            if args.lag and i >= args.lag:
+                events[i - args.lag + 1].synchronize()
             t0 = time.perf_counter()
             call()
             host.append(time.perf_counter() - t0)
@@ -66,7 +70,7 @@ def main():
         ordered = sorted(pace)
         if dist.get_rank() == 0:
             print(f"== {args.seq_len} tokens ({args.seq_len // world}/GPU), {mask}, {args.calls} calls"
-                  f"{', gc off' if args.gc_off else ''}: GPU ms median {statistics.median(pace):.3f}, "
+                  f"{', gc off' if args.gc_off else ''}{f', host at most {args.lag} ahead' if args.lag else ''}: GPU ms median {statistics.median(pace):.3f}, "
                   f"p10 {ordered[len(ordered) // 10]:.3f}, p90 {ordered[9 * len(ordered) // 10]:.3f}, "
                   f"max {ordered[-1]:.3f}, mean {statistics.mean(pace):.3f}; host ms per call "
                   f"{statistics.median(host) * 1e3:.3f} (max {max(host) * 1e3:.3f})", flush=True)
