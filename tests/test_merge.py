@@ -82,6 +82,33 @@ def test_row_merge_rounds_once(ranges):
     assert bool((out[:, :, untouched] == 0).all()) and bool(lse[:, :, untouched].isneginf().all())
 
 
+@pytest.mark.parametrize("adopted", [False, True])
+def test_up_to_four_outputs_merge_in_one_pass(monkeypatch, adopted):
+    """A ring's output over four ranks: its four hop results (the first adopted as the result
+    where it can be) merge in one pass, with no fp32 buffer, to the exact merge rounded once."""
+    from ringflex.kernels import merge
+
+    passes = []
+    real = merge.merge_parts
+    monkeypatch.setattr(merge, "merge_parts", lambda d, parts, lse, res=None: passes.append(len(parts)) or
+                        real(d, parts, lse, res))
+    ranges = [(0, LENGTH)] * 4
+    outs = _parts(ranges, torch.bfloat16)
+    if not adopted:
+        outs[0] = outs[0].float()  # not the result's dtype: kept as it came
+    lses = [torch.randn(2, 3, LENGTH, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    want_lse = torch.logsumexp(torch.stack([s.double() for s in lses]), 0)
+    want = sum(o.double() * torch.exp(s.double() - want_lse).unsqueeze(-1) for o, s in zip(outs, lses))
+    merged = RowMerge((2, 3, LENGTH, 5), torch.bfloat16, torch.float32, "cpu", ranges)
+    for r, o, s in zip(ranges, outs, lses):
+        merged.add(r, o, s.clone())
+    out, lse, _ = merged.result()
+    assert passes == [4] and merged.acc is None
+    assert (out is outs[0]) == adopted
+    assert bool(((out.double() - want).abs() <= _half_ulp_bf16(want) + 2 ** -20 * want.abs().max()).all())
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+
+
 def test_a_first_output_over_every_row_becomes_the_merged_result():
     """The merge takes a first part over every row as its result (no copy of the rows only it
     covers) and merges the later parts into it: the same numbers as merging aside."""
@@ -283,10 +310,10 @@ def test_merge_without_triton_says_so_once_and_merges_in_torch(monkeypatch, recw
     a, b = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(2))
     lse_a, lse_b = (torch.randn(1, 2, 8, generator=g) for _ in range(2))
     want, want_lse = torch.empty_like(a), lse_a.clone()
-    merge.merge_in_torch(want, a, want_lse, b, lse_b)
+    merge.merge_in_torch(want, [(a, want_lse, None), (b, lse_b, None)], want_lse)
     for _ in range(2):
         d, lse = torch.empty_like(a), lse_a.clone()
-        merge.merge_parts(d, a, lse, b, lse_b)
+        merge.merge_parts(d, [(a, lse, None), (b, lse_b, None)], lse)
         assert torch.equal(d, want) and torch.equal(lse, want_lse)
         merge.sum_parts(d, [a, b, want], torch.float32)
         assert torch.equal(d, a + b + want)

@@ -69,7 +69,7 @@ for stage in "$@"; do
               --layouts zigzag --singles sdpa-cudnn ringflex-1gpu --no-flex-cp --iters 5 --warmup 3 \
               --json "$OUT/efficiency2.json" ;;  # 8k tokens per GPU, with torch CP
     base4) test -n "${BASE:-}" || { echo "base4 needs BASE=<another tree: git archive REV ringflex benchmarks tools>"; exit 2; }
-           for round in 1 2; do for tree in "$BASE" "$PWD"; do name=$(basename "$tree")  # -m imports from the tree's folder
+           for round in $(seq "${ROUNDS:-2}"); do for tree in "$BASE" "$PWD"; do name=$(basename "$tree")  # -m imports from the tree's folder
              (cd "$tree" && run base4 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
              run base4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks none causal --layouts zigzag \
                --singles sdpa-cudnn --no-cp --no-flex-cp --iters 10 --warmup 3 --json "$OUT/base4_${name}_$round.json"

@@ -1,5 +1,5 @@
 """Partial results combined in one pass on a CUDA GPU (Triton): the log-sum-exp merge of two
-attention outputs, the sum of two to four gradient parts, and the copy of a block's rows.
+to four attention outputs, the sum of two to four gradient parts, and the copy of a block's rows.
 
 In torch the merge takes two passes over the rows (one part scaled into an fp32 temporary,
 then the other added into the result), and a sum of bf16 parts that must not be rounded
@@ -14,7 +14,7 @@ with torch's CUDA builds and is imported on first use.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -22,15 +22,18 @@ from torch import Tensor
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_ROWS = 32
 _MAX_ROWS = 65535 * _BLOCK_ROWS
+_MERGE_PARTS = 4  # the most parts one merge takes
 
 
-def applies(d: Tensor, a: Tensor, b: Tensor, lse_a: Tensor, lse_b: Tensor, res_a: Optional[Tensor] = None,
-            res_b: Optional[Tensor] = None) -> bool:
-    """Whether the fused merge can take these tensors: on one CUDA device, rows of
-    contiguous elements whose batches and heads are whole rows apart, no float64 (its
-    weights are fp32)."""
-    stats = [t for t in (lse_a, lse_b, res_a, res_b) if t is not None]
-    return _in_rows_of_one_gpu(d, a, b) and all(t.device == d.device and t.dtype == torch.float32 for t in stats)
+def applies(d: Tensor, parts: Sequence[Tuple[Tensor, Tensor, Optional[Tensor]]], lse: Tensor,
+            res: Optional[Tensor] = None) -> bool:
+    """Whether the fused merge can take these tensors: two to four parts on one CUDA device,
+    rows of contiguous elements whose batches and heads are whole rows apart, no float64
+    (its weights are fp32)."""
+    stats = [t for _, part_lse, part_res in parts for t in (part_lse, part_res) if t is not None]
+    stats += [t for t in (lse, res) if t is not None]
+    return (2 <= len(parts) <= 4 and _in_rows_of_one_gpu(d, *(x for x, _, _ in parts))
+            and all(t.device == d.device and t.dtype == torch.float32 for t in stats))
 
 
 def sum_applies(d: Tensor, parts: Sequence[Tensor]) -> bool:
@@ -54,20 +57,27 @@ def available() -> bool:
     return True
 
 
-def merge(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor, res_a: Optional[Tensor] = None,
-          res_b: Optional[Tensor] = None) -> None:
-    """d = exp(lse_a - m) * a + exp(lse_b - m) * b, and lse_a = m = logaddexp(lse_a, lse_b),
-    for [B, H, L, D] rows ``a``, ``b``, ``d`` and [B, H, L] lse (``d`` may be ``a``), each LSE
-    given as lse + res (``merge.lse_weights``; res None: 0), ``res_a`` (where given) taking
-    the merged one's. Rows where both lse are -inf get 0, lse -inf and res 0."""
-    has = dict(RES_A=res_a is not None, RES_B=res_b is not None)
-    res_a, res_b = (lse if res is None else res for lse, res in ((lse_a, res_a), (lse_b, res_b)))  # unread if absent
-    for rows in _launches(a, b, d, lse_a, lse_b, res_a, res_b):
-        a_, b_, d_, lse_a_, lse_b_, res_a_, res_b_ = rows
+def merge(d: Tensor, parts: Sequence[Tuple[Tensor, Tensor, Optional[Tensor]]], lse: Tensor,
+          res: Optional[Tensor] = None) -> None:
+    """d = sum over the parts of exp(lse_i - m) * x_i, and lse = m = the log of the sum of
+    exp(lse_i), for two to four parts (x_i, lse_i, res_i) of [B, H, L, D] rows and [B, H, L]
+    lse (``d`` may be one of the x_i, ``lse`` one of the lse_i), each LSE given as lse + res
+    (``merge.lse_weights``; res None: 0), ``res`` (where given) taking the merged one's. Rows
+    where every lse is -inf get 0, lse -inf and res 0."""
+    count = len(parts)
+    padded = list(parts) + [parts[0]] * (_MERGE_PARTS - count)  # unread beyond ``count``
+    xs = [x for x, _, _ in padded]
+    lses = [part_lse for _, part_lse, _ in padded]
+    ress = [part_lse if part_res is None else part_res for _, part_lse, part_res in padded]
+    has = {f"RES{i}": i < count and parts[i][2] is not None for i in range(_MERGE_PARTS)}
+    for rows in _launches(*xs, *lses, *ress, d, lse, lse if res is None else res):
+        xs_, lses_, ress_ = rows[:4], rows[4:8], rows[8:12]
+        d_, lse_, res_ = rows[12:]
         _kernels()[0][_grid(d_)](
-            a_, b_, d_, lse_a_, lse_b_, res_a_, res_b_, d.shape[1], d_.shape[2], d.shape[3],
-            *_in_rows(a_), *_in_rows(b_), *_in_rows(d_), *lse_a_.stride(), *lse_b_.stride(), *res_a_.stride(),
-            *res_b_.stride(), **has, **_blocks(d))
+            *xs_, *lses_, *ress_, d_, lse_, res_, d.shape[1], d_.shape[2], d.shape[3],
+            *(n for x in xs_ for n in _in_rows(x)), *(n for t in lses_ for n in t.stride()),
+            *(n for t in ress_ for n in t.stride()), *_in_rows(d_), *lse_.stride(), *res_.stride(),
+            PARTS=count, **has, RES=res is not None, **_blocks(d))
 
 
 def add(d: Tensor, parts: Sequence[Tensor]) -> None:
@@ -118,45 +128,74 @@ def _kernels():
     # Lengths and the strides of batches and heads change with every packed batch's document
     # boundaries; specialised on them, Triton would compile a kernel for each new pattern (tens
     # of ms). Batch and head strides count rows, so addresses stay aligned to a row's stride.
-    @triton.jit(do_not_specialize=["heads", "length", "a_rb", "a_rh", "b_rb", "b_rh", "d_rb", "d_rh",
-                                   "la_sb", "la_sh", "lb_sb", "lb_sh", "ra_sb", "ra_sh", "rb_sb", "rb_sh"])
-    def lse_merge(a, b, d, lse_a, lse_b, res_a, res_b, heads, length, dim,
-                  a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, d_rb, d_rh, d_sl,
-                  la_sb, la_sh, la_sl, lb_sb, lb_sh, lb_sl, ra_sb, ra_sh, ra_sl, rb_sb, rb_sh, rb_sl,
-                  RES_A: tl.constexpr, RES_B: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+    strides = [f"x{i}_r{s}" for i in range(4) for s in "bh"] + [f"{n}{i}_s{s}" for n in "lr" for i in range(4) for s in "bh"]
+
+    @triton.jit(do_not_specialize=["heads", "length", *strides, "d_rb", "d_rh", "lo_sb", "lo_sh", "ro_sb", "ro_sh"])
+    def lse_merge(x0, x1, x2, x3, l0, l1, l2, l3, r0, r1, r2, r3, d, lo, ro, heads, length, dim,
+                  x0_rb, x0_rh, x0_sl, x1_rb, x1_rh, x1_sl, x2_rb, x2_rh, x2_sl, x3_rb, x3_rh, x3_sl,
+                  l0_sb, l0_sh, l0_sl, l1_sb, l1_sh, l1_sl, l2_sb, l2_sh, l2_sl, l3_sb, l3_sh, l3_sl,
+                  r0_sb, r0_sh, r0_sl, r1_sb, r1_sh, r1_sl, r2_sb, r2_sh, r2_sl, r3_sb, r3_sh, r3_sl,
+                  d_rb, d_rh, d_sl, lo_sb, lo_sh, lo_sl, ro_sb, ro_sh, ro_sl,
+                  PARTS: tl.constexpr, RES0: tl.constexpr, RES1: tl.constexpr, RES2: tl.constexpr,
+                  RES3: tl.constexpr, RES: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
         bh = tl.program_id(0)
         batch, head = (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
         row = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         col = tl.arange(0, BLOCK_DIM)
         in_rows, in_cols = row < length, col < dim
         row64 = row.to(tl.int64)
-        x_a = tl.load(lse_a + batch * la_sb + head * la_sh + row64 * la_sl, mask=in_rows, other=float("-inf"))
-        x_b = tl.load(lse_b + batch * lb_sb + head * lb_sh + row64 * lb_sl, mask=in_rows, other=float("-inf"))
-        top = tl.maximum(x_a, x_b)
-        top = tl.where(top == float("-inf"), 0.0, top)  # rows that see no key: weights 0, lse -inf
-        # res after the difference: exact where both lse are huge and equal (merge.lse_weights)
-        w_a, w_b = x_a - top, x_b - top
-        if RES_A:
-            w_a += tl.load(res_a + batch * ra_sb + head * ra_sh + row64 * ra_sl, mask=in_rows, other=0.0)
-        if RES_B:
-            w_b += tl.load(res_b + batch * rb_sb + head * rb_sh + row64 * rb_sl, mask=in_rows, other=0.0)
-        w_a, w_b = tl.exp(w_a), tl.exp(w_b)
-        total = w_a + w_b
+        ninf = float("-inf")
+        s0 = tl.load(l0 + batch * l0_sb + head * l0_sh + row64 * l0_sl, mask=in_rows, other=ninf)
+        s1 = tl.load(l1 + batch * l1_sb + head * l1_sh + row64 * l1_sl, mask=in_rows, other=ninf)
+        top = tl.maximum(s0, s1)
+        if PARTS > 2:
+            s2 = tl.load(l2 + batch * l2_sb + head * l2_sh + row64 * l2_sl, mask=in_rows, other=ninf)
+            top = tl.maximum(top, s2)
+        if PARTS > 3:
+            s3 = tl.load(l3 + batch * l3_sb + head * l3_sh + row64 * l3_sl, mask=in_rows, other=ninf)
+            top = tl.maximum(top, s3)
+        top = tl.where(top == ninf, 0.0, top)  # rows that see no key: weights 0, lse -inf
+        # res after the difference: exact where every lse is huge and equal (merge.lse_weights)
+        w0, w1 = s0 - top, s1 - top
+        if RES0:
+            w0 += tl.load(r0 + batch * r0_sb + head * r0_sh + row64 * r0_sl, mask=in_rows, other=0.0)
+        if RES1:
+            w1 += tl.load(r1 + batch * r1_sb + head * r1_sh + row64 * r1_sl, mask=in_rows, other=0.0)
+        w0, w1 = tl.exp(w0), tl.exp(w1)
+        total = w0 + w1
+        if PARTS > 2:
+            w2 = s2 - top
+            if RES2:
+                w2 += tl.load(r2 + batch * r2_sb + head * r2_sh + row64 * r2_sl, mask=in_rows, other=0.0)
+            w2 = tl.exp(w2)
+            total += w2
+        if PARTS > 3:
+            w3 = s3 - top
+            if RES3:
+                w3 += tl.load(r3 + batch * r3_sb + head * r3_sh + row64 * r3_sl, mask=in_rows, other=0.0)
+            w3 = tl.exp(w3)
+            total += w3
         seen = total > 0
         inv = tl.where(seen, 1.0 / tl.where(seen, total, 1.0), 0.0)
         log_sum = tl.log(tl.where(seen, total, 1.0))
-        merged = tl.where(seen, top + log_sum, float("-inf"))
-        keep, add = (w_a * inv)[:, None], (w_b * inv)[:, None]
+        merged = tl.where(seen, top + log_sum, ninf)
         both = in_rows[:, None] & in_cols[None, :]
         cols = col[None, :]
-        part_a = tl.load(a + (batch * a_rb + head * a_rh + row64[:, None]) * a_sl + cols, mask=both, other=0.0)
-        part_b = tl.load(b + (batch * b_rb + head * b_rh + row64[:, None]) * b_sl + cols, mask=both, other=0.0)
-        result = part_a.to(tl.float32) * keep + part_b.to(tl.float32) * add
+        result = tl.load(x0 + (batch * x0_rb + head * x0_rh + row64[:, None]) * x0_sl + cols, mask=both,
+                           other=0.0).to(tl.float32) * (w0 * inv)[:, None]
+        result += tl.load(x1 + (batch * x1_rb + head * x1_rh + row64[:, None]) * x1_sl + cols, mask=both,
+                           other=0.0).to(tl.float32) * (w1 * inv)[:, None]
+        if PARTS > 2:
+            result += tl.load(x2 + (batch * x2_rb + head * x2_rh + row64[:, None]) * x2_sl + cols, mask=both,
+                           other=0.0).to(tl.float32) * (w2 * inv)[:, None]
+        if PARTS > 3:
+            result += tl.load(x3 + (batch * x3_rb + head * x3_rh + row64[:, None]) * x3_sl + cols, mask=both,
+                           other=0.0).to(tl.float32) * (w3 * inv)[:, None]
         tl.store(d + (batch * d_rb + head * d_rh + row64[:, None]) * d_sl + cols, result.to(d.dtype.element_ty),
                  mask=both)
-        tl.store(lse_a + batch * la_sb + head * la_sh + row64 * la_sl, merged, mask=in_rows)
-        if RES_A:
-            tl.store(res_a + batch * ra_sb + head * ra_sh + row64 * ra_sl,
+        tl.store(lo + batch * lo_sb + head * lo_sh + row64 * lo_sl, merged, mask=in_rows)
+        if RES:
+            tl.store(ro + batch * ro_sb + head * ro_sh + row64 * ro_sl,
                      tl.where(seen, (top - merged) + log_sum, 0.0), mask=in_rows)
 
     @triton.jit(do_not_specialize=["heads", "length", "a_rb", "a_rh", "b_rb", "b_rh", "c_rb", "c_rh", "e_rb", "e_rh",

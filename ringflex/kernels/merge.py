@@ -85,17 +85,15 @@ def _sources(state) -> tuple:
 class _RowParts:
     """Parts of a result over row ranges announced in advance, each added once, in any order.
 
-    A part is kept as it came until a second one reaches its rows; from then the rows
-    accumulate in ``acc_dtype``, and the part that completes them writes the result dtype
-    directly. So a row with one part costs a copy at most (none if one part is the whole
-    result), a row with two parts one pass, and no row is rounded before its last part.
-    Sums keep up to ``PASS_INPUTS - 1`` parts as they came (the accumulator counting as
-    one), so that one pass adds up to ``PASS_INPUTS`` of them: a ring's dq over four ranks
-    takes one pass, not three through an fp32 buffer; only a row with more parts than that
-    widens into ``acc_dtype``, and then takes a pass per three more parts.
+    A part is kept as it came until more reach its rows: up to ``PASS_INPUTS - 1`` parts are
+    kept (the accumulator counting as one), and the part that completes the rows, or fills a
+    pass's inputs, combines them all in one pass, in ``acc_dtype``. So a row with one part
+    costs a copy at most (none if one part is the whole result), a row with up to four parts
+    one pass (a ring's output or dq over four ranks: one pass, not three through an fp32
+    buffer), a row with more a pass per three more, and no row is rounded before its last part.
     """
 
-    PASS_INPUTS = 2  # the most parts one pass combines
+    PASS_INPUTS = 4  # the most parts one pass combines (``fused_merge``)
 
     def __init__(self, shapes: Sequence[torch.Size], dtype: torch.dtype, acc_dtype: torch.dtype, device,
                  expected: Sequence[Rows], empty=torch.empty):
@@ -190,12 +188,12 @@ class _RowParts:
         for group in self._groups(r):
             b, e, state, final = group[0].begin, group[-1].end, group[0].state, group[0].remaining == 0
             if state is None:
-                self._first((b, e), (b - r[0], e - r[0]))
+                self._first((b, e), (b - r[0], e - r[0]), parts)
                 new_state = arrived
             elif group[0].remaining and len(_sources(state)) + 1 < self.PASS_INPUTS:
                 new_state = _Kept(_sources(state) + (arrived,))
             else:
-                new = [rows(p, (b - r[0], e - r[0])) for p in parts]
+                new = [optional_rows(p, (b - r[0], e - r[0])) for p in parts]
                 dest = [rows(t, (b, e)) for t in self._buffers(final)]
                 combine(dest, self._kept(state, b, e), new, (b, e))
                 new_state = _DONE if final else _ACC
@@ -211,10 +209,16 @@ class _RowParts:
         each as views of its tensors over those rows."""
         if isinstance(state, _Kept):
             return [part for source in state.sources for part in self._kept(source, b, e)]
-        held, row0 = (self.acc, 0) if state == _ACC else (self.out, 0) if state == _IN_PLACE else state
-        return [[rows(p, (b - row0, e - row0)) for p in held]]
+        if state in (_ACC, _IN_PLACE):
+            return [self._held_rows(self.acc if state == _ACC else self.out, (b, e))]
+        held, row0 = state
+        return [[optional_rows(p, (b - row0, e - row0)) for p in held]]
 
-    def _first(self, rows_: Rows, part_rows: Rows) -> None:
+    def _held_rows(self, tensors: List[Tensor], r: Rows) -> List[Tensor]:
+        """Rows ``r`` of the accumulator or the result, as a part of them."""
+        return [rows(t, r) for t in tensors]
+
+    def _first(self, rows_: Rows, part_rows: Rows, parts: Sequence[Optional[Tensor]]) -> None:
         """The first part of result rows ``rows_`` arrived (kept as it is); ``part_rows``: the
         same rows within the part."""
 
@@ -241,18 +245,19 @@ class _RowParts:
         return out
 
 
-def merge_parts(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor,
-                res_a: Optional[Tensor] = None, res_b: Optional[Tensor] = None) -> None:
-    """``d`` = the log-sum-exp merge of parts ``a`` and ``b`` (rows alike; ``d`` may be ``a``),
-    with weights in fp32, rounded once into ``d``; ``lse_a`` becomes the merged lse and
-    ``res_a`` (where given) its res (``kernels.base``: what the lse cannot hold; None: 0).
-    One fused pass on a CUDA GPU, two torch passes elsewhere."""
-    if fused_merge.applies(d, a, b, lse_a, lse_b, res_a, res_b):
+def merge_parts(d: Tensor, parts: Sequence[Tuple[Tensor, Tensor, Optional[Tensor]]], lse: Tensor,
+                res: Optional[Tensor] = None) -> None:
+    """``d`` = the log-sum-exp merge of two to four ``parts``, each (output, lse, res or None)
+    over the same rows (``d`` may be one of their outputs), with weights in fp32, rounded once
+    into ``d``; ``lse`` (which may be a part's) becomes the merged lse and ``res`` (where
+    given) its res (``kernels.base``: what the lse cannot hold; None: 0). One fused pass on a
+    CUDA GPU, torch passes elsewhere."""
+    if fused_merge.applies(d, parts, lse, res):
         if fused_merge.available():
-            fused_merge.merge(d, a, lse_a, b, lse_b, res_a, res_b)
+            fused_merge.merge(d, parts, lse, res)
             return
         _warn_no_triton()
-    merge_in_torch(d, a, lse_a, b, lse_b, res_a, res_b)
+    merge_in_torch(d, parts, lse, res)
 
 
 def _warn_no_triton() -> None:
@@ -260,31 +265,31 @@ def _warn_no_triton() -> None:
                "instead of one fused kernel each (slower); torch's CUDA builds ship it: pip install triton")
 
 
-def lse_weights(lse_a: Tensor, res_a: Optional[Tensor], lse_b: Tensor, res_b: Optional[Tensor]):
-    """(weight of a, weight of b, merged lse, merged res) of two log-sum-exps given as lse and
-    res. The weights are taken relative to the larger lse, res added after that difference
-    (exact where both are huge), and normalised by their sum: so they sum to 1 where the
-    lse alone lost log(l). Rows where both are -inf get weights 0, lse -inf and res 0."""
-    top = torch.maximum(lse_a, lse_b)
+def lse_weights(parts: Sequence[Tuple[Tensor, Optional[Tensor]]]):
+    """(the weight of each part, merged lse, merged res) of log-sum-exps given as (lse, res).
+    The weights are taken relative to the largest lse, res added after that difference
+    (exact where all are huge), and normalised by their sum: so they sum to 1 where the lse
+    alone lost log(l). Rows where every lse is -inf get weights 0, lse -inf and res 0."""
+    top = functools.reduce(torch.maximum, [lse for lse, _ in parts])
     top = torch.where(top.isneginf(), 0.0, top)
-    w_a, w_b = (torch.exp(lse - top + (0.0 if res is None else res)) for lse, res in ((lse_a, res_a), (lse_b, res_b)))
-    total = w_a + w_b
+    weights = [torch.exp(lse - top + (0.0 if res is None else res)) for lse, res in parts]
+    total = functools.reduce(torch.add, weights)
     inv = torch.where(total > 0, 1 / total, 0.0)
-    return (w_a * inv, w_b * inv, *split_lse(top, torch.log(total)))
+    return [w * inv for w in weights], *split_lse(top, torch.log(total))
 
 
-def merge_in_torch(d: Tensor, a: Tensor, lse_a: Tensor, b: Tensor, lse_b: Tensor,
-                   res_a: Optional[Tensor] = None, res_b: Optional[Tensor] = None) -> None:
-    """``merge_parts`` in torch operations."""
-    keep, add, lse, res = lse_weights(lse_a, res_a, lse_b, res_b)
-    keep, add = keep.unsqueeze(-1), add.unsqueeze(-1)
-    if d.dtype == torch.promote_types(a.dtype, keep.dtype):
-        torch.addcmul(torch.mul(a, keep, out=d), b, add, out=d)
-    else:  # merge in fp32, round once into d
-        torch.addcmul(a * keep, b, add, out=d)
-    lse_a.copy_(lse)
-    if res_a is not None:
-        res_a.copy_(res)
+def merge_in_torch(d: Tensor, parts: Sequence[Tuple[Tensor, Tensor, Optional[Tensor]]], lse: Tensor,
+                   res: Optional[Tensor] = None) -> None:
+    """``merge_parts`` in torch operations, in fp32 (or the parts' wider dtype), rounded once into d."""
+    weights, merged, merged_res = lse_weights([(part_lse, part_res) for _, part_lse, part_res in parts])
+    (first, *middle, last), weights = [x for x, _, _ in parts], [w.unsqueeze(-1) for w in weights]
+    total = first * weights[0]
+    for x, w in zip(middle, weights[1:-1]):
+        total = torch.addcmul(total, x, w)
+    torch.addcmul(total, last, weights[-1], out=d)
+    lse.copy_(merged)
+    if res is not None:
+        res.copy_(merged_res)
 
 
 def _same_source(a, b) -> bool:
@@ -299,8 +304,6 @@ class RowSum(_RowParts):
     Parts are handed over: the last part, where it covers every row and has the result's
     dtype and layout (a kernel's fresh gradients), becomes the result, and the parts before
     it are added into it in place, so rows it alone covers are not copied (``_adopt``)."""
-
-    PASS_INPUTS = 4
 
     def add(self, r: Rows, *parts: Tensor) -> None:
         if not self._adopt(r, parts):
@@ -378,8 +381,7 @@ class RowMerge(_RowParts):
             return
         if part_res is not None and self.res is None:
             self.res = self.empty(self.lse.shape, dtype=self.lse.dtype, device=self.device).zero_()
-        self._part_lse = part_lse, part_res, r[0]  # read by _first and _merge for the groups of this part
-        self._add(r, (part_out,), self._merge)
+        self._add(r, (part_out, part_lse, part_res), self._merge)
 
     def _adopt_first(self, r: Rows, out: Tensor, lse: Tensor, res: Optional[Tensor]) -> bool:
         """A first part over every row, in the result's dtype and layout (the own block's hop as
@@ -399,19 +401,18 @@ class RowMerge(_RowParts):
             s.state = _IN_PLACE if s.remaining else _DONE
         return True
 
-    def _first(self, rows_: Rows, part_rows: Rows) -> None:
-        for mine, part in ((self.lse, self._part_lse[0]), (self.res, self._part_lse[1])):
+    def _first(self, rows_: Rows, part_rows: Rows, parts: Sequence[Optional[Tensor]]) -> None:
+        for mine, part in ((self.lse, parts[1]), (self.res, parts[2])):
             if mine is not None and part is not None:
                 target, source = rows(mine, rows_), rows(part, part_rows)
                 if source.data_ptr() != target.data_ptr():  # not written in place
                     target.copy_(source)
 
-    def _merge(self, dest: List[Tensor], prev: List[List[Tensor]], new: List[Tensor], r: Rows) -> None:
-        lse, res, row0 = self._part_lse
-        (d,), ((a,),), (b,) = dest, prev, new
-        part_rows = (r[0] - row0, r[1] - row0)
-        merge_parts(d, a, rows(self.lse, r), b, rows(lse, part_rows), optional_rows(self.res, r),
-                    optional_rows(res, part_rows))
+    def _held_rows(self, tensors: List[Tensor], r: Rows) -> List[Optional[Tensor]]:
+        return [rows(tensors[0], r), rows(self.lse, r), optional_rows(self.res, r)]
+
+    def _merge(self, dest: List[Tensor], kept: List[List[Tensor]], new: List[Tensor], r: Rows) -> None:
+        merge_parts(dest[0], [tuple(part) for part in kept + [new]], rows(self.lse, r), optional_rows(self.res, r))
 
     def _fill_empty(self, out: List[Tensor], r: Rows) -> None:
         super()._fill_empty(out, r)

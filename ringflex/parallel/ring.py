@@ -358,7 +358,7 @@ def _with_sinks(out: Tensor, lse: Tensor, res: Optional[Tensor], sinks: Tensor):
     that sees no key keeps output 0, its LSE the sink's. Backward needs nothing more: given
     this output and LSE, a hop's backward computes the softmax over the keys and the sink
     (``_sink_grad`` gives the sink's own gradient). Returns (out, lse, res)."""
-    keep, _, lse, res = lse_weights(lse, res, sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse), None)
+    (keep, _), lse, res = lse_weights([(lse, res), (sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse), None)])
     return (out.to(lse.dtype) * keep.unsqueeze(-1)).to(out.dtype), lse, res
 
 

@@ -40,8 +40,9 @@ def test_fused_merge_matches_torch_and_the_oracle(dim, length, dtypes):
     for merge in (merge_parts, merge_in_torch):
         a_, lse_a_ = a.clone(), lse_a.clone()
         d = a_ if out_name == "in place" else torch.empty(a.shape, dtype=names[out_name], device="cuda")
-        assert fused_merge.applies(d, a_, b, lse_a_, lse_b)
-        merge(d, a_, lse_a_, b, lse_b)
+        parts = [(a_, lse_a_, None), (b, lse_b, None)]
+        assert fused_merge.applies(d, parts, lse_a_)
+        merge(d, parts, lse_a_)
         results.append((d, lse_a_))
     (fused, fused_lse), (torch_out, torch_lse) = results
     assert fused_merge.available()
@@ -66,7 +67,7 @@ def test_fused_merge_weighs_huge_lse_by_their_res(with_res):
     results = []
     for merge in (fused_merge.merge, merge_in_torch):
         d, lse, res = torch.empty_like(a), lse_a.clone(), None if res_a is None else res_a.clone()
-        merge(d, a, lse, b, lse_b, res, res_b)
+        merge(d, [(a, lse, res), (b, lse_b, res_b)], lse, res)
         results.append((d, lse, res))
     (fused, fused_lse, fused_res), (torch_out, torch_lse, torch_res) = results
     weights = {"both": (3, 5), "a": (3, 1), "b": (1, 5)}[with_res]
@@ -81,13 +82,47 @@ def test_fused_merge_weighs_huge_lse_by_their_res(with_res):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("count", [3, 4])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_fused_merge_of_several_parts(count, in_place):
+    """Three or four parts (row views, some rows seen by none, one part with a res) merge as
+    torch merges them and within a rounding of the fp64 oracle; in place into the first part
+    and its lse, as the ring's adopted first hop."""
+    g = torch.Generator(device="cuda").manual_seed(count)
+    length = 300
+    parts = []
+    for i in range(count):
+        x = torch.randn(2, 3, length + 5, 128, device="cuda", generator=g).to(torch.bfloat16).narrow(2, 2, length)
+        lse = torch.randn(2, 3, length, device="cuda", generator=g).mul(4)
+        lse[:, :, i::(5 + i)] = -math.inf
+        res = torch.randn(2, 3, length, device="cuda", generator=g).mul(0.01) if i == 1 else None
+        parts.append((x, lse, res))
+    lses = torch.stack([lse.double() + (0 if res is None else res.double()) for _, lse, res in parts])
+    want_lse = torch.logsumexp(lses, 0)
+    finite = torch.where(want_lse.isneginf(), 0.0, want_lse)
+    want = sum(x.double() * torch.exp(l - finite).unsqueeze(-1) for (x, _, _), l in zip(parts, lses))
+    results = []
+    for merge in (fused_merge.merge, merge_in_torch):
+        copies = [(x.clone(), lse.clone(), res) for x, lse, res in parts]
+        d = copies[0][0] if in_place else torch.empty(parts[0][0].shape, dtype=torch.bfloat16, device="cuda")
+        lse, res = copies[0][1], torch.zeros(2, 3, length, device="cuda")
+        merge(d, copies, lse, res)
+        results.append((d, lse, res))
+    (fused, fused_lse, fused_res), (torch_out, torch_lse, torch_res) = results
+    torch.testing.assert_close(fused, torch_out)
+    torch.testing.assert_close(fused_lse + fused_res, torch_lse + torch_res)
+    torch.testing.assert_close((fused_lse.double() + fused_res.double()), want_lse, rtol=1e-6, atol=1e-6)
+    assert (fused.double() - want).abs().max().item() <= 2 * torch.finfo(torch.bfloat16).eps * want.abs().max().item()
+
+
+@pytest.mark.gpu
 def test_fused_merge_of_more_rows_than_one_launch_takes(monkeypatch):
     """Beyond 65535 row blocks (2M rows) the merge launches on consecutive row ranges."""
     monkeypatch.setattr(fused_merge, "_MAX_ROWS", 64)
     a, b, lse_a, lse_b = _parts(128, 1000, torch.bfloat16, torch.bfloat16)
     want, want_lse = _oracle(a, b, lse_a, lse_b)
     d = torch.empty(a.shape, dtype=torch.bfloat16, device="cuda")
-    fused_merge.merge(d, a, lse_a, b, lse_b)
+    fused_merge.merge(d, [(a, lse_a, None), (b, lse_b, None)], lse_a)
     torch.testing.assert_close(lse_a.double(), want_lse, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(d, want.to(torch.bfloat16))
 
@@ -109,7 +144,7 @@ def test_fused_merge_compiles_once_for_any_rows():
         a, b, lse_a, lse_b = _parts(128, length, torch.bfloat16, torch.bfloat16)
         want, _ = _oracle(a, b, lse_a, lse_b)
         d = torch.empty(a.shape, dtype=torch.bfloat16, device="cuda")
-        fused_merge.merge(d, a, lse_a, b, lse_b)
+        fused_merge.merge(d, [(a, lse_a, None), (b, lse_b, None)], lse_a)
         torch.testing.assert_close(d, want.to(torch.bfloat16))
         seen = _compiled(kernel) if seen is None else seen
     assert _compiled(kernel) == seen
