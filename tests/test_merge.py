@@ -153,16 +153,21 @@ def test_one_part_covering_everything_is_the_result():
     assert total.result()[0] is part
 
 
+def _row_sum(ranges, parts) -> RowSum:
+    """A bf16 RowSum of ``parts`` over ``ranges``, added in order."""
+    total = RowSum([(2, 3, LENGTH, 5)], torch.bfloat16, torch.float32, "cpu", ranges)
+    for r, p in zip(ranges, parts):
+        total.add(r, p)
+    return total
+
+
 def test_the_last_part_over_every_row_becomes_the_result():
     """A last part that covers every row is taken as the result and the parts before it are
     added into it (no copy of the rows only it covers); same values as summing aside."""
     ranges = [(0, 8), (4, 12), (0, LENGTH)]
     parts = _parts(ranges, torch.bfloat16)
     want = _summed(ranges, parts)
-    total = RowSum([want.shape], torch.bfloat16, torch.float32, "cpu", ranges)
-    for r, p in zip(ranges, parts):
-        total.add(r, p)
-    (got,) = total.result()
+    (got,) = _row_sum(ranges, parts).result()
     assert got is parts[-1] and torch.equal(got, want.to(torch.bfloat16))
 
 
@@ -198,10 +203,8 @@ def test_up_to_four_parts_are_summed_in_one_pass(monkeypatch, count):
                         real(d, parts, acc))
     ranges = [(0, LENGTH)] * count
     parts = _parts(ranges, torch.bfloat16)
-    want = _summed(ranges, parts)
-    total = RowSum([want.shape], torch.bfloat16, torch.float32, "cpu", ranges)
-    for r, p in zip(ranges, parts):
-        total.add(r, p)
+    want = _summed(ranges, parts)  # before the last part becomes the sum
+    total = _row_sum(ranges, parts)
     (got,) = total.result()
     assert torch.equal(got, want.to(torch.bfloat16))
     if count == 4:
