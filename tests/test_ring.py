@@ -433,8 +433,8 @@ def _rounding_kernel_lse_errors(rank, world_size, layout):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_lse_gradients_with_a_kernel_that_rounds_its_results(world_size):
-    """The LSE's share joins the hop's dq and dk in fp32 before the first partial sum, sent in
-    the input dtype as cuDNN returns it: the ring still matches."""
+    """The LSE's share joins the hop's dq and dk in fp32 before the rank's dK/dV share leaves,
+    in the input dtype as cuDNN returns it: the ring still matches."""
     for rank, errors in enumerate(run_world(world_size, _rounding_kernel_lse_errors, "zigzag")):
         for (name, dtype, lse_only), errs in errors.items():
             assert max(errs) <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (rank, name, dtype, lse_only, errs)

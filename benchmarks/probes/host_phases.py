@@ -44,7 +44,7 @@ PHASES = [
     (agreement, "start", "start of the agreement (the cross-rank exchange)"),
     (agreement.Agreement, "wait", "waiting for the other ranks' records"),
     (ring._KVStream, "__init__", "K/V stream set-up"), (ring._KVStream, "start", "transfers issued"),
-    (peer.PeerTransport, "exchange", "copy-engine exchanges (K/V, partial sums)"),
+    (peer.PeerTransport, "exchange", "copy-engine exchanges (K/V, dK/dV shares)"),
     (cudnn.CudnnKernel, "forward", "kernel forward"), (cudnn.CudnnKernel, "backward", "kernel backward"),
     (cudnn.graphs.Graph, "execute", "  cuDNN execute"), (cudnn.graphs, "_build", "  cuDNN graph builds"),
     (merge.RowMerge, "add", "output merges"), (merge.RowSum, "add", "gradient sums"),
