@@ -13,9 +13,9 @@ block's owner) to each rank further away: ``max(2, world - 1)`` channels. A tran
 chunks of at most a slot, copied by the driver's ``cuMemcpyAsync``. The sender waits until
 the slot is FREE, copies the chunk into the receiver's mailbox and raises the slot's READY
 flag there; the receiver waits for READY, copies the chunk out into its own tensor and raises
-FREE at the sender. Flags are written and awaited by CUDA stream memory operations (the driver's cuStreamWriteValue32 and
-cuStreamWaitValue32), so no host thread and no SM takes part, and a rank waits only on
-flags in its own memory. Every rank makes the same transfers in the same order, so both
+FREE at the sender. Flags are written and awaited by CUDA stream memory operations (the
+driver's cuStreamWriteValue32 and cuStreamWaitValue32), so no host thread and no SM takes
+part, and a rank waits only on flags in its own memory. Every rank makes the same transfers in the same order, so both
 ends of a channel count the chunks of a pass of the ring (a forward or a backward) alike:
 chunk ``c`` uses slot ``c % SLOTS``, and its flags carry the mark of the slot's use in the
 pass, ``MARKS[(c // SLOTS) % 2]``: a wait looks for that mark, so it is passed by the flag
