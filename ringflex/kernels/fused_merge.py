@@ -128,7 +128,8 @@ def _kernels():
     # Lengths and the strides of batches and heads change with every packed batch's document
     # boundaries; specialised on them, Triton would compile a kernel for each new pattern (tens
     # of ms). Batch and head strides count rows, so addresses stay aligned to a row's stride.
-    strides = [f"x{i}_r{s}" for i in range(4) for s in "bh"] + [f"{n}{i}_s{s}" for n in "lr" for i in range(4) for s in "bh"]
+    strides = [f"x{i}_r{s}" for i in range(4) for s in "bh"]  # the parts' batch and head strides, then their stats'
+    strides += [f"{n}{i}_s{s}" for n in "lr" for i in range(4) for s in "bh"]
 
     @triton.jit(do_not_specialize=["heads", "length", *strides, "d_rb", "d_rh", "lo_sb", "lo_sh", "ro_sb", "ro_sh"])
     def lse_merge(x0, x1, x2, x3, l0, l1, l2, l3, r0, r1, r2, r3, d, lo, ro, heads, length, dim,
