@@ -22,7 +22,7 @@ from torch import Tensor
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_ROWS = 32
 _MAX_ROWS = 65535 * _BLOCK_ROWS
-_MERGE_PARTS = 4  # the most parts one merge takes
+MAX_PARTS = 4  # the most parts one merge or sum takes
 
 
 def applies(d: Tensor, parts: Sequence[Tuple[Tensor, Tensor, Optional[Tensor]]], lse: Tensor,
@@ -32,13 +32,13 @@ def applies(d: Tensor, parts: Sequence[Tuple[Tensor, Tensor, Optional[Tensor]]],
     (its weights are fp32)."""
     stats = [t for _, part_lse, part_res in parts for t in (part_lse, part_res) if t is not None]
     stats += [t for t in (lse, res) if t is not None]
-    return (2 <= len(parts) <= 4 and _in_rows_of_one_gpu(d, *(x for x, _, _ in parts))
+    return (2 <= len(parts) <= MAX_PARTS and _in_rows_of_one_gpu(d, *(x for x, _, _ in parts))
             and all(t.device == d.device and t.dtype == torch.float32 for t in stats))
 
 
 def sum_applies(d: Tensor, parts: Sequence[Tensor]) -> bool:
     """Whether ``add`` can take these tensors (laid out as ``applies`` asks, no float64)."""
-    return 1 <= len(parts) <= 4 and _in_rows_of_one_gpu(d, *parts)
+    return 1 <= len(parts) <= MAX_PARTS and _in_rows_of_one_gpu(d, *parts)
 
 
 def _in_rows_of_one_gpu(d: Tensor, *others: Tensor) -> bool:
@@ -65,11 +65,11 @@ def merge(d: Tensor, parts: Sequence[Tuple[Tensor, Tensor, Optional[Tensor]]], l
     (``merge.lse_weights``; res None: 0), ``res`` (where given) taking the merged one's. Rows
     where every lse is -inf get 0, lse -inf and res 0."""
     count = len(parts)
-    padded = list(parts) + [parts[0]] * (_MERGE_PARTS - count)  # unread beyond ``count``
+    padded = list(parts) + [parts[0]] * (MAX_PARTS - count)  # unread beyond ``count``
     xs = [x for x, _, _ in padded]
     lses = [part_lse for _, part_lse, _ in padded]
     ress = [part_lse if part_res is None else part_res for _, part_lse, part_res in padded]
-    has = {f"RES{i}": i < count and parts[i][2] is not None for i in range(_MERGE_PARTS)}
+    has = {f"RES{i}": i < count and parts[i][2] is not None for i in range(MAX_PARTS)}
     for rows in _launches(*xs, *lses, *ress, d, lse, lse if res is None else res):
         xs_, lses_, ress_ = rows[:4], rows[4:8], rows[8:12]
         d_, lse_, res_ = rows[12:]
@@ -83,7 +83,7 @@ def merge(d: Tensor, parts: Sequence[Tuple[Tensor, Tensor, Optional[Tensor]]], l
 def add(d: Tensor, parts: Sequence[Tensor]) -> None:
     """d = the sum of one to four [B, H, L, D] ``parts``, in fp32, rounded once into ``d``
     (which may be one of them); one part: a copy."""
-    a, b, c, e = (list(parts) + [parts[0]] * 3)[:4]  # unread beyond ``len(parts)``
+    a, b, c, e = list(parts) + [parts[0]] * (MAX_PARTS - len(parts))  # unread beyond ``len(parts)``
     for rows in _launches(a, b, c, e, d):
         a_, b_, c_, e_, d_ = rows
         _kernels()[1][_grid(d_)](

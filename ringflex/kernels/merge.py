@@ -52,7 +52,7 @@ class _Span:
     their value is so far: nowhere (None), ``_ACC`` (the accumulator), ``_DONE`` (the result,
     complete), ``_IN_PLACE`` (the result, a single part written there through ``destination``),
     ``(part, row0)``: rows of a part kept as it came, whose first row is ``row0``, or
-    ``_Kept``: several of these (sums only)."""
+    ``_Kept``: several of these."""
 
     __slots__ = ("begin", "end", "remaining", "state")
 
@@ -64,8 +64,9 @@ _ACC, _DONE, _IN_PLACE = "acc", "done", "in place"
 
 
 class _Kept:
-    """Parts kept as they came (two or more, sums only; the accumulator may be one): the part
-    that completes the rows, or the one that fills a pass's inputs, sums them all in one pass."""
+    """Parts kept as they came (two or more; the accumulator or the result may be one): the
+    part that completes the rows, or the one that fills a pass's inputs, combines them all in
+    one pass."""
 
     __slots__ = ("sources",)
 
@@ -93,7 +94,7 @@ class _RowParts:
     buffer), a row with more a pass per three more, and no row is rounded before its last part.
     """
 
-    PASS_INPUTS = 4  # the most parts one pass combines (``fused_merge``)
+    PASS_INPUTS = fused_merge.MAX_PARTS  # the most parts one pass combines
 
     def __init__(self, shapes: Sequence[torch.Size], dtype: torch.dtype, acc_dtype: torch.dtype, device,
                  expected: Sequence[Rows], empty=torch.empty):

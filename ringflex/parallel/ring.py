@@ -61,8 +61,7 @@ class RingCall:
         self.agreement.wait()
         shared = self.agreement.shared
         world = len(shared)
-        self.reads = [[(s[i], s[i + 1]) for i in range(0, 2 * world, 2)] for s in shared]
-        reads = self.reads
+        reads = self.reads = [[(s[i], s[i + 1]) for i in range(0, 2 * world, 2)] for s in shared]
         self.schedule = self.schedule[:steps_needed(reads)]
         if self.comm is not None:
             self.travelling = travelling_rows(reads, len(self.schedule))
@@ -71,6 +70,11 @@ class RingCall:
             self.loan = self.offer.agree([s[2 * world:] for s in shared], self.comm.rank, planned_part)
             if self.loan is not None:
                 self.schedule = [self.schedule[0], list(self.loan.kept), *self.schedule[2:]]
+
+    def rows_read(self, rank: int, step: int) -> Rows:
+        """The rows of the block held at (forward) ``step`` that ``rank`` (mod the world) reads,
+        as the ranks agreed: the rows of its dK/dV share of that block."""
+        return self.reads[rank % len(self.reads)][step]
 
     def rows_travelling(self, step: int, length: int) -> Rows:
         """The rows of the block held at (forward) ``step`` that travel on."""
@@ -235,8 +239,8 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
     the reverse order and its last stop is its owner, which holds it already (no transfer).
     At each step a rank sends its hops' share of the dK/dV of the block it holds straight to
     the block's owner (``_exchange_shares``), in the dtype the kernel returned it in (the
-    input dtype for cuDNN: half the bytes of fp32, and nothing rounded that the kernel did not
-    round), and receives its own block's share from the rank that holds that now. The owner
+    input dtype for cuDNN: half the bytes of fp32; a share of hops that reach the same rows is
+    their fp32 sum rounded once, as a hop's several calls are), and receives its own block's share from the rank that holds that now. The owner
     sums the shares, its own hops' and the borrowed rows' once, in fp32, rounded once
     (``merge.RowSum``: one pass where they are at most four): no rank adds into another's
     partial sum, so no step waits for the rank before it, and no fp32 sum travels.
@@ -316,20 +320,18 @@ def _share_rows_arriving(call: RingCall, steps: int) -> List[Rows]:
     """The rows of the own block whose dK/dV shares arrive, one range per rank that read some."""
     if call.comm is None:
         return []
-    rank, world = call.comm.rank, call.comm.world_size
-    return [r for d in range(1, steps) for r in [call.reads[(rank + d) % world][d]] if some(r)]
+    return [r for d in range(1, steps) for r in [call.rows_read(call.comm.rank + d, d)] if some(r)]
 
 
 def _exchange_shares(call: RingCall, distance: int, parts, k: Tensor, v: Tensor, acc) -> _Share:
     """Sends this rank's share of the dK/dV of the block it holds (the rank ``distance`` before
     it owns it) to that rank and receives its own block's share from the rank ``distance``
     after it, which holds the block now: each over the rows that rank read of it in forward
-    (``RingCall.reads``, which every rank knows), summed over its hops (``parts``: block rows,
+    (``RingCall.rows_read``, which every rank knows), summed over its hops (``parts``: block rows,
     dk, dv) in fp32 where they overlap and rounded once into the kernel's gradient dtype.
     Returns the exchange under way."""
-    rank, world = call.comm.rank, call.comm.world_size
-    dtype = call.kernel.grad_dtype(k.dtype)
-    mine, theirs = call.reads[rank][distance], call.reads[(rank + distance) % world][distance]
+    rank, dtype = call.comm.rank, call.kernel.grad_dtype(k.dtype)
+    mine, theirs = call.rows_read(rank, distance), call.rows_read(rank + distance, distance)
     send = _share(parts, mine, k, v, dtype, acc)
     recv = [new_rows(t, theirs, t.shape[3], dtype=dtype) for t in (k, v)]
     transfer = call.comm.exchange(send, recv, shift=-distance)
