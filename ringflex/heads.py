@@ -25,6 +25,7 @@ of other rings raise ``RingFailure`` instead of waiting, and the mesh stays fail
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import types
@@ -40,6 +41,7 @@ from .mod.fingerprint import digest, fingerprint
 from .mod.trace import tensors_requiring_grad
 from .parallel import agreement, alltoall, fault
 from .parallel.mesh import HeadsRing
+from .parallel.ring import no_second_derivative
 from .plan import layout as layouts
 from .plan.blocks import check_lookups
 
@@ -85,13 +87,31 @@ def at_global_heads(mod: Optional[Callable], kind: str, offset: int) -> Optional
     return entry[1]
 
 
+# --------------------------------------------------------------------------- groups of heads
+
+def head_groups(local_kv_heads: int, heads: int, ring: int) -> int:
+    """How many groups of heads the all-to-alls move one after another (``parallel.alltoall``),
+    so that one group's transfers hide behind another's attention: 1 where nothing moves (one
+    heads rank), else at most ``RINGFLEX_HEAD_GROUPS`` (auto: 4 on a ring of one rank, 2 on a
+    longer ring) and a divisor of the rank's K/V heads, so each group holds whole groups of
+    GQA query heads."""
+    wanted = config.HEAD_GROUPS.value()
+    if heads == 1:
+        return 1
+    if wanted == "auto":  # a ring of one rank is a kernel call per group; a longer one's host work grows with them
+        wanted = 4 if ring == 1 else 2
+    return max(g for g in range(1, min(wanted, local_kv_heads) + 1) if local_kv_heads % g == 0)
+
+
 # --------------------------------------------------------------------------- the argument check
 
 # What every rank of the mesh must agree on before the first all-to-all; shown by value where
 # the value reads as a number.
 _FIELDS = ("batch size", "query heads", "key/value heads", "local query length", "local key/value length",
            "head dim", "value head dim", "dtype", "device type", "layout", "backend", "enable_gqa", "sinks", "scale",
-           "return_lse", "score_mod", "mask_mod", "gradient tracking (whether backward will run)")
+           "return_lse", "score_mod", "mask_mod",
+           "gradient tracking (whether backward will run, and which of q, k, v and sinks require grad)",
+           f"groups of heads ({config.HEAD_GROUPS.name})")
 _NUMBERS_SHOWN = 7
 
 
@@ -175,15 +195,16 @@ class _Call:
             except Exception as e:  # noqa: BLE001 (reported to every rank)
                 return (f"{kind} failed at this rank's global heads {self.offset} to {self.offset + local_q - 1}: "
                         f"{type(e).__name__}: {e}")
+        self.groups = head_groups(local_kv, a, r)
         self.tensors = tensors_requiring_grad(self.score_mod, q.device)
-        self.grad = torch.is_grad_enabled() and any(
-            isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, sinks, *self.tensors))
+        tracked = [isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, sinks, *self.tensors)]
+        self.grad = torch.is_grad_enabled() and any(tracked)
         debugging = config.debugging()
         self.values = [batch, hq, hkv, q.shape[2], k.shape[2], q.shape[3], v.shape[3], _code(q.dtype),
                        _code(q.device.type), _code(layout), _code(backend), int(bool(enable_gqa)),
                        int(sinks is not None), _code(None if scale is None else float(scale)), int(bool(return_lse)),
                        fingerprint(score_mod, debugging), fingerprint(mask_mod, debugging),
-                       int(self.grad)]
+                       sum(bit << i for i, bit in enumerate(tracked[:4])) if self.grad else -1, self.groups]
         return None
 
 
@@ -215,33 +236,81 @@ def reject(mesh: HeadsRing, error: str) -> None:
     _agree(mesh, [0] * len(_FIELDS), error)
 
 
-class _Ring(torch.autograd.Function):
-    """The ring over the mesh's "ring" dimension, run in an autograd graph of its own, so that
-    an exception in its backward (which may hit one ring of the mesh only) fails the mesh
-    before it leaves this rank: the ranks of the other rings then stop waiting in the
-    backward's all-to-all."""
+class _HeadsRing(torch.autograd.Function):
+    """The call over the mesh with its autograd: the heads all-to-alls in groups of heads
+    (``_forward``), each group's ring run in an autograd graph of its own. Backward runs group
+    by group, each group's gradients travelling while the next group's backward runs; an
+    exception in a ring's backward (which may hit one ring of the mesh only) fails the mesh
+    before it leaves this rank, so the ranks of the other rings stop waiting."""
 
     @staticmethod
-    def forward(ctx, mesh, run, q, k, v, sinks, *tensors):
-        leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (q, k, v, sinks)]
-        with torch.enable_grad():
-            result = _guarded(mesh, "forward", run, *leaves)
-        outputs = result if isinstance(result, tuple) else (result,)
-        ctx.mesh, ctx.leaves, ctx.outputs, ctx.tensors = mesh, leaves, outputs, tensors
+    def forward(ctx, mesh, call, run, q, k, v, sinks, *tensors):
+        sinks = None if sinks is None else sinks.detach().requires_grad_(sinks.requires_grad)
+        wholes, ctx.kept = _forward(mesh, call, run, q, k, v, sinks, track=True)
+        ctx.mesh, ctx.call, ctx.sinks, ctx.tensors = mesh, call, sinks, tensors
+        ctx.wholes = [(w.shape, w.dtype, w.device) for w in wholes]
         ctx.set_materialize_grads(False)  # a loss that does not read the LSE costs no LSE backward
-        return tuple(o.detach() for o in outputs)
+        return wholes
 
     @staticmethod
     def backward(ctx, *grads):
-        given = [(o, g) for o, g in zip(ctx.outputs, grads) if g is not None]
-        wanted = [t for t in ctx.leaves if t is not None and t.requires_grad] + list(ctx.tensors)
-        found = iter([None] * len(wanted))
-        if given and wanted:
-            found = iter(_guarded(ctx.mesh, "backward", torch.autograd.grad, [o for o, _ in given], wanted,
-                                  [g for _, g in given], retain_graph=True, allow_unused=True,
-                                  create_graph=torch.is_grad_enabled()))
-        leaves = [next(found) if t is not None and t.requires_grad else None for t in ctx.leaves]
-        return (None, None, *leaves, *found)
+        mesh, call = ctx.mesh, ctx.call
+        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                 for g, (shape, dtype, device) in zip(grads, ctx.wholes)]  # every rank moves the same tensors
+        arriving = [alltoall.to_sequence(g, mesh, call.groups, f"the heads all-to-all of the gradient of {name}")
+                    for g, name in zip(grads, ("the output", "the LSE"))]
+        leaves = ctx.kept[0][0]
+        wholes = [t.new_empty(_heads_shape(t, mesh, call.groups)) if t.requires_grad else None for t in leaves]
+        sinks = [ctx.sinks] if ctx.sinks is not None and ctx.sinks.requires_grad else []
+        summed = [None] * (len(sinks) + len(ctx.tensors))  # the sinks' and the score_mod tensors' gradients
+        leaving = []
+        for g, (leaves, _, outputs) in enumerate(ctx.kept):
+            given = [m[g].wait() for m in arriving]
+            wanted = [t for t in leaves if t.requires_grad] + sinks + list(ctx.tensors)
+            found = list(_guarded(mesh, "backward", torch.autograd.grad, outputs, wanted, given, retain_graph=True,
+                                  allow_unused=True))
+            for leaf, whole in zip(leaves, wholes):
+                if whole is not None:
+                    d = found.pop(0)
+                    d = torch.zeros_like(leaf) if d is None else d
+                    leaving.append(alltoall.to_heads(d, g, whole, mesh, "the heads all-to-all of a gradient"))
+            summed = [d if s is None else s if d is None else s + d for s, d in zip(summed, found)]
+        for m in leaving:
+            m.wait()
+        d_sinks = summed.pop(0) if sinks else None
+        return (None, None, None, *no_second_derivative([*wholes, d_sinks, *summed]))
+
+
+def _heads_shape(t: Tensor, mesh: HeadsRing, groups: int) -> tuple:
+    """The heads layout's [B, H, L, ...] of a tensor of whom ``t`` is one group in the
+    sequence's layout, [B, H/(a*groups), a*L, ...]."""
+    return (t.shape[0], t.shape[1] * mesh.heads * groups, t.shape[2] // mesh.heads, *t.shape[3:])
+
+
+def _forward(mesh: HeadsRing, call: "_Call", run: Callable, q, k, v, sinks, track: bool):
+    """The all-to-alls and the rings, group by group: returns the output (and LSE) in the
+    heads layout and, per group, (its q, k, v in the sequence's layout, its sinks, its
+    outputs). ``track``: the groups' rings record their autograd graphs."""
+    arriving = [alltoall.to_sequence(t, mesh, call.groups, f"the heads all-to-all of {name}")
+                for t, name in ((q, "q"), (k, "k"), (v, "v"))]
+    n = q.shape[1] // mesh.heads // call.groups
+    wholes, kept, leaving = None, [], []
+    for g in range(call.groups):
+        leaves = [m[g].wait() for m in arriving]
+        if track:
+            leaves = [t.requires_grad_(x.requires_grad) for t, x in zip(leaves, (q, k, v))]
+        with torch.enable_grad() if track else contextlib.nullcontext():
+            sinks_g = None if sinks is None else sinks[g * n:(g + 1) * n]
+            result = _guarded(mesh, "forward", run, g, *leaves, sinks_g)
+        outputs = result if isinstance(result, tuple) else (result,)
+        if wholes is None:
+            wholes = [o.new_empty(_heads_shape(o, mesh, call.groups)) for o in outputs]
+        leaving += [alltoall.to_heads(o.detach(), g, whole, mesh, f"the heads all-to-all of {name}")
+                    for o, whole, name in zip(outputs, wholes, ("the output", "the LSE"))]
+        kept.append((leaves, sinks_g, outputs))
+    for m in leaving:
+        m.wait()
+    return tuple(wholes), kept
 
 
 def _guarded(mesh: HeadsRing, phase: str, fn, *args, **kwargs):
@@ -261,17 +330,16 @@ def attention(mesh: HeadsRing, ring: Callable, q, k, v, *, score_mod, mask_mod, 
     _agree(mesh, call.values, call.error)
     if call.repeat > 1:
         k, v = (t.repeat_interleave(call.repeat, dim=1) for t in (k, v))
-    q, k, v = (alltoall.to_sequence(t, mesh, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
+    n = q.shape[1] // mesh.heads // call.groups
 
-    def run(q, k, v, sinks):
-        return ring(q, k, v, score_mod=call.score_mod, mask_mod=call.mask_mod, group=mesh.ring_group, layout=layout,
+    def run(g, q, k, v, sinks):
+        offset = call.offset + g * n
+        return ring(q, k, v, score_mod=at_global_heads(score_mod, "score_mod", offset),
+                    mask_mod=at_global_heads(mask_mod, "mask_mod", offset), group=mesh.ring_group, layout=layout,
                     scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, backend=backend, sinks=sinks)
 
     if call.grad:
-        result = _Ring.apply(mesh, run, q, k, v, call.sinks, *call.tensors)
+        result = _HeadsRing.apply(mesh, call, run, q, k, v, call.sinks, *call.tensors)
     else:
-        result = _guarded(mesh, "forward", run, q, k, v, call.sinks)
-    if not return_lse:
-        return alltoall.to_heads(result[0] if isinstance(result, tuple) else result, mesh, "the output")
-    out, lse = result
-    return alltoall.to_heads(out, mesh, "the output"), alltoall.to_heads(lse, mesh, "the LSE")
+        result = _forward(mesh, call, run, q, k, v, call.sinks, track=False)[0]
+    return tuple(result) if return_lse else result[0]

@@ -4,6 +4,7 @@
                                           # (fewer GPUs than ranks: they share them, tools/ranks.py)
     torchrun --nproc_per_node=3 -m tools.check_ring --device cpu --local-len 16     # CPU, gloo
     torchrun --nproc_per_node=2 -m tools.check_ring --lse-grad    # a loss that reads the LSE too
+    torchrun --nproc_per_node=4 -m tools.check_ring --mesh 2x2    # a heads x ring mesh
 
 (from the repository root: the cases and the fp64 oracle come from ``tests/support``)
 
@@ -17,6 +18,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import ringflex
 from ringflex.kernels.base import Mods
@@ -81,8 +83,12 @@ def main():
     p.add_argument("--cases", nargs="+", help="only these cases of the matrix (default: all)")
     p.add_argument("--tolerance", type=float, default=None, help="max relative error (default: 3e-2 bf16, 1e-4 fp32)")
     p.add_argument("--lse-grad", action="store_true", help="the loss reads the LSE too (its gradient flows back)")
+    p.add_argument("--mesh", help="a heads x ring mesh 'axr' of every rank (a * r ranks) instead of the 1-D ring")
     args = p.parse_args()
     ranks.init(args.device)
+    group = None
+    if args.mesh:
+        group = init_device_mesh(args.device, tuple(map(int, args.mesh.split("x"))), mesh_dim_names=("heads", "ring"))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     tolerance = args.tolerance or (3e-2 if dtype == torch.bfloat16 else 1e-4)
@@ -101,15 +107,15 @@ def main():
             want = reference(q, k, v, dout, case)
         for name_of_layout in args.layouts:
             layout = None if name_of_layout == "default" else name_of_layout
-            local = [ringflex.shard(t, 2, layout=layout).requires_grad_() for t in (q, k, v)]
+            local = [ringflex.shard(t, 2, group=group, layout=layout).requires_grad_() for t in (q, k, v)]
             _LENT.clear()
             try:
                 out, lse = ringflex.ring_flex_attention(*local, score_mod=case.score_mod, mask_mod=case.mask_mod,
-                                                        layout=layout, enable_gqa=True, backend=args.backend,
-                                                        return_lse=True)
-                grads = [ringflex.shard(dout, 2, layout=layout)]
+                                                        group=group, layout=layout, enable_gqa=True,
+                                                        backend=args.backend, return_lse=True)
+                grads = [ringflex.shard(dout, 2, group=group, layout=layout)]
                 if args.lse_grad:
-                    grads.append(ringflex.shard(dlse, 2, layout=layout))
+                    grads.append(ringflex.shard(dlse, 2, group=group, layout=layout))
                 torch.autograd.backward([out, lse][:len(grads)], grads)
             except Exception as e:  # report and go on: one unsupported case must not hide the rest
                 failed += 1
@@ -117,7 +123,7 @@ def main():
                     print(f"{name:>18} {name_of_layout:>10}: ERROR {type(e).__name__}: {e}", flush=True)
                 continue
             got = [out] + [t.grad for t in local]
-            *errs, lent = ranks.max_over_ranks([relative_error(g, ringflex.shard(w, 2, layout=layout))
+            *errs, lent = ranks.max_over_ranks([relative_error(g, ringflex.shard(w, 2, group=group, layout=layout))
                                                 for g, w in zip(got, want)] + [float(sum(_LENT))], q.device)
             ok = max(errs) <= tolerance and not any(torch.isnan(g).any() for g in got)
             failed += not ok
@@ -127,7 +133,7 @@ def main():
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     transport = peer.in_use(dist.group.WORLD, device)
     if rank == 0:
-        print(f"world size {world_size}, {seq_len} tokens, backend {args.backend}, transfers {transport}: "
+        print(f"world size {world_size}{f' (mesh {args.mesh})' if args.mesh else ''}, {seq_len} tokens, backend {args.backend}, transfers {transport}: "
               f"{'all cases within' if not failed else f'{failed} case(s) beyond'} tolerance {tolerance}")
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)

@@ -1,85 +1,112 @@
-"""The all-to-alls of a heads x ring mesh (``ringflex.heads``), with their autograd.
+"""The all-to-alls of a heads x ring mesh (``ringflex.heads``), in groups of heads.
 
 Over the "heads" dimension of the mesh (``a`` ranks), ``to_sequence`` turns each rank's
-[B, H, L, ...] (all heads of its L tokens) into [B, H/a, a*L, ...] (its slice of the heads, for
-the tokens of the whole heads group, in the group's rank order); ``to_heads`` is the reverse.
-Each is the other's backward: an all-to-all is a permutation of the pieces, and its transpose
-is the reverse all-to-all.
+[B, H, L, ...] (all heads of its L tokens) into, for each of ``groups`` groups of its slice of
+the heads, [B, H/(a*groups), a*L, ...]: those heads for the tokens of the whole heads group,
+in the group's rank order. ``to_heads`` is the reverse, one group at a time, into a tensor of
+the first kind.
 
-torch's functional ``all_to_all_single_autograd`` computes the same (it works on gloo in
-torch 2.13), but its wait blocks: a rank whose peer failed in another ring of the mesh would
-wait for the group's timeout. Here the wait on CPU tensors (gloo) polls the mesh's failure
-mark, as the ring's transfers do (``parallel.fault``): the others then raise ``RingFailure``.
+Groups are what lets the transfers hide: each group's transfers are issued on their own and
+can be waited for on their own, so one group's attention runs while the next group's inputs
+arrive and the last group's outputs leave. The ring's exchange (``comm.RingComm``) carries
+them: between the GPUs of one host the copy engines, which use no SM and so run beside the
+attention kernels (a collective's kernels would wait for the kernel that holds every SM),
+elsewhere the process group's P2P. Every piece is one head of one batch for one rank's L
+tokens, a run of contiguous memory on both ends, so no tensor is rearranged before or after.
+
+A wait on CPU tensors (gloo) polls the mesh's failure mark, as the ring's transfers do
+(``fault``): a rank whose peer failed in another ring of the mesh raises ``RingFailure``
+instead of waiting for the group's timeout.
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+from typing import List
+
 from torch import Tensor
 
 from . import fault
+from .comm import RingComm
 
 
-def _all_to_all(send: Tensor, mesh, what: str) -> Tensor:
-    """``send`` [a, ...]: piece i goes to rank i of ``mesh.heads_group``; returns the pieces
-    received, piece i from rank i. A failure here fails the mesh (``mesh.raised``)."""
-    received = torch.empty_like(send)
+class Moving:
+    """A tensor that transfers are filling; ``wait()`` orders the current stream after them
+    (on CPU, waits for them) and returns it."""
+
+    def __init__(self, tensor: Tensor, pending: list, mesh, what: str):
+        self.tensor, self.pending, self.mesh, self.what = tensor, pending, mesh, what
+
+    def wait(self) -> Tensor:
+        try:
+            for p in self.pending:
+                if self.tensor.is_cuda:
+                    p.wait()
+                else:
+                    fault.wait(p.works, self.mesh.heads_group, self.what, ring_group=self.mesh.flat)
+        except BaseException as e:
+            self.mesh.raised(e, self.what)
+            raise
+        self.pending = []
+        return self.tensor
+
+
+def _pieces(t: Tensor, heads, rows: slice) -> List[Tensor]:
+    """``t[b, h, rows]`` for every batch b and head h of ``heads``: contiguous where ``t`` is."""
+    return [t[b, h, rows] for b in range(t.shape[0]) for h in heads]
+
+
+def _exchange(mesh, send_to, recv_from, what: str) -> list:
+    """For each shift s of the heads group: ``send_to(rank + s)`` goes to that rank while
+    ``recv_from(rank - s)`` is filled from that one. Nothing travels where the pieces are empty
+    (the ranks agree on the shapes)."""
+    a, me = mesh.heads, mesh.head_rank
+    comm, pending = RingComm(mesh.heads_group), []
     try:
-        if send.is_cuda:  # NCCL: ordered on the stream, the host does not wait
-            dist.all_to_all_single(received, send, group=mesh.heads_group)
-        else:
-            work = dist.all_to_all_single(received, send, group=mesh.heads_group, async_op=True)
-            fault.wait_collective(work, mesh.heads_group, what, ring_group=mesh.flat)
+        for shift in range(1, a):
+            send, recv = send_to((me + shift) % a), recv_from((me - shift) % a)
+            if send and send[0].numel():
+                pending.append(comm.exchange(send, recv, shift=shift))
     except BaseException as e:
         mesh.raised(e, what)
         raise
-    return received
+    return pending
 
 
-def _sequence_from(x: Tensor, mesh, what: str) -> Tensor:
-    a = mesh.heads
-    batch, heads, length, rest = x.shape[0], x.shape[1], x.shape[2], tuple(x.shape[3:])
-    send = x.reshape(batch, a, heads // a, length, *rest).movedim(1, 0).contiguous()
-    received = _all_to_all(send, mesh, what)  # [a, B, H/a, L, ...]: piece i holds rank i's tokens
-    return received.movedim(0, 2).reshape(batch, heads // a, a * length, *rest)
+def to_sequence(x: Tensor, mesh, groups: int, what: str) -> List[Moving]:
+    """[B, H, L, ...] -> one ``Moving`` per group g of [B, n, a*L, ...], n = H/(a*groups): the
+    heads g*n to (g+1)*n of this rank's slice, for the tokens of every rank of the heads group."""
+    a, me = mesh.heads, mesh.head_rank
+    x = x.contiguous()
+    batch, length, rest = x.shape[0], x.shape[2], tuple(x.shape[3:])
+    h = x.shape[1] // a
+    n = h // groups
+    moving = []
+    for g in range(groups):
+        y = x.new_empty(batch, n, a * length, *rest)
+        y[:, :, me * length:(me + 1) * length] = x[:, me * h + g * n:me * h + (g + 1) * n]
+
+        def send_to(rank, g=g):
+            return _pieces(x, range(rank * h + g * n, rank * h + (g + 1) * n), slice(None))
+
+        def recv_from(rank, y=y):
+            return _pieces(y, range(n), slice(rank * length, (rank + 1) * length))
+
+        moving.append(Moving(y, _exchange(mesh, send_to, recv_from, what), mesh, what))
+    return moving
 
 
-def _heads_from(y: Tensor, mesh, what: str) -> Tensor:
-    a = mesh.heads
-    batch, heads, length, rest = y.shape[0], y.shape[1], y.shape[2] // a, tuple(y.shape[3:])
-    send = y.reshape(batch, heads, a, length, *rest).movedim(2, 0).contiguous()
-    received = _all_to_all(send, mesh, what)  # [a, B, H/a, L, ...]: piece i holds rank i's heads
-    return received.movedim(0, 1).reshape(batch, a * heads, length, *rest)
+def to_heads(y: Tensor, group: int, out: Tensor, mesh, what: str) -> Moving:
+    """Group ``group``'s [B, n, a*L, ...] (as ``to_sequence`` gives it) into its heads of
+    ``out`` [B, H, L, ...], the heads layout, on every rank of the heads group."""
+    a, me = mesh.heads, mesh.head_rank
+    y = y.contiguous()
+    n, length = y.shape[1], out.shape[2]
+    h = out.shape[1] // a
+    out[:, me * h + group * n:me * h + (group + 1) * n] = y[:, :, me * length:(me + 1) * length]
 
+    def send_to(rank):
+        return _pieces(y, range(n), slice(rank * length, (rank + 1) * length))
 
-class _AllToAll(torch.autograd.Function):
-    """One all-to-all over "heads" (towards the sequence's layout or back to the heads'); its
-    backward is the reverse all-to-all of the gradient."""
+    def recv_from(rank):
+        return _pieces(out, range(rank * h + group * n, rank * h + (group + 1) * n), slice(None))
 
-    @staticmethod
-    def forward(ctx, x, mesh, name, towards_sequence: bool):
-        ctx.mesh, ctx.name, ctx.towards_sequence = mesh, name, towards_sequence
-        move = _sequence_from if towards_sequence else _heads_from
-        return move(x, mesh, f"the heads all-to-all of {name}")
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is None:
-            return None, None, None, None
-        back = _heads_from if ctx.towards_sequence else _sequence_from
-        return back(grad, ctx.mesh, f"the heads all-to-all of the gradient of {ctx.name}"), None, None, None
-
-
-def to_sequence(x: Tensor, mesh, name: str) -> Tensor:
-    """[B, H, L, ...] (all heads of this rank's tokens) -> [B, H/a, a*L, ...] (this rank's
-    slice of the heads, for the tokens of every rank of the heads group, in rank order)."""
-    if mesh.heads == 1:
-        return x
-    return _AllToAll.apply(x, mesh, name, True)
-
-
-def to_heads(y: Tensor, mesh, name: str) -> Tensor:
-    """The reverse of ``to_sequence``: [B, H/a, a*L, ...] -> [B, H, L, ...]."""
-    if mesh.heads == 1:
-        return y
-    return _AllToAll.apply(y, mesh, name, False)
+    return Moving(out, _exchange(mesh, send_to, recv_from, what), mesh, what)
