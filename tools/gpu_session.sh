@@ -76,6 +76,9 @@ for stage in "$@"; do
              CUDA_VISIBLE_DEVICES=0,1 run base4 tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
                --layouts zigzag --singles sdpa-cudnn --no-cp --no-flex-cp --iters 10 --warmup 3 \
                --json "$OUT/base2_${name}_$round.json"); done; done ;;  # this tree against BASE, alternately
+    basemesh4) test -n "${BASE:-}" || { echo "basemesh4 needs BASE=<another tree>"; exit 2; }
+               (cd "$BASE" && run basemesh4 tr 4 -m benchmarks.bench_mesh --tokens-per-rank 8192 --masks causal none \
+                 --meshes 2x2 4x1 --no-cp --singles sdpa-cudnn --json "$OUT/basemesh4.json") ;;  # groups4's meshes in BASE
     pace) for flag in "" "--lag 2" "--lag 4" --gc-off; do run pace tr 4 -m benchmarks.probes.iteration_times --seq-len 32768 $flag
             CUDA_VISIBLE_DEVICES=0,1 run pace tr 2 -m benchmarks.probes.iteration_times --seq-len 16384 $flag
           done ;;  # each of 40 back-to-back calls' GPU time: a steady pace, or stalls now and then
