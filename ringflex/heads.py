@@ -257,28 +257,26 @@ class _HeadsRing(torch.autograd.Function):
         mesh, call = ctx.mesh, ctx.call
         grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
                  for g, (shape, dtype, device) in zip(grads, ctx.wholes)]  # every rank moves the same tensors
-        arriving = [alltoall.to_sequence(g, mesh, call.groups, f"the heads all-to-all of the gradient of {name}")
-                    for g, name in zip(grads, ("the output", "the LSE"))]
-        leaves = ctx.kept[0][0]
-        wholes = [t.new_empty(_heads_shape(t, mesh, call.groups)) if t.requires_grad else None for t in leaves]
+        arriving = alltoall.to_sequence(grads, mesh, call.groups, "the heads all-to-all of the output's gradient")
+        tracked = [t for t in ctx.kept[0][0] if t.requires_grad]  # the same inputs in every group
+        wholes = [t.new_empty(_heads_shape(t, mesh, call.groups)) for t in tracked]
         sinks = [ctx.sinks] if ctx.sinks is not None and ctx.sinks.requires_grad else []
         summed = [None] * (len(sinks) + len(ctx.tensors))  # the sinks' and the score_mod tensors' gradients
         leaving = []
         for g, (leaves, _, outputs) in enumerate(ctx.kept):
-            given = [m[g].wait() for m in arriving]
+            given = arriving[g].wait()
             wanted = [t for t in leaves if t.requires_grad] + sinks + list(ctx.tensors)
-            found = list(_guarded(mesh, "backward", torch.autograd.grad, outputs, wanted, given, retain_graph=True,
-                                  allow_unused=True))
-            for leaf, whole in zip(leaves, wholes):
-                if whole is not None:
-                    d = found.pop(0)
-                    d = torch.zeros_like(leaf) if d is None else d
-                    leaving.append(alltoall.to_heads(d, g, whole, mesh, "the heads all-to-all of a gradient"))
-            summed = [d if s is None else s if d is None else s + d for s, d in zip(summed, found)]
+            found = _guarded(mesh, "backward", torch.autograd.grad, outputs, wanted, given, retain_graph=True,
+                             allow_unused=True)
+            mine = [torch.zeros_like(t) if d is None else d for t, d in zip(wanted, found[:len(wholes)])]
+            leaving.append(alltoall.to_heads(mine, g, wholes, mesh, "the heads all-to-all of the inputs' gradients"))
+            summed = [d if s is None else s if d is None else s + d for s, d in zip(summed, found[len(wholes):])]
         for m in leaving:
             m.wait()
+        wholes = iter(wholes)
+        inputs = [next(wholes) if t.requires_grad else None for t in ctx.kept[0][0]]
         d_sinks = summed.pop(0) if sinks else None
-        return (None, None, None, *no_second_derivative([*wholes, d_sinks, *summed]))
+        return (None, None, None, *no_second_derivative([*inputs, d_sinks, *summed]))
 
 
 def _heads_shape(t: Tensor, mesh: HeadsRing, groups: int) -> tuple:
@@ -291,12 +289,11 @@ def _forward(mesh: HeadsRing, call: "_Call", run: Callable, q, k, v, sinks, trac
     """The all-to-alls and the rings, group by group: returns the output (and LSE) in the
     heads layout and, per group, (its q, k, v in the sequence's layout, its sinks, its
     outputs). ``track``: the groups' rings record their autograd graphs."""
-    arriving = [alltoall.to_sequence(t, mesh, call.groups, f"the heads all-to-all of {name}")
-                for t, name in ((q, "q"), (k, "k"), (v, "v"))]
+    arriving = alltoall.to_sequence([q, k, v], mesh, call.groups, "the heads all-to-all of q, k and v")
     n = q.shape[1] // mesh.heads // call.groups
     wholes, kept, leaving = None, [], []
     for g in range(call.groups):
-        leaves = [m[g].wait() for m in arriving]
+        leaves = arriving[g].wait()
         if track:
             leaves = [t.requires_grad_(x.requires_grad) for t, x in zip(leaves, (q, k, v))]
         with torch.enable_grad() if track else contextlib.nullcontext():
@@ -305,8 +302,8 @@ def _forward(mesh: HeadsRing, call: "_Call", run: Callable, q, k, v, sinks, trac
         outputs = result if isinstance(result, tuple) else (result,)
         if wholes is None:
             wholes = [o.new_empty(_heads_shape(o, mesh, call.groups)) for o in outputs]
-        leaving += [alltoall.to_heads(o.detach(), g, whole, mesh, f"the heads all-to-all of {name}")
-                    for o, whole, name in zip(outputs, wholes, ("the output", "the LSE"))]
+        leaving.append(alltoall.to_heads([o.detach() for o in outputs], g, wholes, mesh,
+                                         "the heads all-to-all of the output"))
         kept.append((leaves, sinks_g, outputs))
     for m in leaving:
         m.wait()

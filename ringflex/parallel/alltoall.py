@@ -1,69 +1,63 @@
 """The all-to-alls of a heads x ring mesh (``ringflex.heads``), in groups of heads.
 
 Over the "heads" dimension of the mesh (``a`` ranks), ``to_sequence`` turns each rank's
-[B, H, L, ...] (all heads of its L tokens) into, for each of ``groups`` groups of its slice of
-the heads, [B, H/(a*groups), a*L, ...]: those heads for the tokens of the whole heads group,
-in the group's rank order. ``to_heads`` is the reverse, one group at a time, into a tensor of
-the first kind.
+tensors [B, H, L, ...] (all heads of its L tokens) into, for each of ``groups`` groups of its
+slice of the heads, [B, H/(a*groups), a*L, ...]: those heads for the tokens of the whole heads
+group, in the group's rank order. ``to_heads`` is the reverse, one group at a time, into
+tensors of the first kind.
 
 Groups are what lets the transfers hide: each group's transfers are issued on their own and
-can be waited for on their own, so one group's attention runs while the next group's inputs
-arrive and the last group's outputs leave. The ring's exchange (``comm.RingComm``) carries
-them: between the GPUs of one host the copy engines, which use no SM and so run beside the
+waited for on their own, so one group's attention runs while the next group's inputs arrive
+and the last group's outputs leave. The ring's exchange (``comm.RingComm``) carries them:
+between the GPUs of one host the copy engines, which use no SM and so run beside the
 attention kernels (a collective's kernels would wait for the kernel that holds every SM),
-elsewhere the process group's P2P. Every piece is one head of one batch for one rank's L
-tokens, a run of contiguous memory on both ends, so no tensor is rearranged before or after.
+elsewhere the process group's P2P. One exchange per group and shift carries every tensor of
+the call (q, k and v together); a batch's piece is contiguous on one end and rows at one
+pitch on the other (``peer.rows``), which the copy engines move as they lie: nothing is
+rearranged before or after.
 
-A wait on CPU tensors (gloo) polls the mesh's failure mark, as the ring's transfers do
-(``fault``): a rank whose peer failed in another ring of the mesh raises ``RingFailure``
-instead of waiting for the group's timeout.
+Waits on CPU tensors (gloo) poll the mesh's failure mark, as the ring's transfers do
+(``fault.GuardedComm``): a rank whose peer failed in another ring of the mesh raises
+``RingFailure`` instead of waiting for the group's timeout.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, List, Sequence
 
 from torch import Tensor
 
-from . import fault
-from .comm import RingComm
+from .fault import GuardedComm
 
 
 class Moving:
-    """A tensor that transfers are filling; ``wait()`` orders the current stream after them
-    (on CPU, waits for them) and returns it."""
+    """Tensors that transfers are filling; ``wait()`` orders the current stream after them
+    (on CPU, waits for them) and returns them."""
 
-    def __init__(self, tensor: Tensor, pending: list, mesh, what: str):
-        self.tensor, self.pending, self.mesh, self.what = tensor, pending, mesh, what
+    def __init__(self, tensors: List[Tensor], pending: list, mesh, what: str):
+        self.tensors, self.pending, self.mesh, self.what = tensors, pending, mesh, what
 
-    def wait(self) -> Tensor:
+    def wait(self) -> List[Tensor]:
         try:
             for p in self.pending:
-                if self.tensor.is_cuda:
-                    p.wait()
-                else:
-                    fault.wait(p.works, self.mesh.heads_group, self.what, ring_group=self.mesh.flat)
+                p.wait()
         except BaseException as e:
             self.mesh.raised(e, self.what)
             raise
         self.pending = []
-        return self.tensor
+        return self.tensors
 
 
-def _pieces(t: Tensor, heads, rows: slice) -> List[Tensor]:
-    """``t[b, h, rows]`` for every batch b and head h of ``heads``: contiguous where ``t`` is."""
-    return [t[b, h, rows] for b in range(t.shape[0]) for h in heads]
-
-
-def _exchange(mesh, send_to, recv_from, what: str) -> list:
+def _exchange(mesh, send_to: Callable[[int], list], recv_from: Callable[[int], list], what: str) -> list:
     """For each shift s of the heads group: ``send_to(rank + s)`` goes to that rank while
     ``recv_from(rank - s)`` is filled from that one. Nothing travels where the pieces are empty
     (the ranks agree on the shapes)."""
     a, me = mesh.heads, mesh.head_rank
-    comm, pending = RingComm(mesh.heads_group), []
+    comm, pending = GuardedComm(mesh.heads_group, watched=mesh.flat), []
+    comm.phase = what
     try:
         for shift in range(1, a):
             send, recv = send_to((me + shift) % a), recv_from((me - shift) % a)
-            if send and send[0].numel():
+            if any(t.numel() for t in send):
                 pending.append(comm.exchange(send, recv, shift=shift))
     except BaseException as e:
         mesh.raised(e, what)
@@ -71,42 +65,53 @@ def _exchange(mesh, send_to, recv_from, what: str) -> list:
     return pending
 
 
-def to_sequence(x: Tensor, mesh, groups: int, what: str) -> List[Moving]:
-    """[B, H, L, ...] -> one ``Moving`` per group g of [B, n, a*L, ...], n = H/(a*groups): the
-    heads g*n to (g+1)*n of this rank's slice, for the tokens of every rank of the heads group."""
+def _heads(heads: int, a: int, n: int, rank: int, group: int) -> slice:
+    """Group ``group`` (of ``n`` heads) of heads rank ``rank``'s slice of ``heads`` heads."""
+    first = rank * (heads // a) + group * n
+    return slice(first, first + n)
+
+
+def _tokens(length: int, rank: int) -> slice:
+    """Rank ``rank``'s ``length`` tokens in the heads group's sequence."""
+    return slice(rank * length, (rank + 1) * length)
+
+
+def to_sequence(tensors: Sequence[Tensor], mesh, groups: int, what: str) -> List[Moving]:
+    """Each [B, H_t, L_t, ...] -> per group g, a ``Moving`` of [B, n_t, a*L_t, ...], n_t =
+    H_t/(a*groups): heads g*n_t to (g+1)*n_t of this rank's slice, for the tokens of every
+    rank of the heads group."""
     a, me = mesh.heads, mesh.head_rank
-    x = x.contiguous()
-    batch, length, rest = x.shape[0], x.shape[2], tuple(x.shape[3:])
-    h = x.shape[1] // a
-    n = h // groups
+    tensors = [t.contiguous() for t in tensors]
+    n = [t.shape[1] // a // groups for t in tensors]
     moving = []
     for g in range(groups):
-        y = x.new_empty(batch, n, a * length, *rest)
-        y[:, :, me * length:(me + 1) * length] = x[:, me * h + g * n:me * h + (g + 1) * n]
+        ys = [t.new_empty(t.shape[0], m, a * t.shape[2], *t.shape[3:]) for t, m in zip(tensors, n)]
+        for t, y, m in zip(tensors, ys, n):
+            y[:, :, _tokens(t.shape[2], me)] = t[:, _heads(t.shape[1], a, m, me, g)]
 
-        def send_to(rank, g=g):
-            return _pieces(x, range(rank * h + g * n, rank * h + (g + 1) * n), slice(None))
+        def send_to(rank: int, g=g) -> list:
+            return [t[b, _heads(t.shape[1], a, m, rank, g)] for t, m in zip(tensors, n) for b in range(t.shape[0])]
 
-        def recv_from(rank, y=y):
-            return _pieces(y, range(n), slice(rank * length, (rank + 1) * length))
+        def recv_from(rank: int, ys=ys) -> list:
+            return [y[b, :, _tokens(y.shape[2] // a, rank)] for y in ys for b in range(y.shape[0])]
 
-        moving.append(Moving(y, _exchange(mesh, send_to, recv_from, what), mesh, what))
+        moving.append(Moving(ys, _exchange(mesh, send_to, recv_from, what), mesh, what))
     return moving
 
 
-def to_heads(y: Tensor, group: int, out: Tensor, mesh, what: str) -> Moving:
-    """Group ``group``'s [B, n, a*L, ...] (as ``to_sequence`` gives it) into its heads of
-    ``out`` [B, H, L, ...], the heads layout, on every rank of the heads group."""
+def to_heads(ys: Sequence[Tensor], group: int, outs: Sequence[Tensor], mesh, what: str) -> Moving:
+    """Group ``group``'s tensors [B, n_t, a*L_t, ...] (as ``to_sequence`` gives them) into their
+    heads of ``outs`` [B, H_t, L_t, ...], the heads layout, on every rank of the heads group."""
     a, me = mesh.heads, mesh.head_rank
-    y = y.contiguous()
-    n, length = y.shape[1], out.shape[2]
-    h = out.shape[1] // a
-    out[:, me * h + group * n:me * h + (group + 1) * n] = y[:, :, me * length:(me + 1) * length]
+    ys = [y.contiguous() for y in ys]
+    for y, out in zip(ys, outs):
+        out[:, _heads(out.shape[1], a, y.shape[1], me, group)] = y[:, :, _tokens(out.shape[2], me)]
 
-    def send_to(rank):
-        return _pieces(y, range(n), slice(rank * length, (rank + 1) * length))
+    def send_to(rank: int) -> list:
+        return [y[b, :, _tokens(out.shape[2], rank)] for y, out in zip(ys, outs) for b in range(y.shape[0])]
 
-    def recv_from(rank):
-        return _pieces(out, range(rank * h + group * n, rank * h + (group + 1) * n), slice(None))
+    def recv_from(rank: int) -> list:
+        return [out[b, _heads(out.shape[1], a, y.shape[1], rank, group)] for y, out in zip(ys, outs)
+                for b in range(out.shape[0])]
 
-    return Moving(out, _exchange(mesh, send_to, recv_from, what), mesh, what)
+    return Moving(list(outs), _exchange(mesh, send_to, recv_from, what), mesh, what)
