@@ -93,6 +93,7 @@ for stage in "$@"; do
     mesh32k) run mesh32k tr 4 -m benchmarks.bench_mesh --tokens-per-rank 32768 --masks causal none documents \
               --iters 3 --warmup 1 --rounds 2 --json "$OUT/mesh32k.json" ;;  # meshes and torch's CP at 32k per GPU
     check4) run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 ;;
+    transport4) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py ;;  # every channel, rows too
     check4mesh) run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 --mesh 2x2 \
                   --layouts zigzag contiguous  # two groups of heads where a rank holds 2 K/V heads
                 run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 --mesh 4x1 \
