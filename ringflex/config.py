@@ -73,7 +73,7 @@ STRAGGLER_S = Setting("RINGFLEX_STRAGGLER_S", "60", _seconds, "a number of secon
                       "how long a rank waits for the others before it says which ones it waits for")
 HEAD_GROUPS = Setting("RINGFLEX_HEAD_GROUPS", "auto", _auto_or_count, "auto or a whole number >= 1",
                       "at most how many groups of heads a heads x ring mesh's all-to-alls move one after another, "
-                      "each group's transfers hidden behind another group's attention (1: all heads at once)")
+                      "each group's transfers hidden behind another group's attention (auto: 2; 1: all heads at once)")
 CUDNN_GRAPHS = Setting("RINGFLEX_CUDNN_GRAPHS", "2048", _count, "a whole number of graphs >= 1",
                        "how many cuDNN graphs are kept built (the oldest are dropped)")
 

@@ -92,14 +92,13 @@ def at_global_heads(mod: Optional[Callable], kind: str, offset: int) -> Optional
 def head_groups(local_kv_heads: int, heads: int, ring: int) -> int:
     """How many groups of heads the all-to-alls move one after another (``parallel.alltoall``),
     so that one group's transfers hide behind another's attention: 1 where nothing moves (one
-    heads rank), else at most ``RINGFLEX_HEAD_GROUPS`` (auto: 4 on a ring of one rank, 2 on a
-    longer ring) and a divisor of the rank's K/V heads, so each group holds whole groups of
-    GQA query heads."""
+    heads rank), else at most ``RINGFLEX_HEAD_GROUPS`` (auto: 2; each group costs a ring call's
+    host work, which more groups of causal attention at 8k tokens per GPU no longer hide) and a
+    divisor of the rank's K/V heads, so each group holds whole groups of GQA query heads."""
     wanted = config.HEAD_GROUPS.value()
     if heads == 1:
         return 1
-    if wanted == "auto":  # a ring of one rank is a kernel call per group; a longer one's host work grows with them
-        wanted = 4 if ring == 1 else 2
+    wanted = 2 if wanted == "auto" else wanted
     return max(g for g in range(1, min(wanted, local_kv_heads) + 1) if local_kv_heads % g == 0)
 
 
