@@ -38,7 +38,9 @@ from torch import Tensor
 from . import checks, config
 from .cache import remember
 from .mod.fingerprint import digest, fingerprint
-from .mod.trace import tensors_requiring_grad
+from .mod.band import diagonal_band
+from .mod.graph import UnsupportedModError
+from .mod.trace import tensors_requiring_grad, trace_mask_mod
 from .parallel import agreement, alltoall, fault
 from .parallel.mesh import HeadsRing
 from .parallel.ring import no_second_derivative
@@ -89,17 +91,29 @@ def at_global_heads(mod: Optional[Callable], kind: str, offset: int) -> Optional
 
 # --------------------------------------------------------------------------- groups of heads
 
-def head_groups(local_kv_heads: int, heads: int, ring: int) -> int:
+def head_groups(local_kv_heads: int, heads: int, one_band: bool) -> int:
     """How many groups of heads the all-to-alls move one after another (``parallel.alltoall``),
     so that one group's transfers hide behind another's attention: 1 where nothing moves (one
-    heads rank), else at most ``RINGFLEX_HEAD_GROUPS`` (auto: 2; each group costs a ring call's
-    host work, which more groups of causal attention at 8k tokens per GPU no longer hide) and a
-    divisor of the rank's K/V heads, so each group holds whole groups of GQA query heads."""
+    heads rank), else at most ``RINGFLEX_HEAD_GROUPS`` and a divisor of the rank's K/V heads,
+    so each group holds whole groups of GQA query heads. auto: 2 where the mask is none or one
+    diagonal band (causal, a window: a hop is one large kernel call); 1 for other masks, whose
+    hops make many small calls (packed documents) whose host work a second group would double."""
     wanted = config.HEAD_GROUPS.value()
     if heads == 1:
         return 1
-    wanted = 2 if wanted == "auto" else wanted
+    if wanted == "auto":
+        wanted = 2 if one_band else 1
     return max(g for g in range(1, min(wanted, local_kv_heads) + 1) if local_kv_heads % g == 0)
+
+
+def _one_band(mask_mod: Optional[Callable], device) -> bool:
+    """Whether ``mask_mod`` is None or exactly a diagonal band of q_idx - kv_idx."""
+    if mask_mod is None:
+        return True
+    try:
+        return diagonal_band(trace_mask_mod(mask_mod, device)) is not None
+    except UnsupportedModError:
+        return False
 
 
 # --------------------------------------------------------------------------- the argument check
@@ -194,7 +208,7 @@ class _Call:
             except Exception as e:  # noqa: BLE001 (reported to every rank)
                 return (f"{kind} failed at this rank's global heads {self.offset} to {self.offset + local_q - 1}: "
                         f"{type(e).__name__}: {e}")
-        self.groups = head_groups(local_kv, a, r)
+        self.groups = head_groups(local_kv, a, _one_band(mask_mod, q.device))
         self.tensors = tensors_requiring_grad(self.score_mod, q.device)
         tracked = [isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, sinks, *self.tensors)]
         self.grad = torch.is_grad_enabled() and any(tracked)

@@ -135,8 +135,7 @@ def test_mesh_matches_single_process(shape):
 def _in_groups(rank, world_size, shape, groups):
     """``_matrix`` with at most ``groups`` groups of heads; and the groups the calls used."""
     os.environ["RINGFLEX_HEAD_GROUPS"] = groups
-    mesh = _mesh(shape)
-    used = [heads.head_groups(math.lcm(hkv, shape[0]) // shape[0], *shape) for hkv in (8, 16)]
+    used = [heads.head_groups(math.lcm(hkv, shape[0]) // shape[0], shape[0], one_band=True) for hkv in (8, 16)]
     return _matrix(rank, world_size, shape, ["zigzag", "contiguous"], _SIXTEEN), used
 
 
@@ -149,12 +148,25 @@ def test_heads_move_in_groups_as_one_process_computes(shape):
     where the rank's K/V heads do not divide), each group's ring at its global heads, give the
     single-process output, LSE and gradients (sinks and learnable slopes too)."""
     four = [2, 4] if shape == (4, 1) else [4, 4]  # 4x1: 8 K/V heads leave each rank 2
-    for wanted, groups in (("1", [1, 1]), ("2", [2, 2]), ("4", four), ("auto", [2, 2])):
+    for wanted, groups in (("1", [1, 1]), ("2", [2, 2]), ("4", four)):
         results = run_world(WORLD, _in_groups, shape, wanted, timeout=200)
         for errors, used in results:
             assert used == groups, (wanted, used)
             for key, error in errors.items():
                 assert error < 1e-10, f"{shape} groups {wanted} {key}: {error}"
+
+
+def test_auto_moves_two_groups_where_a_hop_is_one_kernel_call(monkeypatch):
+    """auto: two groups for no mask and one diagonal band (causal, windows), one for masks whose
+    hops make many small calls (documents), which a second group would double; one heads rank
+    moves nothing; an explicit count is at most what is used."""
+    monkeypatch.delenv("RINGFLEX_HEAD_GROUPS", raising=False)
+    assert [heads._one_band(m, "cpu") for m in (None, mods.causal, mods.sliding_window(5))] == [True] * 3
+    assert not heads._one_band(mods.document(mods.document_ids([5, 1, 9])), "cpu")
+    assert heads.head_groups(8, 4, one_band=True) == 2 and heads.head_groups(8, 4, one_band=False) == 1
+    assert heads.head_groups(8, 1, one_band=True) == 1 and heads.head_groups(1, 4, one_band=True) == 1
+    monkeypatch.setenv("RINGFLEX_HEAD_GROUPS", "3")
+    assert heads.head_groups(8, 4, one_band=False) == 2 and heads.head_groups(9, 4, one_band=False) == 3
 
 
 def _order(rank, world_size, shape):
