@@ -28,14 +28,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import ringflex
-from ringflex import config
 from benchmarks import bench  # the single-GPU baselines and the fwd / fwd+bwd timer
 from benchmarks.common import make_mods
 from tools.ranks import launch, max_over_ranks
@@ -64,9 +62,8 @@ def bench_one(args, tokens, mask, meshes, device, dtype, world_size, log):
     q, k, v = (torch.randn(args.batch, args.heads, seq_len, args.head_dim, device=device, dtype=dtype)
                for _ in range(3))
 
-    def attention_on(group, head_groups="auto"):
+    def attention_on(group):
         def attn(q, k, v):
-            os.environ[config.HEAD_GROUPS.name] = head_groups  # read by the call (every rank alike)
             return ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group,
                                                 layout=args.layout, backend=args.backend)
         return attn
@@ -82,14 +79,10 @@ def bench_one(args, tokens, mask, meshes, device, dtype, world_size, log):
             peers["flex_cp"] = bench.flex_context_parallel(score_mod, mask_mod, tuple(q.shape), world_size, device,
                                                            head_tail=False)
         timers.update({name: functools.partial(peer, q, k, v) for name, peer in peers.items() if peer is not None})
-    groups = {"ring": (None, "auto")}  # name -> (group, RINGFLEX_HEAD_GROUPS)
-    for name, mesh in meshes.items():
-        for head_groups in args.head_groups:
-            groups[f"mesh {name}" + ("" if head_groups == "auto" else f" g{head_groups}")] = (mesh, head_groups)
-    for name, (group, head_groups) in groups.items():
+    groups = {"ring": None, **{f"mesh {name}": mesh for name, mesh in meshes.items()}}
+    for name, group in groups.items():
         local = [ringflex.shard(t, 2, group=group, layout=args.layout) for t in (q, k, v)]
-        timers[name] = functools.partial(bench.fwd_and_fwdbwd, attention_on(group, head_groups), *local,
-                                         device=device)
+        timers[name] = functools.partial(bench.fwd_and_fwdbwd, attention_on(group), *local, device=device)
 
     results = bench.timed_in_rounds(timers, args, device, lambda name: name in groups)
     singles = {n: results[n] for n in bench.SINGLES if "fwd" in results.get(n, {})}
@@ -108,8 +101,8 @@ def bench_one(args, tokens, mask, meshes, device, dtype, world_size, log):
             if "fwd_bwd" in results.get(peer, {}):
                 result[f"speedup_vs_{peer}_fwd_bwd"] = results[peer]["fwd_bwd"] / result["fwd_bwd"]
         if device.type == "cuda":
-            local = [ringflex.shard(t, 2, group=groups[name][0], layout=args.layout) for t in (q, k, v)]
-            result["peak_mem_gib"] = max_over_ranks([bench.ring_peak_memory(attention_on(*groups[name]), local) / 2**30],
+            local = [ringflex.shard(t, 2, group=groups[name], layout=args.layout) for t in (q, k, v)]
+            result["peak_mem_gib"] = max_over_ranks([bench.ring_peak_memory(attention_on(groups[name]), local) / 2**30],
                                                     device, bench._CPU_GROUP)[0]
         row[name] = result
         log(f"  {name}: {result}")
@@ -143,8 +136,6 @@ def parse_args(argv=None):
     p.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
     p.add_argument("--meshes", nargs="+", help="mesh shapes 'axr' to time (default: every one that fits)")
     p.add_argument("--layout", default="zigzag", choices=ringflex.LAYOUTS)
-    p.add_argument("--head-groups", nargs="+", default=["auto"],
-                   help="time each mesh with each of these RINGFLEX_HEAD_GROUPS values (auto: the default)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)

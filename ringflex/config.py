@@ -30,10 +30,6 @@ def _count(text: str) -> int:
     return value
 
 
-def _auto_or_count(text: str):
-    return text if text == "auto" else _count(text)
-
-
 def _seconds(text: str) -> float:
     value = float(text)
     if not 0 <= value < math.inf:
@@ -71,13 +67,10 @@ MIN_TILE = Setting("RINGFLEX_MIN_TILE", "1024", _count, "a whole number of rows 
                    "the smallest tile of rows the planner decides a block's kinds on")
 STRAGGLER_S = Setting("RINGFLEX_STRAGGLER_S", "60", _seconds, "a number of seconds >= 0",
                       "how long a rank waits for the others before it says which ones it waits for")
-HEAD_GROUPS = Setting("RINGFLEX_HEAD_GROUPS", "auto", _auto_or_count, "auto or a whole number >= 1",
-                      "at most how many groups of heads a heads x ring mesh's all-to-alls move one after another, "
-                      "each group's transfers hidden behind another group's attention (auto: 2; 1: all heads at once)")
 CUDNN_GRAPHS = Setting("RINGFLEX_CUDNN_GRAPHS", "2048", _count, "a whole number of graphs >= 1",
                        "how many cuDNN graphs are kept built (the oldest are dropped)")
 
-SETTINGS = (DEBUG, TRANSPORT, LENDING, MIN_TILE, STRAGGLER_S, HEAD_GROUPS, CUDNN_GRAPHS)
+SETTINGS = (DEBUG, TRANSPORT, LENDING, MIN_TILE, STRAGGLER_S, CUDNN_GRAPHS)
 
 
 def errors() -> List[str]:

@@ -25,7 +25,6 @@ of other rings raise ``RingFailure`` instead of waiting, and the mesh stays fail
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import types
@@ -38,12 +37,9 @@ from torch import Tensor
 from . import checks, config
 from .cache import remember
 from .mod.fingerprint import digest, fingerprint
-from .mod.band import diagonal_band
-from .mod.graph import UnsupportedModError
-from .mod.trace import tensors_requiring_grad, trace_mask_mod
+from .mod.trace import tensors_requiring_grad
 from .parallel import agreement, alltoall, fault
 from .parallel.mesh import HeadsRing
-from .parallel.ring import no_second_derivative
 from .plan import layout as layouts
 from .plan.blocks import check_lookups
 
@@ -89,42 +85,13 @@ def at_global_heads(mod: Optional[Callable], kind: str, offset: int) -> Optional
     return entry[1]
 
 
-# --------------------------------------------------------------------------- groups of heads
-
-def head_groups(local_kv_heads: int, heads: int, one_band: bool) -> int:
-    """How many groups of heads the all-to-alls move one after another (``parallel.alltoall``),
-    so that one group's transfers hide behind another's attention: 1 where nothing moves (one
-    heads rank), else at most ``RINGFLEX_HEAD_GROUPS`` and a divisor of the rank's K/V heads,
-    so each group holds whole groups of GQA query heads. auto: 2 where the mask is none or one
-    diagonal band (causal, a window: a hop is one large kernel call); 1 for other masks, whose
-    hops make many small calls (packed documents) whose host work a second group would double."""
-    wanted = config.HEAD_GROUPS.value()
-    if heads == 1:
-        return 1
-    if wanted == "auto":
-        wanted = 2 if one_band else 1
-    return max(g for g in range(1, min(wanted, local_kv_heads) + 1) if local_kv_heads % g == 0)
-
-
-def _one_band(mask_mod: Optional[Callable], device) -> bool:
-    """Whether ``mask_mod`` is None or exactly a diagonal band of q_idx - kv_idx."""
-    if mask_mod is None:
-        return True
-    try:
-        return diagonal_band(trace_mask_mod(mask_mod, device)) is not None
-    except UnsupportedModError:
-        return False
-
-
 # --------------------------------------------------------------------------- the argument check
 
 # What every rank of the mesh must agree on before the first all-to-all; shown by value where
 # the value reads as a number.
 _FIELDS = ("batch size", "query heads", "key/value heads", "local query length", "local key/value length",
            "head dim", "value head dim", "dtype", "device type", "layout", "backend", "enable_gqa", "sinks", "scale",
-           "return_lse", "score_mod", "mask_mod",
-           "gradient tracking (whether backward will run, and which of q, k, v and sinks require grad)",
-           f"groups of heads ({config.HEAD_GROUPS.name})")
+           "return_lse", "score_mod", "mask_mod", "gradient tracking (whether backward will run)")
 _NUMBERS_SHOWN = 7
 
 
@@ -208,16 +175,15 @@ class _Call:
             except Exception as e:  # noqa: BLE001 (reported to every rank)
                 return (f"{kind} failed at this rank's global heads {self.offset} to {self.offset + local_q - 1}: "
                         f"{type(e).__name__}: {e}")
-        self.groups = head_groups(local_kv, a, _one_band(mask_mod, q.device))
         self.tensors = tensors_requiring_grad(self.score_mod, q.device)
-        tracked = [isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, sinks, *self.tensors)]
-        self.grad = torch.is_grad_enabled() and any(tracked)
+        self.grad = torch.is_grad_enabled() and any(
+            isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, sinks, *self.tensors))
         debugging = config.debugging()
         self.values = [batch, hq, hkv, q.shape[2], k.shape[2], q.shape[3], v.shape[3], _code(q.dtype),
                        _code(q.device.type), _code(layout), _code(backend), int(bool(enable_gqa)),
                        int(sinks is not None), _code(None if scale is None else float(scale)), int(bool(return_lse)),
                        fingerprint(score_mod, debugging), fingerprint(mask_mod, debugging),
-                       sum(bit << i for i, bit in enumerate(tracked[:4])) if self.grad else -1, self.groups]
+                       int(self.grad)]
         return None
 
 
@@ -249,78 +215,33 @@ def reject(mesh: HeadsRing, error: str) -> None:
     _agree(mesh, [0] * len(_FIELDS), error)
 
 
-class _HeadsRing(torch.autograd.Function):
-    """The call over the mesh with its autograd: the heads all-to-alls in groups of heads
-    (``_forward``), each group's ring run in an autograd graph of its own. Backward runs group
-    by group, each group's gradients travelling while the next group's backward runs; an
-    exception in a ring's backward (which may hit one ring of the mesh only) fails the mesh
-    before it leaves this rank, so the ranks of the other rings stop waiting."""
+class _Ring(torch.autograd.Function):
+    """The ring over the mesh's "ring" dimension, run in an autograd graph of its own, so that
+    an exception in its backward (which may hit one ring of the mesh only) fails the mesh
+    before it leaves this rank: the ranks of the other rings then stop waiting in the
+    backward's all-to-all."""
 
     @staticmethod
-    def forward(ctx, mesh, call, run, q, k, v, sinks, *tensors):
-        sinks = None if sinks is None else sinks.detach().requires_grad_(sinks.requires_grad)
-        wholes, ctx.kept = _forward(mesh, call, run, q, k, v, sinks, track=True)
-        ctx.mesh, ctx.call, ctx.sinks, ctx.tensors = mesh, call, sinks, tensors
-        ctx.wholes = [(w.shape, w.dtype, w.device) for w in wholes]
+    def forward(ctx, mesh, run, q, k, v, sinks, *tensors):
+        leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (q, k, v, sinks)]
+        with torch.enable_grad():
+            result = _guarded(mesh, "forward", run, *leaves)
+        outputs = result if isinstance(result, tuple) else (result,)
+        ctx.mesh, ctx.leaves, ctx.outputs, ctx.tensors = mesh, leaves, outputs, tensors
         ctx.set_materialize_grads(False)  # a loss that does not read the LSE costs no LSE backward
-        return wholes
+        return tuple(o.detach() for o in outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        mesh, call = ctx.mesh, ctx.call
-        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-                 for g, (shape, dtype, device) in zip(grads, ctx.wholes)]  # every rank moves the same tensors
-        arriving = alltoall.to_sequence(grads, mesh, call.groups, "the heads all-to-all of the output's gradient")
-        tracked = [t for t in ctx.kept[0][0] if t.requires_grad]  # the same inputs in every group
-        wholes = [t.new_empty(_heads_shape(t, mesh, call.groups)) for t in tracked]
-        sinks = [ctx.sinks] if ctx.sinks is not None and ctx.sinks.requires_grad else []
-        summed = [None] * (len(sinks) + len(ctx.tensors))  # the sinks' and the score_mod tensors' gradients
-        leaving = []
-        for g, (leaves, _, outputs) in enumerate(ctx.kept):
-            given = arriving[g].wait()
-            wanted = [t for t in leaves if t.requires_grad] + sinks + list(ctx.tensors)
-            found = _guarded(mesh, "backward", torch.autograd.grad, outputs, wanted, given, retain_graph=True,
-                             allow_unused=True)
-            mine = [torch.zeros_like(t) if d is None else d for t, d in zip(wanted, found[:len(wholes)])]
-            leaving.append(alltoall.to_heads(mine, g, wholes, mesh, "the heads all-to-all of the inputs' gradients"))
-            summed = [d if s is None else s if d is None else s + d for s, d in zip(summed, found[len(wholes):])]
-        for m in leaving:
-            m.wait()
-        wholes = iter(wholes)
-        inputs = [next(wholes) if t.requires_grad else None for t in ctx.kept[0][0]]
-        d_sinks = summed.pop(0) if sinks else None
-        return (None, None, None, *no_second_derivative([*inputs, d_sinks, *summed]))
-
-
-def _heads_shape(t: Tensor, mesh: HeadsRing, groups: int) -> tuple:
-    """The heads layout's [B, H, L, ...] of a tensor of whom ``t`` is one group in the
-    sequence's layout, [B, H/(a*groups), a*L, ...]."""
-    return (t.shape[0], t.shape[1] * mesh.heads * groups, t.shape[2] // mesh.heads, *t.shape[3:])
-
-
-def _forward(mesh: HeadsRing, call: "_Call", run: Callable, q, k, v, sinks, track: bool):
-    """The all-to-alls and the rings, group by group: returns the output (and LSE) in the
-    heads layout and, per group, (its q, k, v in the sequence's layout, its sinks, its
-    outputs). ``track``: the groups' rings record their autograd graphs."""
-    arriving = alltoall.to_sequence([q, k, v], mesh, call.groups, "the heads all-to-all of q, k and v")
-    n = q.shape[1] // mesh.heads // call.groups
-    wholes, kept, leaving = None, [], []
-    for g in range(call.groups):
-        leaves = arriving[g].wait()
-        if track:
-            leaves = [t.requires_grad_(x.requires_grad) for t, x in zip(leaves, (q, k, v))]
-        with torch.enable_grad() if track else contextlib.nullcontext():
-            sinks_g = None if sinks is None else sinks[g * n:(g + 1) * n]
-            result = _guarded(mesh, "forward", run, g, *leaves, sinks_g)
-        outputs = result if isinstance(result, tuple) else (result,)
-        if wholes is None:
-            wholes = [o.new_empty(_heads_shape(o, mesh, call.groups)) for o in outputs]
-        leaving.append(alltoall.to_heads([o.detach() for o in outputs], g, wholes, mesh,
-                                         "the heads all-to-all of the output"))
-        kept.append((leaves, sinks_g, outputs))
-    for m in leaving:
-        m.wait()
-    return tuple(wholes), kept
+        given = [(o, g) for o, g in zip(ctx.outputs, grads) if g is not None]
+        wanted = [t for t in ctx.leaves if t is not None and t.requires_grad] + list(ctx.tensors)
+        found = iter([None] * len(wanted))
+        if given and wanted:
+            found = iter(_guarded(ctx.mesh, "backward", torch.autograd.grad, [o for o, _ in given], wanted,
+                                  [g for _, g in given], retain_graph=True, allow_unused=True,
+                                  create_graph=torch.is_grad_enabled()))
+        leaves = [next(found) if t is not None and t.requires_grad else None for t in ctx.leaves]
+        return (None, None, *leaves, *found)
 
 
 def _guarded(mesh: HeadsRing, phase: str, fn, *args, **kwargs):
@@ -340,16 +261,17 @@ def attention(mesh: HeadsRing, ring: Callable, q, k, v, *, score_mod, mask_mod, 
     _agree(mesh, call.values, call.error)
     if call.repeat > 1:
         k, v = (t.repeat_interleave(call.repeat, dim=1) for t in (k, v))
-    n = q.shape[1] // mesh.heads // call.groups
+    q, k, v = (alltoall.to_sequence(t, mesh, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
 
-    def run(g, q, k, v, sinks):
-        offset = call.offset + g * n
-        return ring(q, k, v, score_mod=at_global_heads(score_mod, "score_mod", offset),
-                    mask_mod=at_global_heads(mask_mod, "mask_mod", offset), group=mesh.ring_group, layout=layout,
+    def run(q, k, v, sinks):
+        return ring(q, k, v, score_mod=call.score_mod, mask_mod=call.mask_mod, group=mesh.ring_group, layout=layout,
                     scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, backend=backend, sinks=sinks)
 
     if call.grad:
-        result = _HeadsRing.apply(mesh, call, run, q, k, v, call.sinks, *call.tensors)
+        result = _Ring.apply(mesh, run, q, k, v, call.sinks, *call.tensors)
     else:
-        result = _forward(mesh, call, run, q, k, v, call.sinks, track=False)[0]
-    return tuple(result) if return_lse else result[0]
+        result = _guarded(mesh, "forward", run, q, k, v, call.sinks)
+    if not return_lse:
+        return alltoall.to_heads(result[0] if isinstance(result, tuple) else result, mesh, "the output")
+    out, lse = result
+    return alltoall.to_heads(out, mesh, "the output"), alltoall.to_heads(lse, mesh, "the LSE")

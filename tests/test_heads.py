@@ -7,8 +7,6 @@ transfer; a rank that raises inside the ring (forward or backward) fails the oth
 the mesh promptly; shard / unshard / position_ids follow the mesh's order; the wrapper and
 the training helpers take the mesh."""
 import datetime
-import math
-import os
 import threading
 import time
 
@@ -22,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import ringflex
 from support.harness import run_world
 from support.oracle import attention
-from ringflex import heads, mods, training
+from ringflex import mods, training
 from ringflex.parallel import mesh as meshes
 from ringflex.plan import layout as layouts
 
@@ -39,8 +37,8 @@ def _cases():
     """name -> (query heads, kv heads, score_mod, mask_mod, learnable, global kv length):
     head-dependent mods read per-head tensors of ALL heads by the global head index."""
     doc_ids = mods.document_ids([5, 1, 9, 3, 14])
-    windows4, windows8, windows16 = torch.tensor([1, 3, 6, 40]), torch.arange(8) * 3 + 1, torch.arange(16) * 2 + 1
-    slopes4, slopes8, slopes16 = (mods.alibi_slopes(n).double() for n in (4, 8, 16))
+    windows4, windows8 = torch.tensor([1, 3, 6, 40]), torch.arange(8) * 3 + 1
+    slopes4, slopes8 = mods.alibi_slopes(4).double(), mods.alibi_slopes(8).double()
 
     def window_of(windows):
         def head_window(b, h, q_idx, kv_idx):  # a window per head, from a captured tensor
@@ -67,8 +65,6 @@ def _cases():
         "gqa_softcap_alibi_window": (8, 2, softcap_alibi, window_of(windows8), False, S),
         "mqa_documents_softcap": (4, 1, softcap, mods.document(doc_ids, causal_within=False), False, S),
         "gqa_sinks_learnable_alibi_lse": (4, 2, None, mods.causal, True, S),
-        "sixteen_heads_gqa_alibi_window": (16, 8, mods.alibi(slopes16), window_of(windows16), False, S),
-        "sixteen_heads_sinks_learnable_lse": (16, 16, None, head_dependent, True, S),
     }
 
 
@@ -122,7 +118,7 @@ def _matrix(rank, world_size, shape, layouts_, names):
 def test_mesh_matches_single_process(shape):
     """Every layout and case on the 2x2 mesh; the 4x1 and 1x4 meshes (all heads ranks, or a
     pure ring) every layout and the cases that read heads."""
-    names = [name for name in _cases() if name not in _SIXTEEN]
+    names = list(_cases())
     if shape != (2, 2):
         names = ["documents", "head_window", "alibi", "cross_alibi", "gqa_softcap_alibi_window",
                  "mqa_documents_softcap", "gqa_sinks_learnable_alibi_lse"]
@@ -130,43 +126,6 @@ def test_mesh_matches_single_process(shape):
     for key, error in results[0].items():
         assert error < 1e-10, f"{shape} {key}: {error}"
     assert all(r == results[0] for r in results)  # every rank gathers the same
-
-
-def _in_groups(rank, world_size, shape, groups):
-    """``_matrix`` with at most ``groups`` groups of heads; and the groups the calls used."""
-    os.environ["RINGFLEX_HEAD_GROUPS"] = groups
-    used = [heads.head_groups(math.lcm(hkv, shape[0]) // shape[0], shape[0], one_band=True) for hkv in (8, 16)]
-    return _matrix(rank, world_size, shape, ["zigzag", "contiguous"], _SIXTEEN), used
-
-
-_SIXTEEN = ["sixteen_heads_gqa_alibi_window", "sixteen_heads_sinks_learnable_lse"]
-
-
-@pytest.mark.parametrize("shape", [(4, 1), (2, 2)], ids=["4x1", "2x2"])
-def test_heads_move_in_groups_as_one_process_computes(shape):
-    """16 heads: the all-to-alls in 1, 2 or 4 groups of heads (``RINGFLEX_HEAD_GROUPS``; fewer
-    where the rank's K/V heads do not divide), each group's ring at its global heads, give the
-    single-process output, LSE and gradients (sinks and learnable slopes too)."""
-    four = [2, 4] if shape == (4, 1) else [4, 4]  # 4x1: 8 K/V heads leave each rank 2
-    for wanted, groups in (("1", [1, 1]), ("2", [2, 2]), ("4", four)):
-        results = run_world(WORLD, _in_groups, shape, wanted, timeout=200)
-        for errors, used in results:
-            assert used == groups, (wanted, used)
-            for key, error in errors.items():
-                assert error < 1e-10, f"{shape} groups {wanted} {key}: {error}"
-
-
-def test_auto_moves_two_groups_where_a_hop_is_one_kernel_call(monkeypatch):
-    """auto: two groups for no mask and one diagonal band (causal, windows), one for masks whose
-    hops make many small calls (documents), which a second group would double; one heads rank
-    moves nothing; an explicit count is at most what is used."""
-    monkeypatch.delenv("RINGFLEX_HEAD_GROUPS", raising=False)
-    assert [heads._one_band(m, "cpu") for m in (None, mods.causal, mods.sliding_window(5))] == [True] * 3
-    assert not heads._one_band(mods.document(mods.document_ids([5, 1, 9])), "cpu")
-    assert heads.head_groups(8, 4, one_band=True) == 2 and heads.head_groups(8, 4, one_band=False) == 1
-    assert heads.head_groups(8, 1, one_band=True) == 1 and heads.head_groups(1, 4, one_band=True) == 1
-    monkeypatch.setenv("RINGFLEX_HEAD_GROUPS", "3")
-    assert heads.head_groups(8, 4, one_band=False) == 2 and heads.head_groups(9, 4, one_band=False) == 3
 
 
 def _order(rank, world_size, shape):

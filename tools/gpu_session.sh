@@ -3,7 +3,7 @@
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash tools/gpu_session.sh check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
-#   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh sharding4 mesh4 groups4 bench4   # on 4 GPUs
+#   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 sharding4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base4   # on 4 GPUs: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -76,9 +76,6 @@ for stage in "$@"; do
              CUDA_VISIBLE_DEVICES=0,1 run base4 tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
                --layouts zigzag --singles sdpa-cudnn --no-cp --no-flex-cp --iters 10 --warmup 3 \
                --json "$OUT/base2_${name}_$round.json"); done; done ;;  # this tree against BASE, alternately
-    basemesh4) test -n "${BASE:-}" || { echo "basemesh4 needs BASE=<another tree>"; exit 2; }
-               (cd "$BASE" && run basemesh4 tr 4 -m benchmarks.bench_mesh --tokens-per-rank 8192 --masks causal none \
-                 --meshes 2x2 4x1 --no-cp --singles sdpa-cudnn --json "$OUT/basemesh4.json") ;;  # groups4's meshes in BASE
     pace) for flag in "" "--lag 2" "--lag 4" --gc-off; do run pace tr 4 -m benchmarks.probes.iteration_times --seq-len 32768 $flag
             CUDA_VISIBLE_DEVICES=0,1 run pace tr 2 -m benchmarks.probes.iteration_times --seq-len 16384 $flag
           done ;;  # each of 40 back-to-back calls' GPU time: a steady pace, or stalls now and then
@@ -93,13 +90,11 @@ for stage in "$@"; do
     mesh32k) run mesh32k tr 4 -m benchmarks.bench_mesh --tokens-per-rank 32768 --masks causal none documents \
               --iters 3 --warmup 1 --rounds 2 --json "$OUT/mesh32k.json" ;;  # meshes and torch's CP at 32k per GPU
     check4) run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 ;;
-    transport4) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py ;;  # every channel, rows too
+    transport4) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py ;;  # every channel, on 2 and 4 ranks
     check4mesh) run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 --mesh 2x2 \
-                  --layouts zigzag contiguous  # two groups of heads where a rank holds 2 K/V heads
+                  --layouts zigzag contiguous  # the heads x ring mesh against one device
                 run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 --mesh 4x1 \
                   --layouts zigzag ;;
-    groups4) run groups4 tr 4 -m benchmarks.bench_mesh --tokens-per-rank 8192 --masks causal none --meshes 2x2 4x1 \
-              --head-groups 1 2 4 --no-cp --singles sdpa-cudnn --json "$OUT/groups4.json" ;;  # heads moved in groups
     gputests) run gputests python3 -m pytest -q -n 4 tests/gpu ;;  # every GPU test, four at a time on one GPU
     sharding4) run sharding4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks window documents causal \
               --layouts default zigzag contiguous by-mask --iters 10 --warmup 3 --json "$OUT/sharding4.json" ;;  # vs flex CP

@@ -1,117 +1,85 @@
-"""The all-to-alls of a heads x ring mesh (``ringflex.heads``), in groups of heads.
+"""The all-to-alls of a heads x ring mesh (``ringflex.heads``), with their autograd.
 
 Over the "heads" dimension of the mesh (``a`` ranks), ``to_sequence`` turns each rank's
-tensors [B, H, L, ...] (all heads of its L tokens) into, for each of ``groups`` groups of its
-slice of the heads, [B, H/(a*groups), a*L, ...]: those heads for the tokens of the whole heads
-group, in the group's rank order. ``to_heads`` is the reverse, one group at a time, into
-tensors of the first kind.
+[B, H, L, ...] (all heads of its L tokens) into [B, H/a, a*L, ...] (its slice of the heads, for
+the tokens of the whole heads group, in the group's rank order); ``to_heads`` is the reverse.
+Each is the other's backward: an all-to-all is a permutation of the pieces, and its transpose
+is the reverse all-to-all.
 
-Groups are what lets the transfers hide: each group's transfers are issued on their own and
-waited for on their own, so one group's attention runs while the next group's inputs arrive
-and the last group's outputs leave. The ring's exchange (``comm.RingComm``) carries them:
-between the GPUs of one host the copy engines, which use no SM and so run beside the
-attention kernels (a collective's kernels would wait for the kernel that holds every SM),
-elsewhere the process group's P2P. One exchange per group and shift carries every tensor of
-the call (q, k and v together); a batch's piece is contiguous on one end and rows at one
-pitch on the other (``peer.rows``), which the copy engines move as they lie: nothing is
-rearranged before or after.
-
-Waits on CPU tensors (gloo) poll the mesh's failure mark, as the ring's transfers do
-(``fault.GuardedComm``): a rank whose peer failed in another ring of the mesh raises
-``RingFailure`` instead of waiting for the group's timeout.
+torch's functional ``all_to_all_single_autograd`` computes the same (it works on gloo in
+torch 2.13), but its wait blocks: a rank whose peer failed in another ring of the mesh would
+wait for the group's timeout. Here the wait on CPU tensors (gloo) polls the mesh's failure
+mark, as the ring's transfers do (``parallel.fault``): the others then raise ``RingFailure``.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
-
+import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from .fault import GuardedComm
+from . import fault
 
 
-class Moving:
-    """Tensors that transfers are filling; ``wait()`` orders the current stream after them
-    (on CPU, waits for them) and returns them."""
-
-    def __init__(self, tensors: List[Tensor], pending: list, mesh, what: str):
-        self.tensors, self.pending, self.mesh, self.what = tensors, pending, mesh, what
-
-    def wait(self) -> List[Tensor]:
-        try:
-            for p in self.pending:
-                p.wait()
-        except BaseException as e:
-            self.mesh.raised(e, self.what)
-            raise
-        self.pending = []
-        return self.tensors
-
-
-def _exchange(mesh, send_to: Callable[[int], list], recv_from: Callable[[int], list], what: str) -> list:
-    """For each shift s of the heads group: ``send_to(rank + s)`` goes to that rank while
-    ``recv_from(rank - s)`` is filled from that one. Nothing travels where the pieces are empty
-    (the ranks agree on the shapes)."""
-    a, me = mesh.heads, mesh.head_rank
-    comm, pending = GuardedComm(mesh.heads_group, watched=mesh.flat), []
-    comm.phase = what
+def _all_to_all(send: Tensor, mesh, what: str) -> Tensor:
+    """``send`` [a, ...]: piece i goes to rank i of ``mesh.heads_group``; returns the pieces
+    received, piece i from rank i. A failure here fails the mesh (``mesh.raised``)."""
+    received = torch.empty_like(send)
     try:
-        for shift in range(1, a):
-            send, recv = send_to((me + shift) % a), recv_from((me - shift) % a)
-            if any(t.numel() for t in send):
-                pending.append(comm.exchange(send, recv, shift=shift))
+        if send.is_cuda:  # NCCL: ordered on the stream, the host does not wait
+            dist.all_to_all_single(received, send, group=mesh.heads_group)
+        else:
+            work = dist.all_to_all_single(received, send, group=mesh.heads_group, async_op=True)
+            fault.wait_collective(work, mesh.heads_group, what, ring_group=mesh.flat)
     except BaseException as e:
         mesh.raised(e, what)
         raise
-    return pending
+    return received
 
 
-def _heads(heads: int, a: int, n: int, rank: int, group: int) -> slice:
-    """Group ``group`` (of ``n`` heads) of heads rank ``rank``'s slice of ``heads`` heads."""
-    first = rank * (heads // a) + group * n
-    return slice(first, first + n)
+def _sequence_from(x: Tensor, mesh, what: str) -> Tensor:
+    a = mesh.heads
+    batch, heads, length, rest = x.shape[0], x.shape[1], x.shape[2], tuple(x.shape[3:])
+    send = x.reshape(batch, a, heads // a, length, *rest).movedim(1, 0).contiguous()
+    received = _all_to_all(send, mesh, what)  # [a, B, H/a, L, ...]: piece i holds rank i's tokens
+    return received.movedim(0, 2).reshape(batch, heads // a, a * length, *rest)
 
 
-def _tokens(length: int, rank: int) -> slice:
-    """Rank ``rank``'s ``length`` tokens in the heads group's sequence."""
-    return slice(rank * length, (rank + 1) * length)
+def _heads_from(y: Tensor, mesh, what: str) -> Tensor:
+    a = mesh.heads
+    batch, heads, length, rest = y.shape[0], y.shape[1], y.shape[2] // a, tuple(y.shape[3:])
+    send = y.reshape(batch, heads, a, length, *rest).movedim(2, 0).contiguous()
+    received = _all_to_all(send, mesh, what)  # [a, B, H/a, L, ...]: piece i holds rank i's heads
+    return received.movedim(0, 1).reshape(batch, a * heads, length, *rest)
 
 
-def to_sequence(tensors: Sequence[Tensor], mesh, groups: int, what: str) -> List[Moving]:
-    """Each [B, H_t, L_t, ...] -> per group g, a ``Moving`` of [B, n_t, a*L_t, ...], n_t =
-    H_t/(a*groups): heads g*n_t to (g+1)*n_t of this rank's slice, for the tokens of every
-    rank of the heads group."""
-    a, me = mesh.heads, mesh.head_rank
-    tensors = [t.contiguous() for t in tensors]
-    n = [t.shape[1] // a // groups for t in tensors]
-    moving = []
-    for g in range(groups):
-        ys = [t.new_empty(t.shape[0], m, a * t.shape[2], *t.shape[3:]) for t, m in zip(tensors, n)]
-        for t, y, m in zip(tensors, ys, n):
-            y[:, :, _tokens(t.shape[2], me)] = t[:, _heads(t.shape[1], a, m, me, g)]
+class _AllToAll(torch.autograd.Function):
+    """One all-to-all over "heads" (towards the sequence's layout or back to the heads'); its
+    backward is the reverse all-to-all of the gradient."""
 
-        def send_to(rank: int, g=g) -> list:
-            return [t[b, _heads(t.shape[1], a, m, rank, g)] for t, m in zip(tensors, n) for b in range(t.shape[0])]
+    @staticmethod
+    def forward(ctx, x, mesh, name, towards_sequence: bool):
+        ctx.mesh, ctx.name, ctx.towards_sequence = mesh, name, towards_sequence
+        move = _sequence_from if towards_sequence else _heads_from
+        return move(x, mesh, f"the heads all-to-all of {name}")
 
-        def recv_from(rank: int, ys=ys) -> list:
-            return [y[b, :, _tokens(y.shape[2] // a, rank)] for y in ys for b in range(y.shape[0])]
-
-        moving.append(Moving(ys, _exchange(mesh, send_to, recv_from, what), mesh, what))
-    return moving
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None, None
+        back = _heads_from if ctx.towards_sequence else _sequence_from
+        return back(grad, ctx.mesh, f"the heads all-to-all of the gradient of {ctx.name}"), None, None, None
 
 
-def to_heads(ys: Sequence[Tensor], group: int, outs: Sequence[Tensor], mesh, what: str) -> Moving:
-    """Group ``group``'s tensors [B, n_t, a*L_t, ...] (as ``to_sequence`` gives them) into their
-    heads of ``outs`` [B, H_t, L_t, ...], the heads layout, on every rank of the heads group."""
-    a, me = mesh.heads, mesh.head_rank
-    ys = [y.contiguous() for y in ys]
-    for y, out in zip(ys, outs):
-        out[:, _heads(out.shape[1], a, y.shape[1], me, group)] = y[:, :, _tokens(out.shape[2], me)]
+def to_sequence(x: Tensor, mesh, name: str) -> Tensor:
+    """[B, H, L, ...] (all heads of this rank's tokens) -> [B, H/a, a*L, ...] (this rank's
+    slice of the heads, for the tokens of every rank of the heads group, in rank order)."""
+    if mesh.heads == 1:
+        return x
+    return _AllToAll.apply(x, mesh, name, True)
 
-    def send_to(rank: int) -> list:
-        return [y[b, :, _tokens(out.shape[2], rank)] for y, out in zip(ys, outs) for b in range(y.shape[0])]
 
-    def recv_from(rank: int) -> list:
-        return [out[b, _heads(out.shape[1], a, y.shape[1], rank, group)] for y, out in zip(ys, outs)
-                for b in range(out.shape[0])]
-
-    return Moving(list(outs), _exchange(mesh, send_to, recv_from, what), mesh, what)
+def to_heads(y: Tensor, mesh, name: str) -> Tensor:
+    """The reverse of ``to_sequence``: [B, H/a, a*L, ...] -> [B, H, L, ...]."""
+    if mesh.heads == 1:
+        return y
+    return _AllToAll.apply(y, mesh, name, False)

@@ -54,8 +54,6 @@ class RingComm:
         from the rank ``shift`` behind (every rank makes the same call); call ``.wait()`` on
         the result before reading ``recv``, and ``join_sends`` before the caller writes into
         ``send``. Empty tensors do not travel (a block none of whose rows another rank reads).
-        Each tensor is contiguous, or rows of contiguous memory at one pitch (``peer.rows``: a
-        slice along an inner dimension of a contiguous tensor), and matches the other end's.
 
         It runs beside the compute launched meanwhile (NCCL and the copy engines use their own
         streams).
@@ -64,13 +62,9 @@ class RingComm:
         if transport is not None:
             return transport.exchange(send, recv, shift)
         to, source = self.peer(shift), self.peer(-shift)
-        send = [t.contiguous() for t in send if t.numel()]
-        recv = [t for t in recv if t.numel()]
-        arriving = [t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in recv]
-        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in arriving]
-        return _Pending(dist.batch_isend_irecv(ops) if ops else [],
-                        [(got, t) for got, t in zip(arriving, recv) if got is not t])
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv if t.numel()]
+        return _Pending(dist.batch_isend_irecv(ops) if ops else [])
 
     def _copy_engines(self, device) -> Optional[peer.PeerTransport]:
         """The copy-engine transport where it carries this ring's transfers on ``device``, else None."""
@@ -92,19 +86,9 @@ class RingComm:
 
 
 class _Pending:
-    """The process group's transfers; a receive buffer that is not contiguous (rows of the
-    copy-engine transport, ``peer.rows``) is filled through a contiguous one, copied in at the
-    end (``unpack``)."""
-
-    def __init__(self, works, unpack=()):
-        self.works, self.unpack_into = works, list(unpack)
+    def __init__(self, works):
+        self.works = works
 
     def wait(self):
         for w in self.works:
             w.wait()
-        self.unpack()
-
-    def unpack(self):
-        for got, t in self.unpack_into:
-            t.copy_(got)
-        self.unpack_into = []

@@ -232,30 +232,25 @@ def _raise_if_failed(ring_group, what: str) -> None:
 
 
 class _PolledPending:
-    def __init__(self, pending, group, what: str, watched):
-        self.pending, self.group, self.what, self.watched = pending, group, what, watched
+    def __init__(self, works, group, what: str):
+        self.works, self.group, self.what = works, group, what
 
     def wait(self) -> None:
-        wait(self.pending.works, self.group, self.what, ring_group=self.watched)  # RingComm's pending holds its works
-        self.pending.unpack()
+        wait(self.works, self.group, self.what)
 
 
 class GuardedComm(RingComm):
-    """RingComm whose CPU transfers give up when a rank of the ring (or of ``watched``, a group
-    whose failure mark its ranks share: a heads x ring mesh's) has failed."""
+    """RingComm whose CPU transfers give up when a rank of the ring has failed."""
 
     phase = "ring"  # set by ``guard``: which pass of the ring the transfers belong to
-
-    def __init__(self, group, watched=None):
-        super().__init__(group)
-        self.watched = group if watched is None else watched
 
     def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], shift: int = 1):
         pending = super().exchange(send, recv, shift)
         if send[0].is_cuda:
             return pending
         source = (self.rank - shift) % self.world_size
-        return _PolledPending(pending, self.group, f"the {self.phase} transfer from rank {source}", self.watched)
+        return _PolledPending(pending.works, self.group,  # RingComm's pending holds its works
+                              f"the {self.phase} transfer from rank {source}")
 
 
 @contextmanager

@@ -417,21 +417,14 @@ class RingAttention(torch.autograd.Function):
             dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, res, last_k, last_v, dlse=dlse,
                                                   borrowed_q=borrowed_q)
             d_sinks = _sink_grad(out, lse, res, dout, dlse, sinks) if ctx.needs_input_grad[4] else None
-        grads = no_second_derivative([dq, dk, dv, d_sinks, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors))])
+        grads = [dq, dk, dv, d_sinks, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors))]
+        if torch.is_grad_enabled():  # create_graph=True: the gradients are values, with no derivative
+            # (torch's ``once_differentiable`` does this only where the incoming gradients
+            # require grad; here q, k and v make the gradients depend on them too)
+            given = [i for i, g in enumerate(grads) if g is not None]
+            wrapped = autograd_nodes.DelayedError(b"ring_flex_attention has no second derivative: its gradients "
+                                                  b"cannot be differentiated (create_graph=True)", len(given))(
+                *(grads[i].detach().requires_grad_() for i in given))  # the node attaches only to what requires grad
+            for i, g in zip(given, wrapped):
+                grads[i] = g
         return (*grads[:3], None, *grads[3:])
-
-
-def no_second_derivative(grads: List[Optional[Tensor]]) -> List[Optional[Tensor]]:
-    """A backward's ``grads`` as it returns them: under ``create_graph=True`` values whose
-    derivative raises (torch's ``once_differentiable`` does this only where the incoming
-    gradients require grad; here q, k and v make the gradients depend on them too)."""
-    if not torch.is_grad_enabled():
-        return grads
-    given = [i for i, g in enumerate(grads) if g is not None]
-    wrapped = autograd_nodes.DelayedError(b"ring_flex_attention has no second derivative: its gradients "
-                                          b"cannot be differentiated (create_graph=True)", len(given))(
-        *(grads[i].detach().requires_grad_() for i in given))  # the node attaches only to what requires grad
-    grads = list(grads)
-    for i, g in zip(given, wrapped):
-        grads[i] = g
-    return grads
