@@ -1,5 +1,6 @@
 """python -m ringflex.env reports versions and why each backend can or cannot run; Progress prints
-the first and last step and at most one line per interval; the tools run."""
+the first and last step and at most one line per interval; the tools run; the test harness
+shows where a hanging rank waits."""
 import io
 import subprocess
 import sys
@@ -107,3 +108,24 @@ def test_fuzz_script_weighs_calls_beyond_the_tolerance_against_the_reference_ker
     argv = ["--device", "cpu", "--backend", "reference", "--no-gathers", "--seeds", "0", "2", "--tolerance", "1e-9"]
     for ran, failed in run_world(2, _fuzz, argv):
         assert (ran, failed) == (2, [])
+
+
+def _hangs_on_rank_1(rank, world_size):
+    if rank == 1:
+        _waits_forever()
+    return rank
+
+
+def _waits_forever():
+    import time
+    while True:
+        time.sleep(0.05)
+
+
+def test_a_hanging_rank_fails_the_run_with_its_stacks():
+    """The test harness's timeout names the ranks still running and shows where each waits."""
+    with pytest.raises(TimeoutError) as raised:
+        run_world(2, _hangs_on_rank_1, timeout=8)
+    message = str(raised.value)
+    assert message.startswith("ranks [1] did not finish within 8 s")
+    assert "--- rank 1, shortly before the deadline" in message and "_waits_forever" in message

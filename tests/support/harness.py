@@ -1,6 +1,7 @@
 """Runs a function on a real ring: W spawned processes joined by a gloo (or, on GPUs, NCCL) process group."""
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -13,10 +14,21 @@ import torch
 import torch.distributed as dist
 
 
-def _worker(rank, world_size, store_path, environ, backend, fn, args, results):
+_STACKS_BEFORE_S = 1.5  # a rank still running this long before the deadline writes its stacks
+
+
+def _stacks_file(store_path: str, rank: int) -> str:
+    return f"{store_path}.stacks.{rank}"
+
+
+def _worker(rank, world_size, store_path, environ, backend, fn, args, results, deadline):
     os.environ.clear()
     os.environ.update(environ)  # the caller's, as a spawned child would see it
     torch.set_num_threads(1)
+    # Where a rank hangs, its threads' Python stacks (written shortly before the parent's
+    # deadline) go into the TimeoutError: which wait it hangs in, on every rank.
+    stacks = open(_stacks_file(store_path, rank), "w")
+    faulthandler.dump_traceback_later(max(0.1, deadline - _STACKS_BEFORE_S - time.time()), file=stacks)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -27,6 +39,7 @@ def _worker(rank, world_size, store_path, environ, backend, fn, args, results):
     except BaseException:  # report everything, the parent decides
         results.put((rank, "error", traceback.format_exc()))
     finally:
+        faulthandler.cancel_dump_traceback_later()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -38,7 +51,8 @@ def run_world(world_size: int, fn, *args, timeout: float = 240.0, allow_errors: 
 
     A rank that raises fails the call (unless ``allow_errors``: then the traceback text is
     that rank's result); ranks still running after ``timeout`` seconds are killed and the
-    call raises TimeoutError, so a hang fails a test instead of blocking it.
+    call raises TimeoutError, so a hang fails a test instead of blocking it; its message holds
+    the Python stacks of those ranks' threads, as they were just before the deadline.
     """
     # Children fork from a server that has imported torch once: starting a rank costs
     # milliseconds instead of a fresh interpreter's seconds.
@@ -47,7 +61,8 @@ def run_world(world_size: int, fn, *args, timeout: float = 240.0, allow_errors: 
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, store, dict(os.environ), backend, fn, args, results), daemon=True)
+        procs = [ctx.Process(target=_worker, args=(r, world_size, store, dict(os.environ), backend, fn, args, results,
+                                                   time.time() + timeout), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -57,17 +72,28 @@ def run_world(world_size: int, fn, *args, timeout: float = 240.0, allow_errors: 
                 try:
                     rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
                 except queue_lib.Empty:
-                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish "
-                                       f"within {timeout} s") from None
+                    running = sorted(set(range(world_size)) - set(out))
+                    raise TimeoutError(f"ranks {running} did not finish within {timeout} s"
+                                       + "".join(_stacks(store, r) for r in running)) from None
                 if status == "error" and not allow_errors:
                     raise RuntimeError(f"rank {rank} failed:\n{value}")
                 out[rank] = pickle.loads(value) if status == "ok" else value
         finally:
+            hanging = len(out) < world_size  # a timeout or a rank's error: the others need not be waited for
             for p in procs:
-                p.join(timeout=5)
+                p.join(timeout=0.5 if hanging else 5)
                 if p.is_alive():
                     p.kill()
     return [out[r] for r in range(world_size)]
+
+
+def _stacks(store_path: str, rank: int) -> str:
+    try:
+        with open(_stacks_file(store_path, rank)) as f:
+            text = f.read().strip()
+    except OSError:
+        text = ""
+    return f"\n--- rank {rank}, shortly before the deadline:\n{text or '(no stacks written)'}"
 
 
 def gpu_backend(world_size: int) -> str:
