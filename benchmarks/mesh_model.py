@@ -2,7 +2,7 @@
 past one host: hop compute against the bytes each link carries.
 
     python -m benchmarks.mesh_model                      # the table of docs/guide.md
-    python -m benchmarks.mesh_model --check benchmarks/results/4xh100_2026-11-27_mesh_8k.json
+    python -m benchmarks.mesh_model --check benchmarks/results/4xh100_2026-11-27_head_groups_8k_nccl_alltoall.json
 
 Per GPU, with N = a x r GPUs, S tokens, H heads of dim D (bf16):
 - compute: the whole sequence's attention split N ways, ``PAIR_S * S**2 * H * share`` / N
@@ -12,7 +12,8 @@ Per GPU, with N = a x r GPUs, S tokens, H heads of dim D (bf16):
   link, hidden behind the step's compute where it is shorter;
 - the heads all-to-all: (a - 1)/a of q, k, v and the output (and their gradients) once, over
   NVLink when a <= GPUS_PER_NODE; not hidden (the ring waits for it).
-The constants are fitted to the 4x H100 runs of 2026-11-27 (``--check`` prints the fit).
+The constants are fitted to the 4x H100 run of 2026-11-27 at 8k tokens per GPU after backward's
+dK/dV shares (the NCCL all-to-all rows of the head-groups results; ``--check`` prints the fit).
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import argparse
 import json
 
 PAIR_S = 111.8e-3 / (32768 ** 2 * 32)  # fwd+bwd seconds per (query, key, head) pair at D=128: one H100, no mask
-STEP_S = 0.85e-3  # a ring step's cost beyond its compute, fwd+bwd (the pure ring on 4x H100, none and causal)
-NVLINK_ALL_TO_ALL = 157e9  # bytes/s a GPU moves in an all-to-all inside a node (the 4 x 1 mesh)
+STEP_S = 0.55e-3  # a ring step's cost beyond its compute, fwd+bwd (4x H100, none and causal, with dK/dV shares)
+NVLINK_ALL_TO_ALL = 235e9  # bytes/s a GPU moves in an all-to-all inside a node (the 2 x 2 and 4 x 1 meshes)
 NVLINK_P2P = 300e9  # bytes/s of a ring transfer between GPUs of one node (copy engines)
 INFINIBAND = 50e9  # bytes/s per GPU between nodes (400 Gb/s NDR, one NIC per GPU)
 GPUS_PER_NODE = 8
