@@ -3,7 +3,7 @@
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash tools/gpu_session.sh check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
-#   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 sharding4 mesh4 bench4   # on 4 GPUs
+#   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4mesh sharding4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base4   # on 4 GPUs: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -91,6 +91,11 @@ for stage in "$@"; do
               --iters 3 --warmup 1 --rounds 2 --json "$OUT/mesh32k.json" ;;  # meshes and torch's CP at 32k per GPU
     check4) run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 ;;
     transport4) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py ;;  # every channel, on 2 and 4 ranks
+    phases4mesh) for flag in "" --forward-only; do for mesh in 4x1 2x2; do
+                   run phases4mesh tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --mesh $mesh \
+                     --cases causal:zigzag documents:zigzag --calls 20 $flag; done
+                 run phases4mesh tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --cases causal:zigzag \
+                   documents:zigzag --calls 20 $flag; done ;;  # where a mesh call's host time goes, 8k tokens per GPU
     check4mesh) run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 --mesh 2x2 \
                   --layouts zigzag contiguous  # the heads x ring mesh against one device
                 run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 --mesh 4x1 \

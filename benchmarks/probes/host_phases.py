@@ -6,6 +6,11 @@ back, beside the call's host time and its back-to-back time with the GPU drained
 than cProfile (``profile_ring.py --host-profile``), which inflates every Python call.
 
     torchrun --nproc_per_node=2 -m benchmarks.probes.host_phases --seq-len 16384
+    torchrun --nproc_per_node=4 -m benchmarks.probes.host_phases --seq-len 32768 --mesh 4x1 --forward-only
+
+``--mesh AxR`` times calls over a heads x ring mesh of every rank (its argument check and
+all-to-alls are phases too); ``--forward-only`` times forward calls alone, which no backward
+lets the host run ahead of.
 
 The mask ``new_documents`` is packed documents with new lengths at every call, as in training
 on packed batches: each call then plans anew. ``--one-at-a-time`` issues each call on a
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import statistics
 import time
@@ -27,15 +33,19 @@ from benchmarks.common import make_mods
 
 from tools.ranks import init
 import ringflex
-from ringflex import api, checks
+from torch.distributed.device_mesh import init_device_mesh
+
+from ringflex import api, checks, heads
 from ringflex.kernels import cudnn, merge
 from ringflex.mod import trace
-from ringflex.parallel import agreement, peer, ring
+from ringflex.parallel import agreement, alltoall, peer, ring
 from ringflex.plan import blocks, lending
 
 SPENT, CALLS = collections.defaultdict(int), collections.defaultdict(int)
 # (owner, function, label); a label's indent says which phase it runs inside
 PHASES = [
+    (heads, "_agree", "heads x ring: the mesh's argument check"),
+    (alltoall, "_all_to_all", "heads x ring: the all-to-alls"),
     (checks, "local_error", "own argument checks"),
     (api, "_plan", "plan on this rank"), (api._PLANS, "get", "  plan cache lookups"),
     (blocks, "plan_hops", "    planning (a mask not seen before)"), (trace, "_trace", "      tracing the mask"),
@@ -78,8 +88,13 @@ def main():
     p.add_argument("--warmup", type=int, default=5, help="untimed calls first (new_documents: each with new documents)")
     p.add_argument("--one-at-a-time", action="store_true", help="each call on a drained GPU, after a barrier")
     p.add_argument("--no-timers", action="store_true", help="the call's host time alone, without the phases' timers")
+    p.add_argument("--mesh", help="calls over a heads x ring mesh 'axr' of every rank (a * r ranks)")
+    p.add_argument("--forward-only", action="store_true", help="forward calls alone, no backward")
     args = p.parse_args()
     device, world = init(), dist.get_world_size()
+    group = None
+    if args.mesh:
+        group = init_device_mesh(device.type, tuple(map(int, args.mesh.split("x"))), mesh_dim_names=("heads", "ring"))
     for owner, name, label in [] if args.no_timers else PHASES:
         _timed(owner, name, label)
     for case in args.cases:
@@ -89,12 +104,16 @@ def main():
                  for i in range(args.warmup + args.calls if fresh else 1)]
         calls = iter(masks)  # one per call (new documents); else the same every call
         q, k, v = (ringflex.shard(torch.randn(1, 32, args.seq_len, 128, device=device, dtype=torch.bfloat16), 2,
-                                  layout=layout).requires_grad_() for _ in range(3))
+                                  group=group, layout=layout).requires_grad_() for _ in range(3))
         grad = torch.randn_like(q)
 
         def forward_backward():
             score_mod, mask_mod = next(calls) if fresh else masks[0]
-            ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, layout=layout).backward(grad)
+            with torch.no_grad() if args.forward_only else contextlib.nullcontext():
+                out = ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group,
+                                                   layout=layout)
+            if not args.forward_only:
+                out.backward(grad)
 
         for _ in range(args.warmup):
             forward_backward()
@@ -110,7 +129,7 @@ def main():
                 start = time.perf_counter()
                 forward_backward()
                 alone.append(time.perf_counter() - start)
-            timing = (f"host {statistics.median(alone) * 1e3:.2f} ms per fwd+bwd issued alone (median; least "
+            timing = (f"host {statistics.median(alone) * 1e3:.2f} ms per call issued alone (median; least "
                       f"{min(alone) * 1e3:.2f} ms)")
         else:
             start = time.perf_counter()
@@ -119,8 +138,9 @@ def main():
             host = (time.perf_counter() - start) / args.calls
             torch.cuda.synchronize()
             wall = (time.perf_counter() - start) / args.calls
-            timing = f"host {host * 1e3:.2f} ms per fwd+bwd, back to back {wall * 1e3:.2f} ms"
-        lines = [f"rank {dist.get_rank()}, {mask} over {layout}, {args.seq_len} tokens: {timing}"]
+            timing = f"host {host * 1e3:.2f} ms per call, back to back {wall * 1e3:.2f} ms"
+        what = ("forward" if args.forward_only else "fwd+bwd") + (f", mesh {args.mesh}" if args.mesh else "")
+        lines = [f"rank {dist.get_rank()}, {mask} over {layout}, {args.seq_len} tokens, {what}: {timing}"]
         lines += [f"  {label:40s} {SPENT[label] / args.calls / 1e3:7.0f} us  ({CALLS[label] / args.calls:.0f} calls)"
                   for _, _, label in PHASES if CALLS[label]]
         gathered = [None] * world
