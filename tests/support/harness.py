@@ -40,6 +40,7 @@ def _worker(rank, world_size, store_path, environ, backend, fn, args, results, d
         results.put((rank, "error", traceback.format_exc()))
     finally:
         faulthandler.cancel_dump_traceback_later()
+        stacks.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
