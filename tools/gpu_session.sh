@@ -3,7 +3,7 @@
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash tools/gpu_session.sh check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
-#   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4mesh sharding4 mesh4 bench4   # on 4 GPUs
+#   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4 hostprofile4 phases4mesh sharding4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base4   # on 4 GPUs: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -96,6 +96,12 @@ for stage in "$@"; do
                      --cases causal:zigzag documents:zigzag --calls 20 $flag; done
                  run phases4mesh tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --cases causal:zigzag \
                    documents:zigzag --calls 20 $flag; done ;;  # where a mesh call's host time goes, 8k tokens per GPU
+    phases4) for flag in "" --forward-only; do run phases4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 \
+               --cases documents:contiguous window:contiguous window:zigzag causal:zigzag --calls 20 $flag; done ;;  # the pure ring's host time by phase, 8k tokens per GPU
+    hostprofile4) run hostprofile4 tr 4 -m benchmarks.profile_ring --seq-lens 32768 --masks documents --layout contiguous \
+                    --iters 5 --profiled-calls 2 --gpu-only --host-profile 30 --host-profile-rank 2
+                  run hostprofile4 tr 4 -m benchmarks.profile_ring --seq-lens 32768 --masks window --layout zigzag \
+                    --iters 5 --profiled-calls 2 --gpu-only --host-profile 30 --host-profile-rank 1 ;;  # cProfile of a host-bound rank
     check4mesh) run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 --mesh 2x2 \
                   --layouts zigzag contiguous  # the heads x ring mesh against one device
                 run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 --mesh 4x1 \
