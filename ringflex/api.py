@@ -20,6 +20,7 @@ from . import checks, config, heads
 from .config import warn_once
 from .kernels import select_kernel
 from .kernels.base import HopKernel, Mods
+from .mod import captured
 from .mod.trace import tensors_requiring_grad
 from .parallel import agreement, comm, debug, mesh as meshes, reshard
 from .parallel.fault import GuardedComm
@@ -63,6 +64,7 @@ def reject(error: str, group=None):
 
 @torch.compiler.disable(reason="ring_flex_attention runs collectives and plans from the mask at run time: "
                         "it is a graph break by design, the code around it compiles")
+@captured.one_walk()  # its checks, plans, agreement and kernels read the mods: each is walked once
 def ring_flex_attention(
     q: Tensor, k: Tensor, v: Tensor, *,
     score_mod: Optional[Callable] = None,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from support.cases import cases
+from support.harness import run_world
 from ringflex import mods
 from ringflex.plan.blocks import index_grid
 from ringflex.plan.layout import Segment
@@ -119,6 +120,48 @@ def test_fingerprint():
     assert sfp(mods.softcap(2.0)) != sfp(mods.softcap(2.5))
     assert sfp(lambda s, b, h, q, kv: s * 2) != sfp(lambda s, b, h, q, kv: s * 2.0000001)
     assert sfp(lambda s, b, h, q, kv: s * 2) != trace_mask_mod(lambda b, h, q, kv: q * 2 > 0).fingerprint
+
+
+def test_a_mod_is_walked_once_within_a_call():
+    """Within ``one_walk`` (a ring call's forward, or its backward) a mod's parts and
+    fingerprint are found once; outside it, at every asking, so a global reassigned between
+    calls is seen."""
+    from ringflex.mod import captured
+    from ringflex.mod.fingerprint import fingerprint
+    mask = mods.sliding_window(4)
+    assert captured.parts(mask) is not captured.parts(mask)
+    with captured.one_walk():
+        first = captured.parts(mask)
+        with captured.one_walk():  # an inner call (a mesh's ring) keeps the outer walks
+            assert captured.parts(mask) is first
+        assert captured.parts(mask) is first and fingerprint(mask) == fingerprint(mods.sliding_window(4))
+        assert captured.parts(mods.sliding_window(4)) is not first  # another object: walked too
+    assert captured.parts(mask) is not first
+
+
+def _walks_per_pass(rank, world_size):
+    """The walks of the mods in one ring call's forward and in its backward."""
+    import ringflex
+    from ringflex.mod import captured
+    counted, walked = [], captured._walked
+
+    def counting(fn):
+        counted.append(fn)
+        return walked(fn)
+
+    captured._walked = counting
+    try:
+        q, k, v = (torch.randn(1, 2, 6, 8, requires_grad=True) for _ in range(3))
+        out = ringflex.ring_flex_attention(q, k, v, mask_mod=mods.causal, score_mod=mods.softcap(5.0))
+        forward = len(counted)
+        out.sum().backward()
+        return forward, len(counted) - forward
+    finally:
+        captured._walked = walked
+
+
+def test_a_ring_call_walks_each_mod_once_per_pass():
+    assert run_world(2, _walks_per_pass) == [(2, 2)] * 2
 
 
 def test_trace_is_cached_and_follows_the_closure():

@@ -6,10 +6,12 @@ before with other tensors (``trace``), as ``mods.document(ids)`` is at every tra
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
+import threading
 import types
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from torch import Tensor
 from torch.nn import Module
@@ -25,6 +27,25 @@ def device_of(fn, found: Optional[List[object]] = None):
     return next((p.device for p in (parts(fn) if found is None else found) if isinstance(p, Tensor)), None)
 
 
+_CALL = threading.local()  # ``one_walk``'s walks, per thread (autograd may run backward on another)
+
+
+@contextlib.contextmanager
+def one_walk():
+    """Within it each mod is walked once: one ring call's checks, plans, traces and kernels
+    all read its ``parts`` (a dozen walks of the same mod otherwise), and nothing the mod
+    reads changes within a call. Backward opens its own: its first walk of a mod is the one
+    it compares with forward's (``snapshot``). Within an outer one it adds nothing."""
+    if getattr(_CALL, "walked", None) is not None:
+        yield
+        return
+    _CALL.walked = {}
+    try:
+        yield
+    finally:
+        _CALL.walked = None
+
+
 def parts(fn) -> List[object]:
     """The parts of ``fn`` in a fixed order: code objects; the values in its closure cells,
     default arguments and ``functools.partial`` arguments, and the module globals its code
@@ -36,6 +57,21 @@ def parts(fn) -> List[object]:
     other object as they are, for the caller to judge. A global the caller reassigns between
     calls (document ids of a new batch), or an attribute it sets, is a new part, as a new
     closure's tensor is."""
+    return kept(fn, "parts", lambda: _walked(fn))
+
+
+def kept(fn, what: str, compute: Callable[[], object]):
+    """``compute()``, what ``fn`` gives as ``what``: once per ``one_walk`` (every time outside one)."""
+    walked = getattr(_CALL, "walked", None)
+    if walked is None:
+        return compute()
+    key = what, id(fn)
+    if key not in walked:
+        walked[key] = fn, compute()  # holding ``fn``: its id names no other object meanwhile
+    return walked[key][1]
+
+
+def _walked(fn) -> List[object]:
     found: List[object] = []
     _walk(fn, found, 0, frozenset())
     return found

@@ -28,6 +28,12 @@ def fingerprint(fn, contents: bool = False, parts: Optional[List[object]] = None
     """
     if fn is None:
         return 0
+    if contents:
+        return _fingerprint(fn, True, parts)
+    return captured.kept(fn, "fingerprint", lambda: _fingerprint(fn, False, parts))
+
+
+def _fingerprint(fn, contents: bool, parts: Optional[List[object]]) -> int:
     data = []
     for part in captured.parts(fn) if parts is None else parts:  # by content, never by address: every process agrees
         if isinstance(part, torch.Tensor):

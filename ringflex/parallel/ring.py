@@ -403,7 +403,8 @@ class RingAttention(torch.autograd.Function):
         if capture:  # raised before any transfer: the same on every rank, none is left waiting
             raise RuntimeError(f"ring_flex_attention backward: {capture}")
         dout = None if dout is None else dout.contiguous()  # None: the loss reads the LSE alone
-        with guard(ctx.call.comm, "backward"), torch.no_grad():  # also under create_graph=True
+        # also under create_graph=True; the check's walk of the mods is the one backward reads
+        with guard(ctx.call.comm, "backward"), torch.no_grad(), captured.one_walk():
             _check_mods_unchanged(ctx.mods_read, ctx.call.mods)
             dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, res, last_k, last_v, dlse=dlse,
                                                   borrowed_q=borrowed_q)
