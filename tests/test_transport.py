@@ -75,10 +75,10 @@ def _exchange_all(ranks, shift: int, sizes, g):
     recvs = [[torch.empty(n, dtype=torch.uint8) for n in sizes] for _ in ranks]
     for t, send in zip(ranks, sends):
         for data in send:
-            t._send(0, channel, peer.rows(data))
+            t._send(0, channel, data)
     for t, recv in zip(ranks, recvs):
         for data in recv:
-            t._receive(0, channel, peer.rows(data))
+            t._receive(0, channel, data)
     sources = [(r - shift) % len(ranks) for r in range(len(ranks))]
     return [all(torch.equal(got, sent) for got, sent in zip(recv, sends[source]))
             for recv, source in zip(recvs, sources)]
@@ -157,9 +157,9 @@ def test_rows_travel_in_row_order_through_the_slots(world_size, monkeypatch):
     sends = [w[:, 3:9] for w in whole]  # 5 rows of 6 * 7 bytes, 77 apart
     recvs = [torch.zeros(5, 13, 7, dtype=torch.uint8) for _ in ranks]
     for t, send in zip(ranks, sends):
-        t._send(0, peer.channel_of(1, world_size), peer.rows(send))
+        t._send(0, peer.channel_of(1, world_size), send)
     for t, recv in zip(ranks, recvs):
-        t._receive(0, peer.channel_of(1, world_size), peer.rows(recv[:, 4:10]))
+        t._receive(0, peer.channel_of(1, world_size), recv[:, 4:10])
     for r, recv in enumerate(recvs):
         assert torch.equal(recv[:, 4:10], sends[(r - 1) % world_size])
         assert not recv[:, :4].any() and not recv[:, 10:].any()

@@ -131,8 +131,6 @@ class Rows(NamedTuple):
         """The copies that move bytes [start, end) of the rows: (address in the rows, their pitch,
         offset from ``start``, width, rows), at most three: the rest of a row begun, whole rows,
         a row's start."""
-        if self.count == 1:  # contiguous memory: one copy
-            return [(self.address + start, self.pitch, 0, end - start, 1)]
         found, at = [], start
         while at < end:
             row, x = divmod(at, self.width)
@@ -142,15 +140,6 @@ class Rows(NamedTuple):
             found.append((self.address + row * self.pitch + x, self.pitch, at - start, width, height))
             at += width * height
         return found
-
-
-def _as_rows(t: Tensor) -> Tuple[Tensor, Rows]:
-    """``t`` (or a contiguous copy, where its memory is not ``Rows``) and its memory as ``Rows``."""
-    memory = rows(t)
-    if memory is None:
-        t = t.contiguous()
-        memory = rows(t)
-    return t, memory
 
 
 def rows(t: Tensor) -> Optional[Rows]:
@@ -219,7 +208,7 @@ class _Driver:
                   width: int, height: int) -> None:
         """On ``stream``: copy ``height`` rows of ``width`` bytes, each row ``*_pitch`` bytes after
         the one before, in one copy where the pitches fit the driver's 2-D copy."""
-        if max(destination_pitch, source_pitch) > _MAX_PITCH:
+        if height == 1 or max(destination_pitch, source_pitch) > _MAX_PITCH:
             for row in range(height):
                 self.copy(stream, destination + row * destination_pitch, source + row * source_pitch, width)
             return
@@ -280,25 +269,24 @@ class PeerTransport:
         copies start once the work queued so far on the current stream is done. ``wait()`` on
         the result orders the current stream after them."""
         channel = channel_of(shift, self.size)
-        send = [_as_rows(t) for t in send if t.numel()]
-        recv = [(t, rows(t)) for t in recv if t.numel()]
-        if any(memory is None for _, memory in recv):
+        send = [t if rows(t) is not None else t.contiguous() for t in send if t.numel()]
+        recv = [t for t in recv if t.numel()]
+        if any(rows(t) is None for t in recv):
             raise ValueError("ringflex: a receive buffer of the copy-engine transport must be contiguous, or rows "
                              "of contiguous memory at one pitch (``peer.rows``)")
         sending = self._sending()
         queued = torch.cuda.current_stream(self.device).record_event()
         send_stream, recv_stream = self.streams[channel]
         recv_stream.wait_event(queued)
-        for event in self._still_sending(sending, [t for t, _ in recv]):
+        for event in self._still_sending(sending, recv):
             recv_stream.wait_event(event)
-        for _, memory in recv:
-            self._receive(recv_stream.cuda_stream, channel, memory)
+        for t in recv:
+            self._receive(recv_stream.cuda_stream, channel, t)
         received = recv_stream.record_event()
         send_stream.wait_event(queued)
-        for _, memory in send:
-            self._send(send_stream.cuda_stream, channel, memory)
+        for t in send:
+            self._send(send_stream.cuda_stream, channel, t)
         sent = send_stream.record_event()
-        send = [t for t, _ in send]
         for t in send:
             t.record_stream(send_stream)  # its memory is not reused before the send has read it
             sending.pop(_storage(t), None)  # kept in the order the sends were issued
@@ -356,16 +344,17 @@ class PeerTransport:
         if capturing:
             self.sending_captured.clear()
 
-    def _send(self, stream: int, channel: int, memory: Rows) -> None:
-        self._in_chunks(stream, channel, memory, self.sent, self._send_chunk)
+    def _send(self, stream: int, channel: int, data: Tensor) -> None:
+        self._in_chunks(stream, channel, data, self.sent, self._send_chunk)
 
-    def _receive(self, stream: int, channel: int, memory: Rows) -> None:
-        self._in_chunks(stream, channel, memory, self.received, self._receive_chunk)
+    def _receive(self, stream: int, channel: int, data: Tensor) -> None:
+        self._in_chunks(stream, channel, data, self.received, self._receive_chunk)
 
     @staticmethod
-    def _in_chunks(stream: int, channel: int, memory: Rows, count: List[int], chunk) -> None:
-        """``memory`` moved by ``chunk`` (``_send_chunk`` or ``_receive_chunk``) a slot at a time,
+    def _in_chunks(stream: int, channel: int, data: Tensor, count: List[int], chunk) -> None:
+        """``data`` moved by ``chunk`` (``_send_chunk`` or ``_receive_chunk``) a slot at a time,
         each chunk numbered in ``count`` (``sent`` or ``received``) as both ends number it."""
+        memory = rows(data)
         for start, end in chunks(memory.width * memory.count):
             chunk(stream, channel, *slot_of(count[channel]), memory.copies(start, end))
             count[channel] += 1
@@ -377,10 +366,7 @@ class PeerTransport:
         self.driver.wait(stream, self._flag(self.rank, _FREE, channel, slot), other(mark))
         slot_address = self._slot(to, channel, slot)
         for address, pitch, offset, width, height in copies:
-            if height == 1:
-                self.driver.copy(stream, slot_address + offset, address, width)
-            else:
-                self.driver.copy_rows(stream, slot_address + offset, width, address, pitch, width, height)
+            self.driver.copy_rows(stream, slot_address + offset, width, address, pitch, width, height)
         self.driver.write(stream, self._flag(to, _READY, channel, slot), mark)
 
     def _receive_chunk(self, stream: int, channel: int, slot: int, mark: int, copies=()) -> None:
@@ -388,10 +374,7 @@ class PeerTransport:
         self.driver.wait(stream, self._flag(self.rank, _READY, channel, slot), mark)
         slot_address = self._slot(self.rank, channel, slot)
         for address, pitch, offset, width, height in copies:
-            if height == 1:
-                self.driver.copy(stream, address, slot_address + offset, width)
-            else:
-                self.driver.copy_rows(stream, address, pitch, slot_address + offset, width, width, height)
+            self.driver.copy_rows(stream, address, pitch, slot_address + offset, width, width, height)
         self.driver.write(stream, self._flag(self.source[channel], _FREE, channel, slot), mark)
 
     def release(self) -> None:
