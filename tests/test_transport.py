@@ -42,11 +42,6 @@ class _Flags:
     def copy(self, stream: int, destination: int, source: int, nbytes: int) -> None:
         ctypes.memmove(destination, source, nbytes)  # the mailboxes are CPU tensors here
 
-    def copy_rows(self, stream: int, destination: int, destination_pitch: int, source: int, source_pitch: int,
-                  width: int, height: int) -> None:
-        for row in range(height):
-            self.copy(stream, destination + row * destination_pitch, source + row * source_pitch, width)
-
 
 def _ranks(world_size: int):
     """One PeerTransport per simulated rank, their mailboxes plain CPU tensors they share."""
@@ -119,50 +114,6 @@ def test_chunks_reach_the_right_rank_through_the_slots(world_size, monkeypatch):
                          (2, [64, 30]), (-3, [129]), (3, [7])]:
         if shift % world_size:
             assert _exchange_all(ranks, shift, sizes, g) == [True] * world_size
-
-
-def test_a_tensor_is_rows_where_its_inner_dimensions_are_contiguous():
-    """What the transport moves without a copy: a contiguous tensor (one row), or rows at one
-    pitch: some rows of a [B, H, L, D] block are B * H of them, the outer dimensions merged."""
-    x = torch.zeros(3, 8, 4, dtype=torch.float16)
-    assert peer.rows(x) == peer.Rows(x.data_ptr(), 3 * 8 * 4 * 2, 3 * 8 * 4 * 2, 1)
-    piece = x[:, 2:5]
-    assert peer.rows(piece) == peer.Rows(piece.data_ptr(), 3 * 4 * 2, 8 * 4 * 2, 3)
-    columns = x[:, :, 1:3]
-    assert peer.rows(columns) == peer.Rows(columns.data_ptr(), 2 * 2, 4 * 2, 3 * 8)
-    assert peer.rows(x.transpose(0, 1)) is None  # rows would not follow at one pitch
-    block = torch.zeros(2, 4, 16, 8)
-    travelling = block.narrow(2, 5, 6)
-    assert peer.rows(travelling) == peer.Rows(travelling.data_ptr(), 6 * 8 * 4, 16 * 8 * 4, 2 * 4)
-    assert peer.rows(block[:1].narrow(2, 5, 6)) == peer.Rows(block.narrow(2, 5, 6).data_ptr(), 6 * 8 * 4, 16 * 8 * 4, 4)
-    every_other = torch.zeros(4, 6)[:, ::2]  # single elements at one pitch
-    assert peer.rows(every_other) == peer.Rows(every_other.data_ptr(), 4, 8, 12)
-
-
-def test_copies_cover_a_byte_range_of_rows_in_at_most_three():
-    r = peer.Rows(address=1000, width=10, pitch=25, count=4)
-    assert r.copies(0, 40) == [(1000, 25, 0, 10, 4)]
-    assert r.copies(3, 37) == [(1003, 25, 0, 7, 1), (1025, 25, 7, 10, 2), (1075, 25, 27, 7, 1)]
-    assert r.copies(12, 15) == [(1027, 25, 0, 3, 1)]
-    assert r.copies(10, 20) == [(1025, 25, 0, 10, 1)]
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_rows_travel_in_row_order_through_the_slots(world_size, monkeypatch):
-    """Strided sends into strided receives, in chunks that split rows: what arrives is what
-    was sent, and memory between the rows is left alone."""
-    monkeypatch.setattr(peer, "SLOT_BYTES", 64)
-    ranks, g = _ranks(world_size), torch.Generator().manual_seed(3)
-    whole = [torch.randint(0, 256, (5, 11, 7), dtype=torch.uint8, generator=g) for _ in ranks]
-    sends = [w[:, 3:9] for w in whole]  # 5 rows of 6 * 7 bytes, 77 apart
-    recvs = [torch.zeros(5, 13, 7, dtype=torch.uint8) for _ in ranks]
-    for t, send in zip(ranks, sends):
-        t._send(0, peer.channel_of(1, world_size), send)
-    for t, recv in zip(ranks, recvs):
-        t._receive(0, peer.channel_of(1, world_size), recv[:, 4:10])
-    for r, recv in enumerate(recvs):
-        assert torch.equal(recv[:, 4:10], sends[(r - 1) % world_size])
-        assert not recv[:, :4].any() and not recv[:, 10:].any()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..kernels.merge import contiguous_rows
 from . import peer
 
 
@@ -63,10 +62,9 @@ class RingComm:
         if transport is not None:
             return transport.exchange(send, recv, shift)
         to, source = self.peer(shift), self.peer(-shift)
-        send = [contiguous_rows(t) for t in send if t.numel()]  # rows of a block: P2P moves contiguous memory
-        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send]
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send if t.numel()]
         ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv if t.numel()]
-        return _Pending(dist.batch_isend_irecv(ops) if ops else [], send)
+        return _Pending(dist.batch_isend_irecv(ops) if ops else [])
 
     def _copy_engines(self, device) -> Optional[peer.PeerTransport]:
         """The copy-engine transport where it carries this ring's transfers on ``device``, else None."""
@@ -88,9 +86,8 @@ class RingComm:
 
 
 class _Pending:
-    def __init__(self, works, sent=()):
+    def __init__(self, works):
         self.works = works
-        self.sent = sent  # the contiguous copies sent, referenced until the transfer is waited for
 
     def wait(self):
         for w in self.works:

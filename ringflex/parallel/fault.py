@@ -232,11 +232,11 @@ def _raise_if_failed(ring_group, what: str) -> None:
 
 
 class _PolledPending:
-    def __init__(self, pending, group, what: str):
-        self.pending, self.group, self.what = pending, group, what  # RingComm's pending holds its works
+    def __init__(self, works, group, what: str):
+        self.works, self.group, self.what = works, group, what
 
     def wait(self) -> None:
-        wait(self.pending.works, self.group, self.what)
+        wait(self.works, self.group, self.what)
 
 
 class GuardedComm(RingComm):
@@ -249,7 +249,8 @@ class GuardedComm(RingComm):
         if send[0].is_cuda:
             return pending
         source = (self.rank - shift) % self.world_size
-        return _PolledPending(pending, self.group, f"the {self.phase} transfer from rank {source}")
+        return _PolledPending(pending.works, self.group,  # RingComm's pending holds its works
+                              f"the {self.phase} transfer from rank {source}")
 
 
 @contextmanager

@@ -10,9 +10,7 @@ ranks share a GPU, which it refuses, one mapped by CUDA IPC): for each channel, 
 slots of ``SLOT_BYTES`` and their flags. A channel carries the transfers of one shift: to the
 next rank, to the previous one, and (backward's dK/dV shares, which go straight to the
 block's owner) to each rank further away: ``max(2, world - 1)`` channels. A transfer moves in
-chunks of at most a slot, copied by the driver's ``cuMemcpyAsync`` (``cuMemcpy2DAsync`` for a
-tensor whose memory is rows at one pitch, ``rows``: the rows of a block that travel, as they
-lie in it, with no copy on the SMs first). The sender waits until
+chunks of at most a slot, copied by the driver's ``cuMemcpyAsync``. The sender waits until
 the slot is FREE, copies the chunk into the receiver's mailbox and raises the slot's READY
 flag there; the receiver waits for READY, copies the chunk out into its own tensor and raises
 FREE at the sender. Flags are written and awaited by CUDA stream memory operations (the
@@ -48,7 +46,7 @@ import ctypes
 import importlib
 import socket
 import weakref
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -104,69 +102,6 @@ def channel_of(shift: int, world_size: int) -> int:
     return {1: 0, world_size - 1: 1}.get(s, s)
 
 
-class _Memcpy2D(ctypes.Structure):
-    """The driver's CUDA_MEMCPY2D."""
-    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
-                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
-                ("srcPitch", ctypes.c_size_t), ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
-                ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64),
-                ("dstArray", ctypes.c_void_p), ("dstPitch", ctypes.c_size_t), ("WidthInBytes", ctypes.c_size_t),
-                ("Height", ctypes.c_size_t)]
-
-
-_DEVICE_MEMORY = 2  # CU_MEMORYTYPE_DEVICE
-_MAX_PITCH = (1 << 31) - 1  # what every GPU's 2-D copies take (CU_DEVICE_ATTRIBUTE_MAX_PITCH)
-
-
-class Rows(NamedTuple):
-    """A tensor's memory as ``count`` rows of ``width`` contiguous bytes, each ``pitch`` bytes
-    after the one before: one row for a contiguous tensor; some rows of a [B, H, L, D] block
-    (``narrow`` along L) are B * H of them. Its bytes travel in row order."""
-    address: int
-    width: int
-    pitch: int
-    count: int
-
-    def copies(self, start: int, end: int) -> List[Tuple[int, int, int, int, int]]:
-        """The copies that move bytes [start, end) of the rows: (address in the rows, their pitch,
-        offset from ``start``, width, rows), at most three: the rest of a row begun, whole rows,
-        a row's start."""
-        found, at = [], start
-        while at < end:
-            row, x = divmod(at, self.width)
-            height = (end - at) // self.width if x == 0 else 0
-            width = self.width if height else min(self.width - x, end - at)
-            height = max(height, 1)
-            found.append((self.address + row * self.pitch + x, self.pitch, at - start, width, height))
-            at += width * height
-        return found
-
-
-def rows(t: Tensor) -> Optional[Rows]:
-    """``t``'s memory as ``Rows``, or None where it is not: its innermost dimensions that are
-    contiguous make a row, and the dimensions before them must step through rows at one pitch
-    that do not overlap."""
-    size = t.element_size()
-    if t.is_contiguous():
-        return Rows(t.data_ptr(), t.numel() * size, t.numel() * size, 1)
-    inner, expected = t.dim(), 1
-    while inner > 0 and (t.shape[inner - 1] == 1 or t.stride(inner - 1) == expected):
-        inner -= 1
-        expected *= t.shape[inner]
-    count, pitch = 1, None
-    for dim in reversed(range(inner)):
-        if t.shape[dim] == 1:
-            continue
-        if pitch is None:
-            pitch = t.stride(dim)
-        elif t.stride(dim) != pitch * count:
-            return None
-        count *= t.shape[dim]
-    if pitch is None or pitch < expected:
-        return None
-    return Rows(t.data_ptr(), expected * size, pitch * size, count)
-
-
 class _Driver:
     """The CUDA driver calls the transport makes on its streams: write / await a 32-bit flag
     (which torch does not expose), and copy between addresses: no tensor views to make for a
@@ -181,9 +116,6 @@ class _Driver:
         self._copy = lib.cuMemcpyAsync
         self._copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         self._copy.restype = ctypes.c_int
-        self._copy2d = getattr(lib, "cuMemcpy2DAsync_v2", None) or lib.cuMemcpy2DAsync
-        self._copy2d.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
-        self._copy2d.restype = ctypes.c_int
 
     @staticmethod
     def _function(lib, name: str):
@@ -203,19 +135,6 @@ class _Driver:
     def copy(self, stream: int, destination: int, source: int, nbytes: int) -> None:
         """On ``stream``: copy ``nbytes`` from address ``source`` to ``destination``."""
         self._check(self._copy(destination, source, nbytes, stream), "cuMemcpyAsync")
-
-    def copy_rows(self, stream: int, destination: int, destination_pitch: int, source: int, source_pitch: int,
-                  width: int, height: int) -> None:
-        """On ``stream``: copy ``height`` rows of ``width`` bytes, each row ``*_pitch`` bytes after
-        the one before, in one copy where the pitches fit the driver's 2-D copy."""
-        if height == 1 or max(destination_pitch, source_pitch) > _MAX_PITCH:
-            for row in range(height):
-                self.copy(stream, destination + row * destination_pitch, source + row * source_pitch, width)
-            return
-        spec = _Memcpy2D(srcMemoryType=_DEVICE_MEMORY, srcDevice=source, srcPitch=source_pitch,
-                         dstMemoryType=_DEVICE_MEMORY, dstDevice=destination, dstPitch=destination_pitch,
-                         WidthInBytes=width, Height=height)
-        self._check(self._copy2d(ctypes.byref(spec), stream), "cuMemcpy2DAsync")
 
     @staticmethod
     def _check(status: int, name: str) -> None:
@@ -269,11 +188,10 @@ class PeerTransport:
         copies start once the work queued so far on the current stream is done. ``wait()`` on
         the result orders the current stream after them."""
         channel = channel_of(shift, self.size)
-        send = [t if rows(t) is not None else t.contiguous() for t in send if t.numel()]
+        send = [t.contiguous() for t in send if t.numel()]
         recv = [t for t in recv if t.numel()]
-        if any(rows(t) is None for t in recv):
-            raise ValueError("ringflex: a receive buffer of the copy-engine transport must be contiguous, or rows "
-                             "of contiguous memory at one pitch (``peer.rows``)")
+        if any(not t.is_contiguous() for t in recv):
+            raise ValueError("ringflex: a receive buffer of the copy-engine transport must be contiguous")
         sending = self._sending()
         queued = torch.cuda.current_stream(self.device).record_event()
         send_stream, recv_stream = self.streams[channel]
@@ -354,27 +272,28 @@ class PeerTransport:
     def _in_chunks(stream: int, channel: int, data: Tensor, count: List[int], chunk) -> None:
         """``data`` moved by ``chunk`` (``_send_chunk`` or ``_receive_chunk``) a slot at a time,
         each chunk numbered in ``count`` (``sent`` or ``received``) as both ends number it."""
-        memory = rows(data)
-        for start, end in chunks(memory.width * memory.count):
-            chunk(stream, channel, *slot_of(count[channel]), memory.copies(start, end))
+        address = data.data_ptr()
+        for start, end in chunks(data.numel() * data.element_size()):
+            chunk(stream, channel, *slot_of(count[channel]), address + start, end - start)
             count[channel] += 1
 
-    def _send_chunk(self, stream: int, channel: int, slot: int, mark: int, copies=()) -> None:
-        """Waits until the receiver has copied out the slot's previous use, fills it by
-        ``copies`` (``Rows.copies``; none: a use without data) and raises READY at the receiver."""
+    def _send_chunk(self, stream: int, channel: int, slot: int, mark: int, source: int = 0, nbytes: int = 0) -> None:
+        """Waits until the receiver has copied out the slot's previous use, fills it with
+        ``nbytes`` from address ``source`` (none: a use without data) and raises READY at the
+        receiver."""
         to = self.to[channel]
         self.driver.wait(stream, self._flag(self.rank, _FREE, channel, slot), other(mark))
-        slot_address = self._slot(to, channel, slot)
-        for address, pitch, offset, width, height in copies:
-            self.driver.copy_rows(stream, slot_address + offset, width, address, pitch, width, height)
+        if nbytes:
+            self.driver.copy(stream, self._slot(to, channel, slot), source, nbytes)
         self.driver.write(stream, self._flag(to, _READY, channel, slot), mark)
 
-    def _receive_chunk(self, stream: int, channel: int, slot: int, mark: int, copies=()) -> None:
-        """Waits for READY, copies the slot out by ``copies`` (if any) and raises FREE at the sender."""
+    def _receive_chunk(self, stream: int, channel: int, slot: int, mark: int, destination: int = 0,
+                       nbytes: int = 0) -> None:
+        """Waits for READY, copies ``nbytes`` of the slot out to address ``destination`` (if any)
+        and raises FREE at the sender."""
         self.driver.wait(stream, self._flag(self.rank, _READY, channel, slot), mark)
-        slot_address = self._slot(self.rank, channel, slot)
-        for address, pitch, offset, width, height in copies:
-            self.driver.copy_rows(stream, address, pitch, slot_address + offset, width, width, height)
+        if nbytes:
+            self.driver.copy(stream, destination, self._slot(self.rank, channel, slot), nbytes)
         self.driver.write(stream, self._flag(self.source[channel], _FREE, channel, slot), mark)
 
     def release(self) -> None:

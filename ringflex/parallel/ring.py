@@ -23,7 +23,7 @@ from torch import Tensor
 from torch._C import _functions as autograd_nodes
 
 from ..kernels.base import HopKernel, Mods
-from ..kernels.merge import RowMerge, RowSum, Rows, lse_weights, optional_rows, rows
+from ..kernels.merge import RowMerge, RowSum, Rows, contiguous_rows, lse_weights, optional_rows, rows
 from ..kernels.reference import compute_dtype
 from ..mod import captured
 from ..plan.blocks import Hop, part_planner, steps_needed, travelling_rows, widened
@@ -45,6 +45,7 @@ class RingCall:
     scale: float
     agreement: Any = None  # the cross-rank argument check under way: ``wait()`` before the first transfer
     travelling: Optional[List[Rows]] = None  # per block (by owner): the rows of it that travel; None: all
+    own_rows_read: Optional[Rows] = None  # what the other ranks read of the own block, as planned locally
     tensors: Tuple[Tensor, ...] = ()  # captured tensors of the score_mod that require grad
     offer: Optional[Offer] = None  # this rank's side of lending, before the ranks agree
     loan: Optional[Loan] = None  # the rows lent and borrowed, once they agree (``plan.lending``)
@@ -105,11 +106,15 @@ class _KVStream:
         # first one may be issued after the own block's compute is queued (forward waits for
         # the argument check there), so it goes from a stream that waits for the inputs alone
         # and still overlaps that compute. Its receive buffer is allocated before that compute
-        # is queued: memory freed by the compute's temporaries is then not handed to it. The
-        # rows that travel go as they lie in the block (the copy engines need no SM for them).
-        self.first_stream = None
+        # is queued: memory freed by the compute's temporaries is then not handed to it.
+        self.first_stream, self.first_send = None, None
         if self.transfers > 0:
             self._add_buffer()
+            if not reverse and call.own_rows_read is not None:
+                # Sliced now: a copy queued after the own block's attention kernel would wait for
+                # the SMs it holds, and the first transfer with it.
+                sent = widened(call.own_rows_read, self.shapes[0][2])
+                self.first_send = sent, tuple(contiguous_rows(rows(t, sent)) for t in first)
             k = first[0]
             if k.is_cuda:
                 self.first_stream = torch.cuda.Stream(k.device)
@@ -153,8 +158,12 @@ class _KVStream:
         if len(self.buffers) <= step % 2:
             self._add_buffer()
         lo, hi = self.rows(step + 1)
+        sliced, self.first_send = self.first_send, None
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
-            send = tuple(rows(t, self.travelling(step)) for t in self.current)
+            if step == 0 and sliced is not None and sliced[0] == self.travelling(0):
+                send = sliced[1]
+            else:
+                send = tuple(contiguous_rows(rows(t, self.travelling(step))) for t in self.current)
             recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
             return self.call.comm.exchange(send, recv, shift=-1 if self.reverse else 1), send, recv, lo
 
