@@ -3,8 +3,8 @@
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash tools/gpu_session.sh check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
-#   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4 hostprofile4 phases4mesh sharding4 mesh4 bench4   # on 4 GPUs
-#   BASE=$PWD/.whl/base bash tools/gpu_session.sh base4   # on 4 GPUs: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
+#   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4 phases4docs shardcost hostprofile4 phases4mesh sharding4 mesh4 bench4   # on 4 GPUs
+#   BASE=$PWD/.whl/base bash tools/gpu_session.sh base4 basephases4   # on 4 GPUs: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
 # Needs the cuDNN frontend wheel in .whl/ (see shared/gpu/README.md).
@@ -76,6 +76,13 @@ for stage in "$@"; do
              CUDA_VISIBLE_DEVICES=0,1 run base4 tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
                --layouts zigzag --singles sdpa-cudnn --no-cp --no-flex-cp --iters 10 --warmup 3 \
                --json "$OUT/base2_${name}_$round.json"); done; done ;;  # this tree against BASE, alternately
+    basephases4) test -n "${BASE:-}" || { echo "basephases4 needs BASE=<another tree>"; exit 2; }
+           for round in $(seq "${ROUNDS:-2}"); do for tree in "$BASE" "$PWD"; do
+             (cd "$tree" && run basephases4 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
+             run basephases4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --no-timers --calls 40 \
+               --cases documents:contiguous window:contiguous window:zigzag causal:zigzag); done; done ;;  # host ms per call, this tree against BASE
+    basezigzag4) for tree in "$BASE" "$PWD"; do (cd "$tree" && run basezigzag4 tr 4 -m benchmarks.probes.host_phases \
+               --seq-len 32768 --calls 30 --cases window:zigzag); done ;;  # the window over zigzag by phase, BASE and this tree
     pace) for flag in "" "--lag 2" "--lag 4" --gc-off; do run pace tr 4 -m benchmarks.probes.iteration_times --seq-len 32768 $flag
             CUDA_VISIBLE_DEVICES=0,1 run pace tr 2 -m benchmarks.probes.iteration_times --seq-len 16384 $flag
           done ;;  # each of 40 back-to-back calls' GPU time: a steady pace, or stalls now and then
@@ -98,6 +105,11 @@ for stage in "$@"; do
                    documents:zigzag --calls 20 $flag; done ;;  # where a mesh call's host time goes, 8k tokens per GPU
     phases4) for flag in "" --forward-only; do run phases4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 \
                --cases documents:contiguous window:contiguous window:zigzag causal:zigzag --calls 20 $flag; done ;;  # the pure ring's host time by phase, 8k tokens per GPU
+    phases4docs) run phases4docs tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --cases documents:contiguous \
+                   --calls 30
+                 run phases4docs tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --cases documents:contiguous \
+                   --calls 30 --no-timers ;;  # packed documents' host time by phase, and without the timers
+    shardcost) run shardcost python3 -m benchmarks.sharding_model --world-sizes 4 --device cuda ;;  # shard_by_mask's host time, ids on the GPU
     hostprofile4) run hostprofile4 tr 4 -m benchmarks.profile_ring --seq-lens 32768 --masks documents --layout contiguous \
                     --iters 5 --profiled-calls 2 --gpu-only --host-profile 30 --host-profile-rank 2
                   run hostprofile4 tr 4 -m benchmarks.profile_ring --seq-lens 32768 --masks window --layout zigzag \

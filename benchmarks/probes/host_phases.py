@@ -36,14 +36,15 @@ import ringflex
 from torch.distributed.device_mesh import init_device_mesh
 
 from ringflex import api, checks, heads
-from ringflex.kernels import cudnn, merge
-from ringflex.mod import trace
+from ringflex.kernels import cudnn, fused_merge, merge
+from ringflex.mod import captured, trace
 from ringflex.parallel import agreement, alltoall, peer, ring
 from ringflex.plan import blocks, lending
 
 SPENT, CALLS = collections.defaultdict(int), collections.defaultdict(int)
 # (owner, function, label); a label's indent says which phase it runs inside
 PHASES = [
+    (None, "forward", "the call's forward (all of it)"), (None, "backward", "the call's backward (all of it)"),
     (heads, "_agree", "heads x ring: the mesh's argument check"),
     (alltoall, "_all_to_all", "heads x ring: the all-to-alls"),
     (checks, "local_error", "own argument checks"),
@@ -59,13 +60,27 @@ PHASES = [
     (cudnn.graphs.Graph, "execute", "  cuDNN execute"), (cudnn.graphs, "_build", "  cuDNN graph builds"),
     (merge.RowMerge, "add", "output merges"), (merge.RowSum, "add", "gradient sums"),
     (ring, "ring_forward", "ring forward (all of it)"), (ring, "ring_backward", "ring backward (all of it)"),
+    (ring.RingCall, "agree", "  the agreed plan (steps, rows that travel, loans)"),
+    (merge.RowMerge, "__init__", "  output merges set up"), (merge.RowSum, "__init__", "  gradient sums set up"),
+    (ring, "_exchange_shares", "  dK/dV shares exchanged"),
+    (fused_merge, "add", "Triton launches: sums and copies"), (fused_merge, "merge", "Triton launches: merges"),
+    (cudnn.graphs, "graph", "cuDNN graph lookups"),
+    (captured, "parts", "walks of a mod's parts (every caller)"),
+    (blocks, "fingerprint", "hashes of a mod: plan caches"), (agreement, "fingerprint", "hashes of a mod: the agreement"),
     (ring, "lend_forward", "  lending: queries sent, borrowed rows computed (forward)"),
     (ring, "lend_backward", "  lending: lent rows' inputs sent (backward)"),
     (ring, "borrowed_backward", "  lending: borrowed rows computed (backward)"),
 ]
 
 
+def _spend(label: str, start: int) -> None:
+    SPENT[label] += time.perf_counter_ns() - start
+    CALLS[label] += 1
+
+
 def _timed(owner, name: str, label: str) -> None:
+    if owner is None:  # timed by the probe's own calls
+        return
     fn = getattr(owner, name)
 
     @functools.wraps(fn)
@@ -74,8 +89,7 @@ def _timed(owner, name: str, label: str) -> None:
         try:
             return fn(*args, **kwargs)
         finally:
-            SPENT[label] += time.perf_counter_ns() - start
-            CALLS[label] += 1
+            _spend(label, start)
     setattr(owner, name, wrapper)
 
 
@@ -109,11 +123,15 @@ def main():
 
         def forward_backward():
             score_mod, mask_mod = next(calls) if fresh else masks[0]
+            start = time.perf_counter_ns()
             with torch.no_grad() if args.forward_only else contextlib.nullcontext():
                 out = ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group,
                                                    layout=layout)
+            _spend(PHASES[0][2], start)
             if not args.forward_only:
+                start = time.perf_counter_ns()
                 out.backward(grad)
+                _spend(PHASES[1][2], start)
 
         for _ in range(args.warmup):
             forward_backward()
