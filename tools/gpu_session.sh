@@ -80,7 +80,7 @@ for stage in "$@"; do
            for round in $(seq "${ROUNDS:-2}"); do for tree in "$BASE" "$PWD"; do
              (cd "$tree" && run basephases4 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
              run basephases4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --no-timers --calls 40 \
-               --cases documents:contiguous window:contiguous window:zigzag causal:zigzag); done; done ;;  # host ms per call, this tree against BASE
+               --cases ${CASES:-documents:contiguous window:contiguous window:zigzag causal:zigzag}); done; done ;;  # host ms per call, this tree against BASE
     basezigzag4) for tree in "$BASE" "$PWD"; do (cd "$tree" && run basezigzag4 tr 4 -m benchmarks.probes.host_phases \
                --seq-len 32768 --calls 30 --cases window:zigzag); done ;;  # the window over zigzag by phase, BASE and this tree
     pace) for flag in "" "--lag 2" "--lag 4" --gc-off; do run pace tr 4 -m benchmarks.probes.iteration_times --seq-len 32768 $flag
