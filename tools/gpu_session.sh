@@ -77,9 +77,10 @@ for stage in "$@"; do
                --layouts zigzag --singles sdpa-cudnn --no-cp --no-flex-cp --iters 10 --warmup 3 \
                --json "$OUT/base2_${name}_$round.json"); done; done ;;  # this tree against BASE, alternately
     basephases4) test -n "${BASE:-}" || { echo "basephases4 needs BASE=<another tree>"; exit 2; }
+           cp benchmarks/probes/host_phases.py "$BASE/benchmarks/probes/"  # one probe, two libraries
            for round in $(seq "${ROUNDS:-2}"); do for tree in "$BASE" "$PWD"; do
              (cd "$tree" && run basephases4 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
-             run basephases4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --no-timers --calls 40 \
+             run basephases4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --no-timers --calls 40 --pin "${PIN:-4}" \
                --cases ${CASES:-documents:contiguous window:contiguous window:zigzag causal:zigzag}); done; done ;;  # host ms per call, this tree against BASE
     basezigzag4) for tree in "$BASE" "$PWD"; do (cd "$tree" && run basezigzag4 tr 4 -m benchmarks.probes.host_phases \
                --seq-len 32768 --calls 30 --cases window:zigzag); done ;;  # the window over zigzag by phase, BASE and this tree
