@@ -45,9 +45,9 @@ from ringflex.parallel import agreement, alltoall, peer, ring
 from ringflex.plan import blocks, lending
 
 SPENT, CALLS = collections.defaultdict(int), collections.defaultdict(int)
+FORWARD, BACKWARD = "the call's forward (all of it)", "the call's backward (all of it)"  # timed around the call
 # (owner, function, label); a label's indent says which phase it runs inside
 PHASES = [
-    (None, "forward", "the call's forward (all of it)"), (None, "backward", "the call's backward (all of it)"),
     (heads, "_agree", "heads x ring: the mesh's argument check"),
     (alltoall, "_all_to_all", "heads x ring: the all-to-alls"),
     (checks, "local_error", "own argument checks"),
@@ -82,8 +82,6 @@ def _spend(label: str, start: int) -> None:
 
 
 def _timed(owner, name: str, label: str) -> None:
-    if owner is None:  # timed by the probe's own calls
-        return
     fn = getattr(owner, name)
 
     @functools.wraps(fn)
@@ -158,11 +156,11 @@ def main():
             with torch.no_grad() if args.forward_only else contextlib.nullcontext():
                 out = ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, group=group,
                                                    layout=layout)
-            _spend(PHASES[0][2], start)
+            _spend(FORWARD, start)
             if not args.forward_only:
                 start = time.perf_counter_ns()
                 out.backward(grad)
-                _spend(PHASES[1][2], start)
+                _spend(BACKWARD, start)
 
         for _ in range(args.warmup):
             forward_backward()
@@ -192,7 +190,7 @@ def main():
         what += f", {pinned}"
         lines = [f"rank {dist.get_rank()}, {mask} over {layout}, {args.seq_len} tokens, {what}: {timing}"]
         lines += [f"  {label:40s} {SPENT[label] / args.calls / 1e3:7.0f} us  ({CALLS[label] / args.calls:.0f} calls)"
-                  for _, _, label in PHASES if CALLS[label]]
+                  for label in (FORWARD, BACKWARD, *(label for _, _, label in PHASES)) if CALLS[label]]
         gathered = [None] * world
         dist.all_gather_object(gathered, "\n".join(lines))
         if dist.get_rank() == 0:
