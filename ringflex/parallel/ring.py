@@ -10,23 +10,27 @@ straight to the owner, which sums the shares once.
 Where the ranks agree on loans (``plan.lending``), query rows travel the other way: a
 rank's lent rows go to the previous rank, which computes them against its own block and
 sends back their output and LSE, and in backward their dQ (``loans``).
+
+Where a rank's hops at several steps take the same query rows and positions do not matter
+(``plan.joins``), forward keeps the keys they read and backward runs them as one call.
 """
 from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 from torch._C import _functions as autograd_nodes
 
 from ..kernels.base import HopKernel, Mods
-from ..kernels.merge import RowMerge, RowSum, Rows, contiguous_rows, lse_weights, optional_rows, rows
+from ..kernels.merge import RowMerge, RowSum, Rows, contiguous_rows, copy_rows, lse_weights, optional_rows, rows
 from ..kernels.reference import compute_dtype
 from ..mod import captured
 from ..plan.blocks import Hop, part_planner, steps_needed, travelling_rows, widened
+from ..plan.joins import Join, plan_joins
 from ..plan.lending import Loan, Offer
 from .comm import RingComm, capture_error
 from .compute import hop_backward, hop_forward, lse_as_attention, new_rows, rows_shape, some
@@ -51,6 +55,8 @@ class RingCall:
     loan: Optional[Loan] = None  # the rows lent and borrowed, once they agree (``plan.lending``)
     lse_grad: bool = False  # a loss may read the LSE (return_lse): lent rows take its gradient along
     reads: Optional[List[List[Rows]]] = None  # per rank and step, the rows of the block held then that it reads
+    grad: bool = False  # backward will run: forward keeps the keys of the joins for it
+    joins: List[Join] = field(default_factory=list)  # hops of several steps backward runs as one call
 
     def agree(self, device) -> None:
         """Waits for the agreement. Then the ring runs only the steps some rank needs, moves
@@ -70,6 +76,13 @@ class RingCall:
             self.loan = self.offer.agree([s[2 * world:] for s in shared], self.comm.rank, planned_part)
             if self.loan is not None:
                 self.schedule = [self.schedule[0], list(self.loan.kept), *self.schedule[2:]]
+
+    def join_hops(self, k: Tensor, v: Tensor) -> None:
+        """Plans backward's joins (``plan.joins``) on the agreed schedule, where backward will
+        run and no rows are lent (a loan's hops are computed apart)."""
+        if self.comm is not None and self.grad and self.loan is None:
+            key_row_bytes = k.shape[0] * k.shape[1] * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
+            self.joins = plan_joins(self.schedule, self.mods.score_mod is not None, key_row_bytes)
 
     def rows_read(self, rank: int, step: int) -> Rows:
         """The rows of the block held at (forward) ``step`` that ``rank`` (mod the world) reads,
@@ -191,12 +204,16 @@ def _leading_rows(buffer: Tensor, n: int) -> Tensor:
 
 def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     """This rank's (out, lse, res) (``kernels.base``), the block of the last step (backward
-    starts on it) and the queries borrowed from the next rank (None where none are: ``loans``)."""
+    starts on it), the queries borrowed from the next rank (None where none are: ``loans``)
+    and the keys and values kept for each join of backward (``plan.joins``)."""
     blocks = _KVStream(call, (k, v))
     # The own block needs no transfer: it is computed while the ranks agree on the call, and
     # no block leaves before they have (the agreement may shorten the schedule and lend rows).
     own = [(hop.q_rows, *hop_forward(call, hop, rows(q, hop.q_rows), *blocks.keys(hop))) for hop in call.schedule[0]]
     call.agree(q.device)
+    call.join_hops(k, v)
+    kept = [(k.new_empty(*k.shape[:2], join.keys, k.shape[3]), v.new_empty(*v.shape[:2], join.keys, v.shape[3]))
+            for join in call.joins]
     pending = blocks.start(0)
     borrowed_q, returned = lend_forward(call, q, k, v, blocks.first_stream) if call.loan else (None, None)
     lent = [call.loan.lent] if call.loan is not None and some(call.loan.lent) else []
@@ -209,6 +226,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
         pending = blocks.start(step)  # send this block on, receive the next
         for hop in call.schedule[step]:  # compute this step's hops and merge them
             merged.add(hop.q_rows, *hop_forward(call, hop, rows(q, hop.q_rows), *blocks.keys(hop)))
+        _keep(call.joins, kept, step, blocks)
         blocks.advance(step, pending)  # wait for the next block
     if returned is not None:  # the lent rows' results, computed by the previous rank
         transfer, lent_results = returned
@@ -220,7 +238,17 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     blocks.close()
     # The block of the last step: backward starts on it, so it is saved until then.
     last = blocks.current if blocks.current[0] is k else tuple(_compact(t) for t in blocks.current)
-    return (*merged.result(), last, borrowed_q)
+    return (*merged.result(), last, borrowed_q, kept)
+
+
+def _keep(joins: List[Join], kept, step: int, blocks: _KVStream) -> None:
+    """Copies the keys and values that the joins' hops of ``step`` read out of the block held
+    now, into the joins' kept keys: the block's buffer takes another block two steps on."""
+    for join, kept_kv in zip(joins, kept):
+        for part_step, hop, r in join.parts:
+            if part_step == step:
+                for dest, source in zip(kept_kv, blocks.keys(hop)):
+                    copy_rows(rows(dest, r), source)
 
 
 def _compact(received: Tensor) -> Tensor:
@@ -233,7 +261,7 @@ def _compact(received: Tensor) -> Tensor:
     return received
 
 
-def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, dlse=None, borrowed_q=None):
+def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, dlse=None, borrowed_q=None, kept=()):
     """The ring in reverse. It starts on the block forward ended on (``last_k``, ``last_v``,
     kept for it) and passes blocks to the previous rank, so every block visits the ranks in
     the reverse order and its last stop is its owner, which holds it already (no transfer).
@@ -251,23 +279,40 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
     shares add up. ``res``: the LSE's res (``kernels.base``), or None. Lent rows
     (``call.loan``) send their output, dO and LSE to the previous rank, which computes them
     again from ``borrowed_q`` (its forward kept them) and returns their dQ; their dK/dV join
-    its own block's sum."""
+    its own block's sum. The joins (``plan.joins``) run first, over the keys forward ``kept``
+    for them; each step sends their dK/dV of its block as any hop's, and skips their hops."""
     acc = compute_dtype(q.dtype)
     steps = len(call.schedule)
     schedule = call.schedule[::-1]
     loan = call.loan
     lent = [loan.lent] if loan is not None and some(loan.lent) else []
-    dq = RowSum([q.shape], q.dtype, acc, q.device, [hop.q_rows for hops in schedule for hop in hops] + lent)
+    joins = call.joins
+    joined = {(step, id(hop)) for join in joins for step, hop, _ in join.parts}
+    dq = RowSum([q.shape], q.dtype, acc, q.device,
+                [hop.q_rows for step, hops in enumerate(call.schedule) for hop in hops if (step, id(hop)) not in joined]
+                + [join.q_rows for join in joins] + lent)
     borrowed_inputs = lend_backward(call, dout, out, lse, res, dlse) if loan is not None else None
     blocks = _KVStream(call, (last_k, last_v), last=(k, v), reverse=True)
     lse_grad = lse_as_attention(dlse, out, lse) if dlse is not None else None
     d_tensors = [torch.zeros_like(t, dtype=acc) for t in call.tensors]
+    joined_parts: Dict[int, list] = {}  # forward step -> the (key rows, dk, dv) of its hops in joins
+    for join, (join_k, join_v) in zip(joins, kept):
+        r = join.q_rows
+        hq, hk, hv, ht = hop_backward(call, join.hop, rows(q, r), join_k, join_v, rows(out, r), rows(lse, r),
+                                      optional_rows(res, r), dout, lse_grad, r)
+        for total, g in zip(d_tensors, ht):
+            total += g
+        dq.add(r, hq)
+        for step, hop, key_rows in join.parts:
+            joined_parts.setdefault(step, []).append((hop.kv_rows, rows(hk, key_rows), rows(hv, key_rows)))
     own_sum, arriving, returned = None, None, None  # the own block's dK/dV; a share on its way here; the lent dq
     for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
-        distance = steps - 1 - step  # the block held is the one of the rank this many before
-        parts = []  # this step's (key rows, dk, dv)
+        distance = steps - 1 - step  # the block held is the one of the rank this many before (its forward step)
+        parts = joined_parts.get(distance, [])  # this step's (key rows, dk, dv)
         for hop in hops:
+            if (distance, id(hop)) in joined:
+                continue
             hop_k, hop_v = blocks.keys(hop)
             hq, hk, hv, ht = hop_backward(call, hop, rows(q, hop.q_rows), hop_k, hop_v, rows(out, hop.q_rows),
                                           rows(lse, hop.q_rows), optional_rows(res, hop.q_rows), dout, lse_grad,
@@ -396,18 +441,19 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: RingCall, sinks, *tensors):
         with guard(call.comm, "forward"):  # a failure here releases the other ranks
-            out, lse, res, (last_k, last_v), borrowed_q = ring_forward(call, q, k, v)
+            out, lse, res, (last_k, last_v), borrowed_q, kept = ring_forward(call, q, k, v)
         if sinks is not None:
             out, lse, res = _with_sinks(out, lse, res, sinks)
         ctx.call = call
         ctx.mods_read = _mods_read(call.mods)
-        ctx.save_for_backward(q, k, v, out, lse, res, last_k, last_v, sinks, borrowed_q)
+        ctx.save_for_backward(q, k, v, out, lse, res, last_k, last_v, sinks, borrowed_q,
+                              *(t for kv in kept for t in kv))
         ctx.set_materialize_grads(False)  # a loss that does not read the LSE costs no LSE backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, res, last_k, last_v, sinks, borrowed_q = ctx.saved_tensors
+        q, k, v, out, lse, res, last_k, last_v, sinks, borrowed_q, *kept = ctx.saved_tensors
         capture = ctx.call.comm is not None and capture_error(q, ctx.call.comm.group)
         if capture:  # raised before any transfer: the same on every rank, none is left waiting
             raise RuntimeError(f"ring_flex_attention backward: {capture}")
@@ -416,7 +462,7 @@ class RingAttention(torch.autograd.Function):
         with guard(ctx.call.comm, "backward"), torch.no_grad(), captured.one_walk():
             _check_mods_unchanged(ctx.mods_read, ctx.call.mods)
             dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, res, last_k, last_v, dlse=dlse,
-                                                  borrowed_q=borrowed_q)
+                                                  borrowed_q=borrowed_q, kept=list(zip(kept[::2], kept[1::2])))
             d_sinks = _sink_grad(out, lse, res, dout, dlse, sinks) if ctx.needs_input_grad[4] else None
         grads = [dq, dk, dv, d_sinks, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors))]
         if torch.is_grad_enabled():  # create_graph=True: the gradients are values, with no derivative
