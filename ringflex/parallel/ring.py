@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -79,8 +79,9 @@ class RingCall:
 
     def join_hops(self, k: Tensor, v: Tensor) -> None:
         """Plans backward's joins (``plan.joins``) on the agreed schedule, where backward will
-        run and no rows are lent (a loan's hops are computed apart)."""
-        if self.comm is not None and self.grad and self.loan is None:
+        run, no rows are lent (a loan's hops are computed apart), and the transfers run beside
+        the joins (``RingComm.beside_compute``)."""
+        if self.comm is not None and self.grad and self.loan is None and self.comm.beside_compute(k.device):
             key_row_bytes = k.shape[0] * k.shape[1] * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
             self.joins = plan_joins(self.schedule, self.mods.score_mod is not None, key_row_bytes)
 
@@ -251,6 +252,15 @@ def _keep(joins: List[Join], kept, step: int, blocks: _KVStream) -> None:
                     copy_rows(rows(dest, r), source)
 
 
+def _after_current(stream: Optional[torch.cuda.Stream]):
+    """Work queued inside runs on ``stream``, after what the current stream holds so far
+    (nothing changes where ``stream`` is None)."""
+    if stream is None:
+        return nullcontext()
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    return torch.cuda.stream(stream)
+
+
 def _compact(received: Tensor) -> Tensor:
     """A received block in memory of its own size where that frees more than half of the
     whole-block buffer it fills part of (the rows a window reads over the contiguous layout),
@@ -295,21 +305,30 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
     blocks = _KVStream(call, (last_k, last_v), last=(k, v), reverse=True)
     lse_grad = lse_as_attention(dlse, out, lse) if dlse is not None else None
     d_tensors = [torch.zeros_like(t, dtype=acc) for t in call.tensors]
-    joined_parts: Dict[int, list] = {}  # forward step -> the (key rows, dk, dv) of its hops in joins
-    for join, (join_k, join_v) in zip(joins, kept):
-        r = join.q_rows
-        hq, hk, hv, ht = hop_backward(call, join.hop, rows(q, r), join_k, join_v, rows(out, r), rows(lse, r),
-                                      optional_rows(res, r), dout, lse_grad, r)
-        for total, g in zip(d_tensors, ht):
-            total += g
-        dq.add(r, hq)
-        for step, hop, key_rows in join.parts:
-            joined_parts.setdefault(step, []).append((hop.kv_rows, rows(hk, key_rows), rows(hv, key_rows)))
-    own_sum, arriving, returned = None, None, None  # the own block's dK/dV; a share on its way here; the lent dq
+    # The joins run on a stream of their own: on the current one, the blocks this rank passes
+    # on (which other ranks compute with) would leave only after them. Their shares leave from it.
+    beside = torch.cuda.Stream(q.device) if joins and q.is_cuda else None
+    joined_dq, joined_parts = [], {}  # (rows, dq) of each join; forward step -> its hops' (key rows, dk, dv) in joins
+    with _after_current(beside):
+        for join, (join_k, join_v) in zip(joins, kept):
+            r = join.q_rows
+            hq, hk, hv, _ = hop_backward(call, join.hop, rows(q, r), join_k, join_v, rows(out, r), rows(lse, r),
+                                         optional_rows(res, r), dout, lse_grad, r)  # no score_mod: no tensors
+            joined_dq.append((r, hq))
+            for step, hop, key_rows in join.parts:
+                joined_parts.setdefault(step, []).append((hop.kv_rows, rows(hk, key_rows), rows(hv, key_rows)))
+    # Shares arriving here are waited for at the end: a rank's joins send their shares later
+    # than its steps would have, and a wait after the next step would hold the receiver up.
+    own_sum, arriving, returned = None, [], None  # the own block's dK/dV; shares on their way here; the lent dq
     for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
         distance = steps - 1 - step  # the block held is the one of the rank this many before (its forward step)
         parts = joined_parts.get(distance, [])  # this step's (key rows, dk, dv)
+        if distance == 0:  # the own block: the joins are done by now, their dq joins the sum before its own
+            if beside is not None:
+                torch.cuda.current_stream(q.device).wait_stream(beside)
+            for r, hq in joined_dq:
+                dq.add(r, hq)
         for hop in hops:
             if (distance, id(hop)) in joined:
                 continue
@@ -321,9 +340,9 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
                 total += g
             dq.add(hop.q_rows, hq)
             parts.append((hop.kv_rows, hk, hv))
-        if arriving is not None:  # waited for after this step's kernels, which ran while it came
-            arriving.arrive(own_sum)
-        arriving = _exchange_shares(call, distance, parts, k, v, acc) if distance else None
+        if distance:
+            with _after_current(beside if distance in joined_parts else None):
+                arriving.append(_exchange_shares(call, distance, parts, k, v, acc))
         if step == 0:
             borrowed_keys = []  # the borrowed rows' (key rows, dk, dv): after the share left, not before it
             if borrowed_inputs is not None:
@@ -335,6 +354,8 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
                 own_sum.add(*keys)
         blocks.advance(step, kv_pending)
     blocks.close()
+    for share in arriving:
+        share.arrive(own_sum)
     for part in parts:  # the own block's hops, added last: one that covers every key row becomes the sum
         own_sum.add(*part)
     if returned is not None:
