@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import ringflex
 from benchmarks.common import make_mods, timed
 from ringflex.plan import joins
-from tools.ranks import init, max_over_ranks
+from tools.ranks import init
 
 
 def main():
@@ -57,15 +57,20 @@ def main():
             for name, fn in variants.items():
                 times[name].append(timed(fn, args.iters, 1, device, control))
         joins.MOST_KEPT_BYTES = most_kept
-        medians = {name: max_over_ranks([statistics.median(t)], device, control)[0] * 1e3
-                   for name, t in times.items()}
+        per_rank = {}
+        for name, t in times.items():
+            gathered = [None] * world
+            dist.all_gather_object(gathered, statistics.median(t) * 1e3, group=control)
+            per_rank[name] = gathered
+        medians = {name: max(ms) for name, ms in per_rank.items()}
         if dist.get_rank() == 0:
             single_ms = medians["single GPU"]
             for name, ms in medians.items():
                 eff = "" if name == "single GPU" else f"  efficiency {single_ms / (world * ms):.3f}"
                 spread = sorted(times[name])
                 print(f"{mask:7s} {world} GPUs {name:15s} median {ms:8.2f} ms  (rank 0 rounds "
-                      f"{1e3 * spread[0]:.2f}-{1e3 * spread[-1]:.2f}){eff}", flush=True)
+                      f"{1e3 * spread[0]:.2f}-{1e3 * spread[-1]:.2f}; per rank "
+                      f"{' '.join(f'{r:.2f}' for r in per_rank[name])}){eff}", flush=True)
     dist.destroy_process_group()
 
 

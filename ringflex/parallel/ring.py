@@ -30,7 +30,7 @@ from ..kernels.merge import RowMerge, RowSum, Rows, contiguous_rows, copy_rows, 
 from ..kernels.reference import compute_dtype
 from ..mod import captured
 from ..plan.blocks import Hop, part_planner, steps_needed, travelling_rows, widened
-from ..plan.joins import Join, plan_joins
+from ..plan.joins import Join, first_backward_step, plan_joins
 from ..plan.lending import Loan, Offer
 from .comm import RingComm, capture_error
 from .compute import hop_backward, hop_forward, lse_as_attention, new_rows, rows_shape, some
@@ -289,8 +289,9 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
     shares add up. ``res``: the LSE's res (``kernels.base``), or None. Lent rows
     (``call.loan``) send their output, dO and LSE to the previous rank, which computes them
     again from ``borrowed_q`` (its forward kept them) and returns their dQ; their dK/dV join
-    its own block's sum. The joins (``plan.joins``) run first, over the keys forward ``kept``
-    for them; each step sends their dK/dV of its block as any hop's, and skips their hops."""
+    its own block's sum. The joins (``plan.joins``) run at the first step that holds a block
+    they read, over the keys forward ``kept`` for them; each step sends their dK/dV of its
+    block as any hop's, and skips their hops."""
     acc = compute_dtype(q.dtype)
     steps = len(call.schedule)
     schedule = call.schedule[::-1]
@@ -305,24 +306,21 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
     blocks = _KVStream(call, (last_k, last_v), last=(k, v), reverse=True)
     lse_grad = lse_as_attention(dlse, out, lse) if dlse is not None else None
     d_tensors = [torch.zeros_like(t, dtype=acc) for t in call.tensors]
-    # The joins run on a stream of their own: on the current one, the blocks this rank passes
-    # on (which other ranks compute with) would leave only after them. Their shares leave from it.
+    # The joins run on a stream of their own, once this rank's other hops are queued (``plan.joins``):
+    # on the current stream, the blocks this rank passes on would leave only after them. Their
+    # shares leave from it.
     beside = torch.cuda.Stream(q.device) if joins and q.is_cuda else None
+    joins_at = first_backward_step(joins, steps) if joins else None
     joined_dq, joined_parts = [], {}  # (rows, dq) of each join; forward step -> its hops' (key rows, dk, dv) in joins
-    with _after_current(beside):
-        for join, (join_k, join_v) in zip(joins, kept):
-            r = join.q_rows
-            hq, hk, hv, _ = hop_backward(call, join.hop, rows(q, r), join_k, join_v, rows(out, r), rows(lse, r),
-                                         optional_rows(res, r), dout, lse_grad, r)  # no score_mod: no tensors
-            joined_dq.append((r, hq))
-            for step, hop, key_rows in join.parts:
-                joined_parts.setdefault(step, []).append((hop.kv_rows, rows(hk, key_rows), rows(hv, key_rows)))
     # Shares arriving here are waited for at the end: a rank's joins send their shares later
     # than its steps would have, and a wait after the next step would hold the receiver up.
     own_sum, arriving, returned = None, [], None  # the own block's dK/dV; shares on their way here; the lent dq
     for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
         distance = steps - 1 - step  # the block held is the one of the rank this many before (its forward step)
+        if step == joins_at:
+            with _after_current(beside):
+                joined_dq, joined_parts = _run_joins(call, joins, kept, q, out, lse, res, dout, lse_grad)
         parts = joined_parts.get(distance, [])  # this step's (key rows, dk, dv)
         if distance == 0:  # the own block: the joins are done by now, their dq joins the sum before its own
             if beside is not None:
@@ -365,6 +363,20 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
             dq.add(loan.lent, dq_lent)
     (dq,), (dk, dv) = dq.result(), own_sum.result()
     return dq, dk, dv, d_tensors
+
+
+def _run_joins(call: RingCall, joins: List[Join], kept, q, out, lse, res, dout, lse_grad):
+    """The joins' backward over the keys ``kept`` for them: the (rows, dq) of each, and per
+    forward step the (key rows, dk, dv) of its hops in them, views of the joins' dK/dV."""
+    joined_dq, joined_parts = [], {}
+    for join, (join_k, join_v) in zip(joins, kept):
+        r = join.q_rows
+        hq, hk, hv, _ = hop_backward(call, join.hop, rows(q, r), join_k, join_v, rows(out, r), rows(lse, r),
+                                     optional_rows(res, r), dout, lse_grad, r)  # no score_mod: no tensors
+        joined_dq.append((r, hq))
+        for step, hop, key_rows in join.parts:
+            joined_parts.setdefault(step, []).append((hop.kv_rows, rows(hk, key_rows), rows(hv, key_rows)))
+    return joined_dq, joined_parts
 
 
 class _Share:

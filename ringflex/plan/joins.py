@@ -7,7 +7,9 @@ per call. A rank whose hops at several steps take the same query rows against wh
 pays them once per step. Where positions do not matter (FULL hops, no score_mod) those hops
 are one attention over their keys together, so forward keeps the keys they read (a copy per
 step) and backward runs them as one call; the dK/dV of each step's keys still go to that
-block's owner at its step. Pure functions; the ring carries them out (``parallel.ring``).
+block's owner at its step. Backward runs the joins at the first step they reach, once the
+rank's other hops are done: they must not hold up those hops, which the blocks the rank passes
+on wait for. Pure functions; the ring carries them out (``parallel.ring``).
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def plan_joins(schedule: List[List[Hop]], has_score_mod: bool, key_row_bytes: in
     FULL hops of two or more steps (whose results, without a score_mod, do not depend on where
     their keys lie), where their keys are at most ``KEYS_PER_QUERY_ROW`` per query row, and
     all joins keep at most ``MOST_KEPT_BYTES`` (``key_row_bytes``: the bytes of one key row of
-    K and V together)."""
+    K and V together). None where a hop that joins nothing comes after a join in backward (at
+    a forward step as early or earlier, the own block's aside)."""
     if has_score_mod:
         return []
     by_rows: Dict[Rows, List[Tuple[int, Hop]]] = {}
@@ -74,4 +77,14 @@ def plan_joins(schedule: List[List[Hop]], has_score_mod: bool, key_row_bytes: in
             parts.append((step, hop, (start, start + n)))
             start += n
         joins.append(Join(q_rows, tuple(parts)))
+    joined = {(step, id(hop)) for join in joins for step, hop, _ in join.parts}
+    last_joined = max((step for step, _ in joined), default=0)
+    if any((step, id(hop)) not in joined for step in range(1, last_joined + 1) for hop in schedule[step]):
+        return []
     return joins
+
+
+def first_backward_step(joins: List[Join], steps: int) -> int:
+    """The backward step at which the joins run: the first that holds a block they read
+    (backward takes the forward steps in reverse)."""
+    return steps - 1 - max(step for join in joins for step, _, _ in join.parts)
