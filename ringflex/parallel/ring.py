@@ -252,6 +252,17 @@ def _keep(joins: List[Join], kept, step: int, blocks: _KVStream) -> None:
                     copy_rows(rows(dest, r), source)
 
 
+_JOINS_STREAMS = {}  # device -> the stream backward's joins run on
+
+
+def _joins_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's stream for backward's joins: one for every call, as the memory a stream
+    allocates is kept for that stream (a new stream per call would allocate anew)."""
+    if device not in _JOINS_STREAMS:
+        _JOINS_STREAMS[device] = torch.cuda.Stream(device)
+    return _JOINS_STREAMS[device]
+
+
 def _after_current(stream: Optional[torch.cuda.Stream]):
     """Work queued inside runs on ``stream``, after what the current stream holds so far
     (nothing changes where ``stream`` is None)."""
@@ -309,7 +320,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
     # The joins run on a stream of their own, once this rank's other hops are queued (``plan.joins``):
     # on the current stream, the blocks this rank passes on would leave only after them. Their
     # shares leave from it.
-    beside = torch.cuda.Stream(q.device) if joins and q.is_cuda else None
+    beside = _joins_stream(q.device) if joins and q.is_cuda else None
     joins_at = first_backward_step(joins, steps) if joins else None
     joined_dq, joined_parts = [], {}  # (rows, dq) of each join; forward step -> its hops' (key rows, dk, dv) in joins
     # Shares arriving here are waited for at the end: a rank's joins send their shares later
