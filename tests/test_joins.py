@@ -22,7 +22,7 @@ def _hop(q_rows, kv_rows, kind=FULL):
 def test_the_full_hops_of_several_steps_over_one_query_range_join_in_step_order():
     own = [_hop((0, 8), (0, 8), PARTIAL)]
     schedule = [own, [_hop((0, 8), (0, 4))], [_hop((0, 8), (4, 8))], [_hop((0, 8), (0, 4))]]
-    planned = joins.plan_joins(schedule, False, 1)
+    planned = joins.plan_joins(schedule, False, [8] * len(schedule), 1)
     assert [(j.q_rows, [(step, hop.kv_rows, r) for step, hop, r in j.parts]) for j in planned] == [
         ((0, 8), [(1, (0, 4), (0, 4)), (2, (4, 8), (4, 8)), (3, (0, 4), (8, 12))])]
     assert planned[0].keys == 12 and planned[0].hop == Hop((0, 8), (0, 12), None, None, FULL)
@@ -33,7 +33,7 @@ def test_hops_that_join_nothing_may_come_before_the_joins_in_backward():
     """Backward takes the forward steps in reverse: a hop of the last forward step runs
     first, and the joins of the steps before it after it, at the first step they reach."""
     schedule = [[], [_hop((0, 8), (0, 4))], [_hop((0, 8), (0, 4))], [_hop((4, 8), (0, 8))]]
-    planned = joins.plan_joins(schedule, False, 1)
+    planned = joins.plan_joins(schedule, False, [8] * len(schedule), 1)
     assert [[step for step, _, _ in j.parts] for j in planned] == [[1, 2]]
     assert joins.first_backward_step(planned, len(schedule)) == 1
 
@@ -44,13 +44,13 @@ def test_hops_that_join_nothing_may_come_before_the_joins_in_backward():
     ("masked", [[], [_hop((0, 8), (0, 4), PARTIAL)], [_hop((0, 8), (0, 4), PARTIAL)]], False, 1 << 20),
     ("a score_mod reads positions", [[], [_hop((0, 8), (0, 4))], [_hop((0, 8), (0, 4))]], True, 1 << 20),
     ("more keys than the copy repays", [[], [_hop((0, 4), (0, 8))], [_hop((0, 4), (0, 8))]], False, 1 << 20),
-    ("more kept than allowed", [[], [_hop((0, 8), (0, 4))], [_hop((0, 8), (0, 4))]], False, 7),
+    ("more kept than allowed", [[], [_hop((0, 8), (0, 4))], [_hop((0, 8), (0, 4))], []], False, 15),
     ("a hop that joins nothing would run after the join in backward",
      [[], [_hop((0, 8), (0, 4)), _hop((8, 12), (0, 4), PARTIAL)], [_hop((0, 8), (0, 4))]], False, 1 << 20),
 ])
 def test_no_join(monkeypatch, why, schedule, has_score_mod, most_kept):
     monkeypatch.setattr(joins, "MOST_KEPT_BYTES", most_kept)
-    assert joins.plan_joins(schedule, has_score_mod, 1) == [], why
+    assert joins.plan_joins(schedule, has_score_mod, [8] * len(schedule), 1) == [], why
 
 
 def _joined_ring(rank, world_size, mask_mod, return_lse, kv_heads, retain):

@@ -36,21 +36,15 @@ def optional_rows(t: Optional[Tensor], r: Rows) -> Optional[Tensor]:
 
 
 def contiguous_rows(t: Tensor) -> Tensor:
-    """``t`` where it is contiguous, else a contiguous copy of it (rows of a block, to send)."""
+    """``t`` where it is contiguous, else a contiguous copy of it (rows of a block, to send):
+    on a GPU by the fused kernel, as torch's copy of such views takes twice as long."""
     if t.is_contiguous():
         return t
-    copy = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    copy_rows(copy, t)
-    return copy
-
-
-def copy_rows(d: Tensor, t: Tensor) -> None:
-    """``d`` = ``t``, rows of blocks: on a GPU by the fused kernel, as torch's copy of such
-    views takes twice as long."""
-    if fused_merge.sum_applies(d, [t]) and fused_merge.available():
-        fused_merge.add(d, [t])
-    else:
-        d.copy_(t)
+    if fused_merge.sum_applies(t, [t]) and fused_merge.available():
+        copy = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        fused_merge.add(copy, [t])
+        return copy
+    return t.contiguous()
 
 
 class _Span:

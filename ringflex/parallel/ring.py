@@ -26,7 +26,7 @@ from torch import Tensor
 from torch._C import _functions as autograd_nodes
 
 from ..kernels.base import HopKernel, Mods
-from ..kernels.merge import RowMerge, RowSum, Rows, contiguous_rows, copy_rows, lse_weights, optional_rows, rows
+from ..kernels.merge import RowMerge, RowSum, Rows, contiguous_rows, lse_weights, optional_rows, rows
 from ..kernels.reference import compute_dtype
 from ..mod import captured
 from ..plan.blocks import Hop, part_planner, steps_needed, travelling_rows, widened
@@ -83,7 +83,8 @@ class RingCall:
         the joins (``RingComm.beside_compute``)."""
         if self.comm is not None and self.grad and self.loan is None and self.comm.beside_compute(k.device):
             key_row_bytes = k.shape[0] * k.shape[1] * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
-            self.joins = plan_joins(self.schedule, self.mods.score_mod is not None, key_row_bytes)
+            held = [hi - lo for lo, hi in (self.rows_held(step, k.shape[2]) for step in range(len(self.schedule)))]
+            self.joins = plan_joins(self.schedule, self.mods.score_mod is not None, held, key_row_bytes)
 
     def rows_read(self, rank: int, step: int) -> Rows:
         """The rows of the block held at (forward) ``step`` that ``rank`` (mod the world) reads,
@@ -108,7 +109,9 @@ class _KVStream:
     then the ring skips the transfer that would bring it. A received block holds only the
     rows of it that travel (``RingCall.rows_held``), in the leading memory of a buffer
     sized for a whole block. The number of steps is read when the first transfer starts:
-    forward may shorten the schedule once the ranks agree."""
+    forward may shorten the schedule once the ranks agree. The blocks of the steps in
+    ``keep`` (set once they agree) stay in their buffers, ``kept[step]``, which the
+    alternation then replaces."""
 
     def __init__(self, call: RingCall, first, last=None, reverse: bool = False):
         self.call, self.reverse, self.last = call, reverse, last
@@ -116,6 +119,7 @@ class _KVStream:
         self.shapes = [t.shape for t in (last or first)]  # the own block, whole
         self.offset = self.rows(0)[0]  # the first row of the block that ``current`` holds
         self.buffers = []
+        self.keep, self.kept = set(), {}
         # A transfer starts only after the work queued before it on the current stream. The
         # first one may be issued after the own block's compute is queued (forward waits for
         # the argument check there), so it goes from a stream that waits for the inputs alone
@@ -135,8 +139,10 @@ class _KVStream:
                 self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
 
     def _add_buffer(self):
-        self.buffers.append(tuple(torch.empty(shape, dtype=t.dtype, device=t.device)
-                                  for shape, t in zip(self.shapes, self.current)))
+        self.buffers.append(self._new_buffer())
+
+    def _new_buffer(self):
+        return tuple(torch.empty(shape, dtype=t.dtype, device=t.device) for shape, t in zip(self.shapes, self.current))
 
     @property
     def steps(self) -> int:
@@ -169,8 +175,11 @@ class _KVStream:
         """Starts passing the current block on; the next one arrives in ``advance``."""
         if step >= self.transfers:
             return None
-        if len(self.buffers) <= step % 2:
+        slot = step % 2
+        if len(self.buffers) <= slot:
             self._add_buffer()
+        elif self.buffers[slot] is None:  # its last block is kept
+            self.buffers[slot] = self._new_buffer()
         lo, hi = self.rows(step + 1)
         sliced, self.first_send = self.first_send, None
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
@@ -178,7 +187,10 @@ class _KVStream:
                 send = sliced[1]
             else:
                 send = tuple(contiguous_rows(rows(t, self.travelling(step))) for t in self.current)
-            recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
+            recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[slot])
+            if self._forward_step(step + 1) in self.keep:
+                self.buffers[slot] = None
+                self.kept[self._forward_step(step + 1)] = recv
             return self.call.comm.exchange(send, recv, shift=-1 if self.reverse else 1), send, recv, lo
 
     def close(self) -> None:
@@ -206,15 +218,14 @@ def _leading_rows(buffer: Tensor, n: int) -> Tensor:
 def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     """This rank's (out, lse, res) (``kernels.base``), the block of the last step (backward
     starts on it), the queries borrowed from the next rank (None where none are: ``loans``)
-    and the keys and values kept for each join of backward (``plan.joins``)."""
+    and the blocks kept for backward's joins (``plan.joins``), by step.""" 
     blocks = _KVStream(call, (k, v))
     # The own block needs no transfer: it is computed while the ranks agree on the call, and
     # no block leaves before they have (the agreement may shorten the schedule and lend rows).
     own = [(hop.q_rows, *hop_forward(call, hop, rows(q, hop.q_rows), *blocks.keys(hop))) for hop in call.schedule[0]]
     call.agree(q.device)
     call.join_hops(k, v)
-    kept = [(k.new_empty(*k.shape[:2], join.keys, k.shape[3]), v.new_empty(*v.shape[:2], join.keys, v.shape[3]))
-            for join in call.joins]
+    blocks.keep = {step for join in call.joins for step, _, _ in join.parts}
     pending = blocks.start(0)
     borrowed_q, returned = lend_forward(call, q, k, v, blocks.first_stream) if call.loan else (None, None)
     lent = [call.loan.lent] if call.loan is not None and some(call.loan.lent) else []
@@ -227,7 +238,6 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
         pending = blocks.start(step)  # send this block on, receive the next
         for hop in call.schedule[step]:  # compute this step's hops and merge them
             merged.add(hop.q_rows, *hop_forward(call, hop, rows(q, hop.q_rows), *blocks.keys(hop)))
-        _keep(call.joins, kept, step, blocks)
         blocks.advance(step, pending)  # wait for the next block
     if returned is not None:  # the lent rows' results, computed by the previous rank
         transfer, lent_results = returned
@@ -239,17 +249,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     blocks.close()
     # The block of the last step: backward starts on it, so it is saved until then.
     last = blocks.current if blocks.current[0] is k else tuple(_compact(t) for t in blocks.current)
-    return (*merged.result(), last, borrowed_q, kept)
-
-
-def _keep(joins: List[Join], kept, step: int, blocks: _KVStream) -> None:
-    """Copies the keys and values that the joins' hops of ``step`` read out of the block held
-    now, into the joins' kept keys: the block's buffer takes another block two steps on."""
-    for join, kept_kv in zip(joins, kept):
-        for part_step, hop, r in join.parts:
-            if part_step == step:
-                for dest, source in zip(kept_kv, blocks.keys(hop)):
-                    copy_rows(rows(dest, r), source)
+    return (*merged.result(), last, borrowed_q, [blocks.kept[step] for step in sorted(blocks.keep)])
 
 
 _JOINS_STREAMS = {}  # device -> the stream backward's joins run on
@@ -282,7 +282,8 @@ def _compact(received: Tensor) -> Tensor:
     return received
 
 
-def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, dlse=None, borrowed_q=None, kept=()):
+def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, dlse=None, borrowed_q=None,
+                  kept=None):
     """The ring in reverse. It starts on the block forward ended on (``last_k``, ``last_v``,
     kept for it) and passes blocks to the previous rank, so every block visits the ranks in
     the reverse order and its last stop is its owner, which holds it already (no transfer).
@@ -301,8 +302,8 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
     (``call.loan``) send their output, dO and LSE to the previous rank, which computes them
     again from ``borrowed_q`` (its forward kept them) and returns their dQ; their dK/dV join
     its own block's sum. The joins (``plan.joins``) run at the first step that holds a block
-    they read, over the keys forward ``kept`` for them; each step sends their dK/dV of its
-    block as any hop's, and skips their hops."""
+    they read, over the blocks forward ``kept`` for them (forward step -> K, V); each step
+    sends their dK/dV of its block as any hop's, and skips their hops."""
     acc = compute_dtype(q.dtype)
     steps = len(call.schedule)
     schedule = call.schedule[::-1]
@@ -331,7 +332,8 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
         distance = steps - 1 - step  # the block held is the one of the rank this many before (its forward step)
         if step == joins_at:
             with _after_current(beside):
-                joined_dq, joined_parts = _run_joins(call, joins, kept, q, out, lse, res, dout, lse_grad)
+                joined_dq, joined_parts = _run_joins(call, joins, kept, k.shape[2], q, out, lse, res, dout,
+                                                     lse_grad)
         parts = joined_parts.get(distance, [])  # this step's (key rows, dk, dv)
         if distance == 0:  # the own block: the joins are done by now, their dq joins the sum before its own
             if beside is not None:
@@ -376,11 +378,19 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
     return dq, dk, dv, d_tensors
 
 
-def _run_joins(call: RingCall, joins: List[Join], kept, q, out, lse, res, dout, lse_grad):
-    """The joins' backward over the keys ``kept`` for them: the (rows, dq) of each, and per
+def _run_joins(call: RingCall, joins: List[Join], kept, block_len: int, q, out, lse, res, dout, lse_grad):
+    """The joins' backward over their keys, gathered from the blocks ``kept`` (forward step ->
+    the rows of its block held then, ``RingCall.rows_held``; blocks of ``block_len`` rows in
+    all) into one tensor each for K and V (a pass over them): the (rows, dq) of each, and per
     forward step the (key rows, dk, dv) of its hops in them, views of the joins' dK/dV."""
     joined_dq, joined_parts = [], {}
-    for join, (join_k, join_v) in zip(joins, kept):
+    for join in joins:
+        pieces = []
+        for step, hop, _ in join.parts:
+            held = kept[step]
+            first = call.rows_held(step, block_len)[0]
+            pieces.append([rows(t, (hop.kv_rows[0] - first, hop.kv_rows[1] - first)) for t in held])
+        join_k, join_v = (torch.cat(ts, dim=2) for ts in zip(*pieces))
         r = join.q_rows
         hq, hk, hv, _ = hop_backward(call, join.hop, rows(q, r), join_k, join_v, rows(out, r), rows(lse, r),
                                      optional_rows(res, r), dout, lse_grad, r)  # no score_mod: no tensors
@@ -498,6 +508,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, res, last_k, last_v, sinks, borrowed_q, *kept = ctx.saved_tensors
+        kept_steps = sorted({step for join in ctx.call.joins for step, _, _ in join.parts})
         capture = ctx.call.comm is not None and capture_error(q, ctx.call.comm.group)
         if capture:  # raised before any transfer: the same on every rank, none is left waiting
             raise RuntimeError(f"ring_flex_attention backward: {capture}")
@@ -506,7 +517,8 @@ class RingAttention(torch.autograd.Function):
         with guard(ctx.call.comm, "backward"), torch.no_grad(), captured.one_walk():
             _check_mods_unchanged(ctx.mods_read, ctx.call.mods)
             dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, res, last_k, last_v, dlse=dlse,
-                                                  borrowed_q=borrowed_q, kept=list(zip(kept[::2], kept[1::2])))
+                                                  borrowed_q=borrowed_q,
+                                                  kept=dict(zip(kept_steps, zip(kept[::2], kept[1::2]))))
             d_sinks = _sink_grad(out, lse, res, dout, dlse, sinks) if ctx.needs_input_grad[4] else None
         grads = [dq, dk, dv, d_sinks, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors))]
         if torch.is_grad_enabled():  # create_graph=True: the gradients are values, with no derivative

@@ -5,8 +5,8 @@ computes rowsum(dO * O) and converts its fp32 dQ once per call, and the ring sum
 per call. A rank whose hops at several steps take the same query rows against whole blocks
 (the last rank of a causal zigzag ring: every query row against half of each earlier block)
 pays them once per step. Where positions do not matter (FULL hops, no score_mod) those hops
-are one attention over their keys together, so forward keeps the keys they read (a copy per
-step) and backward runs them as one call; the dK/dV of each step's keys still go to that
+are one attention over their keys together, so forward keeps the blocks they read (their
+receive buffers are not reused) and backward gathers their keys and runs them as one call; the dK/dV of each step's keys still go to that
 block's owner at its step. Backward runs the joins at the first step they reach, once the
 rank's other hops are done: they must not hold up those hops, which the blocks the rank passes
 on wait for. Pure functions; the ring carries them out (``parallel.ring``).
@@ -20,13 +20,13 @@ from .blocks import BlockKind, Hop
 
 Rows = Tuple[int, int]
 
-# The copy that keeps a join's keys costs about what the passes it saves cost where the keys
-# kept are at most twice the query rows (K and V read and written once, against dO and O read
-# and dQ converted once per step saved); past that the join does not repay its copy.
+# The gather of a join's keys costs about what the passes it saves cost where the keys are at
+# most twice the query rows (K and V read and written once, against dO and O read and dQ
+# converted once per step saved); past that the join does not repay its gather.
 KEYS_PER_QUERY_ROW = 2
-# Keys kept from forward to backward, per call: about one K/V block at 8k tokens per rank
-# (H=32, D=128, bf16), which the ring keeps for backward anyway. Longer blocks gain less from
-# a join (the saved passes grow with the rows, the kernels with rows x keys) and keep more.
+# Blocks kept from forward to backward, per call, beyond the one the ring keeps anyway: two
+# K/V blocks at 8k tokens per rank (H=32, D=128, bf16). Longer blocks gain less from a join
+# (the saved passes grow with the rows, the kernels with rows x keys) and keep more.
 MOST_KEPT_BYTES = 256 << 20
 
 
@@ -48,14 +48,15 @@ class Join:
         return Hop(self.q_rows, (0, self.keys), None, None, BlockKind.FULL)
 
 
-def plan_joins(schedule: List[List[Hop]], has_score_mod: bool, key_row_bytes: int) -> List[Join]:
+def plan_joins(schedule: List[List[Hop]], has_score_mod: bool, held_rows: List[int], key_row_bytes: int) -> List[Join]:
     """The joins of a rank's ``schedule`` (hops per forward step; step 0, the own block, is
     computed first in forward and last in backward, and joins nothing): per query range, the
     FULL hops of two or more steps (whose results, without a score_mod, do not depend on where
     their keys lie), where their keys are at most ``KEYS_PER_QUERY_ROW`` per query row, and
-    all joins keep at most ``MOST_KEPT_BYTES`` (``key_row_bytes``: the bytes of one key row of
-    K and V together). None where a hop that joins nothing comes after a join in backward (at
-    a forward step as early or earlier, the own block's aside)."""
+    the blocks they keep (``held_rows``: the rows held at each step; ``key_row_bytes``: the
+    bytes of one row of K and V together) are at most ``MOST_KEPT_BYTES`` beyond the block of
+    the last step, which the ring keeps anyway. None where a hop that joins nothing comes after
+    a join in backward (at a forward step as early or earlier, the own block's aside)."""
     if has_score_mod:
         return []
     by_rows: Dict[Rows, List[Tuple[int, Hop]]] = {}
@@ -63,14 +64,16 @@ def plan_joins(schedule: List[List[Hop]], has_score_mod: bool, key_row_bytes: in
         for hop in hops:
             if hop.kind == BlockKind.FULL:
                 by_rows.setdefault(hop.q_rows, []).append((step, hop))
-    joins, kept = [], 0
+    joins, kept = [], set()
     for q_rows, hops in sorted(by_rows.items()):
         keys = sum(hop.kv_rows[1] - hop.kv_rows[0] for _, hop in hops)
-        if len({step for step, _ in hops}) < 2 or keys > KEYS_PER_QUERY_ROW * (q_rows[1] - q_rows[0]):
+        own = {step for step, _ in hops}
+        steps = kept | own
+        if len(own) < 2 or keys > KEYS_PER_QUERY_ROW * (q_rows[1] - q_rows[0]):
             continue
-        if kept + keys * key_row_bytes > MOST_KEPT_BYTES:
+        if sum(held_rows[s] for s in steps if s != len(schedule) - 1) * key_row_bytes > MOST_KEPT_BYTES:
             continue
-        kept += keys * key_row_bytes
+        kept = steps
         parts, start = [], 0
         for step, hop in hops:
             n = hop.kv_rows[1] - hop.kv_rows[0]
