@@ -71,7 +71,38 @@ def main():
                 print(f"{mask:7s} {world} GPUs {name:15s} median {ms:8.2f} ms  (rank 0 rounds "
                       f"{1e3 * spread[0]:.2f}-{1e3 * spread[-1]:.2f}; per rank "
                       f"{' '.join(f'{r:.2f}' for r in per_rank[name])}){eff}", flush=True)
+        for name in ("ring, no joins", "ring, joins"):
+            lines = _gpu_breakdown(variants[name])
+            gathered = [None] * world
+            dist.all_gather_object(gathered, lines, group=control)
+            if dist.get_rank() == 0:
+                for rank, text in enumerate(gathered):
+                    print(f"{mask} {name}, rank {rank}: {text}", flush=True)
     dist.destroy_process_group()
+
+
+def _gpu_breakdown(fn, calls: int = 3) -> str:
+    """GPU ms per call by kernel family, and the largest other kernels (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    families, others = {}, []
+    for e in prof.key_averages():
+        ms = e.self_device_time_total / calls / 1e3
+        if ms <= 0:
+            continue
+        key = e.key.lower()
+        family = ("attention" if any(s in key for s in ("sdpa", "fmha", "flash")) else
+                  "copy engines" if key.startswith("memcpy") else "other")
+        families[family] = families.get(family, 0.0) + ms
+        if family != "attention" and ms > 0.02:
+            others.append((ms, e.key[:50], e.count // calls))
+    top = ", ".join(f"{k} x{n} {ms:.2f}" for ms, k, n in sorted(others, reverse=True)[:8])
+    return " ".join(f"{f} {ms:.2f}" for f, ms in sorted(families.items())) + f" | {top}"
 
 
 if __name__ == "__main__":
