@@ -152,8 +152,7 @@ def ring_flex_attention(
         transfers = debug.DebugComm(group) if debugging else GuardedComm(group)
     call = RingCall(comm=transfers, schedule=plan.schedule, kernel=plan.kernel, mods=mods,
                     scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), agreement=agreed,
-                    own_rows_read=plan.own_rows_read, tensors=plan.tensors, offer=plan.offer, lse_grad=return_lse,
-                    grad=args["grad"])
+                    own_rows_read=plan.own_rows_read, tensors=plan.tensors, offer=plan.offer, lse_grad=return_lse)
     if debugging:
         debug.check_inputs(group, q, k, v)
         q, k, v = debug.watch_grads(group, q, k, v)

@@ -66,12 +66,6 @@ class RingComm:
         ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv if t.numel()]
         return _Pending(dist.batch_isend_irecv(ops) if ops else [])
 
-    def beside_compute(self, device) -> bool:
-        """Whether a transfer issued from one stream runs beside work queued on another: over
-        the copy engines it does (and a CPU queues nothing); NCCL runs its transfers on one
-        stream of its own, each after those issued before it."""
-        return device.type != "cuda" or self._copy_engines(device) is not None
-
     def _copy_engines(self, device) -> Optional[peer.PeerTransport]:
         """The copy-engine transport where it carries this ring's transfers on ``device``, else None."""
         return peer.transport(self.group, device) if device.type == "cuda" else None

@@ -10,15 +10,12 @@ straight to the owner, which sums the shares once.
 Where the ranks agree on loans (``plan.lending``), query rows travel the other way: a
 rank's lent rows go to the previous rank, which computes them against its own block and
 sends back their output and LSE, and in backward their dQ (``loans``).
-
-Where a rank's hops at several steps take the same query rows and positions do not matter
-(``plan.joins``), forward keeps the keys they read and backward runs them as one call.
 """
 from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -30,7 +27,6 @@ from ..kernels.merge import RowMerge, RowSum, Rows, contiguous_rows, lse_weights
 from ..kernels.reference import compute_dtype
 from ..mod import captured
 from ..plan.blocks import Hop, part_planner, steps_needed, travelling_rows, widened
-from ..plan.joins import Join, first_backward_step, plan_joins
 from ..plan.lending import Loan, Offer
 from .comm import RingComm, capture_error
 from .compute import hop_backward, hop_forward, lse_as_attention, new_rows, rows_shape, some
@@ -55,8 +51,6 @@ class RingCall:
     loan: Optional[Loan] = None  # the rows lent and borrowed, once they agree (``plan.lending``)
     lse_grad: bool = False  # a loss may read the LSE (return_lse): lent rows take its gradient along
     reads: Optional[List[List[Rows]]] = None  # per rank and step, the rows of the block held then that it reads
-    grad: bool = False  # backward will run: forward keeps the keys of the joins for it
-    joins: List[Join] = field(default_factory=list)  # hops of several steps backward runs as one call
 
     def agree(self, device) -> None:
         """Waits for the agreement. Then the ring runs only the steps some rank needs, moves
@@ -76,15 +70,6 @@ class RingCall:
             self.loan = self.offer.agree([s[2 * world:] for s in shared], self.comm.rank, planned_part)
             if self.loan is not None:
                 self.schedule = [self.schedule[0], list(self.loan.kept), *self.schedule[2:]]
-
-    def join_hops(self, k: Tensor, v: Tensor) -> None:
-        """Plans backward's joins (``plan.joins``) on the agreed schedule, where backward will
-        run, no rows are lent (a loan's hops are computed apart), and the transfers run beside
-        the joins (``RingComm.beside_compute``)."""
-        if self.comm is not None and self.grad and self.loan is None and self.comm.beside_compute(k.device):
-            key_row_bytes = k.shape[0] * k.shape[1] * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
-            held = [hi - lo for lo, hi in (self.rows_held(step, k.shape[2]) for step in range(len(self.schedule)))]
-            self.joins = plan_joins(self.schedule, self.mods.score_mod is not None, held, key_row_bytes)
 
     def rows_read(self, rank: int, step: int) -> Rows:
         """The rows of the block held at (forward) ``step`` that ``rank`` (mod the world) reads,
@@ -109,9 +94,7 @@ class _KVStream:
     then the ring skips the transfer that would bring it. A received block holds only the
     rows of it that travel (``RingCall.rows_held``), in the leading memory of a buffer
     sized for a whole block. The number of steps is read when the first transfer starts:
-    forward may shorten the schedule once the ranks agree. The blocks of the steps in
-    ``keep`` (set once they agree) stay in their buffers, ``kept[step]``, which the
-    alternation then replaces."""
+    forward may shorten the schedule once the ranks agree."""
 
     def __init__(self, call: RingCall, first, last=None, reverse: bool = False):
         self.call, self.reverse, self.last = call, reverse, last
@@ -119,7 +102,6 @@ class _KVStream:
         self.shapes = [t.shape for t in (last or first)]  # the own block, whole
         self.offset = self.rows(0)[0]  # the first row of the block that ``current`` holds
         self.buffers = []
-        self.keep, self.kept = set(), {}
         # A transfer starts only after the work queued before it on the current stream. The
         # first one may be issued after the own block's compute is queued (forward waits for
         # the argument check there), so it goes from a stream that waits for the inputs alone
@@ -139,10 +121,8 @@ class _KVStream:
                 self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
 
     def _add_buffer(self):
-        self.buffers.append(self._new_buffer())
-
-    def _new_buffer(self):
-        return tuple(torch.empty(shape, dtype=t.dtype, device=t.device) for shape, t in zip(self.shapes, self.current))
+        self.buffers.append(tuple(torch.empty(shape, dtype=t.dtype, device=t.device)
+                                  for shape, t in zip(self.shapes, self.current)))
 
     @property
     def steps(self) -> int:
@@ -175,11 +155,8 @@ class _KVStream:
         """Starts passing the current block on; the next one arrives in ``advance``."""
         if step >= self.transfers:
             return None
-        slot = step % 2
-        if len(self.buffers) <= slot:
+        if len(self.buffers) <= step % 2:
             self._add_buffer()
-        elif self.buffers[slot] is None:  # its last block is kept
-            self.buffers[slot] = self._new_buffer()
         lo, hi = self.rows(step + 1)
         sliced, self.first_send = self.first_send, None
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
@@ -187,10 +164,7 @@ class _KVStream:
                 send = sliced[1]
             else:
                 send = tuple(contiguous_rows(rows(t, self.travelling(step))) for t in self.current)
-            recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[slot])
-            if self._forward_step(step + 1) in self.keep:
-                self.buffers[slot] = None
-                self.kept[self._forward_step(step + 1)] = recv
+            recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
             return self.call.comm.exchange(send, recv, shift=-1 if self.reverse else 1), send, recv, lo
 
     def close(self) -> None:
@@ -217,15 +191,12 @@ def _leading_rows(buffer: Tensor, n: int) -> Tensor:
 
 def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     """This rank's (out, lse, res) (``kernels.base``), the block of the last step (backward
-    starts on it), the queries borrowed from the next rank (None where none are: ``loans``)
-    and the blocks kept for backward's joins (``plan.joins``), by step.""" 
+    starts on it) and the queries borrowed from the next rank (None where none are: ``loans``)."""
     blocks = _KVStream(call, (k, v))
     # The own block needs no transfer: it is computed while the ranks agree on the call, and
     # no block leaves before they have (the agreement may shorten the schedule and lend rows).
     own = [(hop.q_rows, *hop_forward(call, hop, rows(q, hop.q_rows), *blocks.keys(hop))) for hop in call.schedule[0]]
     call.agree(q.device)
-    call.join_hops(k, v)
-    blocks.keep = {step for join in call.joins for step, _, _ in join.parts}
     pending = blocks.start(0)
     borrowed_q, returned = lend_forward(call, q, k, v, blocks.first_stream) if call.loan else (None, None)
     lent = [call.loan.lent] if call.loan is not None and some(call.loan.lent) else []
@@ -249,27 +220,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     blocks.close()
     # The block of the last step: backward starts on it, so it is saved until then.
     last = blocks.current if blocks.current[0] is k else tuple(_compact(t) for t in blocks.current)
-    return (*merged.result(), last, borrowed_q, [blocks.kept[step] for step in sorted(blocks.keep)])
-
-
-_JOINS_STREAMS = {}  # device -> the stream backward's joins run on
-
-
-def _joins_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's stream for backward's joins: one for every call, as the memory a stream
-    allocates is kept for that stream (a new stream per call would allocate anew)."""
-    if device not in _JOINS_STREAMS:
-        _JOINS_STREAMS[device] = torch.cuda.Stream(device)
-    return _JOINS_STREAMS[device]
-
-
-def _after_current(stream: Optional[torch.cuda.Stream]):
-    """Work queued inside runs on ``stream``, after what the current stream holds so far
-    (nothing changes where ``stream`` is None)."""
-    if stream is None:
-        return nullcontext()
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    return torch.cuda.stream(stream)
+    return (*merged.result(), last, borrowed_q)
 
 
 def _compact(received: Tensor) -> Tensor:
@@ -282,8 +233,7 @@ def _compact(received: Tensor) -> Tensor:
     return received
 
 
-def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, dlse=None, borrowed_q=None,
-                  kept=None):
+def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, dlse=None, borrowed_q=None):
     """The ring in reverse. It starts on the block forward ended on (``last_k``, ``last_v``,
     kept for it) and passes blocks to the previous rank, so every block visits the ranks in
     the reverse order and its last stop is its owner, which holds it already (no transfer).
@@ -301,48 +251,23 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
     shares add up. ``res``: the LSE's res (``kernels.base``), or None. Lent rows
     (``call.loan``) send their output, dO and LSE to the previous rank, which computes them
     again from ``borrowed_q`` (its forward kept them) and returns their dQ; their dK/dV join
-    its own block's sum. The joins (``plan.joins``) run at the first step that holds a block
-    they read, over the blocks forward ``kept`` for them (forward step -> K, V); each step
-    sends their dK/dV of its block as any hop's, and skips their hops."""
+    its own block's sum."""
     acc = compute_dtype(q.dtype)
     steps = len(call.schedule)
     schedule = call.schedule[::-1]
     loan = call.loan
     lent = [loan.lent] if loan is not None and some(loan.lent) else []
-    joins = call.joins
-    joined = {(step, id(hop)) for join in joins for step, hop, _ in join.parts}
-    dq = RowSum([q.shape], q.dtype, acc, q.device,
-                [hop.q_rows for step, hops in enumerate(call.schedule) for hop in hops if (step, id(hop)) not in joined]
-                + [join.q_rows for join in joins] + lent)
+    dq = RowSum([q.shape], q.dtype, acc, q.device, [hop.q_rows for hops in schedule for hop in hops] + lent)
     borrowed_inputs = lend_backward(call, dout, out, lse, res, dlse) if loan is not None else None
     blocks = _KVStream(call, (last_k, last_v), last=(k, v), reverse=True)
     lse_grad = lse_as_attention(dlse, out, lse) if dlse is not None else None
     d_tensors = [torch.zeros_like(t, dtype=acc) for t in call.tensors]
-    # The joins run on a stream of their own, once this rank's other hops are queued (``plan.joins``):
-    # on the current stream, the blocks this rank passes on would leave only after them. Their
-    # shares leave from it.
-    beside = _joins_stream(q.device) if joins and q.is_cuda else None
-    joins_at = first_backward_step(joins, steps) if joins else None
-    joined_dq, joined_parts = [], {}  # (rows, dq) of each join; forward step -> its hops' (key rows, dk, dv) in joins
-    # Shares arriving here are waited for at the end: a rank's joins send their shares later
-    # than its steps would have, and a wait after the next step would hold the receiver up.
-    own_sum, arriving, returned = None, [], None  # the own block's dK/dV; shares on their way here; the lent dq
+    own_sum, arriving, returned = None, None, None  # the own block's dK/dV; a share on its way here; the lent dq
     for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
-        distance = steps - 1 - step  # the block held is the one of the rank this many before (its forward step)
-        if step == joins_at:
-            with _after_current(beside):
-                joined_dq, joined_parts = _run_joins(call, joins, kept, k.shape[2], q, out, lse, res, dout,
-                                                     lse_grad)
-        parts = joined_parts.get(distance, [])  # this step's (key rows, dk, dv)
-        if distance == 0:  # the own block: the joins are done by now, their dq joins the sum before its own
-            if beside is not None:
-                torch.cuda.current_stream(q.device).wait_stream(beside)
-            for r, hq in joined_dq:
-                dq.add(r, hq)
+        distance = steps - 1 - step  # the block held is the one of the rank this many before
+        parts = []  # this step's (key rows, dk, dv)
         for hop in hops:
-            if (distance, id(hop)) in joined:
-                continue
             hop_k, hop_v = blocks.keys(hop)
             hq, hk, hv, ht = hop_backward(call, hop, rows(q, hop.q_rows), hop_k, hop_v, rows(out, hop.q_rows),
                                           rows(lse, hop.q_rows), optional_rows(res, hop.q_rows), dout, lse_grad,
@@ -351,9 +276,9 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
                 total += g
             dq.add(hop.q_rows, hq)
             parts.append((hop.kv_rows, hk, hv))
-        if distance:
-            with _after_current(beside if distance in joined_parts else None):
-                arriving.append(_exchange_shares(call, distance, parts, k, v, acc))
+        if arriving is not None:  # waited for after this step's kernels, which ran while it came
+            arriving.arrive(own_sum)
+        arriving = _exchange_shares(call, distance, parts, k, v, acc) if distance else None
         if step == 0:
             borrowed_keys = []  # the borrowed rows' (key rows, dk, dv): after the share left, not before it
             if borrowed_inputs is not None:
@@ -365,8 +290,6 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
                 own_sum.add(*keys)
         blocks.advance(step, kv_pending)
     blocks.close()
-    for share in arriving:
-        share.arrive(own_sum)
     for part in parts:  # the own block's hops, added last: one that covers every key row becomes the sum
         own_sum.add(*part)
     if returned is not None:
@@ -376,28 +299,6 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
             dq.add(loan.lent, dq_lent)
     (dq,), (dk, dv) = dq.result(), own_sum.result()
     return dq, dk, dv, d_tensors
-
-
-def _run_joins(call: RingCall, joins: List[Join], kept, block_len: int, q, out, lse, res, dout, lse_grad):
-    """The joins' backward over their keys, gathered from the blocks ``kept`` (forward step ->
-    the rows of its block held then, ``RingCall.rows_held``; blocks of ``block_len`` rows in
-    all) into one tensor each for K and V (a pass over them): the (rows, dq) of each, and per
-    forward step the (key rows, dk, dv) of its hops in them, views of the joins' dK/dV."""
-    joined_dq, joined_parts = [], {}
-    for join in joins:
-        pieces = []
-        for step, hop, _ in join.parts:
-            held = kept[step]
-            first = call.rows_held(step, block_len)[0]
-            pieces.append([rows(t, (hop.kv_rows[0] - first, hop.kv_rows[1] - first)) for t in held])
-        join_k, join_v = (torch.cat(ts, dim=2) for ts in zip(*pieces))
-        r = join.q_rows
-        hq, hk, hv, _ = hop_backward(call, join.hop, rows(q, r), join_k, join_v, rows(out, r), rows(lse, r),
-                                     optional_rows(res, r), dout, lse_grad, r)  # no score_mod: no tensors
-        joined_dq.append((r, hq))
-        for step, hop, key_rows in join.parts:
-            joined_parts.setdefault(step, []).append((hop.kv_rows, rows(hk, key_rows), rows(hv, key_rows)))
-    return joined_dq, joined_parts
 
 
 class _Share:
@@ -495,20 +396,18 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: RingCall, sinks, *tensors):
         with guard(call.comm, "forward"):  # a failure here releases the other ranks
-            out, lse, res, (last_k, last_v), borrowed_q, kept = ring_forward(call, q, k, v)
+            out, lse, res, (last_k, last_v), borrowed_q = ring_forward(call, q, k, v)
         if sinks is not None:
             out, lse, res = _with_sinks(out, lse, res, sinks)
         ctx.call = call
         ctx.mods_read = _mods_read(call.mods)
-        ctx.save_for_backward(q, k, v, out, lse, res, last_k, last_v, sinks, borrowed_q,
-                              *(t for kv in kept for t in kv))
+        ctx.save_for_backward(q, k, v, out, lse, res, last_k, last_v, sinks, borrowed_q)
         ctx.set_materialize_grads(False)  # a loss that does not read the LSE costs no LSE backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, res, last_k, last_v, sinks, borrowed_q, *kept = ctx.saved_tensors
-        kept_steps = sorted({step for join in ctx.call.joins for step, _, _ in join.parts})
+        q, k, v, out, lse, res, last_k, last_v, sinks, borrowed_q = ctx.saved_tensors
         capture = ctx.call.comm is not None and capture_error(q, ctx.call.comm.group)
         if capture:  # raised before any transfer: the same on every rank, none is left waiting
             raise RuntimeError(f"ring_flex_attention backward: {capture}")
@@ -517,8 +416,7 @@ class RingAttention(torch.autograd.Function):
         with guard(ctx.call.comm, "backward"), torch.no_grad(), captured.one_walk():
             _check_mods_unchanged(ctx.mods_read, ctx.call.mods)
             dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, res, last_k, last_v, dlse=dlse,
-                                                  borrowed_q=borrowed_q,
-                                                  kept=dict(zip(kept_steps, zip(kept[::2], kept[1::2]))))
+                                                  borrowed_q=borrowed_q)
             d_sinks = _sink_grad(out, lse, res, dout, dlse, sinks) if ctx.needs_input_grad[4] else None
         grads = [dq, dk, dv, d_sinks, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors))]
         if torch.is_grad_enabled():  # create_graph=True: the gradients are values, with no derivative
