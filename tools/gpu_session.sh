@@ -80,7 +80,7 @@ for stage in "$@"; do
            cp benchmarks/probes/host_phases.py "$BASE/benchmarks/probes/"  # one probe, two libraries
            for round in $(seq "${ROUNDS:-2}"); do for tree in "$BASE" "$PWD"; do
              (cd "$tree" && run basephases4 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
-             run basephases4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --no-timers --calls 40 --pin "${PIN:-4}" \
+             run basephases4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --no-timers --calls 40 \
                --cases ${CASES:-documents:contiguous window:contiguous window:zigzag causal:zigzag}); done; done ;;  # host ms per call, this tree against BASE
     basezigzag4) test -n "${BASE:-}" || { echo "basezigzag4 needs BASE=<another tree>"; exit 2; }
            for tree in "$BASE" "$PWD"; do (cd "$tree" && run basezigzag4 tr 4 -m benchmarks.probes.host_phases \

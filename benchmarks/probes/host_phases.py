@@ -8,9 +8,7 @@ than cProfile (``profile_ring.py --host-profile``), which inflates every Python 
     torchrun --nproc_per_node=2 -m benchmarks.probes.host_phases --seq-len 16384
     torchrun --nproc_per_node=4 -m benchmarks.probes.host_phases --seq-len 32768 --mesh 4x1 --forward-only
 
-``--pin N`` binds each rank to N CPUs of its own next to its GPU: unpinned, the host time of
-the same tree moved by up to 43% between runs on one machine. ``--mesh AxR`` times calls
-over a heads x ring mesh of every rank (its argument check and
+``--mesh AxR`` times calls over a heads x ring mesh of every rank (its argument check and
 all-to-alls are phases too); ``--forward-only`` times forward calls alone, which no backward
 lets the host run ahead of.
 
@@ -25,7 +23,6 @@ import argparse
 import collections
 import contextlib
 import functools
-import os
 import statistics
 import time
 
@@ -94,31 +91,6 @@ def _timed(owner, name: str, label: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def _cpus(text: str):
-    """The CPUs of a Linux cpulist ("0-31,64-95")."""
-    found = []
-    for part in text.strip().split(","):
-        first, _, last = part.partition("-")
-        found += range(int(first), int(last or first) + 1)
-    return found
-
-
-def _pin(device: torch.device, cores: int) -> str:
-    """Binds this rank to ``cores`` CPUs of its own next to its GPU (the GPU's NUMA node, as the
-    driver lists it): a call's host time moves with the CPUs it runs on. Says where, or why not."""
-    props = torch.cuda.get_device_properties(device)
-    try:
-        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        with open(f"/sys/bus/pci/devices/{bus}/local_cpulist") as f:
-            near = _cpus(f.read())
-    except (AttributeError, OSError) as e:
-        return f"not pinned ({e})"
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    mine = [near[(local_rank * cores + i) % len(near)] for i in range(cores)]
-    os.sched_setaffinity(0, mine)
-    return f"pinned to CPUs {mine}"
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=16384)
@@ -130,11 +102,8 @@ def main():
     p.add_argument("--no-timers", action="store_true", help="the call's host time alone, without the phases' timers")
     p.add_argument("--mesh", help="calls over a heads x ring mesh 'axr' of every rank (a * r ranks)")
     p.add_argument("--forward-only", action="store_true", help="forward calls alone, no backward")
-    p.add_argument("--pin", type=int, default=0, metavar="CORES",
-                   help="bind each rank to this many CPUs of its own near its GPU (steadier host times)")
     args = p.parse_args()
     device, world = init(), dist.get_world_size()
-    pinned = _pin(device, args.pin) if args.pin else "not pinned"
     group = None
     if args.mesh:
         group = init_device_mesh(device.type, tuple(map(int, args.mesh.split("x"))), mesh_dim_names=("heads", "ring"))
@@ -187,7 +156,6 @@ def main():
             wall = (time.perf_counter() - start) / args.calls
             timing = f"host {host * 1e3:.2f} ms per call, back to back {wall * 1e3:.2f} ms"
         what = ("forward" if args.forward_only else "fwd+bwd") + (f", mesh {args.mesh}" if args.mesh else "")
-        what += f", {pinned}"
         lines = [f"rank {dist.get_rank()}, {mask} over {layout}, {args.seq_len} tokens, {what}: {timing}"]
         lines += [f"  {label:40s} {SPENT[label] / args.calls / 1e3:7.0f} us  ({CALLS[label] / args.calls:.0f} calls)"
                   for label in (FORWARD, BACKWARD, *(label for _, _, label in PHASES)) if CALLS[label]]
