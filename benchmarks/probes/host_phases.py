@@ -12,6 +12,10 @@ than cProfile (``profile_ring.py --host-profile``), which inflates every Python 
 all-to-alls are phases too); ``--forward-only`` times forward calls alone, which no backward
 lets the host run ahead of.
 
+Each rank also lists its threads that were busy during the timed calls: their CPU time per
+call and the CPU (and physical core) each ran on last. The same call's host time moved by up to
+58% between processes; two ranks' busy threads on one core would explain a slow one.
+
 The mask ``new_documents`` is packed documents with new lengths at every call, as in training
 on packed batches: each call then plans anew. ``--one-at-a-time`` issues each call on a
 drained GPU after a barrier and prints the median and least host time of one call: where two
@@ -23,6 +27,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import os
 import statistics
 import time
 
@@ -91,6 +96,41 @@ def _timed(owner, name: str, label: str) -> None:
     setattr(owner, name, wrapper)
 
 
+def _threads() -> dict:
+    """This process's threads (Linux): thread id -> (name, the CPU it ran on last, CPU seconds)."""
+    found = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # from the state on: field 3 of proc(5)
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        found[tid] = (name, int(fields[36]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    return found
+
+
+def _core(cpu: int) -> str:
+    """The physical core of a logical CPU, as package:core."""
+    topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+    try:
+        with open(f"{topology}/physical_package_id") as f, open(f"{topology}/core_id") as g:
+            return f"{f.read().strip()}:{g.read().strip()}"
+    except OSError:
+        return "?"
+
+
+def _busy_threads(before: dict, after: dict, calls: int, wall: float) -> str:
+    """The threads that took at least a tenth of the timed wall time, with their CPU time per call."""
+    busy = []
+    for tid, (name, cpu, seconds) in after.items():
+        spent = seconds - before.get(tid, (name, cpu, 0.0))[2]
+        if spent >= 0.1 * wall:
+            busy.append(f"{name} {spent / calls * 1e3:.2f} ms/call on cpu {cpu} (core {_core(cpu)})")
+    return "; ".join(busy) or "none"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=16384)
@@ -137,6 +177,7 @@ def main():
         dist.barrier()
         SPENT.clear()
         CALLS.clear()
+        threads, started = _threads(), time.perf_counter()
         if args.one_at_a_time:
             alone = []
             for _ in range(args.calls):
@@ -156,7 +197,8 @@ def main():
             wall = (time.perf_counter() - start) / args.calls
             timing = f"host {host * 1e3:.2f} ms per call, back to back {wall * 1e3:.2f} ms"
         what = ("forward" if args.forward_only else "fwd+bwd") + (f", mesh {args.mesh}" if args.mesh else "")
-        lines = [f"rank {dist.get_rank()}, {mask} over {layout}, {args.seq_len} tokens, {what}: {timing}"]
+        lines = [f"rank {dist.get_rank()}, {mask} over {layout}, {args.seq_len} tokens, {what}: {timing}",
+                 f"  threads busy: {_busy_threads(threads, _threads(), args.calls, time.perf_counter() - started)}"]
         lines += [f"  {label:40s} {SPENT[label] / args.calls / 1e3:7.0f} us  ({CALLS[label] / args.calls:.0f} calls)"
                   for label in (FORWARD, BACKWARD, *(label for _, _, label in PHASES)) if CALLS[label]]
         gathered = [None] * world
