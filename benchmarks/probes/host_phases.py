@@ -13,8 +13,8 @@ all-to-alls are phases too); ``--forward-only`` times forward calls alone, which
 lets the host run ahead of.
 
 Each rank also lists its threads that were busy during the timed calls: their CPU time per
-call and the CPU (and physical core) each ran on last. The same call's host time moved by up to
-58% between processes; two ranks' busy threads on one core would explain a slow one.
+call and the CPU (and physical core) each ran on last: the same call's host time moves between
+processes, and two ranks' busy threads on one core would make a process slow.
 
 The mask ``new_documents`` is packed documents with new lengths at every call, as in training
 on packed batches: each call then plans anew. ``--one-at-a-time`` issues each call on a
