@@ -67,10 +67,13 @@ MIN_TILE = Setting("RINGFLEX_MIN_TILE", "1024", _count, "a whole number of rows 
                    "the smallest tile of rows the planner decides a block's kinds on")
 STRAGGLER_S = Setting("RINGFLEX_STRAGGLER_S", "60", _seconds, "a number of seconds >= 0",
                       "how long a rank waits for the others before it says which ones it waits for")
+AGREEMENT = Setting("RINGFLEX_AGREEMENT", "auto", *_choice("auto", "gloo"),
+                    "how the ranks exchange each call's argument check: auto: through shared memory where every "
+                    "rank of the group runs on one host, else gloo; gloo: always gloo (read when a group is first used)")
 CUDNN_GRAPHS = Setting("RINGFLEX_CUDNN_GRAPHS", "2048", _count, "a whole number of graphs >= 1",
                        "how many cuDNN graphs are kept built (the oldest are dropped)")
 
-SETTINGS = (DEBUG, TRANSPORT, LENDING, MIN_TILE, STRAGGLER_S, CUDNN_GRAPHS)
+SETTINGS = (DEBUG, TRANSPORT, LENDING, MIN_TILE, STRAGGLER_S, AGREEMENT, CUDNN_GRAPHS)
 
 
 def errors() -> List[str]:

@@ -5,7 +5,7 @@ from ringflex import config
 
 BAD = {"RINGFLEX_DEBUG": ("yes", "one of 0, 1"), "RINGFLEX_TRANSPORT": ("shm", "one of auto, copy-engine, nccl"),
        "RINGFLEX_LENDING": ("on", "one of auto, 1, 0"), "RINGFLEX_MIN_TILE": ("abc", "a whole number of rows >= 1"),
-       "RINGFLEX_STRAGGLER_S": ("inf", "a number of seconds >= 0"),
+       "RINGFLEX_STRAGGLER_S": ("inf", "a number of seconds >= 0"), "RINGFLEX_AGREEMENT": ("shm", "one of auto, gloo"),
        "RINGFLEX_CUDNN_GRAPHS": ("0", "a whole number of graphs >= 1")}
 
 

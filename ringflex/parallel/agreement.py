@@ -5,7 +5,8 @@ rank first checks its own arguments and plans its part of the ring (the plan eva
 user's mask_mod, which may raise on one rank only), keeping what went wrong as a message;
 then all ranks exchange one small record (``_FIELDS``: shapes, dtypes, layout, mod
 fingerprints, whether backward will run, and any rank's error, with the ints each shares of
-its plan) over a CPU (gloo) control group, and raise the same ``CallRejected`` together.
+its plan), through shared memory where the ranks share a host (``board``), else over a CPU
+(gloo) control group, and raise the same ``CallRejected`` together.
 
 The exchange runs in the background (``Agreement``): the ring computes on the rank's own
 K/V block meanwhile and waits for the agreement only before its first transfer, so the
@@ -26,7 +27,7 @@ from ..kernels import BACKENDS
 from ..kernels.base import DTYPES
 from ..mod.fingerprint import fingerprint
 from ..plan import layout as layouts
-from . import comm, fault
+from . import board, comm, fault
 
 _MESSAGE_BYTES = 400  # a multiple of 8: packed into int64s
 
@@ -45,31 +46,36 @@ def control_group(group):
 
 
 class _Exchange:
-    """An all_gather of every rank's record, under way."""
+    """An all_gather of every rank's record, under way: on the host's shared-memory board
+    where the group has one (``board``), else over gloo."""
 
     def __init__(self, group, values: Sequence[int], error: Optional[str], what: str, error_type,
                  caller: Optional[str] = "ring_flex_attention"):
         self.group, self.what, self.error_type, self.count = group, what, error_type, len(values)
         self.prefix = f"{caller}: " if caller else ""
         values = list(values) if error is None else [0] * len(values)
-        # The message travels as bytes packed into int64s: a tensor of one int per byte is slow
-        # to build on the host, for a message that is empty on every good call.
-        message = bytearray((error or "").encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0"))
-        mine = torch.cat([torch.tensor([int(error is not None)] + values, dtype=torch.int64),
-                          torch.frombuffer(message, dtype=torch.int64)])
-        self.records = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        message = (error or "").encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
+        record = struct.pack(f"<{1 + len(values)}q", int(error is not None), *values) + message
         self.control = control_group(group)
-        self.work = dist.all_gather(self.records, mine, group=self.control, async_op=True)
+        shared = board.of(self.control)
+        if shared is not None:
+            self.work = shared.post(record)
+        else:
+            mine = torch.frombuffer(bytearray(record), dtype=torch.int64)
+            self.gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            self.work = dist.all_gather(self.gathered, mine, group=self.control, async_op=True)
         self.stragglers = fault.Stragglers(group, what)
 
     def result(self) -> List[List[int]]:
         fault.wait_collective(self.work, self.control, self.what, ring_group=self.group, stragglers=self.stragglers)
-        n = self.count
-        for rank, rec in enumerate(self.records):
-            if rec[0]:
-                text = rec[1 + n:].numpy().tobytes().rstrip(b"\0").decode(errors="replace")
+        records = self.work.records if isinstance(self.work, board.Gathering) else \
+            [t.numpy().tobytes() for t in self.gathered]
+        values = struct.Struct(f"<{1 + self.count}q")
+        for rank, record in enumerate(records):
+            if values.unpack_from(record)[0]:
+                text = record[values.size:].rstrip(b"\0").decode(errors="replace")
                 raise self.error_type(f"{self.prefix}rank {rank}: {text}")
-        return [rec[1:1 + n].tolist() for rec in self.records]
+        return [list(values.unpack_from(record)[1:]) for record in records]
 
 
 def exchange(group, values: Sequence[int], error: Optional[str], what: str, error_type=ValueError,
