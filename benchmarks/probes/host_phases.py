@@ -8,13 +8,17 @@ than cProfile (``profile_ring.py --host-profile``), which inflates every Python 
     torchrun --nproc_per_node=2 -m benchmarks.probes.host_phases --seq-len 16384
     torchrun --nproc_per_node=4 -m benchmarks.probes.host_phases --seq-len 32768 --mesh 4x1 --forward-only
 
+``--ab-agreement ROUNDS`` times rounds of calls with the argument check's records on the
+shared-memory board and over gloo in turn, in one process (host time moves between processes).
+
 ``--mesh AxR`` times calls over a heads x ring mesh of every rank (its argument check and
 all-to-alls are phases too); ``--forward-only`` times forward calls alone, which no backward
 lets the host run ahead of.
 
 Each rank also lists its threads that were busy during the timed calls: their CPU time per
-call and the CPU (and physical core) each ran on last: the same call's host time moves between
-processes, and two ranks' busy threads on one core would make a process slow.
+call and the CPU (and physical core) each ran on last, and the round trip of the agreement's
+exchange alone (the control group's all_gather of one record, timed apart): the same call's
+host time moves between processes, and either could be why.
 
 The mask ``new_documents`` is packed documents with new lengths at every call, as in training
 on packed batches: each call then plans anew. ``--one-at-a-time`` issues each call on a
@@ -43,7 +47,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ringflex import api, checks, heads
 from ringflex.kernels import cudnn, fused_merge, merge
 from ringflex.mod import captured, trace
-from ringflex.parallel import agreement, alltoall, peer, ring
+from ringflex.parallel import agreement, alltoall, board, peer, ring
 from ringflex.plan import blocks, lending
 
 SPENT, CALLS = collections.defaultdict(int), collections.defaultdict(int)
@@ -131,6 +135,43 @@ def _busy_threads(before: dict, after: dict, calls: int, wall: float) -> str:
     return "; ".join(busy) or "none"
 
 
+def _exchange_us(group, times: int = 200) -> str:
+    """The round trip of the agreement's all_gather of one record over the control group."""
+    control = agreement.control_group(group.get_group("ring") if hasattr(group, "get_group") else dist.group.WORLD)
+    record = torch.zeros(80, dtype=torch.int64)
+    gathered = [torch.empty_like(record) for _ in range(dist.get_world_size(control))]
+    spent = []
+    for _ in range(times):
+        start = time.perf_counter_ns()
+        dist.all_gather(gathered, record, group=control)
+        spent.append((time.perf_counter_ns() - start) / 1e3)
+    spent.sort()
+    return f"median {spent[times // 2]:.0f} us, 90th percentile {spent[times * 9 // 10]:.0f} us ({times} in a row)"
+
+
+def _ab_agreement(forward_backward, rounds: int, calls: int, what: str) -> None:
+    """Host ms per call with the argument check's records on the board and over gloo, in turn."""
+    on_board = board.of
+    spent = collections.defaultdict(list)
+    for _ in range(rounds):
+        for name, of in (("board", on_board), ("gloo", lambda group: None)):
+            board.of = of
+            torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                forward_backward()
+            spent[name].append((time.perf_counter() - start) / calls * 1e3)
+    board.of = on_board
+    line = f"rank {dist.get_rank()}, {what}: " + "; ".join(
+        f"{name} " + " ".join(f"{ms:.2f}" for ms in times) + f" (median {statistics.median(times):.2f})"
+        for name, times in spent.items()) + " ms per call"
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, line)
+    if dist.get_rank() == 0:
+        print("\n".join(gathered), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=16384)
@@ -142,6 +183,8 @@ def main():
     p.add_argument("--no-timers", action="store_true", help="the call's host time alone, without the phases' timers")
     p.add_argument("--mesh", help="calls over a heads x ring mesh 'axr' of every rank (a * r ranks)")
     p.add_argument("--forward-only", action="store_true", help="forward calls alone, no backward")
+    p.add_argument("--ab-agreement", type=int, metavar="ROUNDS",
+                   help="rounds of --calls calls, the records over the shared-memory board and over gloo in turn")
     args = p.parse_args()
     device, world = init(), dist.get_world_size()
     group = None
@@ -175,6 +218,9 @@ def main():
             forward_backward()
         torch.cuda.synchronize()
         dist.barrier()
+        if args.ab_agreement:
+            _ab_agreement(forward_backward, args.ab_agreement, args.calls, f"{mask} over {layout}")
+            continue
         SPENT.clear()
         CALLS.clear()
         threads, started = _threads(), time.perf_counter()
@@ -201,6 +247,7 @@ def main():
                  f"  threads busy: {_busy_threads(threads, _threads(), args.calls, time.perf_counter() - started)}"]
         lines += [f"  {label:40s} {SPENT[label] / args.calls / 1e3:7.0f} us  ({CALLS[label] / args.calls:.0f} calls)"
                   for label in (FORWARD, BACKWARD, *(label for _, _, label in PHASES)) if CALLS[label]]
+        lines.append(f"  agreement's exchange alone: {_exchange_us(group)}")
         gathered = [None] * world
         dist.all_gather_object(gathered, "\n".join(lines))
         if dist.get_rank() == 0:
