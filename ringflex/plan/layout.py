@@ -16,6 +16,7 @@ takes a layout's name or a Sharding.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import List, Sequence, Tuple, Union
@@ -140,8 +141,7 @@ class Sharding:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "ranks", tuple(tuple(Segment(int(s.start), int(s.stride), int(s.length))
-                                                      for s in segs) for segs in self.ranks))
+        object.__setattr__(self, "ranks", tuple(tuple(_plain(s) for s in segs) for segs in self.ranks))
         if not self.ranks:
             raise ValueError("a Sharding needs at least one rank")
         for rank, segs in enumerate(self.ranks):
@@ -159,6 +159,7 @@ class Sharding:
     # ------------------------------------------------------------------ construction
 
     @classmethod
+    @functools.lru_cache(maxsize=64)  # frozen, so shared: ``shard_by_mask`` weighs them at every new batch
     def of_layout(cls, layout: str, seq_len: int, world_size: int) -> "Sharding":
         """One of the fixed layouts (``LAYOUTS``), exactly as the ring shards it."""
         return cls(seq_len, tuple(tuple(segments(layout, seq_len, world_size, r)) for r in range(world_size)), layout)
@@ -252,6 +253,14 @@ class Sharding:
                 labels[s.start:s.start + s.stride * (s.length - 1) + 1:s.stride] = len(rank_of)
                 rank_of.append(rank)
         return labels, rank_of
+
+
+def _plain(s: Segment) -> Segment:
+    """``s`` as a Segment of Python ints (numpy's print and hash otherwise), rebuilt only
+    where it is not one: a Sharding of many segments is built at every new batch."""
+    if type(s) is Segment and type(s.start) is type(s.stride) is type(s.length) is int:
+        return s
+    return Segment(int(s.start), int(s.stride), int(s.length))
 
 
 def _runs_tile(seq_len: int, ranks) -> bool:

@@ -50,11 +50,10 @@ class BandRuns:
 
     def row_pairs(self) -> Tensor:
         """[seq_len] float64: the keys each query row sees."""
-        q = np.arange(self.seq_len)
-        run = np.searchsorted(self.bounds, q, "right") - 1
-        first = np.maximum(self.bounds[run], q - self.hi)
-        last = np.minimum(self.bounds[run + 1] - 1, q - self.lo)
-        return torch.from_numpy(np.maximum(last - first + 1, 0).astype(np.float64))
+        q, size = np.arange(self.seq_len), np.diff(self.bounds)
+        first = np.maximum(np.repeat(self.bounds[:-1], size), q - self.hi)
+        end = np.minimum(np.repeat(self.bounds[1:], size), q - (self.lo - 1))  # one past the last key
+        return torch.from_numpy(np.maximum(end - first, 0, dtype=np.float64))
 
     def usage(self, start: np.ndarray, stride: np.ndarray, length: np.ndarray, owner: Optional[np.ndarray] = None,
               local: Optional[np.ndarray] = None):
@@ -66,12 +65,15 @@ class BandRuns:
         piece = self._pieces(start, stride, length)
         q, k = _same_run_pairs(piece["run"])
         n, m = piece["count"][q], piece["count"][k]
-        if np.any((n > 1) & (m > 1) & (piece["stride"][q] != piece["stride"][k])):
+        if ((n > 1) & (m > 1) & (piece["stride"][q] != piece["stride"][k])).any():
             return None
         s = np.where(n > 1, piece["stride"][q], piece["stride"][k])  # a lone position takes either stride
         delta = piece["first"][q] - piece["first"][k]
         t_lo, t_hi = -((delta - self.lo) // s), (self.hi - delta) // s  # the band on i - j, their indices
-        count = np.maximum(_at_least(t_lo, n, m) - _at_least(t_hi + 1, n, m), 0)
+        # those with i - j >= t_lo less those with i - j >= t_hi + 1, each the sum over i of
+        # clamp(i - t + 1, 0, m) = ramp(n - t) - ramp(-t): four ramps in one (numpy's calls cost, not sizes)
+        ramp = _ramp(np.array([n - t_lo, -t_lo, n - t_hi - 1, -t_hi - 1]), m)
+        count = np.maximum(ramp[0] - ramp[1] - ramp[2] + ramp[3], 0)
         segments = len(start)
         seg_q, seg_k = piece["segment"][q], piece["segment"][k]
         pairs = np.bincount(seg_q * segments + seg_k, weights=count.astype(np.float64),
@@ -108,11 +110,6 @@ def _same_run_pairs(run: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     size = np.searchsorted(ordered, ordered, "right") - begin
     within = np.arange(int(size.sum())) - np.repeat(np.cumsum(size) - size, size)
     return order[np.repeat(np.arange(len(order)), size)], order[np.repeat(begin, size) + within]
-
-
-def _at_least(t: np.ndarray, n: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """How many (i, j) with i < n, j < m have i - j >= t: the sum over i of clamp(i - t + 1, 0, m)."""
-    return _ramp(n - t, m) - _ramp(-t, m)
 
 
 def _ramp(x: np.ndarray, m: np.ndarray) -> np.ndarray:

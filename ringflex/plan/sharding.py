@@ -57,7 +57,7 @@ def mask_work(mask_mod: Optional[Callable], seq_len: int, *, batch: int = 1, hea
 
 def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1, heads: int = 1, device=None,
              token_pairs: float = TOKEN_PAIRS, call_pairs: float = CALL_PAIRS,
-             work: Union[BandRuns, Workload, None] = None) -> Dict[str, object]:
+             work: Union[BandRuns, Workload, None] = None, order_only: Optional[bool] = None) -> Dict[str, object]:
     """The ring's cost under ``mask_mod`` (None: no mask) over ``sharding``, in pairs per head.
 
     - ``pairs[s][r]``: the (query, key) pairs rank r computes at ring step s (its queries
@@ -76,16 +76,17 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
       being its pairs plus ``call_pairs`` per call, a transfer ``token_pairs`` per row.
     - ``exact``: False where the mask's pairs were sampled (``workload``).
 
-    ``work``: the mask's count over this length (``mask_work``), where the caller has it.
+    ``work``, ``order_only``: the mask's count over this length (``mask_work``) and whether it
+    only compares q_idx with kv_idx (``_compares_order_only``), where the caller has them.
     """
     world = sharding.world_size
     if work is None:
         work = mask_work(mask_mod, sharding.seq_len, batch=batch, heads=heads, device=device)
-    seg_rank = _segment_ranks(sharding)
-    seg_pairs, travelling = _usage(sharding, work, lambda: workload(mask_mod, sharding.seq_len, batch=batch,
-                                                                    heads=heads, device=device))
-    seg_len = np.array([seg.length for segs in sharding.ranks for seg in segs], dtype=np.float64)
-    member = np.eye(world)[seg_rank]  # [segments, ranks]
+    segs = _segments(sharding)
+    seg_pairs, travelling = _usage(sharding, segs, work, lambda: workload(mask_mod, sharding.seq_len, batch=batch,
+                                                                          heads=heads, device=device))
+    seg_len = segs[2].astype(np.float64)
+    member = np.eye(world)[segs[3]]  # [segments, ranks]
     by_rank = member.T @ seg_pairs @ member
     full = seg_pairs >= np.outer(seg_len, seg_len) * (1 - 1e-9)
     partial = member.T @ ((seg_pairs > 0) & ~full).astype(np.float64) @ member
@@ -94,7 +95,9 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
     ranks = np.arange(world)
     held = (ranks[None, :] - ranks[:, None]) % world  # [step, rank]: whose block rank r holds at step s
     pairs, calls = by_rank[ranks[None, :], held], calls[ranks[None, :], held]
-    if _compares_order_only(mask_mod, device):  # the planner runs such a rank's own block as one call
+    if order_only is None:
+        order_only = _compares_order_only(mask_mod, device)
+    if order_only:  # the planner runs such a rank's own block as one call
         ordered = np.array([_in_order(segs) for segs in sharding.ranks])
         calls[0] = np.where(ordered & (pairs[0] > 0), 1, calls[0])
     seen = np.nonzero(pairs.max(1) > 0)[0]
@@ -106,7 +109,7 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
     total = float(pairs.sum())
     return {
         "sharding": sharding.name, "world_size": world, "seq_len": sharding.seq_len,
-        "pairs": [[_number(x) for x in row] for row in pairs],
+        "pairs": [[_number(x) for x in row] for row in pairs.tolist()],
         "critical_pairs": _number(critical), "total_pairs": _number(total),
         "balance": total / world / critical if critical else 1.0,
         "steps": steps, "hops": int((pairs > 0).sum()), "calls": int(calls[:steps].sum()),
@@ -135,11 +138,19 @@ def _in_order(segs) -> bool:
 
 
 def _number(x: float):
+    """``x`` as an int where it is one (a Python float: numpy's scalars round slowly)."""
     return int(round(x)) if abs(x - round(x)) < 1e-6 else float(x)
 
 
-def _segment_ranks(sharding: Sharding) -> np.ndarray:
-    return np.array([rank for rank, segs in enumerate(sharding.ranks) for _ in segs], dtype=np.int64)
+def _segments(sharding: Sharding) -> np.ndarray:
+    """[5, segments] int64: each segment's start, stride, length, rank and first local row."""
+    rows = []
+    for rank, segs in enumerate(sharding.ranks):
+        at = 0
+        for s in segs:
+            rows.append((s.start, s.stride, s.length, rank, at))
+            at += s.length
+    return np.array(rows, dtype=np.int64).reshape(-1, 5).T
 
 
 def _on_tiles(sharding: Sharding, tile: int):
@@ -163,31 +174,24 @@ def _on_tiles(sharding: Sharding, tile: int):
     return seg_of_tile, np.array(local_start, dtype=np.int64)
 
 
-def _usage(sharding: Sharding, work, tiled_count: Callable[[], Workload]):
-    """(pairs [S, S] of the sharding's segments, queries against keys; a function that
-    gives ``estimate``'s travelling rows) from ``work`` (``mask_work``); where a ``BandRuns``
-    cannot count these segments, from the tiled count ``tiled_count()``."""
-    seg_rank = _segment_ranks(sharding)
+def _usage(sharding: Sharding, segs: np.ndarray, work, tiled_count: Callable[[], Workload]):
+    """(pairs [S, S] of the sharding's segments (``segs``: ``_segments``), queries against
+    keys; a function that gives ``estimate``'s travelling rows) from ``work`` (``mask_work``);
+    where a ``BandRuns`` cannot count these segments, from the tiled count ``tiled_count()``."""
+    seg_rank = segs[3]
     if isinstance(work, BandRuns):
-        segs = [seg for segs in sharding.ranks for seg in segs]
-        start, stride, length = (np.array(x, dtype=np.int64) for x in zip(*((s.start, s.stride, s.length) for s in segs)))
-        found = work.usage(start, stride, length, seg_rank, _local_starts(sharding))
+        found = work.usage(*segs)
         if found is not None:
             return found[0], lambda: _travel(sharding, _spans(sharding.world_size, *found[1]))
         work = tiled_count()
     tiled = _on_tiles(sharding, work.tile)
     if tiled is not None:
         member = np.eye(len(seg_rank))[tiled[0]]  # [tiles, segments]
-        return member.T @ work.tile_pairs[0] @ member, lambda: _travel(sharding, _read_spans_tiled(sharding, work, *tiled))
+        return member.T @ work.tile_pairs[0] @ member, lambda: _travel(sharding, _read_spans_tiled(sharding, segs, work,
+                                                                                               *tiled))
     labels, _ = sharding._segment_labels()
     seg_pairs, read = work.usage(labels, len(seg_rank), owner_of=torch.from_numpy(seg_rank))
     return seg_pairs.numpy(), lambda: _travel(sharding, _read_spans(sharding, read))
-
-
-def _local_starts(sharding: Sharding) -> np.ndarray:
-    """The first local row of every segment (counted over all ranks)."""
-    lengths = [[seg.length for seg in segs] for segs in sharding.ranks]
-    return np.array([sum(ls[:i]) for ls in lengths for i in range(len(ls))], dtype=np.int64)
 
 
 def _widened(span: int, length: int) -> int:
@@ -195,11 +199,11 @@ def _widened(span: int, length: int) -> int:
     return min(length, 1 << (span - 1).bit_length()) if span > 0 else 0
 
 
-def _read_spans_tiled(sharding: Sharding, work: Workload, seg_of_tile: np.ndarray, local_start: np.ndarray) -> np.ndarray:
+def _read_spans_tiled(sharding: Sharding, segs: np.ndarray, work: Workload, seg_of_tile: np.ndarray,
+                      local_start: np.ndarray) -> np.ndarray:
     """``_read_spans`` from the tile pairs' first and end keys (a sharding on whole tiles)."""
     pairs, first, last = work.tile_pairs
-    seg_rank = _segment_ranks(sharding)
-    seg_begin = np.array([seg.start for segs in sharding.ranks for seg in segs], dtype=np.int64)
+    seg_begin, seg_rank = segs[0], segs[3]
     owner = seg_rank[seg_of_tile]
     others = (pairs > 0) & (owner[:, None] != owner[None, :])  # [query tile, key tile]
     read = others.any(0)
@@ -231,8 +235,8 @@ def _travel(sharding: Sharding, spans: np.ndarray) -> int:
     """The most rows of one rank's block that travel: one range (in local order) around its
     keys that another rank's queries see (``spans``: its first and last such local row),
     widened to a power of two (``ring.widened``)."""
-    return max((_widened(int(last - first) + 1, sharding.local_len(rank))
-                for rank, (first, last) in enumerate(spans) if first <= last), default=0)
+    return max((_widened(last - first + 1, sharding.local_len(rank))
+                for rank, (first, last) in enumerate(spans.tolist()) if first <= last), default=0)
 
 
 def describe(est: Dict[str, object]) -> str:
@@ -335,7 +339,8 @@ def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, docu
     fixed = [Sharding.of_layout(name, seq_len, world_size) for name in LAYOUTS
              if seq_len % divisor(name, world_size) == 0]
     work = mask_work(mask_mod, seq_len, batch=batch, heads=heads, device=device)
-    price = dict(work=work, token_pairs=token_pairs, call_pairs=call_pairs, device=device)
+    price = dict(work=work, order_only=_compares_order_only(mask_mod, device), token_pairs=token_pairs,
+                 call_pairs=call_pairs, device=device)
     if world_size == 1 or mask_mod is None:  # every sharding does the same work; one segment a rank calls least
         return [(fixed[0], estimate(fixed[0], mask_mod, **price))]
     extra = _searched(work, world_size, chunks, token_pairs, call_pairs)
@@ -418,7 +423,7 @@ def packed_documents(document_ids: Tensor, world_size: int, row_pairs: Tensor) -
 
 def _documents(ids: Tensor) -> List[Tuple[int, int]]:
     """The (begin, end) of every run of equal document ids."""
-    bounds = [0] + ((ids[1:] != ids[:-1]).nonzero().squeeze(1) + 1).tolist() + [len(ids)]
+    bounds = [0] + (np.flatnonzero((ids[1:] != ids[:-1]).numpy()) + 1).tolist() + [len(ids)]
     return list(zip(bounds, bounds[1:]))
 
 
@@ -474,10 +479,10 @@ def _searched(work: Union[BandRuns, Workload], world_size: int, chunks: Optional
     if per_rank % 2 == 0:  # zigzag's chunks
         zig = np.arange(count) // (per_rank // 2)
         starts["zigzag"] = np.where(zig < world_size, zig, 2 * world_size - 1 - zig)
+    owners = search.descend(np.stack(list(starts.values())))
     found = {}
-    for name, owner in zip(starts, search.descend(np.stack(list(starts.values())))):
-        if tuple(owner) not in found:
-            found[tuple(owner)] = (float(search.cost(*search.state(owner))), name)
+    for name, owner, cost in zip(starts, owners, search.cost(*search.state(owners)).tolist()):
+        found.setdefault(tuple(owner), (cost, name))
     size, shardings = work.seq_len // count, []
     for owner, (_, name) in sorted(found.items(), key=lambda kv: kv[1][0])[:2]:  # the two cheapest go on
         runs: List[List[Tuple[int, int]]] = [[] for _ in range(world_size)]
@@ -501,28 +506,39 @@ class _Search:
         self.held_at = self.steps[None, :] * world + (self.steps[None, :] - self.steps[:, None]) % world  # [step, rank]
         self.tiny = 1e-9 * max(1.0, float(pairs.sum()))
         self.eye = np.eye(world)
+        i, j = np.triu_indices(self.count, 1)  # every swap of chunks i < j, after chunk 0 with itself: no swap
+        self.i, self.j = np.append(0, i), np.append(0, j)
+        self.u = np.eye(self.count)[self.i] - np.eye(self.count)[self.j]  # [swaps, C]: e_i - e_j
+        self.neighbours = np.eye(self.count, k=1) + np.eye(self.count, k=-1)  # chunks next to each other
 
     def state(self, owner: np.ndarray):
-        """(rank-pair matrices, runs of chunks per rank) of assignments ``owner`` [..., C]."""
+        """(rank-pair matrices [W, W, n], runs of chunks per rank [W, n]) of assignments ``owner`` [n, C]."""
         member = self.eye[owner]
-        first = np.concatenate([np.ones_like(owner[..., :1], dtype=bool), owner[..., 1:] != owner[..., :-1]], -1)
-        return np.swapaxes(member, -1, -2) @ self.pairs @ member, (member * first[..., None]).sum(-2)
+        first = np.concatenate([np.ones_like(owner[:, :1], dtype=bool), owner[:, 1:] != owner[:, :-1]], 1)
+        by_rank = member.transpose(0, 2, 1) @ self.pairs @ member
+        return by_rank.transpose(1, 2, 0), (member * first[..., None]).sum(1).T
 
     def cost(self, by_rank: np.ndarray, runs: np.ndarray) -> np.ndarray:
-        """Cost of rank-pair matrices ``by_rank`` [..., W, W] whose ranks hold ``runs`` [..., W] runs."""
-        pairs = np.take(by_rank.reshape(*by_rank.shape[:-2], -1), self.held_at, -1)  # [..., step, rank]
+        """Cost of rank-pair matrices ``by_rank`` [W, W, ...] whose ranks hold ``runs`` [W, ...]
+        runs (the ranks lead: numpy reduces over a leading axis fastest)."""
+        pairs = by_rank.reshape(self.world ** 2, -1)[self.held_at]  # [step, rank, n]
         active = pairs > self.tiny
-        busy = (pairs + self.call_pairs * active * runs[..., None, :]).max(-1)
-        last = (active.any(-1) * self.steps).max(-1)  # the last step in which a rank sees keys
-        return (np.maximum(busy, self.transfer) * (self.steps <= last[..., None])).sum(-1)
+        busy = (pairs + active * (self.call_pairs * runs.reshape(self.world, -1))).max(1)  # [step, n]
+        last = (active.any(1) * self.steps[:, None]).max(0)  # the last step in which a rank sees keys
+        step_cost = np.maximum(busy, self.transfer[:, None]) * (self.steps[:, None] <= last)
+        # each along its own last axis: numpy sums those in another order than across rows
+        return np.ascontiguousarray(step_cost.T).sum(-1).reshape(runs.shape[1:])
 
     def greedy(self) -> np.ndarray:
         """Heaviest chunks first, each to the least loaded rank with room (by the pairs its rows see)."""
-        load, room = np.zeros(self.world), np.full(self.world, self.count // self.world)
+        weight = self.pairs.sum(1)
+        load, room = [0.0] * self.world, [self.count // self.world] * self.world
         owner = np.zeros(self.count, dtype=np.int64)
-        for c in np.argsort(-self.pairs.sum(1), kind="stable"):
-            rank = int(np.argmin(np.where(room > 0, load, np.inf)))
-            owner[c], load[rank], room[rank] = rank, load[rank] + self.pairs[c].sum(), room[rank] - 1
+        for c in np.argsort(-weight, kind="stable").tolist():
+            rank = min((r for r in range(self.world) if room[r]), key=load.__getitem__)
+            owner[c] = rank
+            load[rank] += weight[c]
+            room[rank] -= 1
         return owner
 
     def descend(self, starts: np.ndarray, max_swaps: int = 32) -> np.ndarray:
@@ -531,41 +547,30 @@ class _Search:
         array operations, not the swaps, are what a step costs)."""
         owner = starts.copy()
         diag = np.diag(self.pairs)
-        z = diag[:, None] + diag[None, :] - self.pairs - self.pairs.T  # u^T P u for u = e_i - e_j
-        i_idx, j_idx = np.triu_indices(self.count, 1)
-        z = z[i_idx, j_idx]
+        z = (diag[:, None] + diag[None, :] - self.pairs - self.pairs.T)[self.i, self.j]  # u^T P u for each swap's u
+        beside = self.neighbours[self.i, self.j]  # u^T N u / -2 for each swap's u
         moving = np.arange(len(owner))
         for _ in range(max_swaps):
             o = owner[moving]  # [m, C]
             member = self.eye[o]  # [m, C, W]
-            x = self.pairs @ member  # chunk i's queries against rank o's keys
+            x = self.pairs @ member  # chunk i's queries against rank r's keys
             y = self.pairs.T @ member  # chunk j's keys against rank r's queries
             by_rank, runs = self.state(o)
-            now = self.cost(by_rank, runs)
-            # swapping i (rank a) and j (rank b): member += (e_i - e_j) d^T with d = e_b - e_a, so
-            # by_rank += y_u d^T + d x_u^T + z d d^T, x_u = x[i] - x[j], y_u = y[i] - y[j]
-            d = member[:, j_idx] - member[:, i_idx]  # [m, swaps, W]
-            xu, yu = x[:, i_idx] - x[:, j_idx], y[:, i_idx] - y[:, j_idx]
-            new = (by_rank[:, None] + yu[..., :, None] * d[..., None, :] + d[..., :, None] * xu[..., None, :]
-                   + z[:, None, None] * d[..., :, None] * d[..., None, :])
-            costs = self.cost(new, self._runs_after(o, i_idx, j_idx))
-            costs[o[:, i_idx] == o[:, j_idx]] = np.inf
+            # swapping i (rank a) and j (rank b): member += u d^T with d = e_b - e_a, so
+            # by_rank += y_u d^T + d x_u^T + z d d^T, x_u = x[i] - x[j], y_u = y[i] - y[j]; and a
+            # rank's runs, its chunks less half its neighbouring ones (M^T N M)[r, r] / 2 for the
+            # neighbour matrix N, change by -d n_u + d^2 beside, n_u = (N member)[i] - (N member)[j]
+            moved = self.u @ np.concatenate([x, y, -member, self.neighbours @ member], -1)  # [m, swaps, 4W]
+            xu, yu, d, nu = moved.transpose(2, 0, 1).copy().reshape(4, self.world, *moved.shape[:2])  # [W, m, swaps]
+            new = by_rank[..., None] + yu[:, None] * d + d[:, None] * xu + z * d[:, None] * d  # [W, W, m, swaps]
+            costs = self.cost(new, runs[..., None] - d * nu + d * d * beside)  # [m, swaps]
+            now = costs[:, 0].copy()  # no swap
+            costs[~d.any(0)] = np.inf  # i and j on one rank, or no swap
             best = np.argmin(costs, 1)
             better = costs[np.arange(len(o)), best] < now - self.tiny
             moving, best = moving[better], best[better]
             if not len(moving):
                 break
-            i, j = i_idx[best], j_idx[best]
+            i, j = self.i[best], self.j[best]
             owner[moving, i], owner[moving, j] = owner[moving, j], owner[moving, i]
         return owner
-
-    def _runs_after(self, owner: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """Runs of chunks per rank after swapping chunks i and j of each assignment of
-        ``owner`` [m, C] ([m, swaps, W]), counted on every swapped assignment at once."""
-        swapped = np.repeat(owner[:, None, :], len(i), 1)  # [m, swaps, C]
-        swaps = np.arange(len(i))
-        swapped[:, swaps, i], swapped[:, swaps, j] = owner[:, j], owner[:, i]
-        first = np.concatenate([np.ones_like(swapped[..., :1], dtype=bool), swapped[..., 1:] != swapped[..., :-1]], -1)
-        which = np.arange(swapped.shape[0] * len(i)).reshape(-1, len(i), 1)  # each swapped assignment's number
-        return np.bincount((which * self.world + swapped)[first], minlength=which.size * self.world).reshape(
-            *swapped.shape[:2], self.world)
