@@ -333,6 +333,23 @@ def test_critical_path_near_the_brute_force_optimum(world_size, chunks, name):
     assert chosen <= 1.1 * optimum, (chosen, optimum)
 
 
+@pytest.mark.parametrize("world_size, chunks", [(2, 8), (3, 12), (4, 16)])
+def test_every_swap_priced_at_once_as_priced_alone(world_size, chunks):
+    """The chunk search prices every swap of two chunks from the assignment's own matrices
+    (``_Search.swapped``): exactly as each swapped assignment priced anew, its runs of chunks too."""
+    seq_len = 64 * chunks
+    work = sharding_module.mask_work(mods.document(documents(seq_len, 16, 200, seed=world_size)), seq_len)
+    search = sharding_module._Search(sharding_module._chunk_pairs(work, chunks), world_size, seq_len // world_size,
+                                     token_pairs=5000, call_pairs=1000)
+    rng = np.random.default_rng(0)
+    owner = np.stack([rng.permutation(np.arange(chunks) // (chunks // world_size)) for _ in range(3)])
+    after = np.repeat(owner[:, None], len(search.i), 1)  # [assignment, swap, chunk]
+    swaps = np.arange(len(search.i))
+    after[:, swaps, search.i], after[:, swaps, search.j] = owner[:, search.j], owner[:, search.i]
+    alone = search.cost(*search.state(after.reshape(-1, chunks))).reshape(len(owner), -1)
+    assert np.array_equal(search.swapped(owner), alone)
+
+
 def test_shard_by_mask_without_a_mask_or_a_ring():
     assert shard_by_mask(None, 64, 4).name == "contiguous"
     assert shard_by_mask(mods.causal, 64, 1).name == "contiguous"

@@ -256,8 +256,8 @@ class Sharding:
 
 
 def _plain(s: Segment) -> Segment:
-    """``s`` as a Segment of Python ints (numpy's print and hash otherwise), rebuilt only
-    where it is not one: a Sharding of many segments is built at every new batch."""
+    """``s`` as a Segment of Python ints (``digest`` and the repr read them), rebuilt only where
+    it is not one already: ``shard_by_mask`` builds Shardings of many segments at every batch."""
     if type(s) is Segment and type(s.start) is type(s.stride) is type(s.length) is int:
         return s
     return Segment(int(s.start), int(s.stride), int(s.length))

@@ -70,8 +70,8 @@ class BandRuns:
         s = np.where(n > 1, piece["stride"][q], piece["stride"][k])  # a lone position takes either stride
         delta = piece["first"][q] - piece["first"][k]
         t_lo, t_hi = -((delta - self.lo) // s), (self.hi - delta) // s  # the band on i - j, their indices
-        # those with i - j >= t_lo less those with i - j >= t_hi + 1, each the sum over i of
-        # clamp(i - t + 1, 0, m) = ramp(n - t) - ramp(-t): four ramps in one (numpy's calls cost, not sizes)
+        # pairs with i - j >= t_lo less those with i - j > t_hi, each the sum over i of clamp(i - t + 1,
+        # 0, m), ramp(n - t) - ramp(-t): the four ramps in one call (numpy's calls, not sizes, cost here)
         ramp = _ramp(np.array([n - t_lo, -t_lo, n - t_hi - 1, -t_hi - 1]), m)
         count = np.maximum(ramp[0] - ramp[1] - ramp[2] + ramp[3], 0)
         segments = len(start)
@@ -171,11 +171,10 @@ def _run_bounds(tables: List[np.ndarray], seq_len: int) -> Optional[np.ndarray]:
     """The first position of every run of positions equal in all ``tables``, and ``seq_len``;
     None where a table's value comes back after another (equal ids would then join
     positions of two runs)."""
-    change = np.zeros(seq_len, dtype=bool)
-    change[0] = True
+    bounds = np.zeros(1, dtype=np.int64)
     for t in tables:
-        mine = np.concatenate([[True], t[1:] != t[:-1]])
-        if len(np.unique(t[mine])) != int(mine.sum()):
+        mine = np.append(0, np.flatnonzero(t[1:] != t[:-1]) + 1)  # where each run of t begins
+        if len(np.unique(t[mine])) != len(mine):
             return None
-        change |= mine
-    return np.append(np.flatnonzero(change), seq_len).astype(np.int64)
+        bounds = np.union1d(bounds, mine)
+    return np.append(bounds, seq_len)

@@ -17,6 +17,7 @@ Imports no torch.distributed: it is pure planning, the same on every rank.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -92,16 +93,15 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
     partial = member.T @ ((seg_pairs > 0) & ~full).astype(np.float64) @ member
     any_full = (member.T @ full.astype(np.float64) @ member) > 0
     calls = partial + any_full
-    ranks = np.arange(world)
-    held = (ranks[None, :] - ranks[:, None]) % world  # [step, rank]: whose block rank r holds at step s
-    pairs, calls = by_rank[ranks[None, :], held], calls[ranks[None, :], held]
+    held = _held_at(world)
+    pairs, calls = by_rank.ravel()[held], calls.ravel()[held]
     if order_only is None:
         order_only = _compares_order_only(mask_mod, device)
     if order_only:  # the planner runs such a rank's own block as one call
         ordered = np.array([_in_order(segs) for segs in sharding.ranks])
         calls[0] = np.where(ordered & (pairs[0] > 0), 1, calls[0])
-    seen = np.nonzero(pairs.max(1) > 0)[0]
-    steps = int(seen.max()) + 1 if len(seen) else 1
+    seen = np.flatnonzero(pairs.max(1) > 0)
+    steps = int(seen[-1]) + 1 if len(seen) else 1
     travel = travelling() if steps > 1 else 0
     busy = (pairs + call_pairs * calls).max(1)[:steps]
     step_cost = np.maximum(busy, np.where(np.arange(steps) > 0, token_pairs * travel, 0.0))
@@ -121,6 +121,16 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
 _ORDER_BANDS = {(0, None), (1, None), (None, 0), (None, -1)}
 
 
+@functools.lru_cache(maxsize=64)
+def _held_at(world: int) -> np.ndarray:
+    """[step, rank] (read-only): where rank r's pairs at step s lie in a flat [W * W] matrix of
+    (queries' rank, keys' rank), against the block of rank (r - s) mod W, which it holds then."""
+    ranks = np.arange(world)
+    held = ranks[None, :] * world + (ranks[None, :] - ranks[:, None]) % world
+    held.flags.writeable = False
+    return held
+
+
 def _compares_order_only(mask_mod, device) -> bool:
     """Whether ``mask_mod`` only compares q_idx with kv_idx (``plan._local_order_hop``)."""
     if mask_mod is None:
@@ -138,7 +148,7 @@ def _in_order(segs) -> bool:
 
 
 def _number(x: float):
-    """``x`` as an int where it is one (a Python float: numpy's scalars round slowly)."""
+    """``x`` (a Python float: numpy's scalars round slowly) as an int where it is one."""
     return int(round(x)) if abs(x - round(x)) < 1e-6 else float(x)
 
 
@@ -153,25 +163,16 @@ def _segments(sharding: Sharding) -> np.ndarray:
     return np.array(rows, dtype=np.int64).reshape(-1, 5).T
 
 
-def _on_tiles(sharding: Sharding, tile: int):
-    """Where every segment is a run of whole tiles (stride 1, its ends on tile edges or the
-    sequence's end): the segment of each tile ([T] int64) and the first local row of each
-    segment; else None."""
-    n = -(-sharding.seq_len // tile)
-    seg_of_tile = np.full(n, -1, dtype=np.int64)
-    local_start = []
-    g = 0
-    for segs in sharding.ranks:
-        at = 0
-        for seg in segs:
-            end = seg.start + seg.length
-            if (seg.stride != 1 and seg.length > 1) or seg.start % tile or (end % tile and end != sharding.seq_len):
-                return None
-            seg_of_tile[seg.start // tile:-(-end // tile)] = g
-            local_start.append(at)
-            at += seg.length
-            g += 1
-    return seg_of_tile, np.array(local_start, dtype=np.int64)
+def _on_tiles(sharding: Sharding, segs: np.ndarray, tile: int) -> Optional[np.ndarray]:
+    """Where every segment (``segs``: ``_segments``) is a run of whole tiles (stride 1, its ends
+    on tile edges or the sequence's end): the segment of each tile ([T] int64); else None."""
+    seg_of_tile = np.full(-(-sharding.seq_len // tile), -1, dtype=np.int64)
+    for g, (start, stride, length) in enumerate(segs[:3].T.tolist()):
+        end = start + length
+        if (stride != 1 and length > 1) or start % tile or (end % tile and end != sharding.seq_len):
+            return None
+        seg_of_tile[start // tile:-(-end // tile)] = g
+    return seg_of_tile
 
 
 def _usage(sharding: Sharding, segs: np.ndarray, work, tiled_count: Callable[[], Workload]):
@@ -184,11 +185,11 @@ def _usage(sharding: Sharding, segs: np.ndarray, work, tiled_count: Callable[[],
         if found is not None:
             return found[0], lambda: _travel(sharding, _spans(sharding.world_size, *found[1]))
         work = tiled_count()
-    tiled = _on_tiles(sharding, work.tile)
-    if tiled is not None:
-        member = np.eye(len(seg_rank))[tiled[0]]  # [tiles, segments]
-        return member.T @ work.tile_pairs[0] @ member, lambda: _travel(sharding, _read_spans_tiled(sharding, segs, work,
-                                                                                               *tiled))
+    seg_of_tile = _on_tiles(sharding, segs, work.tile)
+    if seg_of_tile is not None:
+        member = np.eye(len(seg_rank))[seg_of_tile]  # [tiles, segments]
+        return (member.T @ work.tile_pairs[0] @ member,
+                lambda: _travel(sharding, _read_spans_tiled(sharding, segs, work, seg_of_tile)))
     labels, _ = sharding._segment_labels()
     seg_pairs, read = work.usage(labels, len(seg_rank), owner_of=torch.from_numpy(seg_rank))
     return seg_pairs.numpy(), lambda: _travel(sharding, _read_spans(sharding, read))
@@ -199,11 +200,10 @@ def _widened(span: int, length: int) -> int:
     return min(length, 1 << (span - 1).bit_length()) if span > 0 else 0
 
 
-def _read_spans_tiled(sharding: Sharding, segs: np.ndarray, work: Workload, seg_of_tile: np.ndarray,
-                      local_start: np.ndarray) -> np.ndarray:
+def _read_spans_tiled(sharding: Sharding, segs: np.ndarray, work: Workload, seg_of_tile: np.ndarray) -> np.ndarray:
     """``_read_spans`` from the tile pairs' first and end keys (a sharding on whole tiles)."""
     pairs, first, last = work.tile_pairs
-    seg_begin, seg_rank = segs[0], segs[3]
+    seg_begin, seg_rank, local_start = segs[0], segs[3], segs[4]
     owner = seg_rank[seg_of_tile]
     others = (pairs > 0) & (owner[:, None] != owner[None, :])  # [query tile, key tile]
     read = others.any(0)
@@ -225,7 +225,7 @@ def _spans(world: int, rank: np.ndarray, first: np.ndarray, last: Optional[np.nd
     """[world, 2]: each rank's least ``first`` and greatest ``last`` local row (default:
     ``first``) over the reads of ``rank``; first > last where it has none."""
     last = first if last is None else last
-    spans = np.stack([np.full(world, np.iinfo(np.int64).max), np.full(world, -1)], 1)
+    spans = np.array([(np.iinfo(np.int64).max, -1)] * world)
     np.minimum.at(spans[:, 0], rank, first)
     np.maximum.at(spans[:, 1], rank, last)
     return spans
@@ -345,8 +345,8 @@ def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, docu
         return [(fixed[0], estimate(fixed[0], mask_mod, **price))]
     extra = _searched(work, world_size, chunks, token_pairs, call_pairs)
     if document_ids is not None:
-        extra += [per_document(document_ids, world_size),
-                  packed_documents(document_ids, world_size, work.row_pairs())]
+        docs = _documents(document_ids)
+        extra += [_per_document(docs, world_size), _packed_documents(docs, world_size, work.row_pairs())]
     found, seen = [], set()
     for s in fixed + extra:
         if s is not None and s not in seen:
@@ -359,11 +359,15 @@ def per_document(document_ids: Tensor, world_size: int) -> Optional[Sharding]:
     """Each document cut in 2 * world_size pieces, rank r holding pieces r and 2W-1-r (the
     head-tail balance of TransformerEngine and torch for packed sequences), the pieces' odd
     tokens spread so every rank holds as many; None where they cannot be."""
-    ids = document_ids.detach().cpu()
-    seq_len, pieces = len(ids), 2 * world_size
+    return _per_document(_documents(document_ids), world_size)
+
+
+def _per_document(docs: List[Tuple[int, int]], world_size: int) -> Optional[Sharding]:
+    """``per_document`` of the documents ``docs`` (``_documents``, which ``compare`` finds once)."""
+    seq_len, pieces = docs[-1][1], 2 * world_size
     extra = [0] * world_size
     runs: List[List[Tuple[int, int]]] = [[] for _ in range(world_size)]
-    for begin, end in _documents(ids):
+    for begin, end in docs:
         base, rem = divmod(end - begin, pieces)
         sizes = [base] * pieces
         order = sorted(range(world_size), key=lambda r: (extra[r], r))
@@ -387,11 +391,15 @@ def packed_documents(document_ids: Tensor, world_size: int, row_pairs: Tensor) -
     document cut in two, whose first part stays on this rank and whose rest begins the next:
     the cut document's rows see its first part one ring step later, so a causal document
     mask keeps the ring at two steps while the ranks' work evens out."""
-    ids = document_ids.detach().cpu()
-    seq_len = len(ids)
+    return _packed_documents(_documents(document_ids), world_size, row_pairs)
+
+
+def _packed_documents(docs: List[Tuple[int, int]], world_size: int, row_pairs: Tensor) -> Sharding:
+    """``packed_documents`` of the documents ``docs`` (``_documents``, which ``compare`` finds once)."""
+    seq_len = docs[-1][1]
     local = seq_len // world_size
-    work = torch.nn.functional.pad(row_pairs.double().cumsum(0), (1, 0)).numpy()
-    docs = sorted(_documents(ids), key=lambda d: (-(work[d[1]] - work[d[0]]), d[0]))
+    work = np.concatenate([[0.0], row_pairs.double().cumsum(0).numpy()])
+    docs = sorted(docs, key=lambda d: (-(work[d[1]] - work[d[0]]), d[0]))
     target = work[-1] / world_size
     runs: List[List[Tuple[int, int]]] = [[] for _ in range(world_size)]
     carry: Optional[Tuple[int, int]] = None  # the rest of a document cut at the previous rank
@@ -421,8 +429,9 @@ def packed_documents(document_ids: Tensor, world_size: int, row_pairs: Tensor) -
     return Sharding.from_ranges(seq_len, runs, "packed documents")
 
 
-def _documents(ids: Tensor) -> List[Tuple[int, int]]:
+def _documents(document_ids: Tensor) -> List[Tuple[int, int]]:
     """The (begin, end) of every run of equal document ids."""
+    ids = document_ids.detach().cpu()
     bounds = [0] + (np.flatnonzero((ids[1:] != ids[:-1]).numpy()) + 1).tolist() + [len(ids)]
     return list(zip(bounds, bounds[1:]))
 
@@ -492,6 +501,18 @@ def _searched(work: Union[BandRuns, Workload], world_size: int, chunks: Optional
     return shardings
 
 
+@functools.lru_cache(maxsize=16)
+def _swaps(count: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(i, j, u = e_i - e_j [swaps, C]), read-only, for every swap of two of ``count`` chunks
+    i < j, after swap 0, chunk 0 with itself: no swap."""
+    i, j = np.triu_indices(count, 1)
+    i, j = np.append(0, i), np.append(0, j)
+    u = np.eye(count)[i] - np.eye(count)[j]
+    for a in (i, j, u):
+        a.flags.writeable = False
+    return i, j, u
+
+
 class _Search:
     """The cost model on chunks (``pairs[i, j]``: chunk i's queries against chunk j's keys),
     every swap of two chunks between ranks priced at once. Its cost is ``estimate``'s with as
@@ -503,20 +524,21 @@ class _Search:
         self.steps = np.arange(world)
         self.transfer = np.where(self.steps > 0, token_pairs * local_len, 0.0)  # step 0 waits for no block
         self.call_pairs = call_pairs
-        self.held_at = self.steps[None, :] * world + (self.steps[None, :] - self.steps[:, None]) % world  # [step, rank]
+        self.held_at = _held_at(world)
         self.tiny = 1e-9 * max(1.0, float(pairs.sum()))
         self.eye = np.eye(world)
-        i, j = np.triu_indices(self.count, 1)  # every swap of chunks i < j, after chunk 0 with itself: no swap
-        self.i, self.j = np.append(0, i), np.append(0, j)
-        self.u = np.eye(self.count)[self.i] - np.eye(self.count)[self.j]  # [swaps, C]: e_i - e_j
+        self.i, self.j, self.u = _swaps(self.count)
+        diag = np.diag(pairs)
+        self.z = (diag[:, None] + diag[None, :] - pairs - pairs.T)[self.i, self.j]  # u^T P u for each swap's u
         self.neighbours = np.eye(self.count, k=1) + np.eye(self.count, k=-1)  # chunks next to each other
+        self.beside = self.neighbours[self.i, self.j]
 
     def state(self, owner: np.ndarray):
-        """(rank-pair matrices [W, W, n], runs of chunks per rank [W, n]) of assignments ``owner`` [n, C]."""
+        """(rank-pair matrices [W, W, n], runs of chunks per rank [W, n]) of assignments ``owner``
+        [n, C]: a rank's runs are its chunks less half its chunks' neighbours on the rank."""
         member = self.eye[owner]
-        first = np.concatenate([np.ones_like(owner[:, :1], dtype=bool), owner[:, 1:] != owner[:, :-1]], 1)
         by_rank = member.transpose(0, 2, 1) @ self.pairs @ member
-        return by_rank.transpose(1, 2, 0), (member * first[..., None]).sum(1).T
+        return by_rank.transpose(1, 2, 0), (member * (1 - (self.neighbours @ member) / 2)).sum(1).T
 
     def cost(self, by_rank: np.ndarray, runs: np.ndarray) -> np.ndarray:
         """Cost of rank-pair matrices ``by_rank`` [W, W, ...] whose ranks hold ``runs`` [W, ...]
@@ -526,7 +548,8 @@ class _Search:
         busy = (pairs + active * (self.call_pairs * runs.reshape(self.world, -1))).max(1)  # [step, n]
         last = (active.any(1) * self.steps[:, None]).max(0)  # the last step in which a rank sees keys
         step_cost = np.maximum(busy, self.transfer[:, None]) * (self.steps[:, None] <= last)
-        # each along its own last axis: numpy sums those in another order than across rows
+        # summed along a contiguous last axis, in the order the search always summed its costs in:
+        # numpy adds across rows in another order, and non-integer costs could then tie otherwise
         return np.ascontiguousarray(step_cost.T).sum(-1).reshape(runs.shape[1:])
 
     def greedy(self) -> np.ndarray:
@@ -546,26 +569,12 @@ class _Search:
         ranks while that lowers the cost; all of them at once, each on its own path (the
         array operations, not the swaps, are what a step costs)."""
         owner = starts.copy()
-        diag = np.diag(self.pairs)
-        z = (diag[:, None] + diag[None, :] - self.pairs - self.pairs.T)[self.i, self.j]  # u^T P u for each swap's u
-        beside = self.neighbours[self.i, self.j]  # u^T N u / -2 for each swap's u
         moving = np.arange(len(owner))
         for _ in range(max_swaps):
             o = owner[moving]  # [m, C]
-            member = self.eye[o]  # [m, C, W]
-            x = self.pairs @ member  # chunk i's queries against rank r's keys
-            y = self.pairs.T @ member  # chunk j's keys against rank r's queries
-            by_rank, runs = self.state(o)
-            # swapping i (rank a) and j (rank b): member += u d^T with d = e_b - e_a, so
-            # by_rank += y_u d^T + d x_u^T + z d d^T, x_u = x[i] - x[j], y_u = y[i] - y[j]; and a
-            # rank's runs, its chunks less half its neighbouring ones (M^T N M)[r, r] / 2 for the
-            # neighbour matrix N, change by -d n_u + d^2 beside, n_u = (N member)[i] - (N member)[j]
-            moved = self.u @ np.concatenate([x, y, -member, self.neighbours @ member], -1)  # [m, swaps, 4W]
-            xu, yu, d, nu = moved.transpose(2, 0, 1).copy().reshape(4, self.world, *moved.shape[:2])  # [W, m, swaps]
-            new = by_rank[..., None] + yu[:, None] * d + d[:, None] * xu + z * d[:, None] * d  # [W, W, m, swaps]
-            costs = self.cost(new, runs[..., None] - d * nu + d * d * beside)  # [m, swaps]
+            costs = self.swapped(o)
             now = costs[:, 0].copy()  # no swap
-            costs[~d.any(0)] = np.inf  # i and j on one rank, or no swap
+            costs[o[:, self.i] == o[:, self.j]] = np.inf  # i and j on one rank, or no swap
             best = np.argmin(costs, 1)
             better = costs[np.arange(len(o)), best] < now - self.tiny
             moving, best = moving[better], best[better]
@@ -574,3 +583,20 @@ class _Search:
             i, j = self.i[best], self.j[best]
             owner[moving, i], owner[moving, j] = owner[moving, j], owner[moving, i]
         return owner
+
+    def swapped(self, owner: np.ndarray) -> np.ndarray:
+        """[m, swaps]: the cost of each assignment of ``owner`` [m, C] after each swap (``_swaps``),
+        from the assignment's own matrices."""
+        member = self.eye[owner]  # [m, C, W]
+        x = self.pairs @ member  # chunk i's queries against rank r's keys
+        y = self.pairs.T @ member  # chunk j's keys against rank r's queries
+        by_rank, runs = self.state(owner)
+        # swapping i (rank a) and j (rank b): member += u d^T with d = e_b - e_a, so
+        # by_rank += y_u d^T + d x_u^T + z d d^T, x_u = x[i] - x[j], y_u = y[i] - y[j], z = u^T P u;
+        # and alike a rank's runs, its chunks less (M^T N M)[r, r] / 2 for N the neighbour matrix,
+        # change by -d n_u + d^2 beside, n_u = (N member)[i] - (N member)[j], beside = N[i, j]
+        moved = self.u @ np.concatenate([x, y, -member, self.neighbours @ member], -1)  # [m, swaps, 4W]
+        # [W, m, swaps] each, copied whole: numpy's loops over strided arrays are several times slower
+        xu, yu, d, nu = moved.transpose(2, 0, 1).copy().reshape(4, self.world, *moved.shape[:2])
+        new = by_rank[..., None] + yu[:, None] * d + d[:, None] * xu + self.z * d[:, None] * d  # [W, W, m, swaps]
+        return self.cost(new, runs[..., None] - d * nu + d * d * self.beside)
