@@ -387,15 +387,15 @@ def _transfers(rank, world_size, kernel=None):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_backward_sends_each_share_straight_to_the_owner(world_size):
-    """Backward starts on the block forward ended on and runs the ring in reverse, so each
-    block's last stop is its owner: N - 2 K/V transfers to the previous rank (the owner holds
-    its block), and at each other step every rank's share of the block it holds goes straight
-    to that block's owner, the rank as many before it as the steps left, in the dtype the
-    kernel returned it in (fp32 for the reference kernel): no partial sum travels on, and no
-    finished gradient, which nothing could hide behind."""
+    """Every block comes straight from its owner: forward brings the block of the rank d back
+    from it at step d. Backward starts on the block forward ended on and runs the steps in
+    reverse, to the own block: N - 2 K/V transfers (the last block was kept, the own block is
+    here), and at each other step every rank's share of the block it holds goes straight to
+    that block's owner, in the dtype the kernel returned it in (fp32 for the reference
+    kernel): no partial sum travels on, and no finished gradient, which nothing could hide behind."""
     bf16, fp32 = ("torch.bfloat16",) * 2, ("torch.float32",) * 2
-    expected = sorted([("forward", 1, 2, bf16)] * (world_size - 1)
-                      + [("backward", -1, 2, bf16)] * (world_size - 2)
+    expected = sorted([("forward", distance, 2, bf16) for distance in range(1, world_size)]
+                      + [("backward", distance, 2, bf16) for distance in range(1, world_size - 1)]
                       + [("backward", -distance, 2, fp32) for distance in range(1, world_size)])
     for seen in run_world(world_size, _transfers):
         assert sorted(seen) == expected
@@ -434,8 +434,8 @@ def test_shares_travel_as_the_kernel_returned_them(world_size):
     """A kernel that returns dk/dv in the input dtype (cuDNN) sends its shares in that dtype:
     half the bytes of fp32 and nothing rounded twice."""
     bf16 = ("torch.bfloat16",) * 2
-    expected = sorted([("forward", 1, 2, bf16)] * (world_size - 1)
-                      + [("backward", -1, 2, bf16)] * (world_size - 2)  # K/V blocks
+    expected = sorted([("forward", distance, 2, bf16) for distance in range(1, world_size)]
+                      + [("backward", distance, 2, bf16) for distance in range(1, world_size - 1)]  # K/V blocks
                       + [("backward", -distance, 2, bf16) for distance in range(1, world_size)])
     for seen in run_world(world_size, _transfers, _RoundingKernel()):
         assert sorted(seen) == expected
@@ -695,7 +695,7 @@ def test_first_receive_buffer_exists_before_the_own_block_is_computed():
         assert len(blocks.buffers) == buffers, (steps, last is not None)
         assert all(b.shape == k.shape for pair in blocks.buffers for b in pair)
         # the part of the own block that the others read is sliced out before its compute too
-        sliced = blocks.first_send is not None and [t.shape[2] for t in blocks.first_send[1]] == [2, 2]
+        sliced = blocks.own_sent is not None and [t.shape[2] for t in blocks.own_sent[1]] == [2, 2]
         assert sliced == (buffers > 0 and last is None)
 
 

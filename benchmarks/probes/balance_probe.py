@@ -23,7 +23,7 @@ from ringflex.kernels.cudnn import CudnnKernel
 from ringflex.kernels.merge import rows
 from ringflex.plan import layout as layouts
 from ringflex.plan import lending
-from ringflex.plan.blocks import keys_read, part_planner, plan_hops, steps_needed
+from ringflex.plan.blocks import distances_needed, keys_read, part_planner, plan_hops
 from ringflex.plan.layout import Segment
 
 
@@ -34,18 +34,19 @@ def rank_hops(mask_mod, seq_len: int, world: int, layout: str, lend: bool, devic
     segs = [layouts.segments(layout, seq_len, world, r) for r in range(world)]
     plans = [plan_hops(mask_mod, False, 1, 1, segs[r], [segs[(r - s) % world] for s in range(world)], device,
                        kernel=kernel) for r in range(world)]
-    steps = steps_needed([keys_read(plan, world) for plan in plans])
-    plans = [plan[:steps] for plan in plans]
-    offers = [lending.Offer.of(mask_mod, plans[r], plans[(r + 1) % world][1] if steps > 1 else (), call, device)
+    distances = distances_needed([keys_read(plan, world) for plan in plans])
+    plans = [[plan[d] for d in distances] for plan in plans]
+    lends = distances[1:2] == [1]  # the next rank's rows, against this rank's block
+    offers = [lending.Offer.of(mask_mod, plans[r], plans[(r + 1) % world][1] if lends else (), call, device)
               for r in range(world)]
     shared = [offer.shares if lend else lending.NO_OFFER for offer in offers]
     planned_part = part_planner(kernel, mask_mod, False, device)
     work = []
     for r, (plan, offer) in enumerate(zip(plans, offers)):
-        loan = offer.agree(shared, r, planned_part) if steps > 1 else None
+        loan = offer.agree(shared, r, planned_part) if lends else None
         if loan is not None:
             plan = [plan[0], list(loan.kept), *plan[2:]]
-        hops = [(hop, (r - s) % world) for s, step in enumerate(plan) for hop in step]
+        hops = [(hop, (r - d) % world) for d, step in zip(distances, plan) for hop in step]
         hops += [(hop, r) for hop in (loan.borrowed_hops if loan is not None else ())]
         work.append(hops)
     return work

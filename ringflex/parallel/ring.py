@@ -1,11 +1,14 @@
-"""The ring: K/V blocks travel around the ranks, each step runs the hops of the plan.
-Of each block only the rows that some other rank reads travel (``RingCall.travelling``),
-widened to a power of two (``plan.blocks.widened``).
+"""The ring: each step brings one rank's K/V block, straight from its owner, and runs the
+plan's hops against it. Step s brings the block of the rank ``RingCall.distance(s)`` back
+(0: the own block), over the distances at which some rank reads keys (``plan.blocks.
+distances_needed``): a mask that reads the ranks on either side runs two steps, whatever the
+number of ranks. Of each block only the rows that some other rank reads travel
+(``RingCall.travelling``), widened to a power of two (``plan.blocks.widened``).
 
 Results accumulate in fp32 (fp64 for fp64 inputs) and are rounded once into the input dtype
-(``merge.RowMerge`` / ``RowSum``). Backward runs the ring in reverse, from the block forward
-ended on, so each block's last stop is its owner; each rank's share of a block's dK/dV goes
-straight to the owner, which sums the shares once.
+(``merge.RowMerge`` / ``RowSum``). Backward runs the steps in reverse, from the block forward
+ended on, to the own block; each rank's share of a block's dK/dV goes straight to the owner,
+which sums the shares once.
 
 Where the ranks agree on loans (``plan.lending``), query rows travel the other way: a
 rank's lent rows go to the previous rank, which computes them against its own block and
@@ -26,7 +29,7 @@ from ..kernels.base import HopKernel, Mods
 from ..kernels.merge import RowMerge, RowSum, Rows, contiguous_rows, lse_weights, optional_rows, rows
 from ..kernels.reference import compute_dtype
 from ..mod import captured
-from ..plan.blocks import Hop, part_planner, steps_needed, travelling_rows, widened
+from ..plan.blocks import Hop, distances_needed, part_planner, travelling_rows, widened
 from ..plan.lending import Loan, Offer
 from .comm import RingComm, capture_error
 from .compute import hop_backward, hop_forward, lse_as_attention, new_rows, rows_shape, some
@@ -50,37 +53,44 @@ class RingCall:
     offer: Optional[Offer] = None  # this rank's side of lending, before the ranks agree
     loan: Optional[Loan] = None  # the rows lent and borrowed, once they agree (``plan.lending``)
     lse_grad: bool = False  # a loss may read the LSE (return_lse): lent rows take its gradient along
-    reads: Optional[List[List[Rows]]] = None  # per rank and step, the rows of the block held then that it reads
+    reads: Optional[List[List[Rows]]] = None  # per rank and distance, the rows of that block it reads
+    distances: Optional[List[int]] = None  # per step, how many ranks back its block's owner is (None: the step)
 
     def agree(self, device) -> None:
-        """Waits for the agreement. Then the ring runs only the steps some rank needs, moves
-        only the rows of each block that some rank reads (``plan.blocks.travelling_rows``),
-        and lends rows where that evens the ranks' work (``plan.lending``)."""
+        """Waits for the agreement. Then the ring runs only the steps of the distances some rank
+        reads (``plan.blocks.distances_needed``), moves only the rows of each block that some
+        rank reads (``plan.blocks.travelling_rows``), and lends rows where that evens the ranks'
+        work (``plan.lending``: the next rank's rows, computed against this rank's block)."""
         if self.agreement is None:
             return
         self.agreement.wait()
         shared = self.agreement.shared
         world = len(shared)
         reads = self.reads = [[(s[i], s[i + 1]) for i in range(0, 2 * world, 2)] for s in shared]
-        self.schedule = self.schedule[:steps_needed(reads)]
+        self.distances = distances_needed(reads)
+        self.schedule = [self.schedule[d] for d in self.distances]
         if self.comm is not None:
-            self.travelling = travelling_rows(reads, len(self.schedule))
-        if self.comm is not None and self.offer is not None:
+            self.travelling = travelling_rows(reads, self.distances)
+        if self.comm is not None and self.offer is not None and self.distances[1:2] == [1]:
             planned_part = part_planner(self.kernel, self.mods.mask_mod, self.mods.score_mod is not None, device)
             self.loan = self.offer.agree([s[2 * world:] for s in shared], self.comm.rank, planned_part)
             if self.loan is not None:
                 self.schedule = [self.schedule[0], list(self.loan.kept), *self.schedule[2:]]
 
-    def rows_read(self, rank: int, step: int) -> Rows:
-        """The rows of the block held at (forward) ``step`` that ``rank`` (mod the world) reads,
-        as the ranks agreed: the rows of its dK/dV share of that block."""
-        return self.reads[rank % len(self.reads)][step]
+    def distance(self, step: int) -> int:
+        """How many ranks back the owner of the block of (forward) ``step`` is."""
+        return step if self.distances is None else self.distances[step]
+
+    def rows_read(self, rank: int, distance: int) -> Rows:
+        """The rows of the block of the rank ``distance`` back that ``rank`` (mod the world)
+        reads, as the ranks agreed: the rows of its dK/dV share of that block."""
+        return self.reads[rank % len(self.reads)][distance]
 
     def rows_travelling(self, step: int, length: int) -> Rows:
-        """The rows of the block held at (forward) ``step`` that travel on."""
+        """The rows of the block held at (forward) ``step`` that travel."""
         if self.travelling is None:
             return (0, length)
-        return widened(self.travelling[(self.comm.rank - step) % self.comm.world_size], length)
+        return widened(self.travelling[(self.comm.rank - self.distance(step)) % self.comm.world_size], length)
 
     def rows_held(self, step: int, length: int) -> Rows:
         """The rows of the block held at (forward) ``step``: the own block whole, others as they travel."""
@@ -90,16 +100,18 @@ class RingCall:
 class _KVStream:
     """The K/V block of each step: ``first``, then blocks received into two buffers that
     alternate (no step allocates, and a block is never overwritten while it is still being
-    read or sent), and for the last step ``last``, where the rank holds that block already:
-    then the ring skips the transfer that would bring it. A received block holds only the
-    rows of it that travel (``RingCall.rows_held``), in the leading memory of a buffer
-    sized for a whole block. The number of steps is read when the first transfer starts:
-    forward may shorten the schedule once the ranks agree."""
+    read), and for the last step ``last``, where the rank holds that block already: then the
+    ring skips the transfer that would bring it. Each transfer brings the next step's block
+    from its owner, to which this rank sends its own block (``own``: ``first`` forward, ``last``
+    backward) at the same distance, so every send reads the own block, sliced once. A received
+    block holds only the rows of it that travel (``RingCall.rows_held``), in the leading memory
+    of a buffer sized for a whole block. The number of steps is read when the first transfer
+    starts: forward may shorten the schedule once the ranks agree."""
 
     def __init__(self, call: RingCall, first, last=None, reverse: bool = False):
         self.call, self.reverse, self.last = call, reverse, last
-        self.current = first
-        self.shapes = [t.shape for t in (last or first)]  # the own block, whole
+        self.current, self.own = first, last if reverse else first
+        self.shapes = [t.shape for t in self.own]  # the own block, whole
         self.offset = self.rows(0)[0]  # the first row of the block that ``current`` holds
         self.buffers = []
         # A transfer starts only after the work queued before it on the current stream. The
@@ -107,14 +119,14 @@ class _KVStream:
         # the argument check there), so it goes from a stream that waits for the inputs alone
         # and still overlaps that compute. Its receive buffer is allocated before that compute
         # is queued: memory freed by the compute's temporaries is then not handed to it.
-        self.first_stream, self.first_send = None, None
+        self.first_stream, self.own_sent, self.joined = None, None, False
         if self.transfers > 0:
             self._add_buffer()
             if not reverse and call.own_rows_read is not None:
                 # Sliced now: a copy queued after the own block's attention kernel would wait for
                 # the SMs it holds, and the first transfer with it.
                 sent = widened(call.own_rows_read, self.shapes[0][2])
-                self.first_send = sent, tuple(contiguous_rows(rows(t, sent)) for t in first)
+                self.own_sent = sent, tuple(contiguous_rows(rows(t, sent)) for t in first)
             k = first[0]
             if k.is_cuda:
                 self.first_stream = torch.cuda.Stream(k.device)
@@ -152,20 +164,24 @@ class _KVStream:
         return tuple(rows(t, self.local(hop.kv_rows)) for t in self.current)
 
     def start(self, step: int):
-        """Starts passing the current block on; the next one arrives in ``advance``."""
+        """Starts bringing the next step's block from its owner, while the own block goes to the
+        rank as far ahead; the block arrives in ``advance``."""
         if step >= self.transfers:
             return None
         if len(self.buffers) <= step % 2:
             self._add_buffer()
         lo, hi = self.rows(step + 1)
-        sliced, self.first_send = self.first_send, None
+        own_rows = self.call.rows_travelling(0, self.shapes[0][2])
+        if step > 0 and self.first_stream is not None and not self.joined:  # the own block was sliced there
+            torch.cuda.current_stream(self.first_stream.device).wait_stream(self.first_stream)
+            self.joined = True
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
-            if step == 0 and sliced is not None and sliced[0] == self.travelling(0):
-                send = sliced[1]
-            else:
-                send = tuple(contiguous_rows(rows(t, self.travelling(step))) for t in self.current)
+            if self.own_sent is None or self.own_sent[0] != own_rows:
+                self.own_sent = own_rows, tuple(contiguous_rows(rows(t, own_rows)) for t in self.own)
+            send = self.own_sent[1]
             recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
-            return self.call.comm.exchange(send, recv, shift=-1 if self.reverse else 1), send, recv, lo
+            distance = self.call.distance(self._forward_step(step + 1))
+            return self.call.comm.exchange(send, recv, shift=distance), send, recv, lo
 
     def close(self) -> None:
         """Ends the stream's pass: the current stream joins the first transfer's stream (a CUDA
@@ -206,7 +222,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
         merged.add(*part)
     blocks.advance(0, pending)
     for step in range(1, len(call.schedule)):
-        pending = blocks.start(step)  # send this block on, receive the next
+        pending = blocks.start(step)  # bring the next block from its owner
         for hop in call.schedule[step]:  # compute this step's hops and merge them
             merged.add(hop.q_rows, *hop_forward(call, hop, rows(q, hop.q_rows), *blocks.keys(hop)))
         blocks.advance(step, pending)  # wait for the next block
@@ -234,10 +250,9 @@ def _compact(received: Tensor) -> Tensor:
 
 
 def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, dlse=None, borrowed_q=None):
-    """The ring in reverse. It starts on the block forward ended on (``last_k``, ``last_v``,
-    kept for it) and passes blocks to the previous rank, so every block visits the ranks in
-    the reverse order and its last stop is its owner, which holds it already (no transfer).
-    At each step a rank sends its hops' share of the dK/dV of the block it holds straight to
+    """The ring's steps in reverse. It starts on the block forward ended on (``last_k``,
+    ``last_v``, kept for it), each further step brings its block from the owner, and it ends
+    on the own block, which needs no transfer. At each step a rank sends its hops' share of the dK/dV of the block it holds straight to
     the block's owner (``_exchange_shares``), in the dtype the kernel returned it in (the
     input dtype for cuDNN: half the bytes of fp32; a share of hops that reach the same rows is
     their fp32 sum rounded once, as a hop's several calls are), and receives its own block's share from the rank that holds that now. The owner
@@ -265,7 +280,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
     own_sum, arriving, returned = None, None, None  # the own block's dK/dV; a share on its way here; the lent dq
     for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
-        distance = steps - 1 - step  # the block held is the one of the rank this many before
+        distance = call.distance(steps - 1 - step)  # the block held is the one of the rank this many before
         parts = []  # this step's (key rows, dk, dv)
         for hop in hops:
             hop_k, hop_v = blocks.keys(hop)
@@ -320,7 +335,8 @@ def _share_rows_arriving(call: RingCall, steps: int) -> List[Rows]:
     """The rows of the own block whose dK/dV shares arrive, one range per rank that read some."""
     if call.comm is None:
         return []
-    return [r for d in range(1, steps) for r in [call.rows_read(call.comm.rank + d, d)] if some(r)]
+    distances = [call.distance(step) for step in range(1, steps)]
+    return [r for d in distances for r in [call.rows_read(call.comm.rank + d, d)] if some(r)]
 
 
 def _exchange_shares(call: RingCall, distance: int, parts, k: Tensor, v: Tensor, acc) -> _Share:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -356,21 +356,23 @@ def keys_read(schedule, world_size: int) -> List[Tuple[int, int]]:
             for step in range(world_size)]
 
 
-def steps_needed(keys_read_by_rank) -> int:
-    """Ring steps the ranks need: up to the last step in which any rank reads keys (at least
-    the own block). Where no rank needs blocks from further away (a sliding window or
-    documents in the contiguous layout), the ring stops there, and those blocks never travel."""
-    return 1 + max((step for spans in keys_read_by_rank for step, (lo, hi) in enumerate(spans) if hi > lo),
-                   default=0)
+def distances_needed(keys_read_by_rank) -> List[int]:
+    """The ring's steps, each as the distance (in ranks back) of the block it brings: 0, the own
+    block, then every distance at which some rank reads keys. Blocks go straight from their
+    owner, so a distance no rank reads is skipped: a sliding window or documents over zigzag
+    read the ranks on either side (distances 1 and W - 1) and the ring runs those two steps
+    alone; over contiguous they read distance 1 alone, and no other block travels."""
+    return [0] + [d for d in range(1, len(keys_read_by_rank[0]))
+                  if any(spans[d][1] > spans[d][0] for spans in keys_read_by_rank)]
 
 
-def travelling_rows(keys_read_by_rank, steps: int) -> List[Tuple[int, int]]:
+def travelling_rows(keys_read_by_rank, distances: Sequence[int]) -> List[Tuple[int, int]]:
     """Per block (by owner), the rows of it that travel: one range around the rows that the
-    other ranks read of it in the first ``steps`` steps ((0, 0): none, and it never leaves).
+    other ranks read of it at the ring's ``distances`` ((0, 0): none, and it never leaves).
     Over the contiguous layout a sliding window reads only the end of the previous rank's
     block, so only that end travels (and, in backward, the dK/dV shares of the rows read)."""
     world_size = len(keys_read_by_rank)
-    return [around(keys_read_by_rank[(owner + step) % world_size][step] for step in range(1, steps))
+    return [around(keys_read_by_rank[(owner + d) % world_size][d] for d in distances[1:])
             for owner in range(world_size)]
 
 
