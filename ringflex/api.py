@@ -30,7 +30,7 @@ from .parallel.shard import warn_if_launched_alone
 from .plan import layout as layouts
 from .plan import lending
 from .plan.sharding import Resharding, resharding
-from .plan.blocks import Hop, PlanCache, check_lookups, keys_read, plan_hops
+from .plan.blocks import Hop, PlanCache, around, check_lookups, keys_read, plan_hops
 
 _PLANS = PlanCache()
 _COLD_CAPTURE = ("ring_flex_attention is being captured in a CUDA graph, but no call with this mask, these shapes and "
@@ -191,7 +191,7 @@ class _Plan:
 
     schedule: List[List[Hop]]  # schedule[i]: the hops against the K/V block held at step i
     kernel: HopKernel
-    own_rows_read: List[Tuple[int, int]]  # per distance d, what rank + d reads of this rank's block, as planned here
+    own_rows_read: Tuple[int, int]  # what the other ranks read of this rank's block, as planned here
     tensors: Tuple[Tensor, ...]  # the score_mod's captured tensors that require grad
     offer: Optional[lending.Offer]  # this rank's side of lending (None: one rank, or lending off)
 
@@ -240,7 +240,7 @@ def _plan(q: Tensor, k: Tensor, v: Tensor, mods: Mods, group, layout: str, backe
     # hops are those it may lend here (``plan.lending``).
     others = {other: planned(layouts.segments(layout, q_len, world_size, other), kv_segs_per_step[:1])[0]
               for other in range(world_size) if other != rank}
-    own_rows_read = [(0, 0)] + [keys_read([others[(rank + d) % world_size]], 1)[0] for d in range(1, world_size)]
+    own_rows_read = around(keys_read([hops], 1)[0] for hops in others.values())
     offer = lending.offer(mask_mod, schedule, others[(rank + 1) % world_size], kernel.name,
                           kernel.call_pairs(q.shape[0], q.shape[1], q.shape[3]), q.device) if world_size > 1 else None
     return _Plan(schedule, kernel, own_rows_read, tensors, offer)

@@ -2,8 +2,8 @@
 plan's hops against it. Step s brings the block of the rank ``RingCall.distance(s)`` back
 (0: the own block), over the distances at which some rank reads keys (``plan.blocks.
 distances_needed``): a mask that reads the ranks on either side runs two steps, whatever the
-number of ranks. Of a block only the rows that the receiving rank reads travel
-(``RingCall.rows_sent``), widened to a power of two (``plan.blocks.widened``).
+number of ranks. Of each block only the rows that some other rank reads travel
+(``RingCall.travelling``), widened to a power of two (``plan.blocks.widened``).
 
 Results accumulate in fp32 (fp64 for fp64 inputs) and are rounded once into the input dtype
 (``merge.RowMerge`` / ``RowSum``). Backward runs the steps in reverse, from the block forward
@@ -29,7 +29,7 @@ from ..kernels.base import HopKernel, Mods
 from ..kernels.merge import RowMerge, RowSum, Rows, contiguous_rows, lse_weights, optional_rows, rows
 from ..kernels.reference import compute_dtype
 from ..mod import captured
-from ..plan.blocks import Hop, distances_needed, part_planner, widened
+from ..plan.blocks import Hop, distances_needed, part_planner, travelling_rows, widened
 from ..plan.lending import Loan, Offer
 from .comm import RingComm, capture_error
 from .compute import hop_backward, hop_forward, lse_as_attention, new_rows, rows_shape, some
@@ -47,7 +47,8 @@ class RingCall:
     mods: Mods
     scale: float
     agreement: Any = None  # the cross-rank argument check under way: ``wait()`` before the first transfer
-    own_rows_read: Optional[List[Rows]] = None  # per distance d, what rank + d reads of the own block, as planned here
+    travelling: Optional[List[Rows]] = None  # per block (by owner): the rows of it that travel; None: all
+    own_rows_read: Optional[Rows] = None  # what the other ranks read of the own block, as planned locally
     tensors: Tuple[Tensor, ...] = ()  # captured tensors of the score_mod that require grad
     offer: Optional[Offer] = None  # this rank's side of lending, before the ranks agree
     loan: Optional[Loan] = None  # the rows lent and borrowed, once they agree (``plan.lending``)
@@ -57,9 +58,9 @@ class RingCall:
 
     def agree(self, device) -> None:
         """Waits for the agreement. Then the ring runs only the steps of the distances some rank
-        reads (``plan.blocks.distances_needed``), sends each rank only the rows of a block that
-        it reads (``rows_sent``), and lends rows where that evens the ranks' work
-        (``plan.lending``: the next rank's rows, computed against this rank's block)."""
+        reads (``plan.blocks.distances_needed``), moves only the rows of each block that some
+        rank reads (``plan.blocks.travelling_rows``), and lends rows where that evens the ranks'
+        work (``plan.lending``: the next rank's rows, computed against this rank's block)."""
         if self.agreement is None:
             return
         self.agreement.wait()
@@ -68,6 +69,8 @@ class RingCall:
         reads = self.reads = [[(s[i], s[i + 1]) for i in range(0, 2 * world, 2)] for s in shared]
         self.distances = distances_needed(reads)
         self.schedule = [self.schedule[d] for d in self.distances]
+        if self.comm is not None:
+            self.travelling = travelling_rows(reads, self.distances)
         if self.comm is not None and self.offer is not None and self.distances[1:2] == [1]:
             planned_part = part_planner(self.kernel, self.mods.mask_mod, self.mods.score_mod is not None, device)
             self.loan = self.offer.agree([s[2 * world:] for s in shared], self.comm.rank, planned_part)
@@ -83,20 +86,15 @@ class RingCall:
         reads, as the ranks agreed: the rows of its dK/dV share of that block."""
         return self.reads[rank % len(self.reads)][distance]
 
-    def rows_sent(self, step: int, length: int) -> Rows:
-        """The rows of the own block sent at (forward) ``step``, to the rank ``distance(step)``
-        ahead: what it reads of the block, widened (all of it before the ranks agree)."""
-        if self.reads is None:
+    def rows_travelling(self, step: int, length: int) -> Rows:
+        """The rows of the block held at (forward) ``step`` that travel."""
+        if self.travelling is None:
             return (0, length)
-        distance = self.distance(step)
-        return widened(self.rows_read(self.comm.rank + distance, distance), length)
+        return widened(self.travelling[(self.comm.rank - self.distance(step)) % self.comm.world_size], length)
 
     def rows_held(self, step: int, length: int) -> Rows:
-        """The rows of the block held at (forward) ``step``: the own block whole, another as
-        its owner sent it (what this rank reads of it, widened)."""
-        if step == 0 or self.reads is None:
-            return (0, length)
-        return widened(self.rows_read(self.comm.rank, self.distance(step)), length)
+        """The rows of the block held at (forward) ``step``: the own block whole, others as they travel."""
+        return (0, length) if step == 0 else self.rows_travelling(step, length)
 
 
 class _KVStream:
@@ -105,9 +103,9 @@ class _KVStream:
     read), and for the last step ``last``, where the rank holds that block already: then the
     ring skips the transfer that would bring it. Each transfer brings the next step's block
     from its owner, to which this rank sends its own block (``own``: ``first`` forward, ``last``
-    backward) at the same distance: the rows that rank reads, sliced once per distinct rows.
-    A received block holds only the rows this rank reads of it (``RingCall.rows_held``), in the
-    leading memory of a buffer sized for a whole block. The number of steps is read when the first transfer
+    backward) at the same distance, so every send reads the own block, sliced once. A received
+    block holds only the rows of it that travel (``RingCall.rows_held``), in the leading memory
+    of a buffer sized for a whole block. The number of steps is read when the first transfer
     starts: forward may shorten the schedule once the ranks agree."""
 
     def __init__(self, call: RingCall, first, last=None, reverse: bool = False):
@@ -121,14 +119,14 @@ class _KVStream:
         # the argument check there), so it goes from a stream that waits for the inputs alone
         # and still overlaps that compute. Its receive buffer is allocated before that compute
         # is queued: memory freed by the compute's temporaries is then not handed to it.
-        self.first_stream, self.sent, self.joined = None, {}, False  # sent: rows of the own block -> slices
+        self.first_stream, self.own_sent, self.joined = None, None, False
         if self.transfers > 0:
             self._add_buffer()
-            read = [r for r in (call.own_rows_read or [])[1:] if some(r)]
-            if not reverse and read:
-                # The first send, as planned here, sliced now: a copy queued after the own block's
-                # attention kernel would wait for the SMs it holds, and the first transfer with it.
-                self._slices(widened(read[0], self.shapes[0][2]))
+            if not reverse and call.own_rows_read is not None:
+                # Sliced now: a copy queued after the own block's attention kernel would wait for
+                # the SMs it holds, and the first transfer with it.
+                sent = widened(call.own_rows_read, self.shapes[0][2])
+                self.own_sent = sent, tuple(contiguous_rows(rows(t, sent)) for t in first)
             k = first[0]
             if k.is_cuda:
                 self.first_stream = torch.cuda.Stream(k.device)
@@ -153,6 +151,10 @@ class _KVStream:
         """Which rows of its block the stream holds at ``step`` (the own block: all)."""
         return self.call.rows_held(self._forward_step(step), self.shapes[0][2])
 
+    def travelling(self, step: int) -> Rows:
+        """The rows of the block held at ``step`` that travel, local to what is held."""
+        return self.local(self.call.rows_travelling(self._forward_step(step), self.shapes[0][2]))
+
     def local(self, r: Rows) -> Rows:
         """Rows ``r`` of a block as rows of what ``current`` holds of it."""
         return r[0] - self.offset, r[1] - self.offset
@@ -169,20 +171,17 @@ class _KVStream:
         if len(self.buffers) <= step % 2:
             self._add_buffer()
         lo, hi = self.rows(step + 1)
-        next_step = self._forward_step(step + 1)
+        own_rows = self.call.rows_travelling(0, self.shapes[0][2])
         if step > 0 and self.first_stream is not None and not self.joined:  # the own block was sliced there
             torch.cuda.current_stream(self.first_stream.device).wait_stream(self.first_stream)
             self.joined = True
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
-            send = self._slices(self.call.rows_sent(next_step, self.shapes[0][2]))
+            if self.own_sent is None or self.own_sent[0] != own_rows:
+                self.own_sent = own_rows, tuple(contiguous_rows(rows(t, own_rows)) for t in self.own)
+            send = self.own_sent[1]
             recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
-            return self.call.comm.exchange(send, recv, shift=self.call.distance(next_step)), send, recv, lo
-
-    def _slices(self, sent: Rows):
-        """Rows ``sent`` of the own block, contiguous, sliced once."""
-        if sent not in self.sent:
-            self.sent[sent] = tuple(contiguous_rows(rows(t, sent)) for t in self.own)
-        return self.sent[sent]
+            distance = self.call.distance(self._forward_step(step + 1))
+            return self.call.comm.exchange(send, recv, shift=distance), send, recv, lo
 
     def close(self) -> None:
         """Ends the stream's pass: the current stream joins the first transfer's stream (a CUDA
