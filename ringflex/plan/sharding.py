@@ -61,18 +61,18 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
              work: Union[BandRuns, Workload, None] = None, order_only: Optional[bool] = None) -> Dict[str, object]:
     """The ring's cost under ``mask_mod`` (None: no mask) over ``sharding``, in pairs per head.
 
-    - ``pairs[s][r]``: the (query, key) pairs rank r computes at ring step s (its queries
-      against the keys of rank (r - s) mod W, the block it holds then).
-    - ``steps``: the ring steps needed (up to the last in which any rank sees keys: the ring
-      stops there, as ``plan.steps_needed``).
-    - ``critical_pairs``: the slowest rank's pairs at each needed step, summed: the ring's
+    - ``pairs[d][r]``: the (query, key) pairs rank r computes against the keys of rank
+      (r - d) mod W, the block the ring's step of distance d brings.
+    - ``steps``: the ring's steps: the own block and each distance at which some rank sees
+      keys (the ring skips the others, as ``plan.distances_needed``).
+    - ``critical_pairs``: the slowest rank's pairs at each step, summed: the ring's
       critical path in pairs. ``total_pairs`` / W over it is ``balance`` (1: even).
     - ``hops``: the non-empty (rank, step) pairs. ``calls``: kernel calls, one per PARTIAL
       (query segment, key segment) pair and one for all FULL ones of a (rank, step), which
       the planner joins.
     - ``travel_rows``: the rows of a block that travel at each step after the first (one range
       around the rows other ranks see, widened to a power of two, as the ring sends them).
-    - ``cost``: step 0's slowest rank, then per step the slower of its slowest rank and the
+    - ``cost``: the own block's slowest rank, then per step the slower of its slowest rank and the
       transfer of its block (which the ring overlaps with the step before), a rank's work
       being its pairs plus ``call_pairs`` per call, a transfer ``token_pairs`` per row.
     - ``exact``: False where the mask's pairs were sampled (``workload``).
@@ -100,19 +100,19 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
     if order_only:  # the planner runs such a rank's own block as one call
         ordered = np.array([_in_order(segs) for segs in sharding.ranks])
         calls[0] = np.where(ordered & (pairs[0] > 0), 1, calls[0])
-    seen = np.flatnonzero(pairs.max(1) > 0)
-    steps = int(seen[-1]) + 1 if len(seen) else 1
+    needed = np.union1d(0, np.flatnonzero(pairs.max(1) > 0))  # the ring's steps (``plan.distances_needed``)
+    steps = len(needed)
     travel = travelling() if steps > 1 else 0
-    busy = (pairs + call_pairs * calls).max(1)[:steps]
-    step_cost = np.maximum(busy, np.where(np.arange(steps) > 0, token_pairs * travel, 0.0))
-    critical = float(pairs.max(1)[:steps].sum())
+    busy = (pairs + call_pairs * calls).max(1)[needed]
+    step_cost = np.maximum(busy, np.where(needed > 0, token_pairs * travel, 0.0))
+    critical = float(pairs.max(1)[needed].sum())
     total = float(pairs.sum())
     return {
         "sharding": sharding.name, "world_size": world, "seq_len": sharding.seq_len,
         "pairs": [[_number(x) for x in row] for row in pairs.tolist()],
         "critical_pairs": _number(critical), "total_pairs": _number(total),
         "balance": total / world / critical if critical else 1.0,
-        "steps": steps, "hops": int((pairs > 0).sum()), "calls": int(calls[:steps].sum()),
+        "steps": steps, "hops": int((pairs > 0).sum()), "calls": int(calls[needed].sum()),
         "travel_rows": int(travel), "cost": float(step_cost.sum()), "exact": work.exact,
     }
 
@@ -546,8 +546,8 @@ class _Search:
         pairs = by_rank.reshape(self.world ** 2, -1)[self.held_at]  # [step, rank, n]
         active = pairs > self.tiny
         busy = (pairs + active * (self.call_pairs * runs.reshape(self.world, -1))).max(1)  # [step, n]
-        last = (active.any(1) * self.steps[:, None]).max(0)  # the last step in which a rank sees keys
-        step_cost = np.maximum(busy, self.transfer[:, None]) * (self.steps[:, None] <= last)
+        needed = active.any(1) | (self.steps == 0)[:, None]  # the distances some rank reads, and its own block
+        step_cost = np.maximum(busy, self.transfer[:, None]) * needed
         # summed along a contiguous last axis, in the order the search always summed its costs in:
         # numpy adds across rows in another order, and non-integer costs could then tie otherwise
         return np.ascontiguousarray(step_cost.T).sum(-1).reshape(runs.shape[1:])
