@@ -8,8 +8,8 @@ kernel and adds little to it.
 Each rank owns a mailbox in symmetric memory (``torch.distributed._symmetric_memory``; where
 ranks share a GPU, which it refuses, one mapped by CUDA IPC): for each channel, ``SLOTS``
 slots of ``SLOT_BYTES`` and their flags. A channel carries the transfers of one shift: to the
-next rank, to the previous one, and (backward's dK/dV shares, which go straight to the
-block's owner) to each rank further away: ``max(2, world - 1)`` channels. A transfer moves in
+next rank, to the previous one, and to each rank further away (a block goes straight from
+its owner to every rank that reads it, a dK/dV share straight back): ``max(2, world - 1)`` channels. A transfer moves in
 chunks of at most a slot, copied by the driver's ``cuMemcpyAsync``. The sender waits until
 the slot is FREE, copies the chunk into the receiver's mailbox and raises the slot's READY
 flag there; the receiver waits for READY, copies the chunk out into its own tensor and raises
