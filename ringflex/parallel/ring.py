@@ -1,8 +1,8 @@
 """The ring: each step brings one rank's K/V block, straight from its owner, and runs the
 plan's hops against it. Step s brings the block of the rank ``RingCall.distance(s)`` back
 (0: the own block), over the distances at which some rank reads keys (``plan.blocks.
-distances_needed``): a mask that reads the ranks on either side runs two steps, whatever the
-number of ranks. Of each block only the rows that some other rank reads travel
+distances_needed``): a mask that reads the ranks on either side brings two blocks, whatever
+the number of ranks. Of each block only the rows that some other rank reads travel
 (``RingCall.travelling``), widened to a power of two (``plan.blocks.widened``).
 
 Results accumulate in fp32 (fp64 for fp64 inputs) and are rounded once into the input dtype
@@ -252,11 +252,12 @@ def _compact(received: Tensor) -> Tensor:
 def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, dlse=None, borrowed_q=None):
     """The ring's steps in reverse. It starts on the block forward ended on (``last_k``,
     ``last_v``, kept for it), each further step brings its block from the owner, and it ends
-    on the own block, which needs no transfer. At each step a rank sends its hops' share of the dK/dV of the block it holds straight to
-    the block's owner (``_exchange_shares``), in the dtype the kernel returned it in (the
-    input dtype for cuDNN: half the bytes of fp32; a share of hops that reach the same rows is
-    their fp32 sum rounded once, as a hop's several calls are), and receives its own block's share from the rank that holds that now. The owner
-    sums the shares, its own hops' and the borrowed rows' once, in fp32, rounded once
+    on the own block, which needs no transfer. At each step a rank sends its hops' share of
+    the dK/dV of the block it holds straight to the block's owner (``_exchange_shares``), in
+    the dtype the kernel returned it in (the input dtype for cuDNN: half the bytes of fp32; a
+    share of hops that reach the same rows is their fp32 sum rounded once, as a hop's several
+    calls are), and receives its own block's share from the rank that holds that now. The
+    owner sums the shares, its own hops' and the borrowed rows' once, in fp32, rounded once
     (``merge.RowSum``: one pass where they are at most four): no rank adds into another's
     partial sum, so no step waits for the rank before it, and no fp32 sum travels.
     ``dlse`` (None where the loss does not read the LSE) adds the LSE's share of dq and dk, a
