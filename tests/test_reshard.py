@@ -156,7 +156,7 @@ def test_a_mask_that_differs_on_one_rank_is_refused_alike_everywhere_and_the_gro
 
 def test_the_decision_pays_for_the_move():
     """At 8k tokens a rank: a window of 4096 over 4 ranks re-shards to contiguous (zigzag
-    149.4M pairs against 47.0M and 41.0M for the move of 8192 rows), not over 2 (a tie);
+    108.4M pairs against 47.0M and 41.0M for the move of 8192 rows), not over 2 (a tie);
     prefix-LM over 4 ranks runs 10.3% cheaper striped, but not once its tokens move; causal
     is zigzag's own."""
     per_rank = 8192
