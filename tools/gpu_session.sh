@@ -3,7 +3,7 @@
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash tools/gpu_session.sh check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
-#   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4 phases4docs shardcost hostprofile4 phases4mesh sharding4 documents4runs hostruns4 mesh4 bench4   # on 4 GPUs
+#   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4 phases4docs shardcost hostprofile4 phases4mesh sharding4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base4 basephases4   # on 4 GPUs: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -123,6 +123,8 @@ for stage in "$@"; do
     gputests) run gputests python3 -m pytest -q -n 4 tests/gpu ;;  # every GPU test, four at a time on one GPU
     sharding4) run sharding4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks window documents causal \
               --layouts default zigzag contiguous by-mask --iters 10 --warmup 3 --json "$OUT/sharding4.json" ;;  # vs flex CP
+    local4) run local4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks window documents causal --layouts zigzag \
+              contiguous --single-max 0 --no-cp --no-flex-cp --iters 5 --warmup 3 --json "$OUT/local4.json" ;;  # local masks over zigzag (two blocks, straight from their owners) and contiguous
     documents4runs) for n in $(seq "${RUNS:-3}"); do run documents4runs tr 4 -m benchmarks.bench --seq-lens 32768 \
               --masks documents --layouts contiguous --single-max 0 --no-cp --iters 10 --warmup 3 --rounds 3 \
               --json "$OUT/documents4_run$n.json"; done ;;  # against flex CP in fresh processes: the host time moves between them
