@@ -665,6 +665,36 @@ def test_ring_stops_where_no_rank_needs_further_blocks(mask_name, forward, backw
         assert error < 1e-10
 
 
+def _zigzag_window(rank, world_size):
+    """A window of 4 over zigzag (chunks of 4 tokens): the shifts of one forward's and
+    backward's transfers, and the largest error against the oracle."""
+    from ringflex import mods
+    mask, seq_len = mods.sliding_window(4), 8 * world_size
+    q, k, v, dout = (torch.randn(1, 2, seq_len, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+                     for i in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = attention(*full, mask_mod=mask)
+    want.backward(dout)
+    parts = [ringflex.shard(t, 2, layout="zigzag").requires_grad_() for t in (q, k, v)]
+    with _recorded_transfers(lambda comm, send, shift: (comm.phase, shift)) as seen:
+        out = ringflex.ring_flex_attention(*parts, mask_mod=mask, layout="zigzag")
+        out.backward(ringflex.shard(dout, 2, layout="zigzag"))
+    errors = [(a - ringflex.shard(b, 2, layout="zigzag")).abs().max().item()
+              for a, b in zip([out] + [t.grad for t in parts], [want] + [t.grad for t in full])]
+    return seen, max(errors)
+
+
+def test_a_window_over_zigzag_brings_the_blocks_of_both_neighbours_alone(monkeypatch):
+    """Over zigzag a window reads the ranks on either side (distances 1 and W - 1 = 3), so on 4
+    ranks forward brings those two blocks straight from their owners and skips distance 2;
+    backward starts on the block of distance 3, brings distance 1's, and sends each its
+    dK/dV share. (Without lending.)"""
+    monkeypatch.setenv("RINGFLEX_LENDING", "0")
+    for seen, error in run_world(4, _zigzag_window):
+        assert seen == [("forward", 1), ("forward", 3), ("backward", 1), ("backward", -3), ("backward", -1)], seen
+        assert error < 1e-10
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_only_the_rows_other_ranks_read_travel(world_size, monkeypatch):
     """With a kernel that reports which keys its calls reach, a window of 4 over the
