@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ringflex
+import ringflex.training
 from ringflex import mods
 
 
@@ -48,7 +49,7 @@ def main():
         err = (full_out.float() - expected.float()).abs().max().item()
         print(f"world size {dist.get_world_size()}, {args.seq_len} tokens, layout {args.layout}: "
               f"max |ring - single process| = {err:.2e}; dq norm on rank 0 = {local[0].grad.float().norm():.4f}")
-    dist.destroy_process_group()
+    ringflex.training.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import ringflex
 from ringflex.progress import Progress
-from ringflex.training import next_token_labels, shard_batch, sharded_cross_entropy
+from ringflex.training import destroy_process_group, next_token_labels, shard_batch, sharded_cross_entropy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_example import GPT  # noqa: E402  (the model of the plain torchrun example)
@@ -119,7 +119,7 @@ def train(args) -> list:
         shape = f"{replicas} dp x {dist.get_world_size() // replicas} cp" if mesh is not None else "one process"
         print(f"done: {args.steps} steps ({shape}); losses " + " ".join(f"{x:.15e}" for x in losses), flush=True)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        destroy_process_group()
     return losses
 
 

@@ -48,7 +48,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 
 import ringflex
 import ringflex.integrations.hf as ringflex_hf
-from ringflex.training import next_token_labels, shard_batch, sharded_cross_entropy
+from ringflex.training import destroy_process_group, next_token_labels, shard_batch, sharded_cross_entropy
 
 
 # ----------------------------------------------------------------------------- data
@@ -261,7 +261,7 @@ def main(argv=None):
               f"({dp_size} x a ring of {world // dp_size}), transformers {transformers.__version__}, "
               f"held-out loss {loss:.12e}", flush=True)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        destroy_process_group()
     return loss
 
 

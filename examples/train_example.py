@@ -32,7 +32,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import ringflex
 from ringflex.progress import Progress
-from ringflex.training import next_token_labels, reduce_gradients, shard_batch, sharded_cross_entropy
+from ringflex.training import (destroy_process_group, next_token_labels, reduce_gradients, shard_batch,
+                               sharded_cross_entropy)
 
 # What a GPU model calls: torch.compile of flex_attention and create_block_mask (made by train()).
 compiled_flex_attention = compiled_create_block_mask = None
@@ -324,7 +325,7 @@ def main():
         sys.exit(0 if compare(args.compare, args.compare_steps, args.tolerance, args.plot) else 1)
     train(args)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 if __name__ == "__main__":

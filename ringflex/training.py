@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import time
 from typing import Iterable, List, Mapping, Optional
 
 import torch
@@ -150,6 +151,22 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group=None) -> No
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
+
+
+# torch's gloo may abort a CPU rank (SIGABRT, "terminate called without an active exception")
+# that tears its group down right after point-to-point transfers; a pause before lets them end.
+_GLOO_PAUSE_S = 0.5
+
+
+def destroy_process_group(group=None) -> None:
+    """``torch.distributed.destroy_process_group``, for the end of a script: on gloo every
+    rank first waits for the others and pauses, since torch's gloo may abort a rank that tears
+    its group down right after point-to-point transfers, such as a CPU ring's (docs/reliability.md,
+    "Not covered"), once every result is complete."""
+    if "gloo" in str(dist.get_backend(group)):
+        dist.barrier(group)
+        time.sleep(_GLOO_PAUSE_S)
+    dist.destroy_process_group(group)
 
 
 def _dtensor():
