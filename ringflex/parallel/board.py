@@ -33,6 +33,7 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 
 from .. import config
+from .groups import gather_objects
 
 SLOT_BYTES = 4096  # a record of up to 500 ints: the argument check's is about 100
 _HEAD = struct.Struct("<qq")  # the exchange's number, the record's length in bytes
@@ -124,7 +125,7 @@ def _make(group) -> Optional[Board]:
     except ValueError:  # the argument check refuses the call with the setting's error
         wanted = False
     here = (_host(), wanted)
-    everyone = _gather(group, here)
+    everyone = gather_objects(group, here)
     if not all(wanted for _, wanted in everyone) or len({host for host, _ in everyone}) > 1:
         return None
     path = None
@@ -135,7 +136,7 @@ def _make(group) -> Optional[Board]:
                 f.truncate(_PIDS.size * world_size + 2 * world_size * SLOT_BYTES)
         except OSError:
             path = None
-    path = _gather(group, path)[0]
+    path = gather_objects(group, path)[0]
     memory = None
     if path is not None:
         try:
@@ -144,7 +145,7 @@ def _make(group) -> Optional[Board]:
             memory[rank * _PIDS.size:(rank + 1) * _PIDS.size] = _PIDS.pack(os.getpid())
         except (OSError, ValueError):
             memory = None
-    opened = _gather(group, memory is not None)  # also: every rank has written its process id
+    opened = gather_objects(group, memory is not None)  # also: every rank has written its process id
     if rank == 0 and path is not None:
         os.unlink(path)  # the mappings stay; nothing is left behind when the processes end
     if not all(opened):
@@ -170,9 +171,3 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
-
-
-def _gather(group, value) -> list:
-    values: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(values, value, group=group)
-    return values

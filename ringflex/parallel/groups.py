@@ -1,6 +1,9 @@
 """Which process group a ``group`` argument names: a ProcessGroup, a 1-D DeviceMesh (the
-context-parallel dimension of a larger mesh, ``mesh["cp"]``) or None (the default group)."""
+context-parallel dimension of a larger mesh, ``mesh["cp"]``) or None (the default group);
+and every rank's Python value, gathered."""
 from __future__ import annotations
+
+from typing import List
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,3 +41,10 @@ def rank_and_size(group):
         return 0, 1
     group = process_group(group)
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def gather_objects(group, value) -> List:
+    """Every rank's ``value`` (picklable), in rank order; over NCCL on the current device."""
+    values: List = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values

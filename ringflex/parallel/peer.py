@@ -54,6 +54,7 @@ from torch import Tensor
 
 from .. import config
 from ..config import warn_once
+from .groups import gather_objects
 
 SLOT_BYTES = 32 << 20
 SLOTS = 4  # per channel: 128 MiB of mailbox per rank and channel
@@ -166,7 +167,7 @@ class PeerTransport:
             self.peer_mailbox = {r: self._handle.get_buffer(r, (total,), torch.uint8) for r in set(self.to)}
         self.mailbox[:_FLAGS_BYTES].view(torch.int32).fill_(MARKS[1])  # as after an odd use
         torch.cuda.synchronize(device)
-        _gather(group, None)  # no rank raises a flag in a mailbox before its owner has set them
+        gather_objects(group, None)  # no rank raises a flag in a mailbox before its owner has set them
         self.base = {r: mailbox.data_ptr() for r, mailbox in (*self.peer_mailbox.items(), (rank, self.mailbox))}
         self.rank = rank
         self.streams = [(torch.cuda.Stream(device), torch.cuda.Stream(device)) for _ in self.shifts]  # (send, recv)
@@ -308,7 +309,7 @@ def _ipc_mailboxes(group, mailbox: Tensor, ranks) -> dict:
     CUDA tensors between processes), which serves ranks that share a GPU."""
     from torch.multiprocessing.reductions import reduce_tensor
     rebuild, mine = reduce_tensor(mailbox)
-    shared = _gather(group, mine)
+    shared = gather_objects(group, mine)
     return {r: rebuild(*shared[r]) for r in ranks}
 
 
@@ -344,7 +345,7 @@ def transport(group, device: torch.device) -> Optional[PeerTransport]:
     found = None
     if wanted != "nccl":
         with torch.cuda.device(device):
-            ranks = _gather(group, (socket.gethostname(), local_reason(device), _uuid(device)))
+            ranks = gather_objects(group, (socket.gethostname(), local_reason(device), _uuid(device)))
             why = _why_not(group, device, ranks)
             if why is None:
                 try:
@@ -385,17 +386,10 @@ def _why_not(group, device: torch.device, ranks) -> Optional[str]:
     local = {_uuid(torch.device("cuda", i)): i for i in range(torch.cuda.device_count())}
     blocked = [u for u in peers if u in local and local[u] != device.index
                and not torch.cuda.can_device_access_peer(device.index, local[u])]
-    verdicts = _gather(group, bool(blocked))
+    verdicts = gather_objects(group, bool(blocked))
     if any(verdicts):
         return f"rank {verdicts.index(True)} cannot access another rank's GPU memory (no peer access)"
     return None
-
-
-def _gather(group, value) -> List:
-    """Every rank's ``value``; NCCL gathers on the current device (``transport`` sets it)."""
-    values: List = [None] * dist.get_world_size(group)
-    dist.all_gather_object(values, value, group=group)
-    return values
 
 
 def local_reason(device: torch.device) -> Optional[str]:
