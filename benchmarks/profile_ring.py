@@ -103,6 +103,42 @@ def gpu_idle(trace: dict, calls: int, top: int = 3) -> dict:
             "longest": [(round(g / 1e3, 3), a[:40], b[:40]) for g, a, b in longest]}
 
 
+def host_behind_gaps(trace: dict, top: int = 3, functions: int = 12) -> list:
+    """For the ``top`` longest gaps in which the SMs compute nothing: the host's Python
+    functions (with ``--with-stack``), by their own time, between the launch of the kernel
+    before the gap and the launch of the kernel after it: what the host did while the GPU
+    waited for it (a gap the host launched ahead of is a wait for a transfer instead)."""
+    events = [e for e in trace.get("traceEvents", ()) if e.get("ph") == "X"]
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("correlation")) for e in events
+                     if e.get("cat") in ("kernel", "gpu_memset") and "nccl" not in e["name"].lower())
+    gaps, end, before = [], None, None
+    for start, stop, corr in kernels:
+        if end is not None and start > end and before in launches and corr in launches:
+            gaps.append((start - end, launches[before], launches[corr]))
+        if end is None or stop > end:
+            end, before = stop, corr
+    python = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "python_function")
+    found = []
+    for gap, lo, hi in sorted(gaps, reverse=True)[:top]:
+        own, stack = {}, []  # each function's time less its callees', within [lo, hi]
+        for start, stop, name in python:
+            if stop <= lo or start >= hi:
+                continue
+            start, stop = max(start, lo), min(stop, hi)
+            while stack and stack[-1][1] <= start:
+                stack.pop()
+            if stack:
+                own[stack[-1][2]] = own.get(stack[-1][2], 0.0) - (stop - start)
+            own[name] = own.get(name, 0.0) + (stop - start)
+            stack.append((start, stop, name))
+        hottest = sorted(own.items(), key=lambda kv: -kv[1])[:functions]
+        found.append({"gap_ms": round(gap / 1e3, 3), "host_ms_between_launches": round((hi - lo) / 1e3, 3),
+                      "host": [(name[:90], round(us / 1e3, 3)) for name, us in hottest]})
+    return found
+
+
 def measure(fn, iters: int) -> dict:
     """Host ms per call, wall ms per call with the GPU drained, and back-to-back ms per call."""
     fn()
@@ -140,6 +176,8 @@ def main():
     p.add_argument("--gpu-only", action="store_true",
                    help="record GPU activity only: the host runs at its own pace, not the profiler's (no CPU ops "
                         "in the trace)")
+    p.add_argument("--with-stack", action="store_true",
+                   help="record Python functions too, and print what the host ran behind the longest idle gaps")
     p.add_argument("--trace", help="write a chrome trace (gzip) of rank 0's first workload here, or, if the "
                                    "name has a {} (filled with tokens_mask_rank), of every workload and rank")
     args = p.parse_args()
@@ -184,7 +222,7 @@ def main():
             row = {"fwd": measure(forward, args.iters), "fwd_bwd": measure(forward_backward, args.iters)}
             calls = args.profiled_calls
             activities = [ProfilerActivity.CUDA] if args.gpu_only else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-            with profile(activities=activities) as prof:
+            with profile(activities=activities, with_stack=args.with_stack) as prof:
                 for _ in range(calls):
                     forward_backward()
                 torch.cuda.synchronize()
@@ -193,7 +231,11 @@ def main():
                 plain = os.path.join(tmp, "trace.json")
                 prof.export_chrome_trace(plain)  # a profile exports once
                 with open(plain) as f:
-                    idle = gpu_idle(json.load(f), calls)
+                    chrome = json.load(f)
+                idle = gpu_idle(chrome, calls)
+                if args.with_stack:
+                    idle["host_behind_gaps"] = host_behind_gaps(chrome)
+                del chrome
                 if trace and (rank == 0 or "{}" in trace):
                     path = trace.format(f"{seq_len}_{mask}_{rank}")
                     with open(plain, "rb") as f, (gzip.open if path.endswith(".gz") else open)(path, "wb") as g:

@@ -3,7 +3,7 @@
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash tools/gpu_session.sh check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
-#   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4 phases4docs shardcost hostprofile4 phases4mesh sharding4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
+#   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4 phases4docs gaps4 launch4 shardcost hostprofile4 phases4mesh sharding4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base4 basephases4   # on 4 GPUs: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -111,6 +111,13 @@ for stage in "$@"; do
                    --calls 30
                  run phases4docs tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --cases documents:contiguous \
                    --calls 30 --no-timers ;;  # packed documents' host time by phase, and without the timers
+    gaps4) run gaps4 tr 4 -m benchmarks.profile_ring --seq-lens 32768 --masks causal none --iters 5 --profiled-calls 2 \
+             --with-stack
+           CUDA_VISIBLE_DEVICES=0,1 run gaps4 tr 2 -m benchmarks.profile_ring --seq-lens 16384 --masks none causal \
+             --iters 5 --profiled-calls 2 --with-stack ;;  # what the host runs while the GPUs idle, 8k tokens per GPU
+    launch4) CUDA_VISIBLE_DEVICES=0 run launch4 python3 -m benchmarks.probes.launch_cost
+             run launch4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --no-timers --calls 30 --ab-launch 6 \
+               --cases documents:contiguous window:zigzag causal:zigzag ;;  # the fused merge launched directly vs the JIT
     shardcost) run shardcost python3 -m benchmarks.sharding_model --world-sizes 4 --device cuda ;;  # shard_by_mask's host time, ids on the GPU
     hostprofile4) run hostprofile4 tr 4 -m benchmarks.profile_ring --seq-lens 32768 --masks documents --layout contiguous \
                     --iters 5 --profiled-calls 2 --gpu-only --host-profile 30 --host-profile-rank 2

@@ -9,7 +9,8 @@ than cProfile (``profile_ring.py --host-profile``), which inflates every Python 
     torchrun --nproc_per_node=4 -m benchmarks.probes.host_phases --seq-len 32768 --mesh 4x1 --forward-only
 
 ``--ab-agreement ROUNDS`` times rounds of calls with the argument check's records on the
-shared-memory board and over gloo in turn, in one process (host time moves between processes).
+shared-memory board and over gloo in turn, in one process (host time moves between processes);
+``--ab-launch ROUNDS`` the fused merge's kernels launched directly and through Triton's JIT.
 
 ``--mesh AxR`` times calls over a heads x ring mesh of every rank (its argument check and
 all-to-alls are phases too); ``--forward-only`` times forward calls alone, which no backward
@@ -149,20 +150,20 @@ def _exchange_us(group, times: int = 200) -> str:
     return f"median {spent[times // 2]:.0f} us, 90th percentile {spent[times * 9 // 10]:.0f} us ({times} in a row)"
 
 
-def _ab_agreement(forward_backward, rounds: int, calls: int, what: str) -> None:
-    """Host ms per call with the argument check's records on the board and over gloo, in turn."""
-    on_board = board.of
+def _alternate(forward_backward, rounds: int, calls: int, what: str, settings: dict) -> None:
+    """Host ms per call under each of ``settings`` (name -> a function that applies it), in
+    turn, in one process (host time moves between processes); the first is restored after."""
     spent = collections.defaultdict(list)
     for _ in range(rounds):
-        for name, of in (("board", on_board), ("gloo", lambda group: None)):
-            board.of = of
+        for name, apply in settings.items():
+            apply()
             torch.cuda.synchronize()
             dist.barrier()
             start = time.perf_counter()
             for _ in range(calls):
                 forward_backward()
             spent[name].append((time.perf_counter() - start) / calls * 1e3)
-    board.of = on_board
+    next(iter(settings.values()))()
     line = f"rank {dist.get_rank()}, {what}: " + "; ".join(
         f"{name} " + " ".join(f"{ms:.2f}" for ms in times) + f" (median {statistics.median(times):.2f})"
         for name, times in spent.items()) + " ms per call"
@@ -170,6 +171,27 @@ def _ab_agreement(forward_backward, rounds: int, calls: int, what: str) -> None:
     dist.all_gather_object(gathered, line)
     if dist.get_rank() == 0:
         print("\n".join(gathered), flush=True)
+
+
+def _agreement_settings() -> dict:
+    """The argument check's records on the shared-memory board, or over gloo."""
+    on_board = board.of
+    return {"board": lambda: setattr(board, "of", on_board), "gloo": lambda: setattr(board, "of", lambda group: None)}
+
+
+def _launch_settings() -> dict:
+    """The fused merge's kernels launched directly (``kernels.launch``), or through Triton's JIT."""
+    launchers = fused_merge._kernels()
+    knobs = [launcher.knobs for launcher in launchers]
+
+    def direct():
+        for launcher, k in zip(launchers, knobs):
+            launcher.knobs = k
+
+    def jit():
+        for launcher in launchers:
+            launcher.knobs = None  # as where Triton has no knobs: every launch through the JIT
+    return {"direct": direct, "jit": jit}
 
 
 def main():
@@ -185,6 +207,8 @@ def main():
     p.add_argument("--forward-only", action="store_true", help="forward calls alone, no backward")
     p.add_argument("--ab-agreement", type=int, metavar="ROUNDS",
                    help="rounds of --calls calls, the records over the shared-memory board and over gloo in turn")
+    p.add_argument("--ab-launch", type=int, metavar="ROUNDS",
+                   help="rounds of --calls calls, the fused merge launched directly and through Triton's JIT in turn")
     args = p.parse_args()
     device, world = init(), dist.get_world_size()
     group = None
@@ -219,7 +243,9 @@ def main():
         torch.cuda.synchronize()
         dist.barrier()
         if args.ab_agreement:
-            _ab_agreement(forward_backward, args.ab_agreement, args.calls, f"{mask} over {layout}")
+            _alternate(forward_backward, args.ab_agreement, args.calls, f"{mask} over {layout}", _agreement_settings())
+        if args.ab_launch:
+            _alternate(forward_backward, args.ab_launch, args.calls, f"{mask} over {layout}", _launch_settings())
             continue
         SPENT.clear()
         CALLS.clear()

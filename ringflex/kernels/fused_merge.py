@@ -19,6 +19,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .launch import Launcher
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_ROWS = 32
 _MAX_ROWS = 65535 * _BLOCK_ROWS
@@ -73,11 +75,11 @@ def merge(d: Tensor, parts: Sequence[Tuple[Tensor, Tensor, Optional[Tensor]]], l
     for rows in _launches(*xs, *lses, *ress, d, lse, lse if res is None else res):
         xs_, lses_, ress_ = rows[:4], rows[4:8], rows[8:12]
         d_, lse_, res_ = rows[12:]
-        _kernels()[0][_grid(d_)](
+        _kernels()[0].launch(_grid(d_), (
             *xs_, *lses_, *ress_, d_, lse_, res_, d.shape[1], d_.shape[2], d.shape[3],
             *(n for x in xs_ for n in _in_rows(x)), *(n for t in lses_ for n in t.stride()),
-            *(n for t in ress_ for n in t.stride()), *_in_rows(d_), *lse_.stride(), *res_.stride(),
-            PARTS=count, **has, RES=res is not None, **_blocks(d))
+            *(n for t in ress_ for n in t.stride()), *_in_rows(d_), *lse_.stride(), *res_.stride()),
+            dict(PARTS=count, **has, RES=res is not None, **_blocks(d)))
 
 
 def add(d: Tensor, parts: Sequence[Tensor]) -> None:
@@ -86,10 +88,10 @@ def add(d: Tensor, parts: Sequence[Tensor]) -> None:
     a, b, c, e = list(parts) + [parts[0]] * (MAX_PARTS - len(parts))  # unread beyond ``len(parts)``
     for rows in _launches(a, b, c, e, d):
         a_, b_, c_, e_, d_ = rows
-        _kernels()[1][_grid(d_)](
+        _kernels()[1].launch(_grid(d_), (
             a_, b_, c_, e_, d_, d.shape[1], d_.shape[2], d.shape[3],
-            *_in_rows(a_), *_in_rows(b_), *_in_rows(c_), *_in_rows(e_), *_in_rows(d_), PARTS=len(parts),
-            **_blocks(d))
+            *_in_rows(a_), *_in_rows(b_), *_in_rows(c_), *_in_rows(e_), *_in_rows(d_)),
+            dict(PARTS=len(parts), **_blocks(d)))
 
 
 def _launches(*tensors: Tensor):
@@ -111,7 +113,7 @@ def _grid(d: Tensor):
 
 
 def _blocks(d: Tensor) -> dict:
-    return dict(BLOCK_ROWS=_BLOCK_ROWS, BLOCK_DIM=max(16, 1 << (d.shape[3] - 1).bit_length()), num_warps=4)
+    return dict(BLOCK_ROWS=_BLOCK_ROWS, BLOCK_DIM=max(16, 1 << (d.shape[3] - 1).bit_length()))
 
 
 def _in_rows(t: Tensor):
@@ -131,7 +133,9 @@ def _kernels():
     strides = [f"x{i}_r{s}" for i in range(4) for s in "bh"]  # the parts' batch and head strides, then their stats'
     strides += [f"{n}{i}_s{s}" for n in "lr" for i in range(4) for s in "bh"]
 
-    @triton.jit(do_not_specialize=["heads", "length", *strides, "d_rb", "d_rh", "lo_sb", "lo_sh", "ro_sb", "ro_sh"])
+    merge_free = ["heads", "length", *strides, "d_rb", "d_rh", "lo_sb", "lo_sh", "ro_sb", "ro_sh"]
+
+    @triton.jit(do_not_specialize=merge_free)
     def lse_merge(x0, x1, x2, x3, l0, l1, l2, l3, r0, r1, r2, r3, d, lo, ro, heads, length, dim,
                   x0_rb, x0_rh, x0_sl, x1_rb, x1_rh, x1_sl, x2_rb, x2_rh, x2_sl, x3_rb, x3_rh, x3_sl,
                   l0_sb, l0_sh, l0_sl, l1_sb, l1_sh, l1_sl, l2_sb, l2_sh, l2_sl, l3_sb, l3_sh, l3_sl,
@@ -199,8 +203,9 @@ def _kernels():
             tl.store(ro + batch * ro_sb + head * ro_sh + row64 * ro_sl,
                      tl.where(seen, (top - merged) + log_sum, 0.0), mask=in_rows)
 
-    @triton.jit(do_not_specialize=["heads", "length", "a_rb", "a_rh", "b_rb", "b_rh", "c_rb", "c_rh", "e_rb", "e_rh",
-                                   "d_rb", "d_rh"])
+    sum_free = ["heads", "length", "a_rb", "a_rh", "b_rb", "b_rh", "c_rb", "c_rh", "e_rb", "e_rh", "d_rb", "d_rh"]
+
+    @triton.jit(do_not_specialize=sum_free)
     def sum_parts(a, b, c, e, d, heads, length, dim, a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, c_rb, c_rh, c_sl,
                   e_rb, e_rh, e_sl, d_rb, d_rh, d_sl, PARTS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                   BLOCK_DIM: tl.constexpr):
@@ -220,4 +225,4 @@ def _kernels():
         tl.store(d + (batch * d_rb + head * d_rh + row[:, None]) * d_sl + cols, total.to(d.dtype.element_ty),
                  mask=both)
 
-    return lse_merge, sum_parts
+    return Launcher(lse_merge, merge_free, num_warps=4), Launcher(sum_parts, sum_free, num_warps=4)

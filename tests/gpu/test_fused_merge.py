@@ -197,3 +197,19 @@ def test_rows_copied_contiguous_by_the_fused_kernel(dtype):
     assert copy[0, 0, 3, 2].isnan() and contiguous_rows(copy) is copy
     lse = torch.randn(2, 3, 100, device="cuda").narrow(2, 37, 50)  # [B, H, L]: torch copies it
     assert torch.equal(contiguous_rows(lse), lse.contiguous())
+
+
+@pytest.mark.gpu
+def test_direct_launches_match_the_jit_for_every_specialisation():
+    """After the first launch of a specialisation, the kernels launch through the compiled
+    launcher (``kernels.launch``): the same sums as the JIT, for aligned and unaligned rows
+    (a pointer's alignment is part of what Triton compiles for) and for new lengths and strides."""
+    adder = fused_merge._kernels()[1]
+    before = len(adder.compiled)
+    for offset, length in [(0, 64), (0, 64), (1, 64), (1, 64), (0, 100), (3, 37)]:
+        base = torch.randn(2, 3, length + 8, 64, device="cuda", dtype=torch.bfloat16)
+        a, b = base.narrow(2, offset, length), torch.randn(2, 3, length, 64, device="cuda", dtype=torch.bfloat16)
+        d = torch.empty(2, 3, length, 64, device="cuda", dtype=torch.bfloat16)
+        fused_merge.add(d, [a, b])
+        assert torch.equal(d, (a.float() + b.float()).to(d.dtype))
+    assert len(adder.compiled) > before  # the launches after the first of each went straight to the launcher

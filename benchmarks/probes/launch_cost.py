@@ -1,0 +1,52 @@
+"""Host time of one launch of the fused merge's Triton kernels: launched directly
+(``kernels.launch``), through Triton's JIT, and torch's own ops beside them (one GPU).
+
+    python3 -m benchmarks.probes.launch_cost
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ringflex.kernels import fused_merge
+
+
+def per_call_us(fn, calls: int = 2000) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def main():
+    import triton
+    print("triton", triton.__version__, "torch", torch.__version__)
+    dev = torch.device("cuda")
+    shape = (1, 32, 1024, 128)
+    a, b, d = (torch.randn(shape, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    lse = [torch.randn(shape[:3], device=dev) for _ in range(3)]
+    view = torch.randn((1, 32, 2048, 128), device=dev, dtype=torch.bfloat16)[:, :, :1024]
+    adder = fused_merge._kernels()[1]
+    args = (a, b, a, a, d, d.shape[1], d.shape[2], d.shape[3], *fused_merge._in_rows(a), *fused_merge._in_rows(b),
+            *fused_merge._in_rows(a), *fused_merge._in_rows(a), *fused_merge._in_rows(d))
+    rows = {
+        "fused add, one part (a copy)": lambda: fused_merge.add(d, [a]),
+        "fused add, two parts": lambda: fused_merge.add(d, [a, b]),
+        "fused add, two parts, through the JIT": lambda: adder.kernel[fused_merge._grid(d)](
+            *args, PARTS=2, **fused_merge._blocks(d), num_warps=4),
+        "fused merge, two parts": lambda: fused_merge.merge(d, [(a, lse[0], None), (b, lse[1], None)], lse[2]),
+        "torch copy_ of rows (a view)": lambda: d.copy_(view),
+        "torch add, out=": lambda: torch.add(a, b, out=d),
+    }
+    for name, fn in rows.items():
+        print(f"{name:40s} {per_call_us(fn):7.1f} us host per call")
+
+
+if __name__ == "__main__":
+    main()
