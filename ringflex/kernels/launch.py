@@ -32,6 +32,11 @@ def _knobs():
     return knobs
 
 
+def _set(hook) -> bool:
+    """Whether a launch hook is set: a function, or a chain of them (Triton 3.5 on) not empty."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class Launcher:
     """``launch(grid, args, constants)`` of one ``triton.jit`` function whose arguments are
     ``args`` (tensors and ints, in order) and then ``constants`` (its ``tl.constexpr``
@@ -65,9 +70,9 @@ class Launcher:
 
     def launch(self, grid, args: Sequence, constants: dict) -> None:
         values = tuple(constants.values())
-        hooks = self.knobs is None or (self.knobs.runtime.launch_enter_hook is not None
-                                       or self.knobs.runtime.launch_exit_hook is not None)
-        key = None if hooks else self._key(args, values)
+        hooked = self.knobs is None or _set(self.knobs.runtime.launch_enter_hook) or _set(
+            self.knobs.runtime.launch_exit_hook)
+        key = None if hooked else self._key(args, values)
         compiled = self.compiled.get(key) if key is not None else None
         if compiled is None:
             if self.names[len(args):] != list(constants):
