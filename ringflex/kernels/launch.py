@@ -49,6 +49,7 @@ class Launcher:
         self.free = frozenset(names.index(n) for n in free)
         self.names = names
         self.compiled: Dict[tuple, object] = {}
+        self.tensors = self.ints = None  # the positions of the tensor and specialised integer arguments
         self.knobs = _knobs()
         if self.knobs is None:
             import triton
@@ -58,15 +59,13 @@ class Launcher:
     def _key(self, args: Sequence, constants: tuple) -> tuple:
         """What the compiled kernel depends on, as Triton specialises: each pointer's dtype and
         16-byte alignment, each specialised integer's value, the other integers' width."""
-        key = [torch.cuda.current_device(), constants]
-        for i, a in enumerate(args):
-            if isinstance(a, Tensor):
-                key.append((a.dtype, a.data_ptr() % 16 == 0))
-            elif i in self.free:
-                key.append(-_INT32 <= a < _INT32)
-            else:
-                key.append(a)
-        return tuple(key)
+        if self.tensors is None:  # where the tensors and integers are: the same at every launch
+            self.tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+            self.ints = [i for i, a in enumerate(args) if i not in self.free and not isinstance(a, Tensor)]
+        tensors = [args[i] for i in self.tensors]
+        return (torch.cuda.current_device(), constants, *[t.dtype for t in tensors],
+                *[t.data_ptr() % 16 == 0 for t in tensors], *[args[i] for i in self.ints],
+                all(-_INT32 <= args[i] < _INT32 for i in self.free))
 
     def launch(self, grid, args: Sequence, constants: dict) -> None:
         values = tuple(constants.values())
