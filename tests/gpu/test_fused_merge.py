@@ -207,9 +207,11 @@ def test_direct_launches_match_the_jit_for_every_specialisation():
     adder = fused_merge._kernels()[1]
     adder.compiled.clear()
     for offset, length in [(0, 64), (0, 64), (1, 64), (1, 64), (0, 100), (3, 37)]:
-        base = torch.randn(2, 3, length + 8, 64, device="cuda", dtype=torch.bfloat16)
-        a, b = base.narrow(2, offset, length), torch.randn(2, 3, length, 64, device="cuda", dtype=torch.bfloat16)
-        d = torch.empty(2, 3, length, 64, device="cuda", dtype=torch.bfloat16)
+        shape = (2, 3, length, 64)
+        flat = torch.randn(math.prod(shape) + 8, device="cuda", dtype=torch.bfloat16)
+        a = flat[offset:offset + math.prod(shape)].view(shape)  # offset 1 or 3: not 16-byte aligned
+        b = torch.randn(2, 3, length + 5, 64, device="cuda", dtype=torch.bfloat16).narrow(2, 2, length)  # rows
+        d = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
         fused_merge.add(d, [a, b])
         assert torch.equal(d, (a.float() + b.float()).to(d.dtype))
     # one compiled kernel per specialisation (aligned and unaligned rows): the launches after
