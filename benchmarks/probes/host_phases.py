@@ -75,6 +75,7 @@ PHASES = [
     (ring, "_exchange_shares", "  dK/dV shares exchanged"),
     (fused_merge, "add", "Triton launches: sums and copies"), (fused_merge, "merge", "Triton launches: merges"),
     (cudnn.graphs, "graph", "cuDNN graph lookups"),
+    (torch.cuda, "is_current_stream_capturing", "CUDA-graph capture queries (every caller)"),
     (captured, "parts", "walks of a mod's parts (every caller)"),
     (blocks, "fingerprint", "hashes of a mod: plan caches"), (agreement, "fingerprint", "hashes of a mod: the agreement"),
     (ring, "lend_forward", "  lending: queries sent, borrowed rows computed (forward)"),
