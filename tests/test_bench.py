@@ -34,6 +34,25 @@ def test_gpu_idle_from_a_trace():
     assert idle["longest"] == [(0.1, "copy", "merge"), (0.05, "merge", "attention")]
 
 
+def test_host_behind_gaps_from_a_trace():
+    """profile_ring --with-stack: behind the longest idle gap, the host's Python functions by
+    their own time between the launch of the kernel before the gap and that of the kernel after
+    it, whether the runtime or the driver (Triton) launched them."""
+    from benchmarks.profile_ring import host_behind_gaps
+    kernel = lambda ts, dur, name, corr: dict(ph="X", cat="kernel", ts=ts, dur=dur, name=name,  # noqa: E731
+                                              args={"correlation": corr})
+    launch = lambda ts, cat, corr: dict(ph="X", cat=cat, ts=ts, dur=5, name="launch",  # noqa: E731
+                                        args={"correlation": corr})
+    python = lambda ts, dur, name: dict(ph="X", cat="python_function", ts=ts, dur=dur, name=name)  # noqa: E731
+    events = [kernel(100, 50, "merge", 1), kernel(1150, 100, "attention", 2),  # idle from 150 to 1150
+              launch(90, "cuda_driver", 1), launch(1100, "cuda_runtime", 2),
+              python(0, 2000, "backward"), python(200, 600, "setup"), python(300, 200, "plan"),
+              python(1500, 100, "later")]  # after the second launch: not behind the gap
+    gap, = host_behind_gaps({"traceEvents": events}, top=1)
+    assert gap["gap_ms"] == 1.0 and gap["host_ms_between_launches"] == 1.01
+    assert gap["host"] == [("backward", 0.41), ("setup", 0.4), ("plan", 0.2)]  # each less its callees' time
+
+
 def _bench_mesh(rank, world_size):
     from benchmarks import bench_mesh
     rows = bench_mesh.run(bench_mesh.parse_args(["--device", "cpu", "--tokens-per-rank", "32", "--heads", "4",

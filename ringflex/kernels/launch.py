@@ -25,9 +25,13 @@ _INT32 = 1 << 31
 
 
 def _knobs():
+    """``triton.knobs`` (Triton 3.4 on), or None, said once: then every launch goes through the JIT."""
     try:
         from triton import knobs
     except ImportError:
+        import triton
+        warn_once(f"ringflex: Triton {triton.__version__} launches the fused merge through its JIT, about 30 us "
+                  "more host time per launch than Triton 3.4 or newer, which ringflex launches directly")
         return None
     return knobs
 
@@ -51,10 +55,6 @@ class Launcher:
         self.compiled: Dict[tuple, object] = {}
         self.tensors = self.ints = None  # the positions of the tensor and specialised integer arguments
         self.knobs = _knobs()
-        if self.knobs is None:
-            import triton
-            warn_once(f"ringflex: Triton {triton.__version__} launches the fused merge through its JIT, about 30 us "
-                      "more host time per launch than Triton 3.4 or newer, which ringflex launches directly")
 
     def _key(self, args: Sequence, constants: tuple) -> tuple:
         """What the compiled kernel depends on, as Triton specialises: each pointer's dtype and

@@ -36,13 +36,20 @@ from .workload import Workload, workload
 # The cost model's weights, in (query, key) pairs of one head's attention (fwd + bwd):
 # - a kernel call costs about as long as 1.3 million pairs beyond its own (cuDNN on an H100
 #   at B=1, H=32, D=128: kernels/cudnn/kernel.py); it scales as 1 / (batch * heads * head_dim).
-# - a row of K and V that travels one hop (and its dK, dV back) costs about as long as 5000
-#   pairs: compute and transfer both grow with heads * head_dim, so this holds at any size
-#   of heads, and is a property of the GPU and its links. Fitted to 4x H100 (NVLink) at 8k
-#   tokens per GPU: a window of 4096 over zigzag 19.3 ms against 5.2 over contiguous, and
-#   causal over zigzag at an efficiency of 0.81 (docs/sharding.md).
+# - a row of K and V that travels one ring step (and its dK, dV share back) costs about as
+#   long as 3000 pairs: compute and transfer both grow with heads * head_dim, so this holds
+#   at any size of heads, and is a property of the GPU and its links. Fitted to 4x H100
+#   (copy engines, each block straight from its owner) at 8k tokens per GPU: windows, packed
+#   documents and causal over zigzag and contiguous, whose times an affine function of the
+#   cost gives within 18% (5000 gave 34%: docs/sharding.md).
+# - a row that re-sharding moves (``resharding``) costs about 5000: it carries q, k and v
+#   there and the output back (dO there and dq, dk, dv back in backward), twice the tensors
+#   of a travelling row, over an all-to-all that spreads them over the links to every other
+#   rank; measured, the move of 8192 rows a rank took 3.8-4.2 ms on 4x H100 (about 90 us per
+#   million pairs there).
 CALL_PAIRS = 1_300_000
-TOKEN_PAIRS = 5_000
+TOKEN_PAIRS = 3_000
+MOVE_PAIRS = 5_000
 
 
 
@@ -263,11 +270,6 @@ def shard_by_mask(mask_mod: Optional[Callable], seq_len: int, world_size: int, *
     return min(found, key=lambda c: c[1]["cost"])[0]
 
 
-# Moving a call's tokens to another sharding and back costs about ``TOKEN_PAIRS`` per row
-# that the busiest rank sends: a moved row carries q, k and v there and the output back (and
-# in backward dO there and dq, dk and dv back), twice the tensors of a row that travels one
-# ring hop (K and V, and dK and dV back), but an all-to-all spreads a rank's rows over its
-# links to every other rank at once, where a hop has the link to one neighbour.
 @dataclass(frozen=True)
 class Resharding:
     """Where a call left in the default layout runs instead: its tokens move from ``source``
@@ -305,7 +307,7 @@ def resharding(mask_mod: Optional[Callable], seq_len: int, world_size: int, layo
         return None
     source = Sharding.of_layout(layout, seq_len, world_size)
     rows = _most_rows_sent(source, best)
-    moving = TOKEN_PAIRS * rows
+    moving = MOVE_PAIRS * rows
     if cost + moving < 0.9 * given:
         _RESHARDINGS[key] = Resharding(source, best, (
             f"ringflex: this mask runs an estimated {given / cost:.1f}x slower in the default layout {layout!r} than "
