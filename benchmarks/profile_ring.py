@@ -83,21 +83,28 @@ def gpu_time_by_family(prof, calls: int) -> dict:
             "top_other": {k: f"{ms:.3f} ms in {count:g} calls" for k, (ms, count) in top}}
 
 
-def gpu_idle(trace: dict, calls: int, top: int = 3) -> dict:
-    """From a chrome trace: milliseconds per call in which this GPU's SMs compute nothing (no
-    kernel or memset on any stream but NCCL's, whose kernels spin while they wait; copies run
-    on copy engines, beside the SMs), between the first start and the last end, and the
-    ``top`` longest such gaps with the work before and after them: where a ring waits for a
-    transfer or for its host."""
-    spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace.get("traceEvents", ())
-                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset")
-                   and "nccl" not in e["name"].lower())
+def _idle_gaps(trace: dict) -> list:
+    """(microseconds, the kernel before, the kernel after) of every stretch in which this GPU's
+    SMs compute nothing: no kernel or memset on any stream but NCCL's, whose kernels spin while
+    they wait (copies run on copy engines, beside the SMs), between the first start and the last end."""
+    spans = sorted((e for e in trace.get("traceEvents", ()) if e.get("ph") == "X" and
+                    e.get("cat") in ("kernel", "gpu_memset") and "nccl" not in e["name"].lower()),
+                   key=lambda e: (e["ts"], e["ts"] + e["dur"], e["name"]))
     gaps, end, before = [], None, None
-    for start, stop, name in spans:
+    for e in spans:
+        start, stop = e["ts"], e["ts"] + e["dur"]
         if end is not None and start > end:
-            gaps.append((start - end, before, name))
+            gaps.append((start - end, before, e))
         if end is None or stop > end:
-            end, before = stop, name
+            end, before = stop, e
+    return gaps
+
+
+def gpu_idle(trace: dict, calls: int, top: int = 3) -> dict:
+    """From a chrome trace: milliseconds per call in which this GPU's SMs compute nothing
+    (``_idle_gaps``), and the ``top`` longest such gaps with the work before and after them:
+    where a ring waits for a transfer or for its host."""
+    gaps = [(g, before["name"], after["name"]) for g, before, after in _idle_gaps(trace)]
     longest = sorted(gaps, reverse=True)[:top]
     return {"idle_ms": round(sum(g for g, _, _ in gaps) / 1e3 / calls, 3),
             "longest": [(round(g / 1e3, 3), a[:40], b[:40]) for g, a, b in longest]}
@@ -111,14 +118,9 @@ def host_behind_gaps(trace: dict, top: int = 3, functions: int = 12) -> list:
     events = [e for e in trace.get("traceEvents", ()) if e.get("ph") == "X"]
     launches = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("correlation")) for e in events
-                     if e.get("cat") in ("kernel", "gpu_memset") and "nccl" not in e["name"].lower())
-    gaps, end, before = [], None, None
-    for start, stop, corr in kernels:
-        if end is not None and start > end and before in launches and corr in launches:
-            gaps.append((start - end, launches[before], launches[corr]))
-        if end is None or stop > end:
-            end, before = stop, corr
+    launched = [(gap, before.get("args", {}).get("correlation"), after.get("args", {}).get("correlation"))
+                for gap, before, after in _idle_gaps(trace)]
+    gaps = [(gap, launches[b], launches[a]) for gap, b, a in launched if b in launches and a in launches]
     python = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "python_function")
     found = []
     for gap, lo, hi in sorted(gaps, reverse=True)[:top]:

@@ -156,10 +156,6 @@ class _KVStream:
         """Which rows of its block the stream holds at ``step`` (the own block: all)."""
         return self.call.rows_held(self._forward_step(step), self.shapes[0][2])
 
-    def travelling(self, step: int) -> Rows:
-        """The rows of the block held at ``step`` that travel, local to what is held."""
-        return self.local(self.call.rows_travelling(self._forward_step(step), self.shapes[0][2]))
-
     def local(self, r: Rows) -> Rows:
         """Rows ``r`` of a block as rows of what ``current`` holds of it."""
         return r[0] - self.offset, r[1] - self.offset
