@@ -153,8 +153,9 @@ def _exchange_us(group, times: int = 200) -> str:
 
 
 def _alternate(forward_backward, rounds: int, calls: int, what: str, settings: dict) -> None:
-    """Host ms per call under each of ``settings`` (name -> a function that applies it), in
-    turn, in one process (host time moves between processes); the first is restored after."""
+    """Ms per call, back to back (the GPUs' work done), under each of ``settings`` (name -> a
+    function that applies it), in turn, in one process (host time moves between processes);
+    the first is restored after."""
     spent = collections.defaultdict(list)
     for _ in range(rounds):
         for name, apply in settings.items():
@@ -164,11 +165,12 @@ def _alternate(forward_backward, rounds: int, calls: int, what: str, settings: d
             start = time.perf_counter()
             for _ in range(calls):
                 forward_backward()
+            torch.cuda.synchronize()
             spent[name].append((time.perf_counter() - start) / calls * 1e3)
     next(iter(settings.values()))()
     line = f"rank {dist.get_rank()}, {what}: " + "; ".join(
         f"{name} " + " ".join(f"{ms:.2f}" for ms in times) + f" (median {statistics.median(times):.2f})"
-        for name, times in spent.items()) + " ms per call"
+        for name, times in spent.items()) + " ms per call, back to back"
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, line)
     if dist.get_rank() == 0:
