@@ -363,9 +363,9 @@ def _recorded_transfers(describe):
     from ringflex.parallel import fault
     seen, original = [], fault.GuardedComm.exchange
 
-    def recording(self, send, recv, shift=1):
+    def recording(self, send, recv, shift=1, send_after=None):
         seen.append(describe(self, send, shift))
-        return original(self, send, recv, shift)
+        return original(self, send, recv, shift, send_after)
 
     fault.GuardedComm.exchange = recording
     try:

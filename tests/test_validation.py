@@ -356,8 +356,8 @@ def _debug_checks(rank, world_size):
     from ringflex.parallel import fault
     original = fault.GuardedComm.exchange
 
-    def corrupting(self, send, recv, shift=1):
-        pending = original(self, send, recv, shift)
+    def corrupting(self, send, recv, shift=1, send_after=None):
+        pending = original(self, send, recv, shift, send_after)
 
         class Corrupted:
             def wait(self_inner):

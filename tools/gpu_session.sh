@@ -118,6 +118,9 @@ for stage in "$@"; do
     launch4) CUDA_VISIBLE_DEVICES=0 run launch4 python3 -m benchmarks.probes.launch_cost
              run launch4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --no-timers --calls 30 --ab-launch 6 \
                --cases documents:contiguous window:zigzag causal:zigzag ;;  # the fused merge launched directly vs the JIT
+    sends4) run sends4 tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024
+            run sends4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --no-timers --calls 30 --ab-sends 6 \
+              --cases window:zigzag documents:zigzag documents:contiguous causal:zigzag none:zigzag ;;  # early sends: checked, then in turn
     shardcost) run shardcost python3 -m benchmarks.sharding_model --world-sizes 4 --device cuda ;;  # shard_by_mask's host time, ids on the GPU
     hostprofile4) run hostprofile4 tr 4 -m benchmarks.profile_ring --seq-lens 32768 --masks documents --layout contiguous \
                     --iters 5 --profiled-calls 2 --gpu-only --host-profile 30 --host-profile-rank 2

@@ -10,7 +10,8 @@ than cProfile (``profile_ring.py --host-profile``), which inflates every Python 
 
 ``--ab-agreement ROUNDS`` times rounds of calls with the argument check's records on the
 shared-memory board and over gloo in turn, in one process (host time moves between processes);
-``--ab-launch ROUNDS`` the fused merge's kernels launched directly and through Triton's JIT.
+``--ab-launch ROUNDS`` the fused merge's kernels launched directly and through Triton's JIT;
+``--ab-sends ROUNDS`` the own block's sends after the inputs alone and after the queued compute.
 
 ``--mesh AxR`` times calls over a heads x ring mesh of every rank (its argument check and
 all-to-alls are phases too); ``--forward-only`` times forward calls alone, which no backward
@@ -48,7 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ringflex import api, checks, heads
 from ringflex.kernels import cudnn, fused_merge, merge
 from ringflex.mod import captured, trace
-from ringflex.parallel import agreement, alltoall, board, peer, ring
+from ringflex.parallel import agreement, alltoall, board, comm, peer, ring
 from ringflex.plan import blocks, lending
 
 SPENT, CALLS = collections.defaultdict(int), collections.defaultdict(int)
@@ -152,8 +153,9 @@ def _exchange_us(group, times: int = 200) -> str:
 
 
 def _alternate(forward_backward, rounds: int, calls: int, what: str, settings: dict) -> None:
-    """Host ms per call under each of ``settings`` (name -> a function that applies it), in
-    turn, in one process (host time moves between processes); the first is restored after."""
+    """Ms per call, back to back (the GPUs' work done), under each of ``settings`` (name -> a
+    function that applies it), in turn, in one process (host time moves between processes);
+    the first is restored after."""
     spent = collections.defaultdict(list)
     for _ in range(rounds):
         for name, apply in settings.items():
@@ -163,11 +165,12 @@ def _alternate(forward_backward, rounds: int, calls: int, what: str, settings: d
             start = time.perf_counter()
             for _ in range(calls):
                 forward_backward()
+            torch.cuda.synchronize()
             spent[name].append((time.perf_counter() - start) / calls * 1e3)
     next(iter(settings.values()))()
     line = f"rank {dist.get_rank()}, {what}: " + "; ".join(
         f"{name} " + " ".join(f"{ms:.2f}" for ms in times) + f" (median {statistics.median(times):.2f})"
-        for name, times in spent.items()) + " ms per call"
+        for name, times in spent.items()) + " ms per call, back to back"
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, line)
     if dist.get_rank() == 0:
@@ -178,6 +181,17 @@ def _agreement_settings() -> dict:
     """The argument check's records on the shared-memory board, or over gloo."""
     on_board = board.of
     return {"board": lambda: setattr(board, "of", on_board), "gloo": lambda: setattr(board, "of", lambda group: None)}
+
+
+def _send_settings() -> dict:
+    """The own K/V block's sends after the inputs alone (``send_after``), or after the compute
+    queued before them, as every send waited before."""
+    exchange = comm.RingComm.exchange
+
+    def after_compute(self, send, recv, shift=1, send_after=None):
+        return exchange(self, send, recv, shift)
+    return {"early": lambda: setattr(comm.RingComm, "exchange", exchange),
+            "after compute": lambda: setattr(comm.RingComm, "exchange", after_compute)}
 
 
 def _launch_settings() -> dict:
@@ -208,6 +222,8 @@ def main():
     p.add_argument("--forward-only", action="store_true", help="forward calls alone, no backward")
     p.add_argument("--ab-agreement", type=int, metavar="ROUNDS",
                    help="rounds of --calls calls, the records over the shared-memory board and over gloo in turn")
+    p.add_argument("--ab-sends", type=int, metavar="ROUNDS",
+                   help="rounds of --calls calls, the own block's sends early and after the compute in turn")
     p.add_argument("--ab-launch", type=int, metavar="ROUNDS",
                    help="rounds of --calls calls, the fused merge launched directly and through Triton's JIT in turn")
     args = p.parse_args()
@@ -245,6 +261,8 @@ def main():
         dist.barrier()
         if args.ab_agreement:
             _alternate(forward_backward, args.ab_agreement, args.calls, f"{mask} over {layout}", _agreement_settings())
+        if args.ab_sends:
+            _alternate(forward_backward, args.ab_sends, args.calls, f"{mask} over {layout}", _send_settings())
         if args.ab_launch:
             _alternate(forward_backward, args.ab_launch, args.calls, f"{mask} over {layout}", _launch_settings())
             continue

@@ -49,18 +49,23 @@ class RingComm:
         """The global rank ``shift`` ranks after this one in the ring."""
         return dist.get_global_rank(self.group, (self.rank + shift) % self.world_size)
 
-    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], shift: int = 1):
+    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], shift: int = 1,
+                 send_after: Optional[torch.cuda.Event] = None):
         """Starts the transfer of ``send`` to the rank ``shift`` ahead while ``recv`` is filled
         from the rank ``shift`` behind (every rank makes the same call); call ``.wait()`` on
         the result before reading ``recv``, and ``join_sends`` before the caller writes into
         ``send``. Empty tensors do not travel (a block none of whose rows another rank reads).
 
         It runs beside the compute launched meanwhile (NCCL and the copy engines use their own
-        streams).
+        streams). It starts after the work queued so far on the current stream; over the copy
+        engines the sends, where ``send_after`` (a CUDA event) is given, after that event
+        instead: a block that was ready before the compute queued since then (the own K/V)
+        leaves without waiting for it, nor for the blocks this rank waits to receive. The
+        process group's P2P orders its sends after the current stream whatever is given.
         """
         transport = self._copy_engines(send[0].device)
         if transport is not None:
-            return transport.exchange(send, recv, shift)
+            return transport.exchange(send, recv, shift, send_after)
         to, source = self.peer(shift), self.peer(-shift)
         ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send if t.numel()]
         ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv if t.numel()]

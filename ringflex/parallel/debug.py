@@ -83,8 +83,8 @@ class DebugComm(GuardedComm):
         super().__init__(group)
         self.transfers = dict.fromkeys(self._PHASES, 0)  # per pass of the ring
 
-    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], shift: int = 1):
-        pending = super().exchange(send, recv, shift)
+    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], shift: int = 1, send_after=None):
+        pending = super().exchange(send, recv, shift, send_after)
         index = self.transfers[self.phase]
         self.transfers[self.phase] += 1
         return _CheckedPending(self, pending, send, recv, self.phase, index, shift)

@@ -244,8 +244,8 @@ class GuardedComm(RingComm):
 
     phase = "ring"  # set by ``guard``: which pass of the ring the transfers belong to
 
-    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], shift: int = 1):
-        pending = super().exchange(send, recv, shift)
+    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], shift: int = 1, send_after=None):
+        pending = super().exchange(send, recv, shift, send_after)
         if send[0].is_cuda:
             return pending
         source = (self.rank - shift) % self.world_size

@@ -184,10 +184,12 @@ class PeerTransport:
     def _flag(self, owner: int, kind: int, channel: int, slot: int) -> int:
         return self.base[owner] + 4 * ((kind * len(self.shifts) + channel) * SLOTS + slot)
 
-    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], shift: int = 1):
+    def exchange(self, send: Sequence[Tensor], recv: Sequence[Tensor], shift: int = 1,
+                 send_after: Optional[torch.cuda.Event] = None):
         """Sends ``send`` to rank + ``shift`` while ``recv`` is filled from rank - ``shift``; the
-        copies start once the work queued so far on the current stream is done. ``wait()`` on
-        the result orders the current stream after them."""
+        copies start once the work queued so far on the current stream is done (the sends,
+        where ``send_after`` is given, once that event is). ``wait()`` on the result orders the
+        current stream after them."""
         channel = channel_of(shift, self.size)
         send = [t.contiguous() for t in send if t.numel()]
         recv = [t for t in recv if t.numel()]
@@ -202,7 +204,7 @@ class PeerTransport:
         for t in recv:
             self._receive(recv_stream.cuda_stream, channel, t)
         received = recv_stream.record_event()
-        send_stream.wait_event(queued)
+        send_stream.wait_event(queued if send_after is None else send_after)
         for t in send:
             self._send(send_stream.cuda_stream, channel, t)
         sent = send_stream.record_event()

@@ -119,7 +119,11 @@ class _KVStream:
         # the argument check there), so it goes from a stream that waits for the inputs alone
         # and still overlaps that compute. Its receive buffer is allocated before that compute
         # is queued: memory freed by the compute's temporaries is then not handed to it.
-        self.first_stream, self.own_sent, self.joined = None, None, False
+        # Every later send of the own block waits for that stream too (``own_ready``), not for
+        # the compute queued since nor for the blocks this rank waits to receive: otherwise a
+        # rank's send waits for its previous receive, and the transfers of a step follow those
+        # of the step before around the whole ring instead of running beside them.
+        self.first_stream, self.own_sent, self.own_ready, self.joined = None, None, None, False
         if self.transfers > 0:
             self._add_buffer()
             if not reverse and call.own_rows_read is not None:
@@ -131,6 +135,7 @@ class _KVStream:
             if k.is_cuda:
                 self.first_stream = torch.cuda.Stream(k.device)
                 self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
+                self.own_ready = self.first_stream.record_event()
 
     def _add_buffer(self):
         self.buffers.append(tuple(torch.empty(shape, dtype=t.dtype, device=t.device)
@@ -174,10 +179,13 @@ class _KVStream:
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
             if self.own_sent is None or self.own_sent[0] != own_rows:
                 self.own_sent = own_rows, tuple(contiguous_rows(rows(t, own_rows)) for t in self.own)
+                # sliced on the first transfer's stream at step 0, else on the current stream
+                self.own_ready = self.first_stream.record_event() if step == 0 and self.first_stream else None
             send = self.own_sent[1]
             recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
             distance = self.call.distance(self._forward_step(step + 1))
-            return self.call.comm.exchange(send, recv, shift=distance), send, recv, lo
+            transfer = self.call.comm.exchange(send, recv, shift=distance, send_after=self.own_ready)
+            return transfer, send, recv, lo
 
     def close(self) -> None:
         """Ends the stream's pass: the current stream joins the first transfer's stream (a CUDA
