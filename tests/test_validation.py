@@ -360,6 +360,8 @@ def _debug_checks(rank, world_size):
         pending = original(self, send, recv, shift, send_after)
 
         class Corrupted:
+            sent = pending.sent
+
             def wait(self_inner):
                 pending.wait()
                 recv[0].view(-1)[0] += 1

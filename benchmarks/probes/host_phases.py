@@ -11,7 +11,7 @@ than cProfile (``profile_ring.py --host-profile``), which inflates every Python 
 ``--ab-agreement ROUNDS`` times rounds of calls with the argument check's records on the
 shared-memory board and over gloo in turn, in one process (host time moves between processes);
 ``--ab-launch ROUNDS`` the fused merge's kernels launched directly and through Triton's JIT;
-``--ab-sends ROUNDS`` the own block's sends after the inputs alone and after the queued compute.
+``--ab-sends ROUNDS`` the own block's sends in turn after the inputs, side by side, and after the queued compute.
 
 ``--mesh AxR`` times calls over a heads x ring mesh of every rank (its argument check and
 all-to-alls are phases too); ``--forward-only`` times forward calls alone, which no backward
@@ -184,13 +184,20 @@ def _agreement_settings() -> dict:
 
 
 def _send_settings() -> dict:
-    """The own K/V block's sends after the inputs alone (``send_after``), or after the compute
-    queued before them, as every send waited before."""
+    """The own K/V block's sends one after another after the inputs (as the ring sends), side
+    by side after the inputs (each ``sent`` hidden from the ring), or after the compute queued
+    before them (``send_after`` dropped)."""
     exchange = comm.RingComm.exchange
 
+    def side_by_side(self, send, recv, shift=1, send_after=None):
+        pending = exchange(self, send, recv, shift, send_after)
+        pending.sent = None
+        return pending
+
     def after_compute(self, send, recv, shift=1, send_after=None):
-        return exchange(self, send, recv, shift)
-    return {"early": lambda: setattr(comm.RingComm, "exchange", exchange),
+        return side_by_side(self, send, recv, shift)
+    return {"in turn": lambda: setattr(comm.RingComm, "exchange", exchange),
+            "side by side": lambda: setattr(comm.RingComm, "exchange", side_by_side),
             "after compute": lambda: setattr(comm.RingComm, "exchange", after_compute)}
 
 
@@ -223,7 +230,7 @@ def main():
     p.add_argument("--ab-agreement", type=int, metavar="ROUNDS",
                    help="rounds of --calls calls, the records over the shared-memory board and over gloo in turn")
     p.add_argument("--ab-sends", type=int, metavar="ROUNDS",
-                   help="rounds of --calls calls, the own block's sends early and after the compute in turn")
+                   help="rounds of --calls calls, the own block's sends in turn, side by side and after the compute")
     p.add_argument("--ab-launch", type=int, metavar="ROUNDS",
                    help="rounds of --calls calls, the fused merge launched directly and through Triton's JIT in turn")
     args = p.parse_args()

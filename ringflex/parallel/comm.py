@@ -62,6 +62,8 @@ class RingComm:
         instead: a block that was ready before the compute queued since then (the own K/V)
         leaves without waiting for it, nor for the blocks this rank waits to receive. The
         process group's P2P orders its sends after the current stream whatever is given.
+        The result's ``sent`` is an event of the sends' end over the copy engines (None over
+        the process group).
         """
         transport = self._copy_engines(send[0].device)
         if transport is not None:
@@ -91,6 +93,8 @@ class RingComm:
 
 
 class _Pending:
+    sent = None  # the process group orders its sends itself
+
     def __init__(self, works):
         self.works = works
 

@@ -93,7 +93,7 @@ class DebugComm(GuardedComm):
 class _CheckedPending:
     def __init__(self, comm: DebugComm, pending, send, recv, phase: str, index: int, shift: int):
         self.comm, self.pending, self.send, self.recv, self.phase, self.index = comm, pending, send, recv, phase, index
-        self.shift = shift
+        self.shift, self.sent = shift, pending.sent
 
     def wait(self) -> None:
         self.pending.wait()

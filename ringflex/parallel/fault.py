@@ -232,6 +232,8 @@ def _raise_if_failed(ring_group, what: str) -> None:
 
 
 class _PolledPending:
+    sent = None  # as RingComm's: the process group orders its sends itself
+
     def __init__(self, works, group, what: str):
         self.works, self.group, self.what = works, group, what
 

@@ -122,7 +122,10 @@ class _KVStream:
         # Every later send of the own block waits for that stream too (``own_ready``), not for
         # the compute queued since nor for the blocks this rank waits to receive: otherwise a
         # rank's send waits for its previous receive, and the transfers of a step follow those
-        # of the step before around the whole ring instead of running beside them.
+        # of the step before around the whole ring instead of running beside them. Each send
+        # also waits for the one before it (its ``sent`` event): the sends share the copy
+        # engines and the link, so side by side each would end as late as the last, while one
+        # after another the nearest rank, which reads the block first, has it first.
         self.first_stream, self.own_sent, self.own_ready, self.joined = None, None, None, False
         if self.transfers > 0:
             self._add_buffer()
@@ -185,6 +188,8 @@ class _KVStream:
             recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
             distance = self.call.distance(self._forward_step(step + 1))
             transfer = self.call.comm.exchange(send, recv, shift=distance, send_after=self.own_ready)
+            if transfer.sent is not None:
+                self.own_ready = transfer.sent
             return transfer, send, recv, lo
 
     def close(self) -> None:
