@@ -729,6 +729,33 @@ def test_first_receive_buffer_exists_before_the_own_block_is_computed():
         assert sliced == (buffers > 0 and last is None)
 
 
+def test_each_send_of_the_own_block_waits_for_the_one_before():
+    """The sends of the own block share the copy engines: each is given the end of the one
+    before as ``send_after``, so the nearest rank, which reads the block first, has it first.
+    Where a transport reports no end (the process group orders its sends), nothing waits."""
+    from ringflex.kernels.base import Mods
+    from ringflex.parallel.ring import RingCall, _KVStream
+
+    class Comm:
+        def __init__(self, reports_end):
+            self.reports_end, self.waited_for, self.sends = reports_end, [], 0
+
+        def exchange(self, send, recv, shift=1, send_after=None):
+            self.waited_for.append(send_after)
+            self.sends += 1
+            return types.SimpleNamespace(sent=f"end of send {self.sends}" if self.reports_end else None,
+                                         wait=lambda: None)
+
+    k, v = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
+    for reports_end, want in ((True, [None, "end of send 1", "end of send 2"]), (False, [None, None, None])):
+        comm = Comm(reports_end)
+        call = RingCall(comm=comm, schedule=[[] for _ in range(4)], kernel=ReferenceKernel(), mods=Mods(), scale=1.0)
+        blocks = _KVStream(call, (k, v))
+        for step in range(3):
+            blocks.advance(step, blocks.start(step))
+        assert comm.waited_for == want
+
+
 @pytest.mark.parametrize("rows, length, want", [
     ((5, 8), 8, (4, 8)), ((0, 3), 8, (0, 4)), ((2, 7), 8, (0, 8)), ((3, 4), 8, (3, 4)), ((0, 0), 8, (0, 0)),
     ((1, 6), 6, (0, 6)), ((2, 5), 12, (2, 6)), ((9, 12), 12, (8, 12))])
