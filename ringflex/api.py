@@ -119,11 +119,12 @@ def ring_flex_attention(
 
     # 1. Check and plan on this rank. What goes wrong stays a message until every rank knows it.
     error = checks.local_error(q, k, v, score_mod, mask_mod, layout, scale, enable_gqa, backend, group, sinks)
-    plan, cause, moved = None, None, None
+    plan, cause, default, moved = None, None, None, None
     if error is None:
         try:
             if not chose_layout and world_size > 1:
-                moved = _resharding(mask_mod, q, k, world_size)
+                default = _resharding(mask_mod, q, k, world_size)
+                moved = default if default is not None and default.target is not None else None
                 layout = moved.target if moved else layout
             plan = _plan(q, k, v, mods, group, layout, backend, debugging)
         except BaseException as e:  # noqa: BLE001 (a mask_mod that raises on one rank fails all)
@@ -141,9 +142,9 @@ def ring_flex_attention(
     agreed = agreement.start(group, args, plan.shares(world_size) if plan else _no_shares(world_size), error, cause)
     if agreed.failed_here or debugging or moved:  # raises here (or agrees before the checks or the move below)
         agreed.wait()
+    if default is not None and rank_and_size(group)[0] == 0:  # where it moves, or what staying costs
+        warn_once(default.message)
     if moved:  # the ranks agree on the layout: every rank moves, to the same sharding
-        if rank_and_size(group)[0] == 0:
-            warn_once(moved.message)
         q, k, v = reshard.move((q, k, v), 2, moved.source, moved.target, group, "the re-sharding of q, k and v")
 
     # 3. The ring, and the merge of its hops' results.
@@ -167,9 +168,10 @@ def ring_flex_attention(
 
 
 def _resharding(mask_mod, q: Tensor, k: Tensor, world_size: int) -> Optional[Resharding]:
-    """Where a call left in the default layout runs instead, the same on every rank
-    (``plan.sharding.resharding``): where q and k have one length, and so move alike. During
-    a CUDA-graph capture, whose device cannot price the mask, only as the eager calls before it."""
+    """How a call left in the default layout runs where that layout is not within 10% of the
+    mask's best sharding, the same on every rank (``plan.sharding.resharding``): where q and k
+    have one length, and so move alike. During a CUDA-graph capture, whose device cannot price
+    the mask, only as the eager calls before it."""
     if q.shape[2] != k.shape[2]:
         return None
     return resharding(mask_mod, q.shape[2] * world_size, world_size, layouts.DEFAULT, batch=q.shape[0],

@@ -272,11 +272,14 @@ def shard_by_mask(mask_mod: Optional[Callable], seq_len: int, world_size: int, *
 
 @dataclass(frozen=True)
 class Resharding:
-    """Where a call left in the default layout runs instead: its tokens move from ``source``
-    (the caller's shards) to ``target`` and its output back; ``message`` says so."""
+    """How a call left in the default layout runs where the cost model prices that layout more
+    than 10% dearer than the mask's cheapest sharding: its tokens move from ``source`` (the
+    caller's shards) to ``target`` and its output back, or, where the move costs more than it
+    saves, they stay (``target`` None) and the call runs slower than it could; ``message``
+    says which, to be said once."""
 
     source: Sharding
-    target: Sharding
+    target: Optional[Sharding]
     message: str
 
 
@@ -285,12 +288,13 @@ _RESHARDINGS: Dict[tuple, Optional[Resharding]] = {}
 
 def resharding(mask_mod: Optional[Callable], seq_len: int, world_size: int, layout: str, *, batch: int = 1,
                heads: int = 1, device=None, price: bool = True) -> Optional[Resharding]:
-    """How a call that runs ``mask_mod`` in the fixed ``layout`` it did not choose re-shards:
-    where the cost model prices the best sharding of ``compare`` more than 10% cheaper than
-    ``layout`` even with the move of its tokens there and back (None where it does not, or
-    where the mask cannot be priced). Decided once per mask structure and size (packed
-    batches' masks, new every step, share one), the same on every rank; ``price=False``
-    gives only a decision made before (a CUDA-graph capture cannot price on its device)."""
+    """How a call that runs ``mask_mod`` in the fixed ``layout`` it did not choose runs, where
+    the cost model prices the best sharding of ``compare`` more than 10% cheaper than
+    ``layout``: there, where it stays more than 10% cheaper with the move of its tokens there
+    and back, else in place (None where ``layout`` is within 10% of the best, or where the mask
+    cannot be priced). Decided once per mask structure and size (packed batches' masks, new
+    every step, share one), the same on every rank; ``price=False`` gives only a decision made
+    before (a CUDA-graph capture cannot price on its device)."""
     key = (fingerprint(mask_mod), seq_len, world_size, layout, batch, heads)
     if key in _RESHARDINGS or not price:
         return _RESHARDINGS.get(key)
@@ -303,20 +307,26 @@ def resharding(mask_mod: Optional[Callable], seq_len: int, world_size: int, layo
         return None
     given = next((e["cost"] for s, e in found if s.name == layout), None)
     best, cost = min(((s, e["cost"]) for s, e in found), key=lambda c: c[1])
-    if given is None or best.name == layout:
+    if given is None or best.name == layout or cost >= 0.9 * given:
         return None
     source = Sharding.of_layout(layout, seq_len, world_size)
     rows = _most_rows_sent(source, best)
     moving = MOVE_PAIRS * rows
+    slower = (f"ringflex: this mask runs an estimated {given / cost:.1f}x slower in the default layout {layout!r} "
+              f"than in the sharding {best.name!r} that ringflex.shard_by_mask chooses for it")
+    advice = ("shard with layout=ringflex.shard_by_mask(mask_mod, seq_len, world_size) and pass the same layout "
+              f"to ring_flex_attention and unshard; or pass layout={layout!r} to keep the tokens where they are")
     if cost + moving < 0.9 * given:
         _RESHARDINGS[key] = Resharding(source, best, (
-            f"ringflex: this mask runs an estimated {given / cost:.1f}x slower in the default layout {layout!r} than "
-            f"in the sharding {best.name!r} that ringflex.shard_by_mask chooses for it, so each call re-shards: an "
-            f"all-to-all moves q, k and v there and the output back (up to {rows} of a rank's {seq_len // world_size} "
-            f"tokens; with the move the call is estimated {given / (cost + moving):.1f}x faster than in place, the "
-            f"move about {moving / (cost + moving):.0%} of its time). To avoid the move, shard "
-            "with layout=ringflex.shard_by_mask(mask_mod, seq_len, world_size) and pass the same layout to "
-            f"ring_flex_attention and unshard; or pass layout={layout!r} to keep the tokens where they are"))
+            f"{slower}, so each call re-shards: an all-to-all moves q, k and v there and the output back (up to "
+            f"{rows} of a rank's {seq_len // world_size} tokens; with the move the call is estimated "
+            f"{given / (cost + moving):.1f}x faster than in place, the move about {moving / (cost + moving):.0%} of "
+            f"its time). To avoid the move, {advice}"))
+    else:
+        _RESHARDINGS[key] = Resharding(source, None, (
+            f"{slower}. Moving its tokens there at each call (up to {rows} of a rank's {seq_len // world_size}) "
+            f"would cost more than that, so calls run in place, slower than they could. To run in that sharding, "
+            f"{advice}"))
     return _RESHARDINGS[key]
 
 
