@@ -325,8 +325,8 @@ def resharding(mask_mod: Optional[Callable], seq_len: int, world_size: int, layo
     else:
         _RESHARDINGS[key] = Resharding(source, None, (
             f"{slower}. Moving its tokens there at each call (up to {rows} of a rank's {seq_len // world_size}) "
-            f"would cost more than that, so calls run in place, slower than they could. To run in that sharding, "
-            f"{advice}"))
+            f"would save less than a tenth of the call, so calls run in place, slower than they could. To run in "
+            f"that sharding, {advice}"))
     return _RESHARDINGS[key]
 
 
