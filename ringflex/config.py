@@ -8,8 +8,10 @@ A value that does not parse raises ``ValueError`` naming the variable and what i
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable, List, Tuple
@@ -106,7 +108,22 @@ _WARNED = set()
 
 def warn_once(message: str) -> None:
     """Warns of ``message`` once per process: a choice ringflex made (a slower kernel, a
-    transport) repeats at every call, and its warning would drown the log."""
+    transport) repeats at every call, and its warning would drown the log. The warning names
+    the caller's line (``_caller_level``)."""
     if message not in _WARNED:
         _WARNED.add(message)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """``warnings.warn``'s stacklevel, from ``warn_once``, of the first frame outside ringflex,
+    torch and contextlib: ringflex's entry points run inside decorators of torch and contextlib
+    (``torch.compiler.disable``, ``captured.one_walk``), whose frames say nothing to a user."""
+    inside = (os.path.dirname(os.path.abspath(__file__)), os.path.abspath(contextlib.__file__))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        inside += (os.path.dirname(os.path.abspath(torch.__file__)),)
+    frame, level = sys._getframe(2), 2  # warn_once's caller
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2

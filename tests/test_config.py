@@ -37,3 +37,24 @@ def test_debug_mode_reads_a_bad_value_as_off(monkeypatch):
     assert not config.debugging()
     monkeypatch.setenv("RINGFLEX_DEBUG", "1")
     assert config.debugging()
+
+
+def test_a_warning_names_the_line_that_called_ringflex():
+    """``warn_once``'s warnings name the caller's line, not ringflex's own frames nor those of
+    the torch and contextlib decorators around its entry points."""
+    import warnings
+
+    import torch
+
+    import ringflex
+
+    class Masks:
+        def causal(self, b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+    q = torch.randn(1, 1, 8, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ringflex.ring_flex_attention(q, q, q, mask_mod=Masks().causal, backend="reference")
+    bound = [w for w in caught if "is a bound method" in str(w.message)]
+    assert len(bound) == 1 and bound[0].filename == __file__, [(w.filename, w.lineno) for w in caught]
