@@ -12,7 +12,8 @@ the GPU time per call spent in attention kernels, NCCL transfers and everything 
 idle gaps with the kernels around them. Compute time close to the back-to-back time means the
 ring is bound by its kernels; a large gap means idle GPU (host- or link-bound).
 With ``--host-profile N`` it also prints a rank's (``--host-profile-rank``) Python functions that take the most host
-time over N fwd+bwd calls (cProfile), for host-bound workloads.
+time over N fwd+bwd calls (cProfile), for host-bound workloads. ``--timelines`` reads the traces of
+every rank that ``--trace`` wrote and prints them side by side (``rank_timelines``), without a GPU.
 """
 from __future__ import annotations
 
@@ -141,6 +142,36 @@ def host_behind_gaps(trace: dict, top: int = 3, functions: int = 12) -> list:
     return found
 
 
+_SHORT = (("sdpa", "A"), ("fmha", "A"), ("flash", "A"), ("dot_do_o", "D"), ("convert_dq", "C"), ("lse_merge", "M"),
+          ("sum_parts", "S"))
+
+
+def rank_timelines(traces: list) -> str:
+    """Several ranks' traces (``--trace 'DIR/tr_{}.json.gz'``, one per rank) side by side on one
+    clock, which the ranks of one host share: for each rank the kernels of its busiest stream in
+    order, as ``name:start(duration)``, ms from the first kernel of any rank, named short (A
+    attention, D and C cuDNN's dO.O and dQ-cast passes of a backward call, M LSE merges, S the
+    ring's sums, E any other kernel), then its ms per family. Which rank waits for which shows
+    as the gaps before each rank's kernels."""
+    kernels = [[e for e in trace.get("traceEvents", ()) if e.get("ph") == "X" and e.get("cat") == "kernel"]
+               for trace in traces]
+    start = min(e["ts"] for rank in kernels for e in rank)
+    lines = []
+    for rank, events in enumerate(kernels):
+        streams = {}
+        for e in events:
+            streams.setdefault(e.get("args", {}).get("stream"), []).append(e)
+        busiest = sorted(max(streams.values(), key=lambda es: sum(e["dur"] for e in es)), key=lambda e: e["ts"])
+        named = [(next((short for key, short in _SHORT if key in e["name"].lower()), "E"), e) for e in busiest]
+        totals = {}
+        for short, e in named:
+            totals[short] = totals.get(short, 0.0) + e["dur"] / 1e3
+        lines.append(f"rank {rank}: " + " ".join(f"{short}:{(e['ts'] - start) / 1e3:.3f}({e['dur'] / 1e3:.3f})"
+                                                 for short, e in named))
+        lines.append(f"rank {rank} ms: " + ", ".join(f"{short} {ms:.3f}" for short, ms in sorted(totals.items())))
+    return "\n".join(lines)
+
+
 def measure(fn, iters: int) -> dict:
     """Host ms per call, wall ms per call with the GPU drained, and back-to-back ms per call."""
     fn()
@@ -182,7 +213,13 @@ def main():
                    help="record Python functions too, and print what the host ran behind the longest idle gaps")
     p.add_argument("--trace", help="write a chrome trace (gzip) of rank 0's first workload here, or, if the "
                                    "name has a {} (filled with tokens_mask_rank), of every workload and rank")
+    p.add_argument("--timelines", nargs="+", metavar="TRACE",
+                   help="print these ranks' traces side by side (rank_timelines) and exit: runs nothing")
     args = p.parse_args()
+    if args.timelines:
+        print(rank_timelines([json.load(gzip.open(path) if path.endswith(".gz") else open(path))
+                              for path in args.timelines]))
+        return
     device = init()
     rank, world = dist.get_rank(), dist.get_world_size()
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)

@@ -34,6 +34,25 @@ def test_gpu_idle_from_a_trace():
     assert idle["longest"] == [(0.1, "copy", "merge"), (0.05, "merge", "attention")]
 
 
+def test_rank_timelines_put_the_ranks_traces_on_one_clock():
+    """profile_ring --timelines: each rank's busiest stream in order, from the first kernel of
+    any rank, named short; its ms per family; memsets and quieter streams left out."""
+    from benchmarks.profile_ring import rank_timelines
+
+    def trace(*kernels):
+        return {"traceEvents": [dict(ph="X", cat=cat, ts=ts, dur=dur, name=name, args=dict(stream=stream))
+                                for cat, ts, dur, name, stream in kernels]}
+    rank0 = trace(("kernel", 1000, 500, "cudnn_generated_fort_native_sdpa_sm90", 7),
+                  ("kernel", 1600, 100, "lse_merge", 7), ("kernel", 1000, 50, "elementwise", 9),
+                  ("gpu_memset", 990, 1, "Memset (Device)", 7))
+    rank1 = trace(("kernel", 3000, 200, "void cudnn::fusion::compute_dot_do_o", 7),
+                  ("kernel", 3200, 2000, "cudnn_generated_fort_native_sdpa_sm90", 7),
+                  ("kernel", 5200, 100, "sum_parts", 7))
+    assert rank_timelines([rank0, rank1]).splitlines() == [
+        "rank 0: A:0.000(0.500) M:0.600(0.100)", "rank 0 ms: A 0.500, M 0.100",
+        "rank 1: D:2.000(0.200) A:2.200(2.000) S:4.200(0.100)", "rank 1 ms: A 2.000, D 0.200, S 0.100"]
+
+
 def test_host_behind_gaps_from_a_trace():
     """profile_ring --with-stack: behind the longest idle gap, the host's Python functions by
     their own time between the launch of the kernel before the gap and that of the kernel after

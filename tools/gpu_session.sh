@@ -3,7 +3,7 @@
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash tools/gpu_session.sh check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
-#   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4 phases4docs gaps4 launch4 shardcost hostprofile4 phases4mesh sharding4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
+#   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base4 basephases4   # on 4 GPUs: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -111,6 +111,10 @@ for stage in "$@"; do
                    --calls 30
                  run phases4docs tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --cases documents:contiguous \
                    --calls 30 --no-timers ;;  # packed documents' host time by phase, and without the timers
+    traces4) dir=$(mktemp -d); for n in 4 2; do CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) run traces4 tr $n \
+               -m benchmarks.profile_ring --seq-lens $((8192 * n)) --masks causal none window --gpu-only --iters 10 \
+               --profiled-calls 5 --trace "$dir/tr${n}_{}.json.gz"; done
+             tar czf "$OUT/traces4.tgz" -C "$dir" . ;;  # every rank's chrome trace, in one file (a run returns few files); read with --timelines
     gaps4) run gaps4 tr 4 -m benchmarks.profile_ring --seq-lens 32768 --masks causal none --iters 5 --profiled-calls 2 \
              --with-stack
            CUDA_VISIBLE_DEVICES=0,1 run gaps4 tr 2 -m benchmarks.profile_ring --seq-lens 16384 --masks none causal \
