@@ -38,6 +38,7 @@ from tools.ranks import init
 import ringflex
 from ringflex import checks
 from ringflex.parallel import agreement
+from ringflex.parallel.groups import gather_objects
 
 
 def _family(name: str) -> str:
@@ -188,12 +189,6 @@ def measure(fn, iters: int) -> dict:
             "back_to_back_ms": round(back_to_back * 1e3, 3)}
 
 
-def _gathered(value, world: int) -> list:
-    values = [None] * world
-    dist.all_gather_object(values, value)
-    return values
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[16384])
@@ -282,7 +277,7 @@ def main():
             log(f"== {seq_len} tokens ({seq_len // world}/GPU), mask {mask}: argument check {check_ms:.3f} ms host")
             for name, value in row.items():
                 log(f"   {name}: {value}")
-            for r, (ms, value) in enumerate(_gathered((gpu_ms, idle), world)):  # every rank: the slowest sets the pace
+            for r, (ms, value) in enumerate(gather_objects(None, (gpu_ms, idle))):  # every rank: the slowest sets the pace
                 log(f"   rank {r} GPU ms per fwd_bwd: {ms}")
                 log(f"   rank {r} GPU computing nothing, per fwd_bwd: {value}")
             if args.host_profile:

@@ -8,6 +8,7 @@ import ringflex
 from support.harness import run_world
 from support.oracle import attention as oracle
 from ringflex import mods
+from ringflex.parallel.groups import gather_objects
 from ringflex.varlen import PackedSequences, varlen_attention
 
 LENGTHS = [7, 1, 12, 5]  # 25 tokens: padded to 28 for zigzag on 2 ranks, 27 for contiguous on 3
@@ -94,16 +95,8 @@ def _ring(rank, world_size, layout, causal, with_sinks):
         errors.append((local_sinks.grad - want[4]).abs().max().item())
     if layout is None:  # chosen from the mask, the same on every rank
         assert isinstance(packed.layout, ringflex.Sharding)
-        errors.append(float(len(set(_gathered_digests(packed.layout.digest()))) - 1))
+        errors.append(float(len(set(gather_objects(None, packed.layout.digest()))) - 1))
     return packed.padded_len, errors
-
-
-def _gathered_digests(value):
-    import torch.distributed as dist
-
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
 
 
 @pytest.mark.parametrize("world_size,layout,causal,padded_len,with_sinks", [

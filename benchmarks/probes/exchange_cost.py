@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from tools.ranks import init
 from ringflex.parallel import peer
+from ringflex.parallel.groups import gather_objects
 
 
 def per_call(fn, calls: int) -> float:
@@ -61,8 +62,7 @@ def main():
         "  for comparison: a stream context entered": per_call(stream_context, 500),
         "  an event recorded": per_call(lambda: torch.cuda.current_stream().record_event(), 500),
     }
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, costs)
+    rows = gather_objects(None, costs)
     if dist.get_rank() == 0:
         for rank, row in enumerate(rows):
             print("\n".join(f"rank {rank} {name:50s} {us:7.1f} us" for name, us in row.items()), flush=True)

@@ -50,6 +50,7 @@ from ringflex import api, checks, heads
 from ringflex.kernels import cudnn, fused_merge, merge
 from ringflex.mod import captured, trace
 from ringflex.parallel import agreement, alltoall, board, comm, peer, ring
+from ringflex.parallel.groups import gather_objects
 from ringflex.plan import blocks, lending
 
 SPENT, CALLS = collections.defaultdict(int), collections.defaultdict(int)
@@ -171,8 +172,7 @@ def _alternate(forward_backward, rounds: int, calls: int, what: str, settings: d
     line = f"rank {dist.get_rank()}, {what}: " + "; ".join(
         f"{name} " + " ".join(f"{ms:.2f}" for ms in times) + f" (median {statistics.median(times):.2f})"
         for name, times in spent.items()) + " ms per call, back to back"
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, line)
+    gathered = gather_objects(None, line)
     if dist.get_rank() == 0:
         print("\n".join(gathered), flush=True)
 
@@ -234,7 +234,7 @@ def main():
     p.add_argument("--ab-launch", type=int, metavar="ROUNDS",
                    help="rounds of --calls calls, the fused merge launched directly and through Triton's JIT in turn")
     args = p.parse_args()
-    device, world = init(), dist.get_world_size()
+    device = init()
     group = None
     if args.mesh:
         group = init_device_mesh(device.type, tuple(map(int, args.mesh.split("x"))), mesh_dim_names=("heads", "ring"))
@@ -300,8 +300,7 @@ def main():
         lines += [f"  {label:40s} {SPENT[label] / args.calls / 1e3:7.0f} us  ({CALLS[label] / args.calls:.0f} calls)"
                   for label in (FORWARD, BACKWARD, *(label for _, _, label in PHASES)) if CALLS[label]]
         lines.append(f"  agreement's exchange alone: {_exchange_us(group)}")
-        gathered = [None] * world
-        dist.all_gather_object(gathered, "\n".join(lines))
+        gathered = gather_objects(None, "\n".join(lines))
         if dist.get_rank() == 0:
             print("\n".join(gathered), flush=True)
     dist.destroy_process_group()
