@@ -143,8 +143,14 @@ def host_behind_gaps(trace: dict, top: int = 3, functions: int = 12) -> list:
     return found
 
 
-_SHORT = (("sdpa", "A"), ("fmha", "A"), ("flash", "A"), ("dot_do_o", "D"), ("convert_dq", "C"), ("lse_merge", "M"),
-          ("sum_parts", "S"))
+_PASSES = (("dot_do_o", "D"), ("convert_dq", "C"), ("lse_merge", "M"), ("sum_parts", "S"))
+
+
+def _short(name: str) -> str:
+    """A kernel's letter in ``rank_timelines``: a pass of ``_PASSES``, else A for ``_family``'s
+    attention (cuDNN's own passes are named after it too, so they are looked for first), else E."""
+    lowered = name.lower()
+    return next((short for key, short in _PASSES if key in lowered), "A" if _family(name) == "attention" else "E")
 
 
 def rank_timelines(traces: list) -> str:
@@ -163,7 +169,7 @@ def rank_timelines(traces: list) -> str:
         for e in events:
             streams.setdefault(e.get("args", {}).get("stream"), []).append(e)
         busiest = sorted(max(streams.values(), key=lambda es: sum(e["dur"] for e in es)), key=lambda e: e["ts"])
-        named = [(next((short for key, short in _SHORT if key in e["name"].lower()), "E"), e) for e in busiest]
+        named = [(_short(e["name"]), e) for e in busiest]
         totals = {}
         for short, e in named:
             totals[short] = totals.get(short, 0.0) + e["dur"] / 1e3
