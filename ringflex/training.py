@@ -153,16 +153,15 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group=None) -> No
             g.copy_(part.view_as(g))
 
 
-# torch's gloo may abort a CPU rank (SIGABRT, "terminate called without an active exception")
-# that tears its group down right after point-to-point transfers; a pause before lets them end.
-_GLOO_PAUSE_S = 0.5
+_GLOO_PAUSE_S = 0.5  # long enough for gloo's last point-to-point transfers to end (``destroy_process_group``)
 
 
 def destroy_process_group(group=None) -> None:
-    """``torch.distributed.destroy_process_group``, for the end of a script: on gloo every
-    rank first waits for the others and pauses, since torch's gloo may abort a rank that tears
-    its group down right after point-to-point transfers, such as a CPU ring's (docs/reliability.md,
-    "Not covered"), once every result is complete."""
+    """``torch.distributed.destroy_process_group``, for the end of a script, once every result
+    is complete: on gloo every rank first waits for the others and pauses, since torch's gloo
+    may abort a rank (SIGABRT, "terminate called without an active exception") that tears its
+    group down right after point-to-point transfers, such as a CPU ring's (docs/reliability.md,
+    "Not covered")."""
     if "gloo" in str(dist.get_backend(group)):
         dist.barrier(group)
         time.sleep(_GLOO_PAUSE_S)

@@ -274,9 +274,9 @@ def shard_by_mask(mask_mod: Optional[Callable], seq_len: int, world_size: int, *
 class Resharding:
     """How a call left in the default layout runs where the cost model prices that layout more
     than 10% dearer than the mask's cheapest sharding: its tokens move from ``source`` (the
-    caller's shards) to ``target`` and its output back, or, where the move costs more than it
-    saves, they stay (``target`` None) and the call runs slower than it could; ``message``
-    says which, to be said once."""
+    caller's shards) to ``target`` and its output back, or, where the move would save less than
+    a tenth of the call, they stay (``target`` None) and the call runs slower than it could;
+    ``message`` says which, to be said once."""
 
     source: Sharding
     target: Optional[Sharding]
