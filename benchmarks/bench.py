@@ -1,7 +1,7 @@
 """Ring benchmark: ringflex vs the best single-GPU kernel vs PyTorch's context_parallel.
 
     torchrun --nproc_per_node=2 -m benchmarks.bench --seq-lens 16384 32768 65536 \
-        --masks none causal window documents causal_softcap --json out/bench.json --plot out/eff.png
+        --masks none causal window documents prefix_lm causal_softcap --json out/bench.json --plot out/eff.png
 
 For every total sequence length and mask it times forward and forward+backward of
 (a) the best single-GPU kernel on the whole sequence (torch SDPA on cuDNN where it applies,

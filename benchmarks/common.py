@@ -21,7 +21,7 @@ from ringflex.plan.layout import Segment
 
 # ----------------------------------------------------------------------------- workloads
 
-MASKS = ("none", "causal", "window", "documents", "causal_softcap")
+MASKS = ("none", "causal", "window", "documents", "prefix_lm", "causal_softcap")
 
 
 def make_mods(mask: str, seq_len: int, device, window: int, doc_len: int, seed: int = 0):
@@ -41,6 +41,8 @@ def make_mods(mask: str, seq_len: int, device, window: int, doc_len: int, seed: 
             lengths.append(n)
             total += n
         return None, mods.document(mods.document_ids(lengths, device=device))
+    if mask == "prefix_lm":  # bidirectional over the first quarter of the sequence, causal after it
+        return None, mods.prefix_lm(seq_len // 4)
     if mask == "causal_softcap":
         return mods.softcap(30.0), mods.causal
     raise ValueError(f"unknown mask {mask!r}; choose from {MASKS}")

@@ -13,7 +13,7 @@ def _bench(rank, world_size):
 
 def test_bench_smoke():
     rows = run_world(2, _bench)[0]
-    masks = ["none", "causal", "window", "documents", "causal_softcap"]
+    masks = ["none", "causal", "window", "documents", "prefix_lm", "causal_softcap"]
     assert [(mask, layout) for mask, layout, _ in rows] == [(m, l) for m in masks for l in ("zigzag", "by-mask")]
     assert all(ok for _, _, ok in rows)
 

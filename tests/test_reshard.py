@@ -13,7 +13,7 @@ import ringflex
 from ringflex import mods
 from ringflex.parallel import reshard
 from ringflex.plan.layout import Sharding
-from ringflex.plan.sharding import compare, resharding
+from ringflex.plan.sharding import resharding
 from support.harness import run_world
 from support.oracle import attention
 
@@ -171,29 +171,28 @@ def test_a_mask_that_differs_on_one_rank_is_refused_alike_everywhere_and_the_gro
 
 
 def test_the_decision_pays_for_the_move():
-    """At 8k tokens a rank over 4 ranks: a window of 512 re-shards to contiguous (zigzag 55.7M
-    pairs, where a whole block travels to both neighbours, against 6.9M and 41.0M for the move
-    of 8192 rows); a window of 4096 stays in place (75.6M against 38.8M and 41.0M), as over 2
-    ranks a window of 512 (8.1M against 6.9M, a near tie with the move) and prefix-LM, which runs
-    10.9% cheaper striped, but not once its tokens move: each says what staying costs; causal is
-    zigzag's own, and a window of 4096 over 2 ranks is as cheap in zigzag: nothing to say."""
+    """At 128k tokens a rank over 4 ranks a window of 512 re-shards to contiguous: in zigzag the
+    rows its neighbours read lie at both ends of a rank's block, so whole blocks travel to both
+    (856M pairs' worth, against 70M and 655M for the move of every row). At 8k tokens a rank,
+    where the host's work per step and call bounds windows, they stay in place and say what
+    staying costs (1.7x over 4 ranks: 3 steps and 13 calls against 2 and 7; 1.2x over 2 ranks);
+    causal is zigzag's own, prefix-LM within 10% of its best in zigzag, and a window of 4096 at
+    32k tokens a rank over 2 ranks as cheap in zigzag: nothing to say."""
+    window = resharding(mods.sliding_window(512), 4 * 131072, 4, "zigzag")
+    assert window.source == Sharding.of_layout("zigzag", 4 * 131072, 4)
+    assert window.target == Sharding.of_layout("contiguous", 4 * 131072, 4)
+    assert "up to 131072 of a rank's 131072 tokens" in window.message, window.message
     per_rank = 8192
-    window = resharding(mods.sliding_window(512), 4 * per_rank, 4, "zigzag")
-    assert window.source == Sharding.of_layout("zigzag", 4 * per_rank, 4)
-    assert window.target == Sharding.of_layout("contiguous", 4 * per_rank, 4)
-    assert "up to 8192 of a rank's 8192 tokens" in window.message, window.message
-    prefix_lm = mods.prefix_lm(per_rank)
-    cost = {s.name: e["cost"] for s, e in compare(prefix_lm, 4 * per_rank, 4)}
-    assert cost["striped"] < 0.9 * cost["zigzag"]
-    for mask_mod, world, slower, best in ((mods.sliding_window(4096), 4, "2.0x", "contiguous"),
-                                          (mods.sliding_window(512), 2, "1.2x", "contiguous"),
-                                          (prefix_lm, 4, "1.1x", "striped")):
+    for mask_mod, world, slower in ((mods.sliding_window(4096), 4, "1.7x"), (mods.sliding_window(512), 4, "1.7x"),
+                                    (mods.sliding_window(4096), 2, "1.2x")):
         stays = resharding(mask_mod, world * per_rank, world, "zigzag")
         assert stays.source == Sharding.of_layout("zigzag", world * per_rank, world) and stays.target is None
-        assert f"an estimated {slower} slower" in stays.message and f"sharding '{best}'" in stays.message, stays.message
+        assert f"an estimated {slower} slower" in stays.message and "sharding 'contiguous'" in stays.message, stays.message
         assert "run in place" in stays.message, stays.message
-    assert resharding(mods.causal, 4 * per_rank, 4, "zigzag") is None
-    assert resharding(mods.sliding_window(4096), 2 * per_rank, 2, "zigzag") is None
+    for world in (2, 4):
+        assert resharding(mods.causal, world * per_rank, world, "zigzag") is None
+        assert resharding(mods.prefix_lm(world * per_rank // 4), world * per_rank, world, "zigzag") is None
+    assert resharding(mods.sliding_window(4096), 2 * 32768, 2, "zigzag") is None
 
 
 def _through_the_mode(rank, world_size):

@@ -7,6 +7,7 @@ import torch
 import ringflex
 from ringflex import mods
 from ringflex.plan.layout import Sharding
+from ringflex.plan.sharding import NO_WEIGHTS
 from support.harness import run_world
 from support.oracle import attention
 
@@ -22,7 +23,7 @@ def _shardings(seq_len: int, world_size: int, ids: torch.Tensor):
     scattered = Sharding.from_ranges(seq_len, [[(c * chunk, (c + 1) * chunk) for c in order[r::world_size]]
                                                for r in range(world_size)], "scattered")
     chosen = ringflex.shard_by_mask(mods.document(ids), seq_len, world_size, document_ids=ids,
-                                    token_pairs=0, call_pairs=0)
+                                    weights=NO_WEIGHTS)
     return {"scattered": scattered, "by documents": chosen}
 
 

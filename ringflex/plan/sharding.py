@@ -33,15 +33,21 @@ from .layout import LAYOUTS, Sharding, divisor
 from .runs import BandRuns, band_runs
 from .workload import Workload, workload
 
-# The cost model's weights, in (query, key) pairs of one head's attention (fwd + bwd):
-# - a kernel call costs about as long as 1.3 million pairs beyond its own (cuDNN on an H100
-#   at B=1, H=32, D=128: kernels/cudnn/kernel.py); it scales as 1 / (batch * heads * head_dim).
+# The cost model's weights, in (query, key) pairs of one head's attention (fwd + bwd), at
+# B=1, H=32, D=128 (0.109 ms per million pairs on an H100 or H200, cuDNN):
+# - a kernel call costs the GPU about as long as 1.3 million pairs beyond its own
+#   (kernels/cudnn/kernel.py); it scales as 1 / (batch * heads * head_dim).
 # - a row of K and V that travels one ring step (and its dK, dV share back) costs about as
 #   long as 3000 pairs: compute and transfer both grow with heads * head_dim, so this holds
-#   at any size of heads, and is a property of the GPU and its links. Fitted to 4x H100
-#   (copy engines, each block straight from its owner) at 8k tokens per GPU: windows, packed
-#   documents and causal over zigzag and contiguous, whose times an affine function of the
-#   cost gives within 18% (5000 gave 34%: docs/sharding.md).
+#   at any size of heads, and is a property of the GPU and its links (4x H100, copy engines).
+# - the host issues each ring step in about 1.5-2.2 ms (fwd + bwd: transfers, merges, the
+#   steps' bookkeeping) and each kernel call in about 0.75-0.85 ms (cuDNN's execute, the
+#   merge or sum of its rows): 16 and 7 million pairs' worth. Host and GPU work overlap, so
+#   a rank takes the longer of the two; at 8k tokens a GPU, windows and packed documents
+#   are bound by the host (fitted to 2x H200 and 4x H100 at 8k tokens a GPU:
+#   docs/sharding.md).
+# - a pair whose query or key segment is strided (``striped``) costs about 10% more: cuDNN
+#   runs the narrower bands of a strided block at that much lower a rate per pair.
 # - a row that re-sharding moves (``resharding``) costs about 5000: it carries q, k and v
 #   there and the output back (dO there and dq, dk, dv back in backward), twice the tensors
 #   of a travelling row, over an all-to-all that spreads them over the links to every other
@@ -49,7 +55,27 @@ from .workload import Workload, workload
 #   million pairs there).
 CALL_PAIRS = 1_300_000
 TOKEN_PAIRS = 3_000
+HOST_STEP_PAIRS = 16_000_000
+HOST_CALL_PAIRS = 7_000_000
+STRIDED_EXTRA = 0.10
 MOVE_PAIRS = 5_000
+
+
+@dataclass(frozen=True)
+class Weights:
+    """What the cost model prices beyond the pairs themselves, in pairs (the constants above):
+    a kernel call on the GPU, a row that travels a step, a ring step and a kernel call on the
+    host, and the extra share of a strided pair. ``NO_WEIGHTS``: none, the cost is then the
+    busiest rank's pairs."""
+
+    call: float = CALL_PAIRS
+    token: float = TOKEN_PAIRS
+    host_step: float = HOST_STEP_PAIRS
+    host_call: float = HOST_CALL_PAIRS
+    strided: float = STRIDED_EXTRA
+
+
+NO_WEIGHTS = Weights(0, 0, 0, 0, 0)
 
 
 
@@ -64,24 +90,28 @@ def mask_work(mask_mod: Optional[Callable], seq_len: int, *, batch: int = 1, hea
 
 
 def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1, heads: int = 1, device=None,
-             token_pairs: float = TOKEN_PAIRS, call_pairs: float = CALL_PAIRS,
-             work: Union[BandRuns, Workload, None] = None, order_only: Optional[bool] = None) -> Dict[str, object]:
+             weights: Weights = Weights(), work: Union[BandRuns, Workload, None] = None,
+             order_only: Optional[bool] = None) -> Dict[str, object]:
     """The ring's cost under ``mask_mod`` (None: no mask) over ``sharding``, in pairs per head.
 
     - ``pairs[d][r]``: the (query, key) pairs rank r computes against the keys of rank
       (r - d) mod W, the block the ring's step of distance d brings.
     - ``steps``: the ring's steps: the own block and each distance at which some rank sees
       keys (the ring skips the others, as ``plan.distances_needed``).
-    - ``critical_pairs``: the slowest rank's pairs at each step, summed: the ring's
-      critical path in pairs. ``total_pairs`` / W over it is ``balance`` (1: even).
+    - ``critical_pairs``: the busiest rank's pairs over the ring's steps: no step waits for
+      the other ranks (each block comes straight from its owner), so the busiest rank sets
+      the pace. ``total_pairs`` / W over it is ``balance`` (1: even).
     - ``hops``: the non-empty (rank, step) pairs. ``calls``: kernel calls, one per PARTIAL
       (query segment, key segment) pair and one for all FULL ones of a (rank, step), which
       the planner joins.
     - ``travel_rows``: the rows of a block that travel at each step after the first (one range
       around the rows other ranks see, widened to a power of two, as the ring sends them).
-    - ``cost``: the own block's slowest rank, then per step the slower of its slowest rank and the
-      transfer of its block (which the ring overlaps with the step before), a rank's work
-      being its pairs plus ``call_pairs`` per call, a transfer ``token_pairs`` per row.
+    - ``cost``: the slowest rank's time, the longer of its GPU work and its host work (which
+      run side by side). GPU: its own block, then per step the longer of its hop and the
+      transfer of the step's block (which the ring overlaps with the step before), a hop
+      being its pairs (strided ones ``weights.strided`` dearer) plus ``weights.call`` per
+      call, a transfer ``weights.token`` per row. Host: ``weights.host_step`` per step and
+      ``weights.host_call`` per call.
     - ``exact``: False where the mask's pairs were sampled (``workload``).
 
     ``work``, ``order_only``: the mask's count over this length (``mask_work``) and whether it
@@ -96,12 +126,14 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
     seg_len = segs[2].astype(np.float64)
     member = np.eye(world)[segs[3]]  # [segments, ranks]
     by_rank = member.T @ seg_pairs @ member
+    strided = (segs[1] > 1) & (segs[2] > 1)
+    weighed = by_rank + weights.strided * (member.T @ (seg_pairs * (strided[:, None] | strided[None, :])) @ member)
     full = seg_pairs >= np.outer(seg_len, seg_len) * (1 - 1e-9)
     partial = member.T @ ((seg_pairs > 0) & ~full).astype(np.float64) @ member
     any_full = (member.T @ full.astype(np.float64) @ member) > 0
     calls = partial + any_full
     held = _held_at(world)
-    pairs, calls = by_rank.ravel()[held], calls.ravel()[held]
+    pairs, calls, weighed = by_rank.ravel()[held], calls.ravel()[held], weighed.ravel()[held]  # [step, rank]
     if order_only is None:
         order_only = _compares_order_only(mask_mod, device)
     if order_only:  # the planner runs such a rank's own block as one call
@@ -110,9 +142,10 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
     needed = np.union1d(0, np.flatnonzero(pairs.max(1) > 0))  # the ring's steps (``plan.distances_needed``)
     steps = len(needed)
     travel = travelling() if steps > 1 else 0
-    busy = (pairs + call_pairs * calls).max(1)[needed]
-    step_cost = np.maximum(busy, np.where(needed > 0, token_pairs * travel, 0.0))
-    critical = float(pairs.max(1)[needed].sum())
+    hop = (weighed + weights.call * calls)[needed]
+    gpu = np.maximum(hop, np.where(needed > 0, weights.token * travel, 0.0)[:, None]).sum(0)
+    host = weights.host_step * steps + weights.host_call * calls[needed].sum(0)
+    critical = float(pairs[needed].sum(0).max())
     total = float(pairs.sum())
     return {
         "sharding": sharding.name, "world_size": world, "seq_len": sharding.seq_len,
@@ -120,7 +153,7 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
         "critical_pairs": _number(critical), "total_pairs": _number(total),
         "balance": total / world / critical if critical else 1.0,
         "steps": steps, "hops": int((pairs > 0).sum()), "calls": int(calls[needed].sum()),
-        "travel_rows": int(travel), "cost": float(step_cost.sum()), "exact": work.exact,
+        "travel_rows": int(travel), "cost": float(np.maximum(gpu, host).max()), "exact": work.exact,
     }
 
 
@@ -257,7 +290,7 @@ def describe(est: Dict[str, object]) -> str:
 
 def shard_by_mask(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, document_ids: Optional[Tensor] = None,
                   batch: int = 1, heads: int = 1, chunks: Optional[int] = None, device=None,
-                  token_pairs: float = TOKEN_PAIRS, call_pairs: float = CALL_PAIRS) -> Sharding:
+                  weights: Weights = Weights()) -> Sharding:
     """The Sharding of ``seq_len`` positions over ``world_size`` ranks (equal sizes) that the
     cost model (``estimate``) prices cheapest for ``mask_mod``: never dearer than the best
     fixed layout, the first of them on a tie. ``document_ids`` ([seq_len], as
@@ -266,7 +299,7 @@ def shard_by_mask(mask_mod: Optional[Callable], seq_len: int, world_size: int, *
     4 per rank, each a multiple of the workload's tile where the length allows).
     Deterministic: every rank computes the same Sharding from the same arguments."""
     found = compare(mask_mod, seq_len, world_size, document_ids=document_ids, batch=batch, heads=heads,
-                    chunks=chunks, device=device, token_pairs=token_pairs, call_pairs=call_pairs)
+                    chunks=chunks, device=device, weights=weights)
     return min(found, key=lambda c: c[1]["cost"])[0]
 
 
@@ -339,7 +372,7 @@ def _most_rows_sent(source: Sharding, target: Sharding) -> int:
 
 def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, document_ids: Optional[Tensor] = None,
             batch: int = 1, heads: int = 1, chunks: Optional[int] = None, device=None,
-            token_pairs: float = TOKEN_PAIRS, call_pairs: float = CALL_PAIRS) -> List[Tuple[Sharding, Dict[str, object]]]:
+            weights: Weights = Weights()) -> List[Tuple[Sharding, Dict[str, object]]]:
     """Every candidate ``shard_by_mask`` weighs, with its ``estimate``, in the order they are
     preferred on equal cost: the fixed layouts first."""
     if world_size < 1 or seq_len < world_size or seq_len % world_size:
@@ -351,11 +384,10 @@ def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, docu
     fixed = [Sharding.of_layout(name, seq_len, world_size) for name in LAYOUTS
              if seq_len % divisor(name, world_size) == 0]
     work = mask_work(mask_mod, seq_len, batch=batch, heads=heads, device=device)
-    price = dict(work=work, order_only=_compares_order_only(mask_mod, device), token_pairs=token_pairs,
-                 call_pairs=call_pairs, device=device)
+    price = dict(work=work, order_only=_compares_order_only(mask_mod, device), weights=weights, device=device)
     if world_size == 1 or mask_mod is None:  # every sharding does the same work; one segment a rank calls least
         return [(fixed[0], estimate(fixed[0], mask_mod, **price))]
-    extra = _searched(work, world_size, chunks, token_pairs, call_pairs)
+    extra = _searched(work, world_size, chunks, weights)
     if document_ids is not None:
         docs = _documents(document_ids)
         extra += [_per_document(docs, world_size), _packed_documents(docs, world_size, work.row_pairs())]
@@ -485,8 +517,8 @@ def _chunk_pairs(work: Union[BandRuns, Workload], count: int) -> np.ndarray:
     return np.pad(tile_pairs, ((0, count * tiles - n), (0, count * tiles - n))).reshape(count, tiles, count, tiles).sum((1, 3))
 
 
-def _searched(work: Union[BandRuns, Workload], world_size: int, chunks: Optional[int], token_pairs: float,
-              call_pairs: float) -> List[Sharding]:
+def _searched(work: Union[BandRuns, Workload], world_size: int, chunks: Optional[int],
+              weights: Weights) -> List[Sharding]:
     """Assignments of equal chunks to ranks, each found by swapping two chunks of two ranks
     while that lowers the cost (``_Search``), from several starts: contiguous and zigzag
     chunks, and the heaviest chunks first to the least loaded rank."""
@@ -494,7 +526,7 @@ def _searched(work: Union[BandRuns, Workload], world_size: int, chunks: Optional
     if count == world_size:
         return []
     chunk_pairs = _chunk_pairs(work, count)
-    search = _Search(chunk_pairs, world_size, work.seq_len // world_size, token_pairs, call_pairs)
+    search = _Search(chunk_pairs, world_size, work.seq_len // world_size, weights)
     per_rank = count // world_size
     starts = {"contiguous": np.arange(count) // per_rank, "greedy": search.greedy()}
     if per_rank % 2 == 0:  # zigzag's chunks
@@ -531,11 +563,11 @@ class _Search:
     many calls per non-empty (rank, step) as the rank has runs of chunks, and the whole block
     travelling at each needed step."""
 
-    def __init__(self, pairs: np.ndarray, world: int, local_len: int, token_pairs: float, call_pairs: float):
+    def __init__(self, pairs: np.ndarray, world: int, local_len: int, weights: Weights):
         self.pairs, self.world, self.count = pairs, world, len(pairs)
         self.steps = np.arange(world)
-        self.transfer = np.where(self.steps > 0, token_pairs * local_len, 0.0)  # step 0 waits for no block
-        self.call_pairs = call_pairs
+        self.transfer = np.where(self.steps > 0, weights.token * local_len, 0.0)  # step 0 waits for no block
+        self.weights = weights
         self.held_at = _held_at(world)
         self.tiny = 1e-9 * max(1.0, float(pairs.sum()))
         self.eye = np.eye(world)
@@ -555,14 +587,17 @@ class _Search:
     def cost(self, by_rank: np.ndarray, runs: np.ndarray) -> np.ndarray:
         """Cost of rank-pair matrices ``by_rank`` [W, W, ...] whose ranks hold ``runs`` [W, ...]
         runs (the ranks lead: numpy reduces over a leading axis fastest)."""
+        w = self.weights
         pairs = by_rank.reshape(self.world ** 2, -1)[self.held_at]  # [step, rank, n]
         active = pairs > self.tiny
-        busy = (pairs + active * (self.call_pairs * runs.reshape(self.world, -1))).max(1)  # [step, n]
-        needed = active.any(1) | (self.steps == 0)[:, None]  # the distances some rank reads, and its own block
-        step_cost = np.maximum(busy, self.transfer[:, None]) * needed
+        calls = active * runs.reshape(self.world, -1)  # [step, rank, n]
+        needed = active.any(1) | (self.steps == 0)[:, None]  # [step, n]: the distances some rank reads, and its own block
+        gpu = np.maximum(pairs + w.call * calls, self.transfer[:, None, None]) * needed[:, None]
+        host = w.host_step * needed.sum(0) + w.host_call * (calls * needed[:, None]).sum(0)  # [rank, n]
         # summed along a contiguous last axis, in the order the search always summed its costs in:
         # numpy adds across rows in another order, and non-integer costs could then tie otherwise
-        return np.ascontiguousarray(step_cost.T).sum(-1).reshape(runs.shape[1:])
+        gpu = np.ascontiguousarray(gpu.transpose(1, 2, 0)).sum(-1)  # [rank, n]
+        return np.maximum(gpu, host).max(0).reshape(runs.shape[1:])
 
     def greedy(self) -> np.ndarray:
         """Heaviest chunks first, each to the least loaded rank with room (by the pairs its rows see)."""
