@@ -296,7 +296,9 @@ def shard_by_mask(mask_mod: Optional[Callable], seq_len: int, world_size: int, *
     fixed layout, the first of them on a tie. ``document_ids`` ([seq_len], as
     ``mods.document`` takes them) adds candidates that cut by document; ``chunks`` (a
     multiple of ``world_size`` dividing ``seq_len``) sets the pieces the search moves (default
-    4 per rank, each a multiple of the workload's tile where the length allows).
+    4 per rank, each a multiple of the workload's tile where the length allows); ``weights``
+    what the model prices beyond pairs (``Weights``: kernel calls and travelling rows on the
+    GPU, steps and calls on the host, strided pairs; fitted at B=1, H=32, D=128).
     Deterministic: every rank computes the same Sharding from the same arguments."""
     found = compare(mask_mod, seq_len, world_size, document_ids=document_ids, batch=batch, heads=heads,
                     chunks=chunks, device=device, weights=weights)
