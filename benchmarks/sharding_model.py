@@ -25,7 +25,7 @@ import torch
 
 from ringflex import mods
 from ringflex.plan import workload as workloads
-from ringflex.plan.sharding import compare, shard_by_mask
+from ringflex.plan.sharding import cheapest, compare, shard_by_mask
 
 
 def documents(seq_len: int, low: int, high: int, seed: int = 0, device="cpu") -> torch.Tensor:
@@ -90,7 +90,7 @@ def main():
         seq_len = args.per_rank * world_size
         for name, (mask_mod, ids) in masks(seq_len, args.window, args.seed, args.device).items():
             found = compare(mask_mod, seq_len, world_size, document_ids=ids)
-            best = min(found, key=lambda c: c[1]["cost"])[0]
+            best = cheapest(found)[0]
             for s, e in found:
                 label = f"**{s.name}** (chosen)" if s is best else s.name
                 print(f"| {world_size} | {name} | {label} | {e['critical_pairs'] / 1e6:.2f} | {e['balance']:.2f} | "

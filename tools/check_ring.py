@@ -5,6 +5,7 @@
     torchrun --nproc_per_node=3 -m tools.check_ring --device cpu --local-len 16     # CPU, gloo
     torchrun --nproc_per_node=2 -m tools.check_ring --lse-grad    # a loss that reads the LSE too
     torchrun --nproc_per_node=4 -m tools.check_ring --mesh 2x2    # a heads x ring mesh
+    torchrun --nproc_per_node=2 -m tools.check_ring --layouts by-mask default   # shard_by_mask's; none given
 
 (from the repository root: the cases and the fp64 oracle come from ``tests/support``)
 
@@ -78,13 +79,17 @@ def main():
     p.add_argument("--backend", default="auto")
     p.add_argument("--local-len", type=int, default=1024, help="query tokens per rank")
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--layouts", nargs="+", default=list(ringflex.LAYOUTS), choices=(*ringflex.LAYOUTS, "default"),
-                   help="default: no layout given to shard or the call (which may re-shard inside)")
+    p.add_argument("--layouts", nargs="+", default=list(ringflex.LAYOUTS),
+                   choices=(*ringflex.LAYOUTS, "default", "by-mask"),
+                   help="default: no layout given to shard or the call (which may re-shard inside); by-mask: the "
+                        "sharding ringflex.shard_by_mask chooses for the case's mask (1-D ring only)")
     p.add_argument("--cases", nargs="+", help="only these cases of the matrix (default: all)")
     p.add_argument("--tolerance", type=float, default=None, help="max relative error (default: 3e-2 bf16, 1e-4 fp32)")
     p.add_argument("--lse-grad", action="store_true", help="the loss reads the LSE too (its gradient flows back)")
     p.add_argument("--mesh", help="a heads x ring mesh 'axr' of every rank (a * r ranks) instead of the 1-D ring")
     args = p.parse_args()
+    if args.mesh and "by-mask" in args.layouts:
+        p.error("--layouts by-mask needs a 1-D ring (no --mesh)")
     ranks.init(args.device)
     group = None
     if args.mesh:
@@ -106,7 +111,11 @@ def main():
         else:
             want = reference(q, k, v, dout, case)
         for name_of_layout in args.layouts:
-            layout = None if name_of_layout == "default" else name_of_layout
+            if name_of_layout == "by-mask" and k.shape[2] != q.shape[2]:
+                continue  # a Sharding is of one length: cross-attention's keys have another
+            layout = {"default": None, "by-mask": ringflex.shard_by_mask(case.mask_mod, seq_len, world_size,
+                                                                         heads=q.shape[1])}.get(name_of_layout,
+                                                                                                name_of_layout)
             local = [ringflex.shard(t, 2, group=group, layout=layout).requires_grad_() for t in (q, k, v)]
             _LENT.clear()
             try:

@@ -112,6 +112,9 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
       being its pairs (strided ones ``weights.strided`` dearer) plus ``weights.call`` per
       call, a transfer ``weights.token`` per row. Host: ``weights.host_step`` per step and
       ``weights.host_call`` per call.
+    - ``gpu_cost``: the busiest rank's GPU work alone: of two shardings the host prices alike,
+      the one with less is never slower (and a call replayed from a CUDA graph has no host
+      work), so ``cheapest`` compares it second.
     - ``exact``: False where the mask's pairs were sampled (``workload``).
 
     ``work``, ``order_only``: the mask's count over this length (``mask_work``) and whether it
@@ -153,7 +156,8 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
         "critical_pairs": _number(critical), "total_pairs": _number(total),
         "balance": total / world / critical if critical else 1.0,
         "steps": steps, "hops": int((pairs > 0).sum()), "calls": int(calls[needed].sum()),
-        "travel_rows": int(travel), "cost": float(np.maximum(gpu, host).max()), "exact": work.exact,
+        "travel_rows": int(travel), "cost": float(np.maximum(gpu, host).max()), "gpu_cost": float(gpu.max()),
+        "exact": work.exact,
     }
 
 
@@ -302,7 +306,13 @@ def shard_by_mask(mask_mod: Optional[Callable], seq_len: int, world_size: int, *
     Deterministic: every rank computes the same Sharding from the same arguments."""
     found = compare(mask_mod, seq_len, world_size, document_ids=document_ids, batch=batch, heads=heads,
                     chunks=chunks, device=device, weights=weights)
-    return min(found, key=lambda c: c[1]["cost"])[0]
+    return cheapest(found)[0]
+
+
+def cheapest(found: List[Tuple[Sharding, Dict[str, object]]]) -> Tuple[Sharding, Dict[str, object]]:
+    """The (sharding, estimate) of ``found`` (``compare``'s) that costs least, less GPU work
+    deciding a tie (``estimate``'s ``gpu_cost``), the first of those on a tie again."""
+    return min(found, key=lambda c: (c[1]["cost"], c[1]["gpu_cost"]))
 
 
 @dataclass(frozen=True)
@@ -341,7 +351,8 @@ def resharding(mask_mod: Optional[Callable], seq_len: int, world_size: int, layo
     except Exception:  # noqa: BLE001 (the call itself checks the mask, in its plan)
         return None
     given = next((e["cost"] for s, e in found if s.name == layout), None)
-    best, cost = min(((s, e["cost"]) for s, e in found), key=lambda c: c[1])
+    best, chosen = cheapest(found)
+    cost = chosen["cost"]
     if given is None or best.name == layout or cost >= 0.9 * given:
         return None
     source = Sharding.of_layout(layout, seq_len, world_size)
