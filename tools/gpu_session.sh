@@ -2,7 +2,7 @@
 # The GPU runs behind benchmarks/README.md and benchmarks/results/, one stage per argument; logs go to
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
-#   bash tools/gpu_session.sh sharding2 documents16k2 efficiency2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
+#   bash tools/gpu_session.sh sharding2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base4 basephases4   # on 4 GPUs: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
@@ -22,6 +22,10 @@ for stage in "$@"; do
   case $stage in
     env) run env python3 -m ringflex.env ;;
     check2) run check tr 2 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 ;;
+    checkbymask2) run checkbymask2 tr 2 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 \
+              --layouts by-mask default
+              run checkbymask2 tr 2 -m tools.check_ring --device cuda --backend cudnn --local-len 8192 \
+              --layouts by-mask default --cases prefix_lm documents causal sliding_window late_queries sparse_rows ;;  # shard_by_mask's shardings, and calls left in the default layout
     check2flex) run check tr 2 -m tools.check_ring --device cuda --backend flex --local-len 1024 ;;  # the ring on flex_attention
     check2lse) run check tr 2 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 --lse-grad ;;  # a loss reading the LSE
     hostcost1) run hostcost python3 -m benchmarks.probes.host_cost ;;  # host time of a ring call's pieces, one process
