@@ -78,7 +78,6 @@ class Weights:
 NO_WEIGHTS = Weights(0, 0, 0, 0, 0)
 
 
-
 # ---------------------------------------------------------------------- the cost model
 
 def mask_work(mask_mod: Optional[Callable], seq_len: int, *, batch: int = 1, heads: int = 1,
