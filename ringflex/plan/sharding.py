@@ -296,8 +296,8 @@ def shard_by_mask(mask_mod: Optional[Callable], seq_len: int, world_size: int, *
                   weights: Weights = Weights()) -> Sharding:
     """The Sharding of ``seq_len`` positions over ``world_size`` ranks (equal sizes) that the
     cost model (``estimate``) prices cheapest for ``mask_mod``: never dearer than the best
-    fixed layout, the first of them on a tie. ``document_ids`` ([seq_len], as
-    ``mods.document`` takes them) adds candidates that cut by document; ``chunks`` (a
+    fixed layout; on a tie, the one with less GPU work (``cheapest``). ``document_ids``
+    ([seq_len], as ``mods.document`` takes them) adds candidates that cut by document; ``chunks`` (a
     multiple of ``world_size`` dividing ``seq_len``) sets the pieces the search moves (default
     4 per rank, each a multiple of the workload's tile where the length allows); ``weights``
     what the model prices beyond pairs (``Weights``: kernel calls and travelling rows on the
