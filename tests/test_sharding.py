@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.common import make_mods
 from benchmarks.sharding_model import documents
 from ringflex import mods
 from ringflex.plan import workload as workloads
@@ -323,7 +324,6 @@ MEASURED = {
 def test_the_model_ranks_the_layouts_as_measured(world_size, name):
     """Of two layouts measured more than 10% apart, the model prices the faster one cheaper,
     and the fixed layout it prices cheapest ran within 10% of the fastest."""
-    from benchmarks.common import make_mods
     seq_len = PER_RANK * world_size
     _, mask_mod = make_mods(name, seq_len, "cpu", window=4096, doc_len=4096)
     ms = MEASURED[world_size, name]
