@@ -2,6 +2,7 @@
 the first and last step and at most one line per interval; the tools run; the test harness
 shows where a hanging rank waits."""
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,20 @@ def test_a_hanging_rank_fails_the_run_with_its_stacks():
     message = str(raised.value)
     assert message.startswith("ranks [1] did not finish within 8 s")
     assert "--- rank 1, shortly before the deadline" in message and "_waits_forever" in message
+
+
+def test_check_ring_checks_the_sharding_shard_by_mask_chooses():
+    """``tools.check_ring --layouts by-mask``: each case in ``shard_by_mask``'s sharding of its mask
+    (striped for both here) and in the default layout, against one device, over a 2-rank CPU ring;
+    cross-attention, whose keys have another length than a Sharding's, in the default layout only."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(launcher + ["-m", "tools.check_ring", "--device", "cpu", "--local-len", "16", "--layouts",
+                                      "by-mask", "default", "--cases", "prefix_lm", "documents", "cross_no_mask"],
+                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=280)
+    assert done.returncode == 0, done.stdout
+    lines = [line.split() for line in done.stdout.splitlines() if line.split()[-1:] in (["ok"], ["FAIL"])]
+    assert [(case, layout.rstrip(":"), ok) for case, layout, *_, ok in lines] == [
+        ("prefix_lm", "by-mask", "ok"), ("prefix_lm", "default", "ok"), ("documents", "by-mask", "ok"),
+        ("documents", "default", "ok"), ("cross_no_mask", "default", "ok")], done.stdout
+    assert "all cases within tolerance" in done.stdout
