@@ -113,9 +113,10 @@ def main():
         for name_of_layout in args.layouts:
             if name_of_layout == "by-mask" and k.shape[2] != q.shape[2]:
                 continue  # a Sharding is of one length: cross-attention's keys have another
-            layout = {"default": None, "by-mask": ringflex.shard_by_mask(case.mask_mod, seq_len, world_size,
-                                                                         heads=q.shape[1])}.get(name_of_layout,
-                                                                                                name_of_layout)
+            if name_of_layout == "by-mask":
+                layout = ringflex.shard_by_mask(case.mask_mod, seq_len, world_size, heads=q.shape[1])
+            else:
+                layout = None if name_of_layout == "default" else name_of_layout
             local = [ringflex.shard(t, 2, group=group, layout=layout).requires_grad_() for t in (q, k, v)]
             _LENT.clear()
             try:

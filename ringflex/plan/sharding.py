@@ -605,7 +605,7 @@ class _Search:
         calls = active * runs.reshape(self.world, -1)  # [step, rank, n]
         needed = active.any(1) | (self.steps == 0)[:, None]  # [step, n]: the distances some rank reads, and its own block
         gpu = np.maximum(pairs + w.call * calls, self.transfer[:, None, None]) * needed[:, None]
-        host = w.host_step * needed.sum(0) + w.host_call * (calls * needed[:, None]).sum(0)  # [rank, n]
+        host = w.host_step * needed.sum(0) + w.host_call * calls.sum(0)  # [rank, n]: calls only where needed
         # summed along a contiguous last axis, in the order the search always summed its costs in:
         # numpy adds across rows in another order, and non-integer costs could then tie otherwise
         gpu = np.ascontiguousarray(gpu.transpose(1, 2, 0)).sum(-1)  # [rank, n]
