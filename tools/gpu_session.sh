@@ -69,9 +69,7 @@ for stage in "$@"; do
            CUDA_VISIBLE_DEVICES=0,1 run links tr 2 -m benchmarks.probes.link_bandwidth ;;  # a block's move, each way
     efficiency) run efficiency tr 4 -m benchmarks.bench --seq-lens 32768 --masks none causal --layouts zigzag \
               --singles sdpa-cudnn ringflex-1gpu --no-flex-cp --iters 5 --warmup 3 --json "$OUT/efficiency4.json"
-              CUDA_VISIBLE_DEVICES=0,1 run efficiency tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
-              --layouts zigzag --singles sdpa-cudnn ringflex-1gpu --no-flex-cp --iters 5 --warmup 3 \
-              --json "$OUT/efficiency2.json" ;;  # 8k tokens per GPU, with torch CP
+              CUDA_VISIBLE_DEVICES=0,1 bash "$0" efficiency2 ;;  # 8k tokens per GPU, with torch CP; and on 2 of the GPUs
     base4) test -n "${BASE:-}" || { echo "base4 needs BASE=<another tree: git archive REV ringflex benchmarks tools>"; exit 2; }
            for round in $(seq "${ROUNDS:-2}"); do for tree in "$BASE" "$PWD"; do name=$(basename "$tree")  # -m imports from the tree's folder
              (cd "$tree" && run base4 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
