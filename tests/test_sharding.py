@@ -369,7 +369,7 @@ def test_critical_path_near_the_brute_force_optimum(world_size, chunks, name):
         "late_queries": lambda b, h, q, kv: (q >= 40) & (kv <= q),
         "blocks": lambda b, h, q, kv: (q // 16 + kv // 16) % 3 == 0,
     }[name]
-    free = dict(weights=NO_WEIGHTS)  # the cost is then the critical path in pairs
+    free = dict(weights=NO_WEIGHTS)  # the cost is then the busiest rank's pairs
     found = compare(mask_mod, seq_len, world_size, chunks=chunks, **free)
     chosen = min(e["critical_pairs"] for _, e in found)
     best_fixed = min(e["critical_pairs"] for s, e in found if s.name in LAYOUTS)
