@@ -31,7 +31,8 @@ from benchmarks.common import MASKS, make_mods, timed
 from tools.ranks import launch, max_over_ranks
 import ringflex
 from ringflex import config
-from ringflex.parallel import peer
+from ringflex.parallel import peer, reshard
+from ringflex.plan.layout import DEFAULT as DEFAULT_LAYOUT, Sharding
 
 
 def fwd_and_fwdbwd(attn, q, k, v, iters, warmup, *, device):
@@ -150,19 +151,28 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
     shape = (args.batch, args.heads, seq_len, args.head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
 
-    def ring(layout):
+    def ring(layout, moved_from=None):
+        """The ring in ``layout``; with ``moved_from`` (the Sharding of the caller's shards) each
+        call moves q, k, v there and the output back, as a call that re-shards does."""
         def attn(q, k, v):
-            return ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
-                                                layout=layout, backend=args.backend)
+            if moved_from is not None:
+                q, k, v = reshard.move((q, k, v), 2, moved_from, layout, None, "the benchmark's move")
+            out = ringflex.ring_flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
+                                               layout=layout, backend=args.backend)
+            return out if moved_from is None else reshard.move((out,), 2, layout, moved_from, None, "the output")[0]
         return attn
 
     # row label -> its layout: a name, a Sharding, or None (the caller chose none: ``shard``'s and the call's default)
     chosen = {label: None if label == "default" else label for label in args.layouts}
-    if "by-mask" in chosen:
+    if "by-mask" in chosen or "moved" in chosen:
         start = time.perf_counter()
-        chosen["by-mask"] = ringflex.shard_by_mask(mask_mod, seq_len, world_size, batch=args.batch, heads=args.heads)
-        log(f"  by-mask: {chosen['by-mask'].name}, chosen in {1e3 * (time.perf_counter() - start):.1f} ms of host time")
-    shards = {label: [ringflex.shard(t, 2, layout=chosen[label]) for t in (q, k, v)] for label in args.layouts}
+        by_mask = ringflex.shard_by_mask(mask_mod, seq_len, world_size, batch=args.batch, heads=args.heads)
+        log(f"  by-mask: {by_mask.name}, chosen in {1e3 * (time.perf_counter() - start):.1f} ms of host time")
+        chosen.update({label: by_mask for label in ("by-mask", "moved") if label in chosen})
+    # "moved": the caller's shards in the default layout, each call moved to shard_by_mask's sharding
+    shards = {label: [ringflex.shard(t, 2, layout=None if label == "moved" else chosen[label]) for t in (q, k, v)]
+              for label in args.layouts}
+    moved_from = Sharding.of_layout(DEFAULT_LAYOUT, seq_len, world_size)
     timers = {}  # name -> (iters, warmup) -> (forward s, forward+backward s)
     if seq_len <= args.single_max:
         for name, attn in single_gpu_candidates(mask, score_mod, mask_mod, seq_len, device, args.singles).items():
@@ -176,13 +186,15 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
             if peer is not None:
                 timers[name] = functools.partial(peer, q, k, v)
     variants = {label: (chosen[label], local) for label, local in shards.items()}  # row label -> (layout, shards)
+    attn_of = {}  # row label -> the attention it times
     if args.graph:
         variants.update({f"{label}+graph": (chosen[label], local) for label, local in shards.items()})
     for label, (layout, local) in variants.items():
-        attn = ring(layout)
+        attn = ring(layout, moved_from if label.startswith("moved") else None)
         if label.endswith("+graph"):
             attn = torch.cuda.make_graphed_callables(attn, tuple(t.detach().requires_grad_() for t in local))
         timers[f"ringflex/{label}"] = functools.partial(fwd_and_fwdbwd, attn, *local, device=device)
+        attn_of[label] = attn
 
     results = timed_in_rounds(timers, args, device, lambda name: name.startswith("ringflex/"))
     for name, result in results.items():
@@ -194,7 +206,7 @@ def bench_one(args, seq_len, mask, device, dtype, rank, world_size, log):
                **{n: r for n, r in results.items() if not n.startswith("ringflex/")},
                "ringflex": dict(results[f"ringflex/{label}"])}
         if device.type == "cuda" and not label.endswith("+graph"):
-            row["ringflex"]["peak_mem_gib"] = max_over_ranks([ring_peak_memory(ring(layout), local) / 2**30],
+            row["ringflex"]["peak_mem_gib"] = max_over_ranks([ring_peak_memory(attn_of[label], local) / 2**30],
                                                                    device, _CPU_GROUP)[0]
         singles = {n: row[n] for n in SINGLES if "fwd" in row.get(n, {})}
         if singles:
@@ -299,9 +311,12 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=4096)
     p.add_argument("--doc-len", type=int, default=4096, help="mean document length of the documents mask")
-    p.add_argument("--layouts", nargs="+", default=["zigzag"], choices=(*ringflex.LAYOUTS, "by-mask", "default"),
+    p.add_argument("--layouts", nargs="+", default=["zigzag"],
+                   choices=(*ringflex.LAYOUTS, "by-mask", "default", "moved"),
                    help="time the ring in each of these layouts (one row each); by-mask: ringflex.shard_by_mask's; "
-                        "default: no layout given to shard or the call")
+                        "default: no layout given to shard or the call; moved: shards in the default layout, each "
+                        "call moved to shard_by_mask's sharding and the output back (what a call that re-shards "
+                        "does, whether or not the default decides to)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--graph", action="store_true",
                    help="also time each layout captured in CUDA graphs (make_graphed_callables; GPUs only). "

@@ -145,7 +145,7 @@ def ring_flex_attention(
     if default is not None and rank_and_size(group)[0] == 0:  # where it moves, or what staying costs
         warn_once(default.message)
     if moved:  # the ranks agree on the layout: every rank moves, to the same sharding
-        q, k, v = reshard.move((q, k, v), 2, moved.source, moved.target, group, "the re-sharding of q, k and v")
+        q, k, v = reshard.move((q, k, v), 2, moved.source, moved.target, group, "re-sharding of q, k and v")
 
     # 3. The ring, and the merge of its hops' results.
     transfers = None
@@ -161,9 +161,9 @@ def ring_flex_attention(
     if debugging:
         debug.check_outputs(group, out, lse)
     if moved:  # back to the caller's shards; the LSE apart, so a loss that does not read it costs no LSE backward
-        out, = reshard.move((out,), 2, moved.target, moved.source, group, "the re-sharding of the output")
+        out, = reshard.move((out,), 2, moved.target, moved.source, group, "re-sharding of the output")
         if return_lse:
-            lse, = reshard.move((lse,), 2, moved.target, moved.source, group, "the re-sharding of the LSE")
+            lse, = reshard.move((lse,), 2, moved.target, moved.source, group, "re-sharding of the LSE")
     return (out, lse) if return_lse else out
 
 

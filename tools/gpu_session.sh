@@ -2,7 +2,7 @@
 # The GPU runs behind benchmarks/README.md and benchmarks/results/, one stage per argument; logs go to
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
-#   bash tools/gpu_session.sh sharding2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
+#   bash tools/gpu_session.sh sharding2 reshard2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base4 basephases4   # on 4 GPUs: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
@@ -173,11 +173,15 @@ for stage in "$@"; do
     sharding2) run sharding2 tr 2 -m benchmarks.bench --seq-lens 16384 --masks ${MASKS:-window documents causal prefix_lm} \
               --layouts default zigzag contiguous by-mask --singles sdpa-cudnn ringflex-1gpu --iters 10 --warmup 3 \
               --json "$OUT/sharding2.json" ;;  # 8k tokens per GPU: the default layout against shard_by_mask's, vs flex CP
+    reshard2) run reshard2 python3 -m pytest -q tests/gpu/test_reshard.py  # moves over the copy engines, bit for bit
+              run reshard2 tr 2 -m benchmarks.bench --seq-lens 16384 --masks ${MASKS:-window documents} \
+              --layouts default zigzag contiguous by-mask moved --singles ringflex-1gpu --no-cp --no-flex-cp --iters 10 --warmup 3 \
+              --json "$OUT/reshard2.json" ;;  # 8k tokens per GPU: what re-sharding a call costs, vs staying in zigzag
     documents16k2) run documents16k2 tr 2 -m benchmarks.bench --seq-lens 32768 --masks documents \
               --layouts contiguous by-mask --singles ringflex-1gpu --iters 5 --warmup 3 \
               --json "$OUT/documents16k2.json" ;;  # packed documents at 16k tokens per GPU against one GPU and flex CP
     efficiency2) run efficiency2 tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal --layouts zigzag \
-              --singles sdpa-cudnn ringflex-1gpu --no-flex-cp --iters 5 --warmup 3 \
+              --singles sdpa-cudnn ringflex-1gpu --no-flex-cp --iters ${ITERS:-5} --warmup 3 \
               --json "$OUT/efficiency2.json" ;;  # 8k tokens per GPU, with torch CP
     phases2) run phases2 tr 2 -m benchmarks.probes.host_phases --seq-len 16384 ;;  # host time of a ring call by phase
     newdocs2) for n in 16384 65536; do run newdocs2 tr 2 -m benchmarks.probes.host_phases --seq-len $n --warmup 100 --calls 20 \

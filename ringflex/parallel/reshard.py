@@ -1,10 +1,14 @@
-"""Moving sharded tensors from one ``Sharding`` to another: an all-to-all each, with its autograd.
+"""Moving sharded tensors from one ``Sharding`` to another, over the ring's own transport.
 
-Each rank sends every other rank the rows of its shard that the target gives that rank, in
-the target's local order there, and puts the rows it receives (grouped by the rank they come
-from) into its target order. The routes (which local rows go where, and how what arrives is
-put back in order) are computed once per source, target, rank and device. The backward of a
-move is the reverse move of the gradient: a move is a permutation of the sequence's rows.
+A move is a permutation of the sequence's rows: each rank keeps the rows the target leaves
+it, and for every shift s of the ring sends the rank s ahead the rows the target gives that
+rank, in their order there, while the rank s behind sends it its rows. All the tensors of a
+move travel together, one exchange per shift, on the copy engines between the GPUs of one
+host (no SM takes part, and nothing waits for the host beyond the packing), else through the
+process group's P2P. Per tensor, a move costs the GPU one gather of the rows that leave, one
+scatter of those that arrive, and a gather and scatter of those that stay. The routes (which
+local rows go where) are computed once per source, target, rank and device. The backward of
+a move is the reverse move of the gradients.
 
 ``ring_flex_attention`` moves a call left in the default layout to the sharding its mask
 runs faster in (``plan.sharding.resharding``): q, k and v there, the output back.
@@ -12,85 +16,114 @@ runs faster in (``plan.sharding.resharding``): q, k and v there, the output back
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..plan.layout import Sharding
-from . import fault
+from .fault import GuardedComm, guard
+
+
+Runs = Tuple[Tuple[int, int], ...]  # (begin, end) ranges of local rows
 
 
 @dataclass(frozen=True)
 class _Route:
-    """One rank's side of a move."""
+    """One rank's side of a move: for each shift s that moves rows, the runs of source rows
+    sent to rank + s (in their order there) and how many rows come from rank - s; and the
+    target shard as runs of rows taken in turn from the source shard (``None``) or from what
+    arrived at a shift (its index in ``shifts``)."""
 
-    send_order: Tensor  # local rows of the source shard, grouped by the rank they go to, each in its target order
-    send_counts: List[int]  # rows sent to each rank
-    receive_counts: List[int]  # rows received from each rank
-    receive_order: Tensor  # which received row becomes each local row of the target shard
+    shifts: Tuple[Tuple[int, Runs, int], ...]  # (s, source runs sent to rank + s, rows received from rank - s)
+    target: Tuple[Tuple[object, int, int], ...]  # (None or index into shifts, begin, end), in target order
 
 
 _ROUTES: Dict[tuple, _Route] = {}
 
 
-def _route(source: Sharding, target: Sharding, rank: int, device) -> _Route:
-    key = (source, target, rank, device)
+def _runs(rows: Tensor) -> Runs:
+    """``rows`` (increasing by one inside each run) as (begin, end) runs."""
+    breaks = (torch.nonzero(rows[1:] != rows[:-1] + 1).flatten() + 1).tolist()
+    bounds = [0, *breaks, len(rows)]
+    return tuple((int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(bounds, bounds[1:]) if b > a)
+
+
+def _route(source: Sharding, target: Sharding, rank: int) -> _Route:
+    key = (source, target, rank)
     if key not in _ROUTES:
         world = source.world_size
         mine = source.positions(rank)
         to, there = target.owners()[mine], target.local_index()[mine]
-        arriving_from = source.owners()[target.positions(rank)]  # by target local row
-        arrival = torch.sort(arriving_from, stable=True).indices  # received row i is target row arrival[i]
-        _ROUTES[key] = _Route(torch.argsort(to * source.seq_len + there).to(device),
-                              torch.bincount(to, minlength=world).tolist(),
-                              torch.bincount(arriving_from, minlength=world).tolist(),
-                              torch.argsort(arrival).to(device))
+        coming_from = source.owners()[target.positions(rank)]  # per target row: the rank it comes from
+        origin = torch.full((target.local_len(rank),), -1)  # per target row: -1 kept, else the index of its shift
+        offset = torch.zeros_like(origin)  # per target row: its row in the source shard or in what arrived
+        kept = torch.nonzero(to == rank).flatten()
+        offset[there[kept]] = kept
+        shifts = []
+        for s in range(1, world):
+            sent = torch.nonzero(to == (rank + s) % world).flatten()
+            filled = torch.nonzero(coming_from == (rank - s) % world).flatten()
+            if sent.numel() or filled.numel():
+                origin[filled], offset[filled] = len(shifts), torch.arange(filled.numel())
+                shifts.append((s, _runs(sent[torch.argsort(there[sent])]), filled.numel()))
+        pieces = []  # target rows as runs of one origin and consecutive offsets
+        for r in range(len(origin)):
+            if pieces and pieces[-1][0] == origin[r] and pieces[-1][2] == offset[r]:
+                pieces[-1][2] += 1
+            else:
+                pieces.append([int(origin[r]), int(offset[r]), int(offset[r]) + 1])
+        _ROUTES[key] = _Route(tuple(shifts), tuple((None if o < 0 else o, b, e) for o, b, e in pieces))
     return _ROUTES[key]
 
 
-def _moved(x: Tensor, dim: int, source: Sharding, target: Sharding, group, what: str) -> Tensor:
-    """``x``'s shard along ``dim`` moved from ``source`` to ``target``, contiguous. Each side
-    gathers the rows in the order they travel or land with one ``index_select`` over a view
-    that puts ``dim`` first (a pass that also lays the rows out for the all-to-all), and one
-    last pass puts ``dim`` back. A failure here fails the group for every rank (``fault``):
-    the others wait in the same all-to-all."""
-    rank = dist.get_rank(group)
-    route = _route(source, target, rank, x.device)
-    send = x.movedim(dim, 0).index_select(0, route.send_order)
-    received = send.new_empty((target.local_len(rank), *send.shape[1:]))
-    try:
-        if x.is_cuda:  # NCCL: ordered on the stream, the host does not wait
-            dist.all_to_all_single(received, send, route.receive_counts, route.send_counts, group=group)
-        else:
-            work = dist.all_to_all_single(received, send, route.receive_counts, route.send_counts, group=group,
-                                          async_op=True)
-            fault.wait_collective(work, group, what)
-    except (fault.RingFailure, fault.RaisedTogether):
-        raise
-    except BaseException as e:
-        fault.fail(group, f"rank {rank} raised in {what}: {type(e).__name__}: {e}")
-        raise
-    return received.index_select(0, route.receive_order).movedim(0, dim).contiguous()
+def _joined(parts: Sequence[Tensor], dim: int) -> Tensor:
+    """``parts`` one after the other along ``dim``, contiguous: one pass."""
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _moved(tensors: Sequence[Tensor], dim: int, source: Sharding, target: Sharding, group, what: str
+           ) -> List[Tensor]:
+    """``tensors``' shards along ``dim`` moved from ``source`` to ``target``, contiguous: per
+    tensor one pass gathers each shift's rows, one puts the target together. A failure here
+    fails the group for every rank (``fault``): the others wait for its transfers."""
+    comm = GuardedComm(group)
+    route = _route(source, target, comm.rank)
+    received = []
+    with guard(comm, what):
+        arriving = []
+        for shift, runs, count in route.shifts:
+            send = [_joined([x.narrow(dim, b, e - b) for b, e in runs], dim) if runs else x.narrow(dim, 0, 0)
+                    for x in tensors]
+            receive = [x.new_empty([count if d == dim else n for d, n in enumerate(x.shape)]) for x in tensors]
+            arriving.append(comm.exchange(send, receive, shift))
+            received.append(receive)
+        for transfer in arriving:
+            transfer.wait()
+        comm.end_pass(tensors[0].device)
+    if len(route.target) == 1 and route.target[0][0] is None:  # nothing arrives: a copy, not a view of an input
+        return [x.clone(memory_format=torch.contiguous_format) for x in tensors]
+    return [_joined([(x if o is None else received[o][i]).narrow(dim, b, e - b) for o, b, e in route.target], dim)
+            for i, x in enumerate(tensors)]
 
 
 class _Move(torch.autograd.Function):
-    """A move of a shard; its backward moves the gradient back."""
+    """A move of several shards; its backward moves their gradients back."""
 
     @staticmethod
-    def forward(ctx, x, dim, source, target, group, what):
+    def forward(ctx, dim, source, target, group, what, *tensors):
         ctx.route = dim, source, target, group, what
-        return _moved(x, dim, source, target, group, what)
+        return tuple(_moved(tensors, dim, source, target, group, what))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         dim, source, target, group, what = ctx.route
-        return _moved(grad, dim, target, source, group, f"the gradient of {what}"), None, None, None, None, None
+        return (None,) * 5 + tuple(_moved(grads, dim, target, source, group, f"{what} (its gradient)"))
 
 
 def move(tensors: Sequence[Tensor], dim: int, source: Sharding, target: Sharding, group, what: str) -> List[Tensor]:
     """``tensors``, this rank's shards in ``source`` along ``dim``, as this rank's shards in
-    ``target``, contiguous: an all-to-all over ``group`` each (``what`` names them in errors).
+    ``target``, contiguous, all in one move over ``group`` (``what`` names them in errors).
     Differentiable."""
-    return [_Move.apply(t, dim, source, target, group, what) for t in tensors]
+    return list(_Move.apply(dim, source, target, group if group is not None else dist.group.WORLD, what, *tensors))
