@@ -48,18 +48,16 @@ from .workload import Workload, workload
 #   docs/sharding.md).
 # - a pair whose query or key segment is strided (``striped``) costs about 10% more: cuDNN
 #   runs the narrower bands of a strided block at that much lower a rate per pair.
-# - re-sharding (``resharding``) moves q, k and v there and the output back (dO there and dq,
-#   dk, dv back in backward): on the GPU, MOVE_PAIRS per row the busiest rank sends (the
-#   copy engines' transfer, which the call waits for, and the passes that gather and place
-#   the rows); on the host, HOST_MOVE_PAIRS per rank it exchanges rows with (an exchange and
-#   a few passes per tensor, four moves a call).
+# - a row that re-sharding moves (``resharding``) costs about 5000: it carries q, k and v
+#   there and the output back (dO there and dq, dk, dv back in backward), twice the tensors
+#   of a row that travels a step, and the call waits for each move: nothing overlaps it
+#   (fitted at 8k tokens a GPU: docs/sharding.md).
 CALL_PAIRS = 1_300_000
 TOKEN_PAIRS = 3_000
 HOST_STEP_PAIRS = 16_000_000
 HOST_CALL_PAIRS = 7_000_000
 STRIDED_EXTRA = 0.10
-MOVE_PAIRS = 3_000
-HOST_MOVE_PAIRS = 5_000_000
+MOVE_PAIRS = 5_000
 
 
 @dataclass(frozen=True)
@@ -115,7 +113,6 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
     - ``gpu_cost``: the busiest rank's GPU work alone: of two shardings the host prices alike,
       the one with less is never slower (and a call replayed from a CUDA graph has no host
       work), so ``cheapest`` compares it second.
-    - ``host_cost``: the busiest rank's host work alone (re-sharding adds to each apart).
     - ``exact``: False where the mask's pairs were sampled (``workload``).
 
     ``work``, ``order_only``: the mask's count over this length (``mask_work``) and whether it
@@ -158,7 +155,6 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
         "balance": total / world / critical if critical else 1.0,
         "steps": steps, "hops": int((pairs > 0).sum()), "calls": int(calls[needed].sum()),
         "travel_rows": int(travel), "cost": float(np.maximum(gpu, host).max()), "gpu_cost": float(gpu.max()),
-        "host_cost": float(host.max()),
         "exact": work.exact,
     }
 
@@ -358,8 +354,8 @@ def resharding(mask_mod: Optional[Callable], seq_len: int, world_size: int, layo
     if given is None or best.name == layout or cost >= 0.9 * given:
         return None
     source = Sharding.of_layout(layout, seq_len, world_size)
-    rows, peers = _moved_rows_and_peers(source, best)
-    moved = max(chosen["gpu_cost"] + MOVE_PAIRS * rows, chosen["host_cost"] + HOST_MOVE_PAIRS * peers)
+    rows = _most_rows_sent(source, best)
+    moved = cost + MOVE_PAIRS * rows
     slower = (f"ringflex: this mask runs an estimated {given / cost:.1f}x slower in the default layout {layout!r} "
               f"than in the sharding {best.name!r} that ringflex.shard_by_mask chooses for it")
     advice = ("shard with layout=ringflex.shard_by_mask(mask_mod, seq_len, world_size) and pass the same layout "
@@ -378,15 +374,11 @@ def resharding(mask_mod: Optional[Callable], seq_len: int, world_size: int, layo
     return _RESHARDINGS[key]
 
 
-def _moved_rows_and_peers(source: Sharding, target: Sharding) -> Tuple[int, int]:
-    """The most rows one rank sends when a sequence moves from ``source`` to ``target``, and
-    the most ranks one rank exchanges rows with."""
-    world = source.world_size
-    pairs = torch.zeros(world, world, dtype=torch.long)
-    pairs.index_put_((source.owners(), target.owners()), torch.ones(source.seq_len, dtype=torch.long), accumulate=True)
-    pairs.fill_diagonal_(0)
-    peers = ((pairs + pairs.T) > 0).sum(1)
-    return int(pairs.sum(1).max()), int(peers.max())
+def _most_rows_sent(source: Sharding, target: Sharding) -> int:
+    """The most rows one rank sends to other ranks when a sequence moves from ``source`` to ``target``."""
+    owners = source.owners()
+    leaving = owners[owners != target.owners()]
+    return int(torch.bincount(leaving, minlength=source.world_size).max())
 
 
 def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, document_ids: Optional[Tensor] = None,
