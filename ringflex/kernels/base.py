@@ -20,11 +20,12 @@ Conventions (the flex_attention ones):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence, Tuple
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from ..plan.blocks import Hop
 from ..plan.layout import Segment
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what every kernel takes
@@ -70,6 +71,21 @@ class HopKernel(Protocol):
         score_mod reads that require grad (``trace.tensors_requiring_grad``), their gradients
         in fp32 (fp64 for fp64 inputs).
         """
+        ...
+
+    def forward_hops(self, q: Tensor, k: Tensor, v: Tensor, hops: Sequence[Hop], mods: Mods, scale: float
+                     ) -> Optional[List[Tuple[Tensor, Tensor, Optional[Tensor]]]]:
+        """Several hops of one block in one call, where the kernel can: ``hops`` hold disjoint
+        rows of ``q`` and disjoint keys of ``k`` (their rows are local to these tensors), and
+        the result is each hop's (out, lse, res) as ``forward`` gives it. None where it cannot:
+        the ring then runs the hops one by one. A rank's own block over zigzag is two diagonal
+        blocks (packed documents: two ragged batches), which cost the host a call each."""
+        ...
+
+    def backward_hops(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+                      hops: Sequence[Hop], mods: Mods, scale: float, res: Optional[Tensor] = None
+                      ) -> Optional[List[Tuple[Tensor, Tensor, Tensor]]]:
+        """``forward_hops``' backward: each hop's (dq, dk, dv), or None where it cannot."""
         ...
 
     def plans_within(self, mask_mod: Optional[MaskMod], has_score_mod: bool, q_seg: Segment, kv_seg: Segment,

@@ -249,6 +249,12 @@ class FlexKernel:
     def call_pairs(self, batch: int, heads: int, head_dim: int) -> int:
         return 0  # not measured: lending weighs pairs alone
 
+    def forward_hops(self, q, k, v, hops, mods: Mods, scale: float) -> None:
+        return None  # one call per hop
+
+    def backward_hops(self, q, k, v, out, lse, dout, hops, mods: Mods, scale: float, res=None) -> None:
+        return None
+
     def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment, device):
         # The block mask skips empty tiles: a block stays one call, over the tiles' rows and
         # keys where the mask holds somewhere. Masks that differ by batch or head (or that

@@ -3,14 +3,15 @@ LSE's share of the gradient, under the call's mods and scale. The ring (``ring``
 loans (``loans``) run their hops through here; ``call`` is a ``ring.RingCall``."""
 from __future__ import annotations
 
-from typing import Tuple
+from dataclasses import replace
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..kernels.merge import Rows, rows
+from ..kernels.merge import Rows, optional_rows, rows
 from ..kernels.reference import compute_dtype
-from ..plan.blocks import Hop
+from ..plan.blocks import Hop, around
 
 
 def masked(hop: Hop) -> bool:
@@ -39,6 +40,50 @@ def hop_backward(call, hop: Hop, q, k, v, out, lse, res, dout, lse_grad, r: Rows
         return lq, lk, torch.zeros_like(lv), lt
     acc = compute_dtype(q.dtype)  # added in fp32, before any rounding
     return hq.to(acc) + lq, hk.to(acc) + lk, hv, [a + b for a, b in zip(ht, lt)]
+
+
+def step_forward(call, hops: Sequence[Hop], q: Tensor, keys: Callable) -> List[tuple]:
+    """(q rows, out, lse, res) of each hop of a ring step; ``keys(r)``: the K and V rows ``r`` of
+    the block the step holds. Hops of disjoint rows and keys (a rank's own block over zigzag:
+    its two diagonal blocks) go to the kernel as one call where it takes them
+    (``HopKernel.forward_hops``): a call fewer for the host, and no merge."""
+    if _joinable(call, hops):
+        q_span, kv_span, local = _local_hops(hops)
+        joined = call.kernel.forward_hops(rows(q, q_span), *keys(kv_span), local, call.mods, call.scale)
+        if joined is not None:
+            return [(hop.q_rows, *result) for hop, result in zip(hops, joined)]
+    return [(hop.q_rows, *hop_forward(call, hop, rows(q, hop.q_rows), *keys(hop.kv_rows))) for hop in hops]
+
+
+def step_backward(call, hops: Sequence[Hop], q: Tensor, keys: Callable, out: Tensor, lse: Tensor,
+                  res: Optional[Tensor], dout: Optional[Tensor], lse_grad) -> List[tuple]:
+    """(hop, dq, dk, dv, gradients of ``call.tensors``) of each hop of a ring step, as
+    ``step_forward`` runs them: one call where the kernel takes them (not with the LSE's
+    share, ``lse_grad``)."""
+    if _joinable(call, hops) and lse_grad is None and dout is not None:
+        q_span, kv_span, local = _local_hops(hops)
+        joined = call.kernel.backward_hops(rows(q, q_span), *keys(kv_span), rows(out, q_span), rows(lse, q_span),
+                                           rows(dout, q_span), local, call.mods, call.scale, optional_rows(res, q_span))
+        if joined is not None:
+            return [(hop, *grads, []) for hop, grads in zip(hops, joined)]
+    return [(hop, *hop_backward(call, hop, rows(q, hop.q_rows), *keys(hop.kv_rows), rows(out, hop.q_rows),
+                                rows(lse, hop.q_rows), optional_rows(res, hop.q_rows), dout, lse_grad, hop.q_rows))
+            for hop in hops]
+
+
+def _joinable(call, hops: Sequence[Hop]) -> bool:
+    """Whether ``hops`` may run as one call: several, none sharing a query row or a key."""
+    def apart(spans):
+        spans = sorted(spans)
+        return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    return len(hops) > 1 and not call.tensors and apart([h.q_rows for h in hops]) and apart([h.kv_rows for h in hops])
+
+
+def _local_hops(hops: Sequence[Hop]):
+    """The rows and keys around ``hops``, and the hops with rows local to those."""
+    q_span, kv_span = around(h.q_rows for h in hops), around(h.kv_rows for h in hops)
+    return q_span, kv_span, [replace(h, q_rows=(h.q_rows[0] - q_span[0], h.q_rows[1] - q_span[0]),
+                                     kv_rows=(h.kv_rows[0] - kv_span[0], h.kv_rows[1] - kv_span[0])) for h in hops]
 
 
 def lse_as_attention(dlse: Tensor, out: Tensor, lse: Tensor):

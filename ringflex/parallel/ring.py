@@ -26,13 +26,13 @@ from torch import Tensor
 from torch._C import _functions as autograd_nodes
 
 from ..kernels.base import HopKernel, Mods
-from ..kernels.merge import RowMerge, RowSum, Rows, contiguous_rows, lse_weights, optional_rows, rows
+from ..kernels.merge import RowMerge, RowSum, Rows, contiguous_rows, lse_weights, rows
 from ..kernels.reference import compute_dtype
 from ..mod import captured
 from ..plan.blocks import Hop, distances_needed, part_planner, travelling_rows, widened
 from ..plan.lending import Loan, Offer
 from .comm import RingComm, capture_error
-from .compute import hop_backward, hop_forward, lse_as_attention, new_rows, rows_shape, some
+from .compute import lse_as_attention, new_rows, rows_shape, some, step_backward, step_forward
 from .fault import guard
 from .loans import borrowed_backward, lend_backward, lend_forward
 
@@ -163,9 +163,9 @@ class _KVStream:
         """Rows ``r`` of a block as rows of what ``current`` holds of it."""
         return r[0] - self.offset, r[1] - self.offset
 
-    def keys(self, hop: Hop):
-        """The current block's keys and values of ``hop``."""
-        return tuple(rows(t, self.local(hop.kv_rows)) for t in self.current)
+    def keys(self, r: Rows):
+        """The current block's keys and values at its rows ``r``."""
+        return tuple(rows(t, self.local(r)) for t in self.current)
 
     def start(self, step: int):
         """Starts bringing the next step's block from its owner, while the own block goes to the
@@ -220,7 +220,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     blocks = _KVStream(call, (k, v))
     # The own block needs no transfer: it is computed while the ranks agree on the call, and
     # no block leaves before they have (the agreement may shorten the schedule and lend rows).
-    own = [(hop.q_rows, *hop_forward(call, hop, rows(q, hop.q_rows), *blocks.keys(hop))) for hop in call.schedule[0]]
+    own = step_forward(call, call.schedule[0], q, blocks.keys)
     call.agree(q.device)
     pending = blocks.start(0)
     borrowed_q, returned = lend_forward(call, q, k, v, blocks.first_stream) if call.loan else (None, None)
@@ -232,8 +232,8 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     blocks.advance(0, pending)
     for step in range(1, len(call.schedule)):
         pending = blocks.start(step)  # bring the next block from its owner
-        for hop in call.schedule[step]:  # compute this step's hops and merge them
-            merged.add(hop.q_rows, *hop_forward(call, hop, rows(q, hop.q_rows), *blocks.keys(hop)))
+        for part in step_forward(call, call.schedule[step], q, blocks.keys):  # compute this step's hops, merge them
+            merged.add(*part)
         blocks.advance(step, pending)  # wait for the next block
     if returned is not None:  # the lent rows' results, computed by the previous rank
         transfer, lent_results = returned
@@ -292,11 +292,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
         kv_pending = blocks.start(step)
         distance = call.distance(steps - 1 - step)  # the block held is the one of the rank this many before
         parts = []  # this step's (key rows, dk, dv)
-        for hop in hops:
-            hop_k, hop_v = blocks.keys(hop)
-            hq, hk, hv, ht = hop_backward(call, hop, rows(q, hop.q_rows), hop_k, hop_v, rows(out, hop.q_rows),
-                                          rows(lse, hop.q_rows), optional_rows(res, hop.q_rows), dout, lse_grad,
-                                          hop.q_rows)
+        for hop, hq, hk, hv, ht in step_backward(call, hops, q, blocks.keys, out, lse, res, dout, lse_grad):
             for total, g in zip(d_tensors, ht):
                 total += g
             dq.add(hop.q_rows, hq)

@@ -177,7 +177,7 @@ def _group_runs(extents: Tensor, r0: int) -> List[Run]:
     contiguous = bool((count == last - first + 1).all())
     whole = _band_of(ends, c1 - c0) if contiguous else None
     if whole is not None:
-        return [_shifted(r, r0, c0) for r in whole]
+        return [shifted(r, r0, c0) for r in whole]
     full = min(int(run_end.min()), c1) - c0  # the keys every row sees
     if full < max(_MIN_FULL, (c1 - c0) // 8):  # a narrow call and a merge cost more than they save
         full = 0
@@ -187,7 +187,7 @@ def _group_runs(extents: Tensor, r0: int) -> List[Run]:
     band = _band_of(ends - full, c1 - c0 - full) if contiguous else None
     if band is None:
         return runs + [Run((r0, r1), (c0 + full, c1), masked=True)]
-    return runs + [_shifted(r, r0, c0 + full) for r in band]
+    return runs + [shifted(r, r0, c0 + full) for r in band]
 
 
 def _band_of(ends: Tensor, cols: int) -> Optional[List[Run]]:
@@ -206,8 +206,9 @@ def _band_of(ends: Tensor, cols: int) -> Optional[List[Run]]:
     return band_runs((-b, -a), Segment(0, 1, n), Segment(0, 1, cols))
 
 
-def _shifted(run: Run, r0: int, c0: int) -> Run:
-    return Run((r0 + run.rows[0], r0 + run.rows[1]), (c0 + run.cols[0], c0 + run.cols[1]), band=run.band)
+def shifted(run: Run, r0: int, c0: int) -> Run:
+    """``run`` moved ``r0`` rows and ``c0`` keys on."""
+    return Run((r0 + run.rows[0], r0 + run.rows[1]), (c0 + run.cols[0], c0 + run.cols[1]), run.masked, run.band)
 
 
 def area(runs: List[Run]) -> int:

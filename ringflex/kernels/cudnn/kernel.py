@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ...plan.blocks import around
+from ...plan.blocks import BlockKind, Hop, around
 from ...plan.layout import Segment
 from .. import huge
 from ..base import Extent, Mods
@@ -92,20 +92,9 @@ class CudnnKernel:
                  scale: float) -> Tuple[Tensor, Tensor]:
         q, k, v = (_inner_contiguous(t) for t in (q, k, v))
         calls = self._calls(program, blocks.plan(program, mods, q, k, q_seg, kv_seg, self.split_depth), q, k, v)
-        shape, lse_shape = (*q.shape[:3], v.shape[-1]), q.shape[:3]
-        empty = batches.empty_for(calls, batches.query_rows(q))
         if len(calls) == 1:  # its results are the block's (a block's documents as one batch, too): no merge
-            call = calls[0]
-            out, lse = empty(shape, dtype=q.dtype, device=q.device), empty(lse_shape, dtype=torch.float32, device=q.device)
-            if isinstance(call, batches.Batch):
-                self._forward_batch_into(call, q, k, v, out, lse, scale)
-            else:
-                self._forward_call(call, program, q, k, v, rows(out, call.rows), rows(lse, call.rows), scale, q_seg,
-                                   kv_seg)
-            for r in _outside(call.row_spans, q.shape[2]):  # rows that see no key
-                rows(out, r).zero_()
-                rows(lse, r).fill_(-math.inf)
-            return out, lse
+            return self._forward_one(calls[0], program, q, k, v, scale, q_seg, kv_seg)
+        shape, empty = (*q.shape[:3], v.shape[-1]), batches.empty_for(calls, batches.query_rows(q))
         merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans], empty)
         for call in calls:
             if isinstance(call, batches.Batch):
@@ -118,6 +107,50 @@ class CudnnKernel:
             self._forward_call(call, program, q, k, v, o, lse, scale, q_seg, kv_seg)
             merged.add(call.rows, o, lse)
         return merged.result()[:2]
+
+    def _forward_one(self, call, program: Program, q, k, v, scale: float, q_seg, kv_seg) -> Tuple[Tensor, Tensor]:
+        """The block's (out, lse) from its one call (a run, or a batch of them)."""
+        empty = batches.empty_for((call,), batches.query_rows(q))
+        out = empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
+        lse = empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        if isinstance(call, batches.Batch):
+            self._forward_batch_into(call, q, k, v, out, lse, scale)
+        else:
+            self._forward_call(call, program, q, k, v, rows(out, call.rows), rows(lse, call.rows), scale, q_seg, kv_seg)
+        for r in _outside(call.row_spans, q.shape[2]):  # rows that see no key
+            rows(out, r).zero_()
+            rows(lse, r).fill_(-math.inf)
+        return out, lse
+
+    def forward_hops(self, q, k, v, hops: Sequence[Hop], mods: Mods, scale: float):
+        batch = self._joined(hops, mods, q, k, v)
+        if batch is None:
+            return None
+        out, lse = self._forward_one(batch, None, *(_inner_contiguous(t) for t in (q, k, v)), scale, None, None)
+        return [(rows(out, hop.q_rows), rows(lse, hop.q_rows), None) for hop in hops]
+
+    def backward_hops(self, q, k, v, out, lse, dout, hops: Sequence[Hop], mods: Mods, scale: float, res=None):
+        batch = self._joined(hops, mods, q, k, v, out, dout)
+        if batch is None or res is not None:  # a res: rows whose scores are all huge, for the reference kernel
+            return None
+        q, k, v, out, dout = (_inner_contiguous(t) for t in (q, k, v, out, dout))
+        stats = lse.float().unsqueeze(-1)  # a batch's runs are unmasked or causal: every row sees a key
+        dq, dk, dv = self._backward_one(batch, None, mods, q, k, v, out, lse, stats, dout, scale, None, None)
+        return [(rows(dq, hop.q_rows), rows(dk, hop.kv_rows), rows(dv, hop.kv_rows)) for hop in hops]
+
+    def _joined(self, hops: Sequence[Hop], mods: Mods, q, k, v, out=None, dout=None) -> Optional[batches.Batch]:
+        """The hops' runs as one ragged batch, or None where they do not make one (a score_mod,
+        runs that cannot batch, tensors a ragged batch computes wrong over)."""
+        if mods.score_mod is not None or not batches.ragged_applies(q, k, v, out, dout):
+            return None
+        runs = []
+        for hop in hops:
+            program = traced(mods, hop.kind != BlockKind.FULL, q.device)
+            planned = blocks.plan(program, mods, rows(q, hop.q_rows), rows(k, hop.kv_rows), hop.q_seg, hop.kv_seg,
+                                  self.split_depth)
+            runs += [blocks.shifted(run, hop.q_rows[0], hop.kv_rows[0]) for run in planned]
+        calls = batches.batched(tuple(runs), True)
+        return calls[0] if len(calls) == 1 and isinstance(calls[0], batches.Batch) else None
 
     @staticmethod
     def _calls(program: Program, runs: List[blocks.Run], *tensors: Tensor) -> Tuple[object, ...]:
@@ -181,24 +214,9 @@ class CudnnKernel:
         stats = stats.unsqueeze(-1)
         shared = (program, mods, q, k, v, out, lse, stats, dout, scale, q_seg, kv_seg)
         calls = self._calls(program, runs, q, k, v, out, dout)
-        whole = (0, q.shape[2]), (0, k.shape[2])
-        q_empty, kv_empty = batches.empty_for(calls, batches.query_rows(q)), batches.empty_for(calls)
         if len(calls) == 1:  # its gradients are the block's (a block's documents as one batch, too): no sums
-            call = calls[0]
-            if isinstance(call, blocks.Run) and (call.rows, call.cols) == whole:
-                grads = [torch.empty_like(t) for t in (q, k, v)]
-            else:
-                grads = [q_empty(q.shape, dtype=q.dtype, device=q.device),
-                         *(kv_empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))]
-            if isinstance(call, batches.Batch):
-                self._backward_batch_into(call, q, k, v, out, stats, dout, scale, *grads)
-            else:
-                self._backward_call(call, *shared, [rows(grads[0], call.rows), *(rows(g, call.cols) for g in grads[1:])])
-            for reached, spans, length in ((grads[:1], call.row_spans, q.shape[2]), (grads[1:], call.col_spans, k.shape[2])):
-                for r in _outside(spans, length):  # rows and keys no query reaches
-                    for grad in reached:
-                        rows(grad, r).zero_()
-            return tuple(grads)
+            return self._backward_one(calls[0], *shared)
+        q_empty, kv_empty = batches.empty_for(calls, batches.query_rows(q)), batches.empty_for(calls)
         # Calls write in place where no earlier call wrote those rows; elsewhere they are
         # summed in fp32, and every gradient is rounded once.
         dq_sum = RowSum([q.shape], q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans],
@@ -216,6 +234,26 @@ class CudnnKernel:
             kv_sum.add(call.cols, *grads[1:])
         (dq,), (dk, dv) = dq_sum.result(), kv_sum.result()
         return dq, dk, dv
+
+    def _backward_one(self, call, program: Program, mods: Mods, q, k, v, out, lse, stats, dout, scale: float, q_seg,
+                      kv_seg) -> Tuple[Tensor, Tensor, Tensor]:
+        """The block's (dq, dk, dv) from its one call (a run, or a batch of them)."""
+        if isinstance(call, blocks.Run) and (call.rows, call.cols) == ((0, q.shape[2]), (0, k.shape[2])):
+            grads = [torch.empty_like(t) for t in (q, k, v)]
+        else:
+            q_empty, kv_empty = batches.empty_for((call,), batches.query_rows(q)), batches.empty_for((call,))
+            grads = [q_empty(q.shape, dtype=q.dtype, device=q.device),
+                     *(kv_empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))]
+        if isinstance(call, batches.Batch):
+            self._backward_batch_into(call, q, k, v, out, stats, dout, scale, *grads)
+        else:
+            self._backward_call(call, program, mods, q, k, v, out, lse, stats, dout, scale, q_seg, kv_seg,
+                                [rows(grads[0], call.rows), *(rows(g, call.cols) for g in grads[1:])])
+        for reached, spans, length in ((grads[:1], call.row_spans, q.shape[2]), (grads[1:], call.col_spans, k.shape[2])):
+            for r in _outside(spans, length):  # rows and keys no query reaches
+                for grad in reached:
+                    rows(grad, r).zero_()
+        return tuple(grads)
 
     def _backward_batch(self, batch: batches.Batch, q, k, v, out, stats, dout, scale: float, dq_sum: RowSum,
                         kv_sum: RowSum) -> None:
