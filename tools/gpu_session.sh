@@ -173,7 +173,7 @@ for stage in "$@"; do
     sharding2) run sharding2 tr 2 -m benchmarks.bench --seq-lens 16384 --masks ${MASKS:-window documents causal prefix_lm} \
               --layouts default zigzag contiguous by-mask --singles sdpa-cudnn ringflex-1gpu --iters 10 --warmup 3 \
               --json "$OUT/sharding2.json" ;;  # 8k tokens per GPU: the default layout against shard_by_mask's, vs flex CP
-    reshard2) run reshard2 python3 -m pytest -q tests/gpu/test_reshard.py  # moves over the copy engines, bit for bit
+    reshard2) run reshard2 python3 -m pytest -q tests/gpu/test_moves.py  # moves over the copy engines, bit for bit
               run reshard2 tr 2 -m benchmarks.bench --seq-lens 16384 --masks ${MASKS:-window documents} \
               --layouts default zigzag contiguous by-mask moved --singles ringflex-1gpu --no-cp --no-flex-cp --iters 10 --warmup 3 \
               --json "$OUT/reshard2.json" ;;  # 8k tokens per GPU: what re-sharding a call costs, vs staying in zigzag

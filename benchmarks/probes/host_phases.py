@@ -11,7 +11,8 @@ than cProfile (``profile_ring.py --host-profile``), which inflates every Python 
 ``--ab-agreement ROUNDS`` times rounds of calls with the argument check's records on the
 shared-memory board and over gloo in turn, in one process (host time moves between processes);
 ``--ab-launch ROUNDS`` the fused merge's kernels launched directly and through Triton's JIT;
-``--ab-sends ROUNDS`` the own block's sends in turn after the inputs, side by side, and after the queued compute.
+``--ab-sends ROUNDS`` the own block's sends in turn after the inputs, side by side, and after the queued compute;
+``--ab-joined ROUNDS`` a step's hops of disjoint rows and keys in one kernel call, and a call each.
 
 ``--mesh AxR`` times calls over a heads x ring mesh of every rank (its argument check and
 all-to-alls are phases too); ``--forward-only`` times forward calls alone, which no backward
@@ -49,7 +50,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ringflex import api, checks, heads
 from ringflex.kernels import cudnn, fused_merge, merge
 from ringflex.mod import captured, trace
-from ringflex.parallel import agreement, alltoall, board, comm, peer, ring
+from ringflex.parallel import agreement, alltoall, board, comm, compute, peer, ring
 from ringflex.parallel.groups import gather_objects
 from ringflex.plan import blocks, lending
 
@@ -69,6 +70,8 @@ PHASES = [
     (ring._KVStream, "__init__", "K/V stream set-up"), (ring._KVStream, "start", "transfers issued"),
     (peer.PeerTransport, "exchange", "copy-engine exchanges (K/V, dK/dV shares)"),
     (cudnn.CudnnKernel, "forward", "kernel forward"), (cudnn.CudnnKernel, "backward", "kernel backward"),
+    (cudnn.CudnnKernel, "forward_hops", "kernel forward, hops joined"),
+    (cudnn.CudnnKernel, "backward_hops", "kernel backward, hops joined"),
     (cudnn.graphs.Graph, "execute", "  cuDNN execute"), (cudnn.graphs, "_build", "  cuDNN graph builds"),
     (merge.RowMerge, "add", "output merges"), (merge.RowSum, "add", "gradient sums"),
     (ring, "ring_forward", "ring forward (all of it)"), (ring, "ring_backward", "ring backward (all of it)"),
@@ -201,6 +204,14 @@ def _send_settings() -> dict:
             "after compute": lambda: setattr(comm.RingComm, "exchange", after_compute)}
 
 
+def _joined_settings() -> dict:
+    """A step's hops of disjoint rows and keys in one kernel call where the kernel takes them
+    (``compute.step_forward``: a rank's own diagonal blocks over zigzag), or a call each."""
+    joinable = compute._joinable
+    return {"joined": lambda: setattr(compute, "_joinable", joinable),
+            "a call each": lambda: setattr(compute, "_joinable", lambda call, hops: False)}
+
+
 def _launch_settings() -> dict:
     """The fused merge's kernels launched directly (``kernels.launch``), or through Triton's JIT."""
     launchers = fused_merge._kernels()
@@ -231,6 +242,8 @@ def main():
                    help="rounds of --calls calls, the records over the shared-memory board and over gloo in turn")
     p.add_argument("--ab-sends", type=int, metavar="ROUNDS",
                    help="rounds of --calls calls, the own block's sends in turn, side by side and after the compute")
+    p.add_argument("--ab-joined", type=int, metavar="ROUNDS",
+                   help="rounds of --calls calls, a step's disjoint hops in one kernel call and a call each in turn")
     p.add_argument("--ab-launch", type=int, metavar="ROUNDS",
                    help="rounds of --calls calls, the fused merge launched directly and through Triton's JIT in turn")
     args = p.parse_args()
@@ -270,6 +283,8 @@ def main():
             _alternate(forward_backward, args.ab_agreement, args.calls, f"{mask} over {layout}", _agreement_settings())
         if args.ab_sends:
             _alternate(forward_backward, args.ab_sends, args.calls, f"{mask} over {layout}", _send_settings())
+        if args.ab_joined:
+            _alternate(forward_backward, args.ab_joined, args.calls, f"{mask} over {layout}", _joined_settings())
         if args.ab_launch:
             _alternate(forward_backward, args.ab_launch, args.calls, f"{mask} over {layout}", _launch_settings())
             continue

@@ -89,7 +89,7 @@ def mask_work(mask_mod: Optional[Callable], seq_len: int, *, batch: int = 1, hea
 
 def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1, heads: int = 1, device=None,
              weights: Weights = Weights(), work: Union[BandRuns, Workload, None] = None,
-             joins: Optional[str] = None) -> Dict[str, object]:
+             order_only: Optional[bool] = None) -> Dict[str, object]:
     """The ring's cost under ``mask_mod`` (None: no mask) over ``sharding``, in pairs per head.
 
     - ``pairs[d][r]``: the (query, key) pairs rank r computes against the keys of rank
@@ -115,8 +115,8 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
       work), so ``cheapest`` compares it second.
     - ``exact``: False where the mask's pairs were sampled (``workload``).
 
-    ``work``, ``joins``: the mask's count over this length (``mask_work``) and how the ring
-    runs a rank's own block as one call (``_own_block_joined``), where the caller has them.
+    ``work``, ``order_only``: the mask's count over this length (``mask_work``) and whether it
+    only compares q_idx with kv_idx (``_compares_order_only``), where the caller has them.
     """
     world = sharding.world_size
     if work is None:
@@ -135,13 +135,11 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
     calls = partial + any_full
     held = _held_at(world)
     pairs, calls, weighed = by_rank.ravel()[held], calls.ravel()[held], weighed.ravel()[held]  # [step, rank]
-    joins = _own_block_joined(mask_mod, device) if joins is None else joins
-    if joins:
-        if joins == "order":  # the planner runs such a rank's own block as one call
-            joined = np.array([_in_order(segs) for segs in sharding.ranks])
-        else:  # the kernel batches its diagonal blocks, where no other one is seen
-            joined = np.diag(member.T @ (seg_pairs * (1 - np.eye(len(seg_len)))) @ member) == 0
-        calls[0] = np.where(joined & (pairs[0] > 0), 1, calls[0])
+    if order_only is None:
+        order_only = _compares_order_only(mask_mod, device)
+    if order_only:  # the planner runs such a rank's own block as one call
+        ordered = np.array([_in_order(segs) for segs in sharding.ranks])
+        calls[0] = np.where(ordered & (pairs[0] > 0), 1, calls[0])
     needed = np.union1d(0, np.flatnonzero(pairs.max(1) > 0))  # the ring's steps (``plan.distances_needed``)
     steps = len(needed)
     travel = travelling() if steps > 1 else 0
@@ -175,19 +173,14 @@ def _held_at(world: int) -> np.ndarray:
     return held
 
 
-def _own_block_joined(mask_mod, device) -> str:
-    """How the ring runs a rank's own block as one call: "order" where the mask only compares
-    q_idx with kv_idx (``plan.blocks._local_order_hop``: segments in order); "diagonal" where
-    it is no band (packed documents: the cuDNN kernel plans such blocks exactly, and takes the
-    diagonal blocks of a rank's segments as one ragged call, ``HopKernel.forward_hops``, where
-    no other block of its own is seen); "" for the other bands (windows: a call each)."""
+def _compares_order_only(mask_mod, device) -> bool:
+    """Whether ``mask_mod`` only compares q_idx with kv_idx (``plan._local_order_hop``)."""
     if mask_mod is None:
-        return ""
+        return False
     try:
-        band = diagonal_band(trace_mask_mod(mask_mod, device))
+        return diagonal_band(trace_mask_mod(mask_mod, device)) in _ORDER_BANDS
     except UnsupportedModError:
-        return ""
-    return "order" if band in _ORDER_BANDS else "diagonal" if band is None else ""
+        return False
 
 
 def _in_order(segs) -> bool:
@@ -402,7 +395,7 @@ def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, docu
     fixed = [Sharding.of_layout(name, seq_len, world_size) for name in LAYOUTS
              if seq_len % divisor(name, world_size) == 0]
     work = mask_work(mask_mod, seq_len, batch=batch, heads=heads, device=device)
-    price = dict(work=work, joins=_own_block_joined(mask_mod, device), weights=weights, device=device)
+    price = dict(work=work, order_only=_compares_order_only(mask_mod, device), weights=weights, device=device)
     if world_size == 1 or mask_mod is None:  # every sharding does the same work; one segment a rank calls least
         return [(fixed[0], estimate(fixed[0], mask_mod, **price))]
     extra = _searched(work, world_size, chunks, weights)
