@@ -2,7 +2,7 @@
 # The GPU runs behind benchmarks/README.md and benchmarks/results/, one stage per argument; logs go to
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
-#   bash tools/gpu_session.sh sharding2 reshard2 ownblock2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
+#   bash tools/gpu_session.sh sharding2 reshard2 ownblock2 joined2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base4 basephases4   # on 4 GPUs: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
@@ -181,6 +181,9 @@ for stage in "$@"; do
               run ownblock2 tr 2 -m benchmarks.bench --seq-lens 16384 --masks ${MASKS:-documents window} \
               --layouts zigzag contiguous by-mask --singles ringflex-1gpu --no-cp --no-flex-cp --iters 10 --warmup 3 \
               --json "$OUT/ownblock2.json" ;;  # 8k tokens per GPU: zigzag (a rank's own diagonal blocks in one call) vs the others
+    joined2) run joined2 tr 2 -m benchmarks.probes.host_phases --seq-len 16384 --no-timers --calls 30 --ab-joined 6 \
+              --cases documents:zigzag documents:contiguous  # a rank's own diagonal blocks in one call or two, in turn
+             run joined2 tr 2 -m benchmarks.probes.host_phases --seq-len 16384 --calls 20 --cases documents:zigzag ;;  # its phases
     documents16k2) run documents16k2 tr 2 -m benchmarks.bench --seq-lens 32768 --masks documents \
               --layouts contiguous by-mask --singles ringflex-1gpu --iters 5 --warmup 3 \
               --json "$OUT/documents16k2.json" ;;  # packed documents at 16k tokens per GPU against one GPU and flex CP
