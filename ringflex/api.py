@@ -86,8 +86,8 @@ def ring_flex_attention(
     sequence in ``layout`` (see ``ringflex.shard``): a name of ``LAYOUTS``, a ``Sharding``
     (``ringflex.shard_by_mask`` chooses one from the mask), or None: "zigzag", ``shard``'s
     default, where a call whose mask another sharding runs more than 10% faster, the move of
-    its tokens included (by the cost model of ``plan.sharding``), re-shards: an all-to-all
-    moves q, k and v to that sharding and the output back, so the caller still sees zigzag
+    its tokens included (by the cost model of ``plan.sharding``), re-shards: q, k and v move
+    to that sharding over the ring's transfers and the output back, so the caller still sees zigzag
     shards, and it says so once. A layout passed (``layout="zigzag"`` too) never moves the
     tokens. ``score_mod(score, b, h, q_idx, kv_idx)``
     and ``mask_mod(b, h, q_idx, kv_idx)`` are flex_attention's, and see GLOBAL positions.
