@@ -1,6 +1,7 @@
-"""One hop of a ring call, computed: the kernel's forward of a hop, and its backward with the
-LSE's share of the gradient, under the call's mods and scale. The ring (``ring``) and the
-loans (``loans``) run their hops through here; ``call`` is a ``ring.RingCall``."""
+"""The hops of a ring call, computed: the kernel's forward of a hop, and its backward with the
+LSE's share of the gradient, under the call's mods and scale; a ring step's hops, as one
+kernel call where they share no row and no key and the kernel takes them. The ring (``ring``)
+and the loans (``loans``) run their hops through here; ``call`` is a ``ring.RingCall``."""
 from __future__ import annotations
 
 from dataclasses import replace
