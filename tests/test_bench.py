@@ -7,14 +7,15 @@ def _bench(rank, world_size):
     from benchmarks import bench
     rows = bench.run(bench.parse_args(["--device", "cpu", "--seq-lens", "64", "--heads", "2", "--head-dim", "8",
                                        "--iters", "1", "--warmup", "0", "--window", "16", "--doc-len", "16",
-                                       "--layouts", "zigzag", "by-mask"]))
+                                       "--layouts", "zigzag", "by-mask", "moved"]))
     return [(r["mask"], r["layout"], r["ringflex"]["efficiency_fwd_bwd"] > 0) for r in rows]
 
 
 def test_bench_smoke():
     rows = run_world(2, _bench)[0]
     masks = ["none", "causal", "window", "documents", "prefix_lm", "causal_softcap"]
-    assert [(mask, layout) for mask, layout, _ in rows] == [(m, l) for m in masks for l in ("zigzag", "by-mask")]
+    layouts = ("zigzag", "by-mask", "moved")  # moved: zigzag shards, each call moved to by-mask's sharding
+    assert [(mask, layout) for mask, layout, _ in rows] == [(m, l) for m in masks for l in layouts]
     assert all(ok for _, _, ok in rows)
 
 
