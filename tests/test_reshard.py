@@ -14,19 +14,12 @@ from ringflex import mods
 from ringflex.parallel import reshard
 from ringflex.plan.layout import Sharding
 from ringflex.plan.sharding import resharding
+from support.cases import random_sharding
 from support.harness import run_world
 from support.oracle import attention
 
 HQ, HKV, D, DV = 4, 2, 8, 6
 PER_RANK = 16
-
-
-def _random_sharding(seq_len: int, world_size: int, seed: int) -> Sharding:
-    """Every rank holds seq_len / world_size positions from anywhere, in any local order."""
-    order = torch.randperm(seq_len, generator=torch.Generator().manual_seed(seed)).tolist()
-    local = seq_len // world_size
-    return Sharding.from_ranges(seq_len, [[(p, p + 1) for p in order[r * local:(r + 1) * local]]
-                                          for r in range(world_size)], f"random {seed}")
 
 
 def _moves(rank, world_size):
@@ -37,7 +30,7 @@ def _moves(rank, world_size):
     grads = [torch.randn_like(t) for t in full]
     worst = 0.0
     for seed in range(3):
-        source, target = _random_sharding(seq_len, world_size, seed), _random_sharding(seq_len, world_size, seed + 10)
+        source, target = random_sharding(seq_len, world_size, seed), random_sharding(seq_len, world_size, seed + 10)
         local = [source.take(t, rank, dim=2).requires_grad_() for t in full]
         moved = reshard.move(local, 2, source, target, None, "a test move")
         sum(((m * target.take(g, rank, dim=2)).sum() for m, g in zip(moved, grads))).backward()

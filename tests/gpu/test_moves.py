@@ -14,16 +14,10 @@ from ringflex.parallel import peer, reshard
 from ringflex.mod.fingerprint import fingerprint
 from ringflex.plan import sharding
 from ringflex.plan.layout import Sharding
+from support.cases import random_sharding
 from support.harness import gpu_backend, on_a_gpu, run_world
 
 pytestmark = pytest.mark.gpu
-
-
-def _random_sharding(seq_len: int, world_size: int, seed: int) -> Sharding:
-    order = torch.randperm(seq_len, generator=torch.Generator().manual_seed(seed)).tolist()
-    local = seq_len // world_size
-    return Sharding.from_ranges(seq_len, [[(p, p + 1) for p in order[r * local:(r + 1) * local]]
-                                          for r in range(world_size)], f"random {seed}")
 
 
 def _moves(rank, world_size):
@@ -35,7 +29,7 @@ def _moves(rank, world_size):
     full = [torch.randn(1, h, seq_len, d, generator=gen, device=device, dtype=torch.bfloat16)
             for h, d in ((8, 128), (2, 128), (2, 64))]
     layouts = [Sharding.of_layout(name, seq_len, world_size) for name in ("zigzag", "contiguous", "striped")]
-    pairs = [(a, b) for a in layouts for b in layouts if a != b] + [(layouts[0], _random_sharding(seq_len, world_size, 1))]
+    pairs = [(a, b) for a in layouts for b in layouts if a != b] + [(layouts[0], random_sharding(seq_len, world_size, 1))]
     wrong = []
     for source, target in pairs:
         local = [source.take(t, rank, dim=2).requires_grad_() for t in full]

@@ -7,6 +7,7 @@ from typing import Callable, Optional
 import torch
 
 from ringflex import mods
+from ringflex.plan.layout import Sharding
 
 
 @dataclass
@@ -90,3 +91,11 @@ def make_inputs(case: Case, seq_len: int, batch: int = 2, head_dim: int = 16, dt
     v = torch.randn(batch, case.kv_heads, kv_len, head_dim, generator=g)
     dout = torch.randn(batch, case.q_heads, seq_len, head_dim, generator=g)
     return [t.to(dtype) for t in (q, k, v, dout)]
+
+
+def random_sharding(seq_len: int, world_size: int, seed: int) -> Sharding:
+    """Every rank holds seq_len / world_size positions from anywhere, in any local order."""
+    order = torch.randperm(seq_len, generator=torch.Generator().manual_seed(seed)).tolist()
+    local = seq_len // world_size
+    return Sharding.from_ranges(seq_len, [[(p, p + 1) for p in order[r * local:(r + 1) * local]]
+                                          for r in range(world_size)], f"random {seed}")
