@@ -3,7 +3,8 @@ permutation it stands for (random Shardings, 2 to 4 ranks, forward and gradient,
 ``ring_flex_attention`` with ``layout=None`` and a mask another sharding runs faster
 (a sliding window, packed documents) against the float64 oracle in the caller's zigzag
 shards, saying so once; a mask the move does not pay for, run in place, saying what that costs; causal and explicit layouts, which move nothing; a call whose mask
-differs on one rank, refused alike on every rank before any move."""
+differs on one rank, refused alike on every rank before any move; a rank raising in the
+move, which fails every rank instead of leaving them waiting."""
 import warnings
 
 import pytest
@@ -161,6 +162,42 @@ def test_a_mask_that_differs_on_one_rank_is_refused_alike_everywhere_and_the_gro
     refused = {r for r, _ in results}
     assert len(refused) == 1 and "disagree on the mask_mod" in refused.pop(), results
     assert all(error < 1e-10 for _, error in results), results
+
+
+def _fault_in_the_move(rank, world_size):
+    """Rank 1 raises as it packs the rows it sends in the move of q, k and v: (error text,
+    seconds until it was raised) on every rank."""
+    import datetime
+    import time
+    import torch.distributed as dist
+    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=60))
+    joined = reshard._joined
+
+    def failing(parts, dim):
+        if dist.get_rank() == 1:
+            raise RuntimeError("injected fault")
+        return joined(parts, dim)
+
+    reshard._joined = failing
+    seq_len = PER_RANK * world_size
+    q, k, v, _, _ = _inputs(seq_len)
+    start = time.monotonic()
+    try:
+        ringflex.ring_flex_attention(*(ringflex.shard(t, 2) for t in (q, k, v)), mask_mod=MASKS["window"](seq_len),
+                                     enable_gqa=True, backend="reference", group=group)
+        text = None
+    except Exception as e:  # noqa: BLE001 (the test reads the text)
+        text = f"{type(e).__name__}: {e}"
+    return text, time.monotonic() - start
+
+
+def test_a_rank_raising_in_the_move_fails_every_rank():
+    results = run_world(3, _fault_in_the_move, timeout=120)
+    assert results[1][0] == "RuntimeError: injected fault", results
+    for text, seconds in results[:1] + results[2:]:
+        assert text.startswith("RingFailure: ringflex: ") and "rank 1 raised in the ring's re-sharding of q, k and v" \
+            in text, text
+        assert seconds < 15, seconds
 
 
 def test_the_decision_pays_for_the_move():

@@ -765,3 +765,56 @@ def test_travelling_rows_are_widened_to_a_power_of_two_inside_the_block(rows, le
     rows a mask reads of another rank's block change (packed documents)."""
     from ringflex.plan.blocks import widened
     assert widened(rows, length) == want
+
+
+class _OneCallKernel(_RoundingKernel):
+    """Takes a step's hops of disjoint rows and keys as one call, as the cuDNN kernel does a
+    rank's own diagonal blocks of packed documents over zigzag: each hop's results are rows of
+    one tensor over all of them, in the input dtype. It counts its joined calls."""
+
+    joined = 0
+
+    def forward_hops(self, q, k, v, hops, mods, scale):
+        type(self).joined += 1
+        out = q.new_zeros(*q.shape[:3], v.shape[-1])
+        lse = torch.full(q.shape[:3], -torch.inf, dtype=torch.float32)
+        for hop, (o, l, _) in zip(hops, super().forward_hops(q, k, v, hops, mods, scale)):
+            out[:, :, slice(*hop.q_rows)], lse[:, :, slice(*hop.q_rows)] = o, l
+        return [(out[:, :, slice(*h.q_rows)], lse[:, :, slice(*h.q_rows)], None) for h in hops]
+
+    def backward_hops(self, q, k, v, out, lse, dout, hops, mods, scale, res=None):
+        type(self).joined += 1
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        for hop, parts in zip(hops, super().backward_hops(q, k, v, out, lse, dout, hops, mods, scale, res)):
+            for grad, part, r in zip(grads, parts, (hop.q_rows, hop.kv_rows, hop.kv_rows)):
+                grad[:, :, slice(*r)] = part
+        return [(grads[0][:, :, slice(*h.q_rows)], *(g[:, :, slice(*h.kv_rows)] for g in grads[1:])) for h in hops]
+
+
+def _joined_documents(rank, world_size):
+    """Causal packed documents over zigzag, fwd+bwd in bf16 with the one-call kernel: the
+    worst error against one process in fp64, and the joined calls made."""
+    _with_kernel(_OneCallKernel())
+    seq_len = LOCAL_LEN * world_size
+    case = cases(seq_len)["documents"]
+    q, k, v, dout = make_inputs(case, seq_len, dtype=torch.bfloat16)
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    attention(*full, case.score_mod, case.mask_mod).backward(dout.double())
+    local = [ringflex.shard(t, 2, layout="zigzag").requires_grad_() for t in (q, k, v)]
+    out = ringflex.ring_flex_attention(*local, score_mod=case.score_mod, mask_mod=case.mask_mod, layout="zigzag",
+                                       enable_gqa=True)
+    out.backward(ringflex.shard(dout, 2, layout="zigzag"))
+    want = [attention(*(t.detach() for t in full), case.score_mod, case.mask_mod)] + [t.grad for t in full]
+    errors = [(g.double() - ringflex.shard(w, 2, layout="zigzag")).abs().max().item()
+              for g, w in zip([out] + [t.grad for t in local], want)]
+    return max(errors), _OneCallKernel.joined
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_a_steps_disjoint_hops_go_to_the_kernel_as_one_call(world_size):
+    """Over zigzag a rank's own block of packed documents is its two chunks' diagonal blocks
+    (nothing between them is seen): the ring hands them to the kernel at once, forward and
+    backward, and the results, rows of one tensor, match one process."""
+    results = run_world(world_size, _joined_documents)
+    assert all(error < TOLERANCE[torch.bfloat16] for error, _ in results), results
+    assert any(joined == 2 for _, joined in results), results  # one forward, one backward call
