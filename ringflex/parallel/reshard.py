@@ -5,10 +5,10 @@ it, and for every shift s of the ring sends the rank s ahead the rows the target
 rank, in their order there, while the rank s behind sends it its rows. All the tensors of a
 move travel together, one exchange per shift, on the copy engines between the GPUs of one
 host (no SM takes part, and nothing waits for the host beyond the packing), else through the
-process group's P2P. Per tensor, a move costs the GPU one gather of the rows that leave, one
-scatter of those that arrive, and a gather and scatter of those that stay. The routes (which
-local rows go where) are computed once per source, target, rank and device. The backward of
-a move is the reverse move of the gradients.
+process group's P2P. Per tensor, a move costs the GPU one pass per shift that gathers the
+rows sent, and one that puts the target shard together from the rows kept and those that
+arrived. The routes (which local rows go where, as runs) are computed once per source,
+target and rank. The backward of a move is the reverse move of the gradients.
 
 ``ring_flex_attention`` moves a call left in the default layout to the sharding its mask
 runs faster in (``plan.sharding.resharding``): q, k and v there, the output back.
@@ -16,7 +16,7 @@ runs faster in (``plan.sharding.resharding``): q, k and v there, the output back
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,17 +37,19 @@ class _Route:
     arrived at a shift (its index in ``shifts``)."""
 
     shifts: Tuple[Tuple[int, Runs, int], ...]  # (s, source runs sent to rank + s, rows received from rank - s)
-    target: Tuple[Tuple[object, int, int], ...]  # (None or index into shifts, begin, end), in target order
+    target: Tuple[Tuple[Optional[int], int, int], ...]  # (None or index into shifts, begin, end), in target order
 
 
 _ROUTES: Dict[tuple, _Route] = {}
 
 
-def _runs(rows: Tensor) -> Runs:
-    """``rows`` (increasing by one inside each run) as (begin, end) runs."""
-    breaks = (torch.nonzero(rows[1:] != rows[:-1] + 1).flatten() + 1).tolist()
-    bounds = [0, *breaks, len(rows)]
-    return tuple((int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(bounds, bounds[1:]) if b > a)
+def _runs(rows: Tensor, origin: Optional[Tensor] = None) -> Tuple[Tuple[int, int, int], ...]:
+    """``rows`` as (origin, begin, end) runs: rows of one ``origin`` (default: all 0) that
+    increase by one."""
+    origin = torch.zeros_like(rows) if origin is None else origin
+    breaks = torch.nonzero((rows[1:] != rows[:-1] + 1) | (origin[1:] != origin[:-1])).flatten() + 1
+    bounds = [0, *breaks.tolist(), len(rows)]
+    return tuple((int(origin[a]), int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(bounds, bounds[1:]) if b > a)
 
 
 def _route(source: Sharding, target: Sharding, rank: int) -> _Route:
@@ -67,14 +69,9 @@ def _route(source: Sharding, target: Sharding, rank: int) -> _Route:
             filled = torch.nonzero(coming_from == (rank - s) % world).flatten()
             if sent.numel() or filled.numel():
                 origin[filled], offset[filled] = len(shifts), torch.arange(filled.numel())
-                shifts.append((s, _runs(sent[torch.argsort(there[sent])]), filled.numel()))
-        pieces = []  # target rows as runs of one origin and consecutive offsets
-        for r in range(len(origin)):
-            if pieces and pieces[-1][0] == origin[r] and pieces[-1][2] == offset[r]:
-                pieces[-1][2] += 1
-            else:
-                pieces.append([int(origin[r]), int(offset[r]), int(offset[r]) + 1])
-        _ROUTES[key] = _Route(tuple(shifts), tuple((None if o < 0 else o, b, e) for o, b, e in pieces))
+                shifts.append((s, tuple((b, e) for _, b, e in _runs(sent[torch.argsort(there[sent])])),
+                               filled.numel()))
+        _ROUTES[key] = _Route(tuple(shifts), tuple((None if o < 0 else o, b, e) for o, b, e in _runs(offset, origin)))
     return _ROUTES[key]
 
 
