@@ -11,6 +11,7 @@ from support.cases import cases, make_inputs
 from support.harness import run_world
 from support.oracle import attention, visible_extent
 from ringflex.kernels.reference import ReferenceKernel
+from ringflex.plan.blocks import BlockKind
 
 LOCAL_LEN = 12  # query tokens per rank (even, so zigzag fits; K/V: 6 for cross-attention)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -778,16 +779,22 @@ class _OneCallKernel(_RoundingKernel):
         type(self).joined += 1
         out = q.new_zeros(*q.shape[:3], v.shape[-1])
         lse = torch.full(q.shape[:3], -torch.inf, dtype=torch.float32)
-        for hop, (o, l, _) in zip(hops, super().forward_hops(q, k, v, hops, mods, scale)):
-            out[:, :, slice(*hop.q_rows)], lse[:, :, slice(*hop.q_rows)] = o, l
+        for h in hops:
+            o, l, _ = self.forward(q[:, :, slice(*h.q_rows)], k[:, :, slice(*h.kv_rows)], v[:, :, slice(*h.kv_rows)],
+                                   h.q_seg, h.kv_seg, mods, scale, h.kind != BlockKind.FULL)
+            out[:, :, slice(*h.q_rows)], lse[:, :, slice(*h.q_rows)] = o, l
         return [(out[:, :, slice(*h.q_rows)], lse[:, :, slice(*h.q_rows)], None) for h in hops]
 
     def backward_hops(self, q, k, v, out, lse, dout, hops, mods, scale, res=None):
         type(self).joined += 1
         grads = [torch.zeros_like(t) for t in (q, k, v)]
-        for hop, parts in zip(hops, super().backward_hops(q, k, v, out, lse, dout, hops, mods, scale, res)):
-            for grad, part, r in zip(grads, parts, (hop.q_rows, hop.kv_rows, hop.kv_rows)):
-                grad[:, :, slice(*r)] = part
+        for h in hops:
+            q_rows, kv_rows = slice(*h.q_rows), slice(*h.kv_rows)
+            parts = self.backward(q[:, :, q_rows], k[:, :, kv_rows], v[:, :, kv_rows], out[:, :, q_rows],
+                                  lse[:, :, q_rows], dout[:, :, q_rows], h.q_seg, h.kv_seg, mods, scale,
+                                  h.kind != BlockKind.FULL, res=None if res is None else res[:, :, q_rows])
+            for grad, part, r in zip(grads, parts, (q_rows, kv_rows, kv_rows)):
+                grad[:, :, r] = part
         return [(grads[0][:, :, slice(*h.q_rows)], *(g[:, :, slice(*h.kv_rows)] for g in grads[1:])) for h in hops]
 
 

@@ -11,10 +11,9 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ..plan.blocks import BlockKind, index_grid
+from ..plan.blocks import index_grid
 from ..plan.layout import Segment
 from .base import Mods, split_lse
-from .merge import optional_rows, rows
 
 # Score elements per chunk of query rows (a few such temporaries live at once).
 _CHUNK_ELEMENTS = 1 << 22
@@ -59,15 +58,11 @@ class ReferenceKernel:
     def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return compute_dtype(dtype)
 
-    def forward_hops(self, q, k, v, hops, mods: Mods, scale: float):
-        # each as a hop of its own: the ring's CPU tests run its joined steps this way
-        return [self.forward(rows(q, h.q_rows), rows(k, h.kv_rows), rows(v, h.kv_rows), h.q_seg, h.kv_seg, mods, scale,
-                             h.kind != BlockKind.FULL) for h in hops]
+    def forward_hops(self, q, k, v, hops, mods: Mods, scale: float) -> None:
+        return None  # one call per hop
 
-    def backward_hops(self, q, k, v, out, lse, dout, hops, mods: Mods, scale: float, res=None):
-        return [self.backward(rows(q, h.q_rows), rows(k, h.kv_rows), rows(v, h.kv_rows), rows(out, h.q_rows),
-                              rows(lse, h.q_rows), rows(dout, h.q_rows), h.q_seg, h.kv_seg, mods, scale,
-                              h.kind != BlockKind.FULL, res=optional_rows(res, h.q_rows))[:3] for h in hops]
+    def backward_hops(self, q, k, v, out, lse, dout, hops, mods: Mods, scale: float, res=None) -> None:
+        return None
 
     def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment, device) -> None:
         return None  # it computes every pair of the block it is given
