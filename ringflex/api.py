@@ -30,7 +30,7 @@ from .parallel.shard import warn_if_launched_alone
 from .plan import layout as layouts
 from .plan import lending
 from .plan.sharding import Resharding, resharding
-from .plan.blocks import Hop, PlanCache, around, check_lookups, keys_read, plan_hops
+from .plan.blocks import Hop, PlanCache, check_lookups, keys_read, plan_hops
 
 _PLANS = PlanCache()
 _COLD_CAPTURE = ("ring_flex_attention is being captured in a CUDA graph, but no call with this mask, these shapes and "
@@ -153,7 +153,7 @@ def ring_flex_attention(
         transfers = debug.DebugComm(group) if debugging else GuardedComm(group)
     call = RingCall(comm=transfers, schedule=plan.schedule, kernel=plan.kernel, mods=mods,
                     scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), agreement=agreed,
-                    own_rows_read=plan.own_rows_read, tensors=plan.tensors, offer=plan.offer, lse_grad=return_lse)
+                    tensors=plan.tensors, offer=plan.offer, lse_grad=return_lse)
     if debugging:
         debug.check_inputs(group, q, k, v)
         q, k, v = debug.watch_grads(group, q, k, v)
@@ -193,7 +193,6 @@ class _Plan:
 
     schedule: List[List[Hop]]  # schedule[i]: the hops against the K/V block held at step i
     kernel: HopKernel
-    own_rows_read: Tuple[int, int]  # what the other ranks read of this rank's block, as planned here
     tensors: Tuple[Tensor, ...]  # the score_mod's captured tensors that require grad
     offer: Optional[lending.Offer]  # this rank's side of lending (None: one rank, or lending off)
 
@@ -237,12 +236,10 @@ def _plan(q: Tensor, k: Tensor, v: Tensor, mods: Mods, group, layout: str, backe
         raise ValueError(stale)
     if score_mod is not None:  # the mask's lookups are checked where it is planned
         check_lookups(score_mod, "score_mod", q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device)
-    # The other ranks' plans for this rank's block, made here too: the first send is sliced
-    # to what they read of it before the own block's compute is queued, and the next rank's
-    # hops are those it may lend here (``plan.lending``).
-    others = {other: planned(layouts.segments(layout, q_len, world_size, other), kv_segs_per_step[:1])[0]
-              for other in range(world_size) if other != rank}
-    own_rows_read = around(keys_read([hops], 1)[0] for hops in others.values())
-    offer = lending.offer(mask_mod, schedule, others[(rank + 1) % world_size], kernel.name,
-                          kernel.call_pairs(q.shape[0], q.shape[1], q.shape[3]), q.device) if world_size > 1 else None
-    return _Plan(schedule, kernel, own_rows_read, tensors, offer)
+    offer = None
+    if world_size > 1:  # the next rank's hops against this rank's block, planned here too: it may lend them here
+        next_hops = planned(layouts.segments(layout, q_len, world_size, (rank + 1) % world_size),
+                            kv_segs_per_step[:1])[0]
+        offer = lending.offer(mask_mod, schedule, next_hops, kernel.name,
+                              kernel.call_pairs(q.shape[0], q.shape[1], q.shape[3]), q.device)
+    return _Plan(schedule, kernel, tensors, offer)

@@ -494,50 +494,6 @@ def test_ring_with_blocks_the_kernel_keeps_whole(world_size, layout, monkeypatch
             assert max(errs) <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (rank, name, dtype, errs)
 
 
-def _first_sends(rank, world_size, layout):
-    """Per ring call of the case matrix: (the rows of the own block that this rank planned
-    the others to read, the rows of it that travel as the ranks agreed)."""
-    from ringflex.parallel.ring import RingCall
-    _with_kernel(_WholeBlockKernel())
-    seen, agree = [], RingCall.agree
-
-    def recording(call, device):
-        agree(call, device)
-        seen.append((call.own_rows_read, call.travelling[call.comm.rank]))
-
-    RingCall.agree = recording
-    try:
-        _max_errors(rank, world_size, layout)
-    finally:
-        RingCall.agree = agree
-    return seen
-
-
-@pytest.mark.parametrize("world_size, layout", [(3, "contiguous"), (4, "zigzag")])
-def test_the_first_send_is_sliced_before_the_ranks_agree(world_size, layout):
-    """Each rank plans what the others read of its block, so it slices its first send before
-    its own block's compute is queued; that is what the ranks then agree travels (some
-    cases read a part only)."""
-    for seen in run_world(world_size, _first_sends, layout):
-        assert seen and all(planned == agreed for planned, agreed in seen), seen
-        assert any(hi - lo < LOCAL_LEN for lo, hi in (agreed for _, agreed in seen)), seen
-
-
-def _mispredicted(rank, world_size):
-    """``_short_ring`` with every rank's own prediction of what the others read wrong."""
-    import ringflex.api
-    ringflex.api.around = lambda spans: (list(spans), (0, 1))[1]
-    return _short_ring(rank, world_size, "window", _WholeBlockKernel())
-
-
-def test_a_first_send_sliced_other_than_agreed_is_sliced_again():
-    """Should a rank's own plan of what the others read differ from what they report, the
-    first send follows the agreed rows (sliced once the ranks agree): the same transfers."""
-    for rank, (seen, error) in enumerate(run_world(3, _mispredicted)):
-        assert seen[0] == ("forward", (4, 4) if rank < 2 else (0, 0)), seen
-        assert error < 1e-10
-
-
 def _saved_block(rank, world_size):
     """Bytes of memory behind the block forward saves for backward, and the block's own bytes."""
     from ringflex import mods
@@ -713,21 +669,17 @@ def test_first_receive_buffer_exists_before_the_own_block_is_computed():
     """The first transfer runs on a stream that waits only for the inputs, so its receive
     buffer is allocated when the block stream is made, before the own block's compute is
     queued (memory freed by that compute's temporaries must not be handed to the transfer);
-    the second buffer comes with the second transfer, and a ring without transfers has none.
-    Forward's first send, the rows of the own block that other ranks read, is sliced then."""
+    the second buffer comes with the second transfer, and a ring without transfers has none."""
     from ringflex.kernels.base import Mods
     from ringflex.parallel.ring import RingCall, _KVStream
 
     k, v = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
     for steps, last, buffers in ((3, None, 1), (2, None, 1), (2, (k, v), 0), (1, None, 0)):
         call = RingCall(comm=None, schedule=[[] for _ in range(steps)], kernel=ReferenceKernel(), mods=Mods(),
-                        scale=1.0, own_rows_read=(1, 3))
+                        scale=1.0)
         blocks = _KVStream(call, (k, v), last=last)
         assert len(blocks.buffers) == buffers, (steps, last is not None)
         assert all(b.shape == k.shape for pair in blocks.buffers for b in pair)
-        # the part of the own block that the others read is sliced out before its compute too
-        sliced = blocks.own_sent is not None and [t.shape[2] for t in blocks.own_sent[1]] == [2, 2]
-        assert sliced == (buffers > 0 and last is None)
 
 
 def test_each_send_of_the_own_block_waits_for_the_one_before():
@@ -740,6 +692,10 @@ def test_each_send_of_the_own_block_waits_for_the_one_before():
     class Comm:
         def __init__(self, reports_end):
             self.reports_end, self.waited_for, self.sends = reports_end, [], 0
+
+        @staticmethod
+        def sendable(t):
+            return t
 
         def exchange(self, send, recv, shift=1, send_after=None):
             self.waited_for.append(send_after)

@@ -42,6 +42,10 @@ class _Flags:
     def copy(self, stream: int, destination: int, source: int, nbytes: int) -> None:
         ctypes.memmove(destination, source, nbytes)  # the mailboxes are CPU tensors here
 
+    def copy_rows(self, stream: int, destination: int, source: int, pitch: int, width: int, rows: int) -> None:
+        for row in range(rows):
+            ctypes.memmove(destination + row * width, source + row * pitch, width)
+
 
 def _ranks(world_size: int):
     """One PeerTransport per simulated rank, their mailboxes plain CPU tensors they share."""
@@ -161,3 +165,47 @@ def test_released_flags_pass_every_wait():
     flags.write(0, 0, 0)
     with pytest.raises(AssertionError):
         flags.wait(0, 0, peer.MARKS[0])
+
+
+def test_rows_of_a_block_are_read_in_place():
+    """``layout``: a contiguous tensor is one row; rows of a [B, H, L, D] block are a row per
+    batch and head, a block apart; other views are copied first (None)."""
+    block = torch.zeros(2, 3, 10, 4, dtype=torch.bfloat16)
+    assert peer.layout(block) == (block.numel() * 2, block.numel() * 2)
+    assert peer.layout(block.narrow(2, 3, 5)) == (5 * 4 * 2, 10 * 4 * 2)
+    assert peer.layout(block[:, :1].narrow(2, 1, 2)) == (2 * 4 * 2, 3 * 10 * 4 * 2)  # one head: batches apart
+    assert peer.layout(block.transpose(1, 2)) is None
+    assert peer.layout(block.narrow(3, 0, 2)) is None
+    assert peer.layout(block[:, :2].narrow(2, 0, 3)) is None  # batches not a whole number of head pitches apart
+
+
+@pytest.mark.parametrize("width, pitch", [(10, 10), (10, 16), (3, 7), (64, 100)])
+def test_pieces_bring_every_byte_in_order(width, pitch):
+    """Any span of the bytes, cut anywhere (in a row, across rows), comes out of its pieces
+    as the bytes lie contiguous: the sender cuts chunks where the receiver counts them."""
+    rows = 6
+    memory = torch.arange(rows * pitch, dtype=torch.int64)
+    contiguous = memory.view(rows, pitch)[:, :width].reshape(-1)
+    for start in range(0, rows * width + 1, 2):
+        for end in range(start, rows * width + 1, 5):
+            got = []
+            for offset, count, nbytes in peer.pieces(start, end, width, pitch):
+                assert count == 1 or nbytes == width
+                got += [memory[offset + r * pitch: offset + r * pitch + nbytes] for r in range(count)]
+            assert torch.equal(torch.cat(got) if got else contiguous[:0], contiguous[start:end]), (start, end)
+
+
+def test_rows_of_a_block_reach_the_receiver_contiguous(monkeypatch):
+    """A send of rows of a block (a view, read in place by 2-D copies) fills the receiver's
+    contiguous tensor, in chunks that cut through its rows."""
+    monkeypatch.setattr(peer, "SLOT_BYTES", 64)
+    ranks = _ranks(2)
+    g = torch.Generator().manual_seed(3)
+    blocks = [torch.randint(0, 256, (1, 3, 12, 5), dtype=torch.uint8, generator=g) for _ in ranks]
+    sent = [b.narrow(2, 4, 7) for b in blocks]
+    got = [torch.empty(1, 3, 7, 5, dtype=torch.uint8) for _ in ranks]
+    for t, data in zip(ranks, sent):
+        t._send(0, 0, data)
+    for t, data in zip(ranks, got):
+        t._receive(0, 0, data)
+    assert all(torch.equal(got[r], sent[1 - r]) for r in range(2))

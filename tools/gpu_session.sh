@@ -4,7 +4,7 @@
 #   bash tools/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash tools/gpu_session.sh sharding2 reshard2 ownblock2 joined2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
-#   BASE=$PWD/.whl/base bash tools/gpu_session.sh base4 basephases4   # on 4 GPUs: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
+#   BASE=$PWD/.whl/base bash tools/gpu_session.sh base2   # on 2 GPUs; base4 basephases4 on 4: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
 # Needs the cuDNN frontend wheel in .whl/ (see shared/gpu/README.md).
@@ -78,6 +78,12 @@ for stage in "$@"; do
              CUDA_VISIBLE_DEVICES=0,1 run base4 tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
                --layouts zigzag --singles sdpa-cudnn --no-cp --no-flex-cp --iters 10 --warmup 3 \
                --json "$OUT/base2_${name}_$round.json"); done; done ;;  # this tree against BASE, alternately
+    base2) test -n "${BASE:-}" || { echo "base2 needs BASE=<another tree: git archive REV ringflex benchmarks tools>"; exit 2; }
+           for round in $(seq "${ROUNDS:-2}"); do for tree in "$BASE" "$PWD"; do name=$(basename "$tree")
+             (cd "$tree" && run base2 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
+             run base2 tr 2 -m benchmarks.bench --seq-lens 16384 --masks ${MASKS:-window documents causal none} \
+               --layouts ${LAYOUTS:-zigzag contiguous} --singles ${SINGLES:-sdpa-cudnn} --no-cp --no-flex-cp \
+               --iters ${ITERS:-20} --warmup 3 --json "$OUT/base2_${name}_$round.json"); done; done ;;  # this tree against BASE, 2 GPUs, alternately
     basephases4) test -n "${BASE:-}" || { echo "basephases4 needs BASE=<another tree>"; exit 2; }
            cp benchmarks/probes/host_phases.py "$BASE/benchmarks/probes/"  # one probe, two libraries
            for round in $(seq "${ROUNDS:-2}"); do for tree in "$BASE" "$PWD"; do
@@ -190,6 +196,12 @@ for stage in "$@"; do
     efficiency2) run efficiency2 tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal --layouts zigzag \
               --singles sdpa-cudnn ringflex-1gpu --no-flex-cp --iters ${ITERS:-5} --warmup 3 \
               --json "$OUT/efficiency2.json" ;;  # 8k tokens per GPU, with torch CP
+    local2) run local2 tr 2 -m benchmarks.probes.host_phases --seq-len 16384 --calls 20 \
+              --cases documents:zigzag documents:contiguous window:zigzag window:contiguous  # per rank, by phase
+            mkdir -p "$OUT/traces" && for l in zigzag contiguous; do run local2 tr 2 -m benchmarks.profile_ring \
+              --seq-lens 16384 --masks documents window --layout $l --gpu-only --profiled-calls 4 \
+              --trace "$OUT/traces/${l}_{}.json.gz"; done && tar -C "$OUT" -czf "$OUT/traces_local.tgz" traces \
+              && rm -r "$OUT/traces" ;;  # windows and documents over zigzag and contiguous: where zigzag's extra time goes
     phases2) run phases2 tr 2 -m benchmarks.probes.host_phases --seq-len 16384 ;;  # host time of a ring call by phase
     newdocs2) for n in 16384 65536; do run newdocs2 tr 2 -m benchmarks.probes.host_phases --seq-len $n --warmup 100 --calls 20 \
               --cases new_documents:contiguous new_documents:zigzag documents:contiguous; done ;;  # new packed batch every call

@@ -5,7 +5,8 @@ The row ranges of every part are known in advance, so each row is combined in fp
 rounded once, by the operation that adds its last part; a row with one part is never copied
 through fp32, and a part that a kernel writes straight into the result (``destination``) is
 not copied at all. On a GPU each saved pass over a buffer is time spent outside the
-attention kernels; for the same reason rows of a block go out through ``contiguous_rows``.
+attention kernels; for the same reason rows of a block that the process group's P2P sends
+(which the copy engines read in place) are made contiguous by ``contiguous_rows``.
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..kernels.merge import contiguous_rows
 from . import peer
 
 
@@ -55,6 +56,8 @@ class RingComm:
         from the rank ``shift`` behind (every rank makes the same call); call ``.wait()`` on
         the result before reading ``recv``, and ``join_sends`` before the caller writes into
         ``send``. Empty tensors do not travel (a block none of whose rows another rank reads).
+        ``send`` may hold rows of a block (views): the copy engines read them in place, the
+        process group's P2P a contiguous copy.
 
         It runs beside the compute launched meanwhile (NCCL and the copy engines use their own
         streams). It starts after the work queued so far on the current stream; over the copy
@@ -69,9 +72,16 @@ class RingComm:
         if transport is not None:
             return transport.exchange(send, recv, shift, send_after)
         to, source = self.peer(shift), self.peer(-shift)
-        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send if t.numel()]
+        send = [contiguous_rows(t) for t in send if t.numel()]  # P2P sends contiguous memory alone
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recv if t.numel()]
-        return _Pending(dist.batch_isend_irecv(ops) if ops else [])
+        return _Pending(dist.batch_isend_irecv(ops) if ops else [], send)
+
+    def sendable(self, t: Tensor) -> Tensor:
+        """``t`` (rows of a block) as ``exchange`` sends it: itself over the copy engines, which
+        read it in place, else a contiguous copy: made once, a tensor sent several times (the
+        own block, at every step) is copied once."""
+        return t if self._copy_engines(t.device) is not None else contiguous_rows(t)
 
     def _copy_engines(self, device) -> Optional[peer.PeerTransport]:
         """The copy-engine transport where it carries this ring's transfers on ``device``, else None."""
@@ -95,8 +105,9 @@ class RingComm:
 class _Pending:
     sent = None  # the process group orders its sends itself
 
-    def __init__(self, works):
+    def __init__(self, works, sent_tensors):
         self.works = works
+        self.sent_tensors = sent_tensors  # a send (gloo) reads them until it is waited for
 
     def wait(self):
         for w in self.works:

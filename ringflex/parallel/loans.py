@@ -12,7 +12,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-from ..kernels.merge import RowMerge, RowSum, Rows, contiguous_rows, rows
+from ..kernels.merge import RowMerge, RowSum, Rows, rows
 from ..kernels.reference import compute_dtype
 from ..plan.blocks import widened
 from .compute import hop_backward, hop_forward, lse_as_attention, new_rows, rows_shape
@@ -32,7 +32,7 @@ def lend_forward(call, q: Tensor, k: Tensor, v: Tensor, first_stream):
         # so it must not get memory that the compute's temporaries were freed from (the
         # current stream's), as ``_KVStream``'s first buffer must not.
         borrowed_q = new_rows(q, held, q.shape[3])
-        queries = call.comm.exchange([contiguous_rows(rows(q, sent))], [borrowed_q], shift=-1)
+        queries = call.comm.exchange([rows(q, sent)], [borrowed_q], shift=-1)
     if first_stream is not None:
         borrowed_q.record_stream(torch.cuda.current_stream(q.device))  # computed on, and saved for backward
     queries.wait()
@@ -44,7 +44,7 @@ def lend_forward(call, q: Tensor, k: Tensor, v: Tensor, first_stream):
             call, hop, rows(borrowed_q, _shifted(hop.q_rows, held)), rows(k, hop.kv_rows), rows(v, hop.kv_rows)))
     lent_results = [new_rows(q, loan.lent, v.shape[-1])] + [new_rows(q, loan.lent, dtype=acc) for _ in range(2)]
     out, lse, res = results.result()
-    back = [t.contiguous() for t in (out, lse, torch.zeros_like(lse) if res is None else res)]
+    back = [out, lse, torch.zeros_like(lse) if res is None else res]
     return borrowed_q, (call.comm.exchange(back, lent_results), lent_results)
 
 
@@ -72,7 +72,7 @@ def lend_backward(call, dout, out, lse, res, dlse):
              res if res is not None else torch.zeros_like(lse)]
     if call.lse_grad:
         given.append(dlse if dlse is not None else torch.zeros_like(lse))
-    send = [contiguous_rows(rows(t, _travelling(loan.lent, out))) for t in given]
+    send = [rows(t, _travelling(loan.lent, out)) for t in given]
     recv = [new_rows(t, _travelling(loan.borrowed, out), *t.shape[3:]) for t in given]
     return call.comm.exchange(send, recv, shift=-1), recv
 
@@ -98,4 +98,4 @@ def borrowed_backward(call, q, k, v, borrowed_q, borrowed_inputs, d_tensors):
         dq.add(_shifted(hop.q_rows, loan.borrowed), hq)
         keys.append((hop.kv_rows, hk, hv))
     dq_lent = new_rows(q, loan.lent, q.shape[3])
-    return (call.comm.exchange([t.contiguous() for t in dq.result()], [dq_lent]), dq_lent), keys
+    return (call.comm.exchange(dq.result(), [dq_lent]), dq_lent), keys

@@ -10,7 +10,9 @@ ranks share a GPU, which it refuses, one mapped by CUDA IPC): for each channel, 
 slots of ``SLOT_BYTES`` and their flags. A channel carries the transfers of one shift: to the
 next rank, to the previous one, and to each rank further away (a block goes straight from
 its owner to every rank that reads it, a dK/dV share straight back): ``max(2, world - 1)`` channels. A transfer moves in
-chunks of at most a slot, copied by the driver's ``cuMemcpyAsync``. The sender waits until
+chunks of at most a slot, copied by the driver's ``cuMemcpyAsync``; rows of a block (a view
+whose heads lie a block apart) are read in place by its 2-D copy (``layout``), so no pass on
+the SMs gathers them first. The sender waits until
 the slot is FREE, copies the chunk into the receiver's mailbox and raises the slot's READY
 flag there; the receiver waits for READY, copies the chunk out into its own tensor and raises
 FREE at the sender. Flags are written and awaited by CUDA stream memory operations (the
@@ -70,6 +72,44 @@ def chunks(nbytes: int) -> List[Tuple[int, int]]:
     return [(start, min(start + SLOT_BYTES, nbytes)) for start in range(0, nbytes, SLOT_BYTES)]
 
 
+def layout(t: Tensor) -> Optional[Tuple[int, int]]:
+    """``t``'s memory as rows of contiguous bytes evenly apart, (bytes a row, pitch), which a
+    send reads in place; None where it is not (a copy is sent). A contiguous tensor is one row;
+    rows ``a:b`` of a [B, H, L, D] block (dim 2), a row of ``(b - a) * D`` elements per batch
+    and head."""
+    size = t.element_size()
+    if t.is_contiguous():
+        return t.numel() * size, t.numel() * size
+    if t.dim() != 4 or t.stride(3) != 1 or t.stride(2) != t.shape[3]:
+        return None
+    if t.shape[1] == 1:
+        return t.shape[2] * t.shape[3] * size, t.stride(0) * size
+    if t.shape[0] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
+        return None
+    return t.shape[2] * t.shape[3] * size, t.stride(1) * size
+
+
+def pieces(start: int, end: int, width: int, pitch: int) -> List[Tuple[int, int, int]]:
+    """The copies that bring bytes ``start:end`` of memory laid out as rows of ``width`` bytes,
+    ``pitch`` apart (``layout``), into contiguous memory, in order: (offset of the source,
+    rows, bytes a row). A part of one row is a row of its own; whole rows go in one copy
+    (the driver's 2-D copy), or one row where they are contiguous."""
+    if width == pitch:
+        return [(start, 1, end - start)] if end > start else []
+    found = []
+    while start < end:
+        row, column = divmod(start, width)
+        if column or end - start < width:
+            n = min(width - column, end - start)
+            found.append((row * pitch + column, 1, n))
+        else:
+            count = (end - start) // width
+            found.append((row * pitch, count, width))
+            n = count * width
+        start += n
+    return found
+
+
 def slot_of(chunk: int) -> Tuple[int, int]:
     """The slot of the ``chunk``-th chunk of a pass in one channel, and the mark its flags carry."""
     return chunk % SLOTS, MARKS[(chunk // SLOTS) % 2]
@@ -103,6 +143,19 @@ def channel_of(shift: int, world_size: int) -> int:
     return {1: 0, world_size - 1: 1}.get(s, s)
 
 
+_UNIFIED = 4  # CU_MEMORYTYPE_UNIFIED: an address of the unified address space, on any GPU of the host
+
+
+class _Memcpy2D(ctypes.Structure):
+    """The driver's CUDA_MEMCPY2D."""
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t), ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
+                ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64),
+                ("dstArray", ctypes.c_void_p), ("dstPitch", ctypes.c_size_t), ("WidthInBytes", ctypes.c_size_t),
+                ("Height", ctypes.c_size_t)]
+
+
 class _Driver:
     """The CUDA driver calls the transport makes on its streams: write / await a 32-bit flag
     (which torch does not expose), and copy between addresses: no tensor views to make for a
@@ -117,6 +170,9 @@ class _Driver:
         self._copy = lib.cuMemcpyAsync
         self._copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         self._copy.restype = ctypes.c_int
+        self._copy_rows = getattr(lib, "cuMemcpy2DAsync_v2", None) or lib.cuMemcpy2DAsync
+        self._copy_rows.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
+        self._copy_rows.restype = ctypes.c_int
 
     @staticmethod
     def _function(lib, name: str):
@@ -136,6 +192,13 @@ class _Driver:
     def copy(self, stream: int, destination: int, source: int, nbytes: int) -> None:
         """On ``stream``: copy ``nbytes`` from address ``source`` to ``destination``."""
         self._check(self._copy(destination, source, nbytes, stream), "cuMemcpyAsync")
+
+    def copy_rows(self, stream: int, destination: int, source: int, pitch: int, width: int, rows: int) -> None:
+        """On ``stream``: copy ``rows`` rows of ``width`` bytes, ``pitch`` apart from address
+        ``source`` on, to contiguous memory at ``destination``."""
+        params = _Memcpy2D(srcMemoryType=_UNIFIED, srcDevice=source, srcPitch=pitch, dstMemoryType=_UNIFIED,
+                           dstDevice=destination, dstPitch=width, WidthInBytes=width, Height=rows)
+        self._check(self._copy_rows(ctypes.byref(params), stream), "cuMemcpy2DAsync")
 
     @staticmethod
     def _check(status: int, name: str) -> None:
@@ -191,7 +254,7 @@ class PeerTransport:
         where ``send_after`` is given, once that event is). ``wait()`` on the result orders the
         current stream after them."""
         channel = channel_of(shift, self.size)
-        send = [t.contiguous() for t in send if t.numel()]
+        send = [t if layout(t) else t.contiguous() for t in send if t.numel()]
         recv = [t for t in recv if t.numel()]
         if any(not t.is_contiguous() for t in recv):
             raise ValueError("ringflex: a receive buffer of the copy-engine transport must be contiguous")
@@ -266,28 +329,34 @@ class PeerTransport:
             self.sending_captured.clear()
 
     def _send(self, stream: int, channel: int, data: Tensor) -> None:
-        self._in_chunks(stream, channel, data, self.sent, self._send_chunk)
+        """``data`` sent a slot at a time, read in place (``layout``): each chunk of its bytes, as
+        they lie contiguous, numbered in ``sent`` as the receiver numbers it."""
+        address, (width, pitch) = data.data_ptr(), layout(data)
+        for start, end in chunks(data.numel() * data.element_size()):
+            copies = [(address + offset, rows, nbytes) for offset, rows, nbytes in pieces(start, end, width, pitch)]
+            self._send_chunk(stream, channel, *slot_of(self.sent[channel]), copies, pitch)
+            self.sent[channel] += 1
 
     def _receive(self, stream: int, channel: int, data: Tensor) -> None:
-        self._in_chunks(stream, channel, data, self.received, self._receive_chunk)
-
-    @staticmethod
-    def _in_chunks(stream: int, channel: int, data: Tensor, count: List[int], chunk) -> None:
-        """``data`` moved by ``chunk`` (``_send_chunk`` or ``_receive_chunk``) a slot at a time,
-        each chunk numbered in ``count`` (``sent`` or ``received``) as both ends number it."""
+        """``data`` (contiguous) filled a slot at a time, each chunk numbered in ``received``."""
         address = data.data_ptr()
         for start, end in chunks(data.numel() * data.element_size()):
-            chunk(stream, channel, *slot_of(count[channel]), address + start, end - start)
-            count[channel] += 1
+            self._receive_chunk(stream, channel, *slot_of(self.received[channel]), address + start, end - start)
+            self.received[channel] += 1
 
-    def _send_chunk(self, stream: int, channel: int, slot: int, mark: int, source: int = 0, nbytes: int = 0) -> None:
-        """Waits until the receiver has copied out the slot's previous use, fills it with
-        ``nbytes`` from address ``source`` (none: a use without data) and raises READY at the
-        receiver."""
+    def _send_chunk(self, stream: int, channel: int, slot: int, mark: int, copies=(), pitch: int = 0) -> None:
+        """Waits until the receiver has copied out the slot's previous use, fills it by
+        ``copies`` (``pieces`` at their addresses, rows ``pitch`` apart; none: a use without
+        data) and raises READY at the receiver."""
         to = self.to[channel]
         self.driver.wait(stream, self._flag(self.rank, _FREE, channel, slot), other(mark))
-        if nbytes:
-            self.driver.copy(stream, self._slot(to, channel, slot), source, nbytes)
+        destination = self._slot(to, channel, slot)
+        for source, rows, nbytes in copies:
+            if rows == 1:
+                self.driver.copy(stream, destination, source, nbytes)
+            else:
+                self.driver.copy_rows(stream, destination, source, pitch, nbytes, rows)
+            destination += rows * nbytes
         self.driver.write(stream, self._flag(to, _READY, channel, slot), mark)
 
     def _receive_chunk(self, stream: int, channel: int, slot: int, mark: int, destination: int = 0,

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch._C import _functions as autograd_nodes
 
 from ..kernels.base import HopKernel, Mods
-from ..kernels.merge import RowMerge, RowSum, Rows, contiguous_rows, lse_weights, rows
+from ..kernels.merge import RowMerge, RowSum, Rows, lse_weights, rows
 from ..kernels.reference import compute_dtype
 from ..mod import captured
 from ..plan.blocks import Hop, distances_needed, part_planner, travelling_rows, widened
@@ -48,7 +48,6 @@ class RingCall:
     scale: float
     agreement: Any = None  # the cross-rank argument check under way: ``wait()`` before the first transfer
     travelling: Optional[List[Rows]] = None  # per block (by owner): the rows of it that travel; None: all
-    own_rows_read: Optional[Rows] = None  # what the other ranks read of the own block, as planned locally
     tensors: Tuple[Tensor, ...] = ()  # captured tensors of the score_mod that require grad
     offer: Optional[Offer] = None  # this rank's side of lending, before the ranks agree
     loan: Optional[Loan] = None  # the rows lent and borrowed, once they agree (``plan.lending``)
@@ -103,7 +102,8 @@ class _KVStream:
     read), and for the last step ``last``, where the rank holds that block already: then the
     ring skips the transfer that would bring it. Each transfer brings the next step's block
     from its owner, to which this rank sends its own block (``own``: ``first`` forward, ``last``
-    backward) at the same distance, so every send reads the own block, sliced once. A received
+    backward) at the same distance, so every send reads the own block's rows (in place over
+the copy engines; the process group's P2P, a copy made once). A received
     block holds only the rows of it that travel (``RingCall.rows_held``), in the leading memory
     of a buffer sized for a whole block. The number of steps is read when the first transfer
     starts: forward may shorten the schedule once the ranks agree."""
@@ -129,11 +129,6 @@ class _KVStream:
         self.first_stream, self.own_sent, self.own_ready, self.joined = None, None, None, False
         if self.transfers > 0:
             self._add_buffer()
-            if not reverse and call.own_rows_read is not None:
-                # Sliced now: a copy queued after the own block's attention kernel would wait for
-                # the SMs it holds, and the first transfer with it.
-                sent = widened(call.own_rows_read, self.shapes[0][2])
-                self.own_sent = sent, tuple(contiguous_rows(rows(t, sent)) for t in first)
             k = first[0]
             if k.is_cuda:
                 self.first_stream = torch.cuda.Stream(k.device)
@@ -176,14 +171,12 @@ class _KVStream:
             self._add_buffer()
         lo, hi = self.rows(step + 1)
         own_rows = self.call.rows_travelling(0, self.shapes[0][2])
-        if step > 0 and self.first_stream is not None and not self.joined:  # the own block was sliced there
+        if step > 0 and self.first_stream is not None and not self.joined:  # the own rows sent were made there
             torch.cuda.current_stream(self.first_stream.device).wait_stream(self.first_stream)
             self.joined = True
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
             if self.own_sent is None or self.own_sent[0] != own_rows:
-                self.own_sent = own_rows, tuple(contiguous_rows(rows(t, own_rows)) for t in self.own)
-                # sliced on the first transfer's stream at step 0, else on the current stream
-                self.own_ready = self.first_stream.record_event() if step == 0 and self.first_stream else None
+                self.own_sent = own_rows, tuple(self.call.comm.sendable(rows(t, own_rows)) for t in self.own)
             send = self.own_sent[1]
             recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
             distance = self.call.distance(self._forward_step(step + 1))

@@ -60,6 +60,35 @@ def test_every_byte_arrives_in_every_channel(world_size):
     assert run_world(world_size, _exchanges, backend=gpu_backend(world_size)) == [[]] * world_size
 
 
+def _rows_exchanges(rank, world_size):
+    """Rows of [B, H, L, D] blocks sent as views (read in place, 2-D copies whose chunks cut
+    through rows), received contiguous: bit for bit what a contiguous copy would carry."""
+    os.environ["RINGFLEX_TRANSPORT"] = "copy-engine"
+    comm = RingComm(dist.group.WORLD)
+    # (batches, heads, rows of the block, rows sent from, rows sent): one slot; several, cut
+    # mid-row; a row (a head's rows) larger than a slot; two batches
+    cases = [(1, 8, 4096, 1000, 2048), (1, 64, 4096, 5, 3000), (1, 2, 200_000, 7, 140_000), (2, 4, 512, 100, 300)]
+    wrong = []
+    for shift in (1, -1):
+        for i, (b, h, length, start, n) in enumerate(cases):
+            g = torch.Generator(device="cuda").manual_seed(100 * rank + i)
+            blocks = [torch.randn(b, h, length, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2)]
+            g = torch.Generator(device="cuda").manual_seed(100 * ((rank - shift) % world_size) + i)
+            theirs = [torch.randn(b, h, length, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2)]
+            recv = [torch.empty(b, h, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+            comm.exchange([t.narrow(2, start, n) for t in blocks], recv, shift).wait()
+            if not all(torch.equal(got, t.narrow(2, start, n)) for got, t in zip(recv, theirs)):
+                wrong.append((shift, i))
+        comm.end_pass(torch.device("cuda"))
+    torch.cuda.synchronize()
+    return wrong
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_rows_of_a_block_arrive_as_a_copy_of_them_would(world_size):
+    assert run_world(world_size, _rows_exchanges, backend=gpu_backend(world_size)) == [[]] * world_size
+
+
 def _arrival_before_send(rank, world_size):
     """Rank 0 sends rank 1 more than its mailbox holds while rank 1's receive is held back
     (its stream sleeps first); rank 1 sends rank 0 a little from a stream that does not sleep.
