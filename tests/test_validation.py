@@ -148,7 +148,7 @@ def _mismatches(rank, world_size):
         "bad transport on one rank": with_transport_on_rank_1("ipc"),
         "bad argument on one rank": lambda: attn(q[0] if odd else q, k, v),
         "bad layout name on one rank": lambda: attn(q, k, v, layout="zigzig" if odd else "zigzag"),
-        # rank 0 reports it: it plans what rank 2 reads of its block too
+        # rank 1 reports it: rank 2's queries read past the tensor, and rank 1 plans rank 2's hops against its block
         "mask_mod reading past a captured tensor": lambda: attn(q, k, v, mask_mod=_query_flags(flags),
                                                                layout="contiguous"),
         "score_mod reading past a captured tensor": lambda: attn(q, k, v, score_mod=mods.alibi(mods.alibi_slopes(1))),
@@ -227,7 +227,7 @@ EXPECTED = {
     "bad layout name on one rank": "CallRejected: ring_flex_attention: rank 1: layout must be one of "
                                    "('contiguous', 'zigzag', 'striped') or a ringflex.Sharding, got 'zigzig'",
     "mask_mod reading past a captured tensor": (
-        "CallRejected: ring_flex_attention: rank 0: ValueError: mask_mod reads index 10 of a captured tensor of "
+        "CallRejected: ring_flex_attention: rank 1: ValueError: mask_mod reads index 10 of a captured tensor of "
         "shape (10,) (at q_idx = 10): a tensor a mod indexes by position must cover every position of the global "
         "sequence, not one rank's shard (while planning the ring, before any transfer)"),
     "score_mod reading past a captured tensor": "rank 0: ValueError: score_mod reads index 1 of a captured tensor of "

@@ -2,7 +2,7 @@
 # The GPU runs behind benchmarks/README.md and benchmarks/results/, one stage per argument; logs go to
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
-#   bash tools/gpu_session.sh sharding2 reshard2 ownblock2 joined2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
+#   bash tools/gpu_session.sh local2 sharding2 reshard2 ownblock2 joined2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash tools/gpu_session.sh links efficiency profile4 check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base2   # on 2 GPUs; base4 basephases4 on 4: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
@@ -81,7 +81,7 @@ for stage in "$@"; do
     base2) test -n "${BASE:-}" || { echo "base2 needs BASE=<another tree: git archive REV ringflex benchmarks tools>"; exit 2; }
            for round in $(seq "${ROUNDS:-2}"); do for tree in "$BASE" "$PWD"; do name=$(basename "$tree")
              (cd "$tree" && run base2 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
-             run base2 tr 2 -m benchmarks.bench --seq-lens 16384 --masks ${MASKS:-window documents causal none} \
+             run base2 tr 2 -m benchmarks.bench --seq-lens ${SEQ_LENS:-16384} --masks ${MASKS:-window documents causal none} \
                --layouts ${LAYOUTS:-zigzag contiguous} --singles ${SINGLES:-sdpa-cudnn} --no-cp --no-flex-cp \
                --iters ${ITERS:-20} --warmup 3 --json "$OUT/base2_${name}_$round.json"); done; done ;;  # this tree against BASE, 2 GPUs, alternately
     basephases4) test -n "${BASE:-}" || { echo "basephases4 needs BASE=<another tree>"; exit 2; }
