@@ -177,6 +177,7 @@ def test_rows_of_a_block_are_read_in_place():
     assert peer.layout(block.transpose(1, 2)) is None
     assert peer.layout(block.narrow(3, 0, 2)) is None
     assert peer.layout(block[:, :2].narrow(2, 0, 3)) is None  # batches not a whole number of head pitches apart
+    assert peer.layout(block[:1, :1].expand(1, 3, 10, 4).narrow(2, 0, 5)) is None  # heads overlap (expanded)
 
 
 @pytest.mark.parametrize("width, pitch", [(10, 10), (10, 16), (3, 7), (64, 100)])

@@ -234,11 +234,11 @@ def _raise_if_failed(ring_group, what: str) -> None:
 class _PolledPending:
     sent = None  # as RingComm's: the process group orders its sends itself
 
-    def __init__(self, works, group, what: str):
-        self.works, self.group, self.what = works, group, what
+    def __init__(self, pending, group, what: str):
+        self.pending, self.group, self.what = pending, group, what  # the pending keeps the sent tensors alive
 
     def wait(self) -> None:
-        wait(self.works, self.group, self.what)
+        wait(self.pending.works, self.group, self.what)
 
 
 class GuardedComm(RingComm):
@@ -251,8 +251,7 @@ class GuardedComm(RingComm):
         if send[0].is_cuda:
             return pending
         source = (self.rank - shift) % self.world_size
-        return _PolledPending(pending.works, self.group,  # RingComm's pending holds its works
-                              f"the {self.phase} transfer from rank {source}")
+        return _PolledPending(pending, self.group, f"the {self.phase} transfer from rank {source}")
 
 
 @contextmanager

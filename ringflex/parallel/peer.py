@@ -82,11 +82,10 @@ def layout(t: Tensor) -> Optional[Tuple[int, int]]:
         return t.numel() * size, t.numel() * size
     if t.dim() != 4 or t.stride(3) != 1 or t.stride(2) != t.shape[3]:
         return None
-    if t.shape[1] == 1:
-        return t.shape[2] * t.shape[3] * size, t.stride(0) * size
-    if t.shape[0] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
+    if t.shape[1] > 1 and t.shape[0] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
         return None
-    return t.shape[2] * t.shape[3] * size, t.stride(1) * size
+    width, pitch = t.shape[2] * t.shape[3] * size, t.stride(1 if t.shape[1] > 1 else 0) * size
+    return (width, pitch) if pitch >= width else None  # heads that overlap (expanded): a copy
 
 
 def pieces(start: int, end: int, width: int, pitch: int) -> List[Tuple[int, int, int]]:

@@ -103,10 +103,10 @@ class _KVStream:
     ring skips the transfer that would bring it. Each transfer brings the next step's block
     from its owner, to which this rank sends its own block (``own``: ``first`` forward, ``last``
     backward) at the same distance, so every send reads the own block's rows (in place over
-the copy engines; the process group's P2P, a copy made once). A received
-    block holds only the rows of it that travel (``RingCall.rows_held``), in the leading memory
-    of a buffer sized for a whole block. The number of steps is read when the first transfer
-    starts: forward may shorten the schedule once the ranks agree."""
+    the copy engines; over the process group's P2P, a copy made once). A received block holds
+    only the rows of it that travel (``RingCall.rows_held``), in the leading memory of a buffer
+    sized for a whole block. The number of steps is read when the first transfer starts:
+    forward may shorten the schedule once the ranks agree."""
 
     def __init__(self, call: RingCall, first, last=None, reverse: bool = False):
         self.call, self.reverse, self.last = call, reverse, last
