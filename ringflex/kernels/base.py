@@ -108,6 +108,17 @@ class HopKernel(Protocol):
         ...
 
 
+class OneCallPerHop:
+    """``HopKernel.forward_hops`` and ``backward_hops`` of a kernel that takes a step's hops a
+    call each: the ring runs them one by one."""
+
+    def forward_hops(self, q, k, v, hops, mods: Mods, scale: float) -> None:
+        return None
+
+    def backward_hops(self, q, k, v, out, lse, dout, hops, mods: Mods, scale: float, res=None) -> None:
+        return None
+
+
 def split_lse(top: Tensor, log_sum: Tensor) -> Tuple[Tensor, Tensor]:
     """The LSE ``top + log_sum`` (a row's max, or a merge's larger LSE, and the log of the
     sum of exp(x - top)) as (lse, res): the nearest float and what it could not hold, which

@@ -39,7 +39,7 @@ from ..mod.trace import trace_mask_mod
 from ..plan.blocks import BlockKind, MaskCache, block_kinds
 from ..plan.layout import Segment
 from . import huge
-from .base import Mods
+from .base import Mods, OneCallPerHop
 from .reference import ReferenceKernel, compute_dtype
 
 FLEX_TILE = 128  # flex_attention's tile (its BLOCK_SIZE): the mask is classified per tile
@@ -202,7 +202,7 @@ def _block_mask(mods: Mods, batch: int, heads: int, q_seg: Segment, kv_seg: Segm
     return _BLOCK_MASKS.lookup(mods.mask_mod, key, build)
 
 
-class FlexKernel:
+class FlexKernel(OneCallPerHop):
     """HopKernel on torch's flex_attention (see the module docstring).
 
     ``attend(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options) -> (out, lse)`` is the
@@ -248,12 +248,6 @@ class FlexKernel:
 
     def call_pairs(self, batch: int, heads: int, head_dim: int) -> int:
         return 0  # not measured: lending weighs pairs alone
-
-    def forward_hops(self, q, k, v, hops, mods: Mods, scale: float) -> None:
-        return None  # one call per hop
-
-    def backward_hops(self, q, k, v, out, lse, dout, hops, mods: Mods, scale: float, res=None) -> None:
-        return None
 
     def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment, device):
         # The block mask skips empty tiles: a block stays one call, over the tiles' rows and

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..plan.blocks import index_grid
 from ..plan.layout import Segment
-from .base import Mods, split_lse
+from .base import Mods, OneCallPerHop, split_lse
 
 # Score elements per chunk of query rows (a few such temporaries live at once).
 _CHUNK_ELEMENTS = 1 << 22
@@ -52,17 +52,11 @@ def modified_scores(q: Tensor, k: Tensor, q_seg: Segment, kv_seg: Segment, mods:
     return s
 
 
-class ReferenceKernel:
+class ReferenceKernel(OneCallPerHop):
     name = "reference"
 
     def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return compute_dtype(dtype)
-
-    def forward_hops(self, q, k, v, hops, mods: Mods, scale: float) -> None:
-        return None  # one call per hop
-
-    def backward_hops(self, q, k, v, out, lse, dout, hops, mods: Mods, scale: float, res=None) -> None:
-        return None
 
     def plans_within(self, mask_mod, has_score_mod: bool, q_seg: Segment, kv_seg: Segment, device) -> None:
         return None  # it computes every pair of the block it is given
