@@ -17,7 +17,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 LONG="--seq-len 131072 --batch 1 --dim 4096 --layers 8 --heads 32 --kv-heads 8 --vocab 32 --lr 3e-4"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 run() { local name=$1; shift; echo "+ $*" | tee -a "$OUT/$name.log"; "$@" 2>&1 | grep -v "^W[0-9]* .*OMP_NUM_THREADS\|^\*\*\*\*" | tee -a "$OUT/$name.log"; }
-tr() { local n=$1; shift; torchrun --standalone --nproc_per_node="$n" "$@"; }
+tr() { local n=$1; shift; torchrun --standalone --nproc_per_node="$n" ${TORCHRUN_ARGS:-} "$@"; }  # TORCHRUN_ARGS: e.g. --numa-binding node
 for stage in "$@"; do
   case $stage in
     env) run env python3 -m ringflex.env ;;
@@ -73,11 +73,16 @@ for stage in "$@"; do
     base4) test -n "${BASE:-}" || { echo "base4 needs BASE=<another tree: git archive REV ringflex benchmarks tools>"; exit 2; }
            for round in $(seq "${ROUNDS:-2}"); do for tree in "$BASE" "$PWD"; do name=$(basename "$tree")  # -m imports from the tree's folder
              (cd "$tree" && run base4 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
-             run base4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks none causal --layouts zigzag \
-               --singles sdpa-cudnn --no-cp --no-flex-cp --iters 10 --warmup 3 --json "$OUT/base4_${name}_$round.json"
-             CUDA_VISIBLE_DEVICES=0,1 run base4 tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal \
-               --layouts zigzag --singles sdpa-cudnn --no-cp --no-flex-cp --iters 10 --warmup 3 \
-               --json "$OUT/base2_${name}_$round.json"); done; done ;;  # this tree against BASE, alternately
+             for n in ${SEQ_LENS:-32768}; do run base4 tr 4 -m benchmarks.bench --seq-lens $n --masks ${MASKS:-none causal} \
+               --layouts ${LAYOUTS:-zigzag} --single-max 0 --no-cp --no-flex-cp --iters ${ITERS:-10} --warmup 3 \
+               --json "$OUT/base4_${name}_${n}_$round.json"; done); done; done ;;  # this tree against BASE, 4 GPUs, alternately
+    binding4) for round in $(seq "${ROUNDS:-2}"); do for b in none node core-complex; do
+                [ $b = none ] && unset TORCHRUN_ARGS || export TORCHRUN_ARGS="--numa-binding $b"
+                run binding4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks documents window causal --layouts zigzag \
+                  contiguous --single-max 0 --no-cp --no-flex-cp --iters 10 --warmup 3 --json "$OUT/binding4_${b}_8k_$round.json"
+                run binding4 tr 4 -m benchmarks.bench --seq-lens 65536 --masks documents --layouts contiguous --single-max 0 \
+                  --no-cp --no-flex-cp --iters 10 --warmup 3 --json "$OUT/binding4_${b}_16k_$round.json"; done; done
+              unset TORCHRUN_ARGS ;;  # each rank's threads on the CPUs near its GPU (torchrun --numa-binding) or anywhere
     base2) test -n "${BASE:-}" || { echo "base2 needs BASE=<another tree: git archive REV ringflex benchmarks tools>"; exit 2; }
            for round in $(seq "${ROUNDS:-2}"); do for tree in "$BASE" "$PWD"; do name=$(basename "$tree")
              (cd "$tree" && run base2 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
@@ -102,7 +107,7 @@ for stage in "$@"; do
               --layouts zigzag --graph --no-cp --no-flex-cp --singles sdpa-cudnn --iters 5 --warmup 3 \
               --json "$OUT/graph2.json" ;;  # eager vs CUDA graphs: how much of the gap is the host's
     documents16k) run documents16k tr 4 -m benchmarks.bench --seq-lens 65536 --masks documents \
-              --layouts contiguous by-mask --singles ringflex-1gpu --no-flex-cp --iters 5 --warmup 3 \
+              --layouts contiguous by-mask --singles ringflex-1gpu --no-flex-cp --iters 10 --warmup 5 \
               --json "$OUT/documents16k.json" ;;  # packed documents at 16k tokens per GPU against one GPU
     mesh32k) run mesh32k tr 4 -m benchmarks.bench_mesh --tokens-per-rank 32768 --masks causal none documents \
               --iters 3 --warmup 1 --rounds 2 --json "$OUT/mesh32k.json" ;;  # meshes and torch's CP at 32k per GPU

@@ -38,7 +38,11 @@ from .comm import RingComm
 
 _KEY = "failed"
 _POLL_STORE_S = 0.01  # how often a waiting rank looks for a failure in the store
-_SPIN_S = 0.002  # a collective wait polls without sleeping this long (the argument check's latency)
+# A collective wait polls without sleeping this long, then sleeps at most _PAUSE_S between
+# polls: the argument check's wait for a rank whose host is a few ms behind ends within
+# _PAUSE_S of its arrival, and every ms of that lag the GPUs may idle.
+_SPIN_S = 0.002
+_PAUSE_S = 2e-4
 _FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> what failed
 _ARRIVED_S = 1.0  # a collective waited on this long is marked reached in the store
 _COLLECTIVES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> collectives waited on
@@ -168,7 +172,7 @@ def wait_collective(work, group, what: str, ring_group=None, stragglers: Optiona
         spinning = time.monotonic() - start < _SPIN_S
         time.sleep(0 if spinning else pause)
         if not spinning:
-            pause = min(1e-3, 2 * pause or 1e-5)
+            pause = min(_PAUSE_S, 2 * pause or 1e-5)
         if time.monotonic() >= look_at_store and not work.is_completed():
             look_at_store = time.monotonic() + _POLL_STORE_S
             _raise_if_failed(ring_group, what)
