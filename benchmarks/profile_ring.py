@@ -10,7 +10,10 @@ measure); the host time of the argument checks and the agreement alone; and, fro
 the GPU time per call spent in attention kernels, NCCL transfers and everything else
 (LSE merges, casts, zero-fills); and for every rank the time its GPU is idle and the longest
 idle gaps with the kernels around them. Compute time close to the back-to-back time means the
-ring is bound by its kernels; a large gap means idle GPU (host- or link-bound).
+ring is bound by its kernels; a large gap means idle GPU (host- or link-bound). A sustained load
+holds the GPUs at their power limit, well below their top clock, while the profiler's start-up
+pause lets them speed up again: ``--hot N`` runs N calls inside the profiler before the profiled
+ones, so that these run at the clock the timed calls run at.
 With ``--host-profile N`` it also prints a rank's (``--host-profile-rank``) Python functions that take the most host
 time over N fwd+bwd calls (cProfile), for host-bound workloads. ``--timelines`` reads the traces of
 every rank that ``--trace`` wrote and prints them side by side (``rank_timelines``), without a GPU.
@@ -30,7 +33,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, schedule
 
 from benchmarks.common import make_mods, timed
 
@@ -207,6 +210,9 @@ def main():
                    help="print a rank's hottest Python functions over N fwd+bwd calls")
     p.add_argument("--host-profile-rank", type=int, default=0, help="the rank whose --host-profile is printed")
     p.add_argument("--profiled-calls", type=int, default=3, help="fwd+bwd calls under the profiler")
+    p.add_argument("--hot", type=int, default=0, metavar="N",
+                   help="N fwd+bwd calls under the profiler, not recorded, before the profiled ones: the GPUs "
+                        "reach the clock of a sustained load (their power limit) first")
     p.add_argument("--gpu-only", action="store_true",
                    help="record GPU activity only: the host runs at its own pace, not the profiler's (no CPU ops "
                         "in the trace)")
@@ -262,10 +268,20 @@ def main():
             row = {"fwd": measure(forward, args.iters), "fwd_bwd": measure(forward_backward, args.iters)}
             calls = args.profiled_calls
             activities = [ProfilerActivity.CUDA] if args.gpu_only else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-            with profile(activities=activities, with_stack=args.with_stack) as prof:
+            # --hot: calls inside the profiler, not recorded, that keep the GPUs at the clock of
+            # a sustained load (its own start-up pause would let them speed up again)
+            hot = schedule(wait=args.hot, warmup=1, active=calls) if args.hot else None
+            with profile(activities=activities, with_stack=args.with_stack, schedule=hot) as prof:
+                for i in range(args.hot + 1 if args.hot else 0):
+                    forward_backward()
+                    if i == args.hot:  # none of these calls' kernels still runs in the recorded ones
+                        torch.cuda.synchronize()
+                    prof.step()
                 for _ in range(calls):
                     forward_backward()
                 torch.cuda.synchronize()
+                if args.hot:
+                    prof.step()  # ends the recorded cycle
             gpu_ms = gpu_time_by_family(prof, calls)
             with tempfile.TemporaryDirectory() as tmp:
                 plain = os.path.join(tmp, "trace.json")

@@ -128,10 +128,10 @@ for stage in "$@"; do
                -m benchmarks.profile_ring --seq-lens $((8192 * n)) --masks causal none window --gpu-only --iters 10 \
                --profiled-calls 5 --trace "$dir/tr${n}_{}.json.gz"; done
              tar czf "$OUT/traces4.tgz" -C "$dir" . ;;  # every rank's chrome trace, in one file (a run returns few files); read with --timelines
-    gaps4) run gaps4 tr 4 -m benchmarks.profile_ring --seq-lens 32768 --masks causal none --iters 5 --profiled-calls 2 \
+    gaps4) run gaps4 tr 4 -m benchmarks.profile_ring --seq-lens 32768 --masks causal none --iters 5 --hot 40 --profiled-calls 3 \
              --with-stack
-           CUDA_VISIBLE_DEVICES=0,1 run gaps4 tr 2 -m benchmarks.profile_ring --seq-lens 16384 --masks none causal \
-             --iters 5 --profiled-calls 2 --with-stack ;;  # what the host runs while the GPUs idle, 8k tokens per GPU
+           CUDA_VISIBLE_DEVICES=0,1 run gaps4 tr 2 -m benchmarks.profile_ring --seq-lens 16384 --masks none causal --hot 80 \
+             --iters 5 --profiled-calls 3 --with-stack ;;  # what the host runs while the GPUs idle, 8k tokens per GPU, at the power limit
     launch4) CUDA_VISIBLE_DEVICES=0 run launch4 python3 -m benchmarks.probes.launch_cost
              run launch4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --no-timers --calls 30 --ab-launch 6 \
                --cases documents:contiguous window:zigzag causal:zigzag ;;  # the fused merge launched directly vs the JIT
