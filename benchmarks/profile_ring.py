@@ -274,7 +274,9 @@ def main():
             with profile(activities=activities, with_stack=args.with_stack, schedule=hot) as prof:
                 for i in range(args.hot + 1 if args.hot else 0):
                     forward_backward()
-                    if i == args.hot:  # none of these calls' kernels still runs in the recorded ones
+                    if i == args.hot:  # none of these calls' kernels still runs in the recorded ones,
+                        torch.cuda.synchronize()  # and every rank starts them together
+                        dist.barrier()
                         torch.cuda.synchronize()
                     prof.step()
                 for _ in range(calls):
