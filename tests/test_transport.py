@@ -74,7 +74,7 @@ def _exchange_all(ranks, shift: int, sizes, g):
     recvs = [[torch.empty(n, dtype=torch.uint8) for n in sizes] for _ in ranks]
     for t, send in zip(ranks, sends):
         for data in send:
-            t._send(0, channel, data)
+            t._send(0, channel, data, peer.layout(data))
     for t, recv in zip(ranks, recvs):
         for data in recv:
             t._receive(0, channel, data)
@@ -178,6 +178,12 @@ def test_rows_of_a_block_are_read_in_place():
     assert peer.layout(block.narrow(3, 0, 2)) is None
     assert peer.layout(block[:, :2].narrow(2, 0, 3)) is None  # batches not a whole number of head pitches apart
     assert peer.layout(block[:1, :1].expand(1, 3, 10, 4).narrow(2, 0, 5)) is None  # heads overlap (expanded)
+    rows = block.narrow(2, 3, 5)
+    sent, rows_of_sent = peer._readable(rows)  # what an exchange sends: the view itself
+    assert sent is rows and rows_of_sent == peer.layout(rows)
+    sent, rows_of_sent = peer._readable(block.transpose(1, 2))  # else a contiguous copy, one row
+    assert sent.is_contiguous() and torch.equal(sent, block.transpose(1, 2))
+    assert rows_of_sent == (block.numel() * 2, block.numel() * 2)
 
 
 @pytest.mark.parametrize("width, pitch", [(10, 10), (10, 16), (3, 7), (64, 100)])
@@ -206,7 +212,7 @@ def test_rows_of_a_block_reach_the_receiver_contiguous(monkeypatch):
     sent = [b.narrow(2, 4, 7) for b in blocks]
     got = [torch.empty(1, 3, 7, 5, dtype=torch.uint8) for _ in ranks]
     for t, data in zip(ranks, sent):
-        t._send(0, 0, data)
+        t._send(0, 0, data, peer.layout(data))
     for t, data in zip(ranks, got):
         t._receive(0, 0, data)
     assert all(torch.equal(got[r], sent[1 - r]) for r in range(2))

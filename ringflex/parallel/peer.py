@@ -88,6 +88,16 @@ def layout(t: Tensor) -> Optional[Tuple[int, int]]:
     return (width, pitch) if pitch >= width else None  # heads that overlap (expanded): a copy
 
 
+def _readable(t: Tensor) -> Tuple[Tensor, Tuple[int, int]]:
+    """``t`` and its ``layout``, or where a send cannot read it in place a contiguous copy and
+    that copy's."""
+    found = layout(t)
+    if found is None:
+        t = t.contiguous()
+        found = layout(t)
+    return t, found
+
+
 def pieces(start: int, end: int, width: int, pitch: int) -> List[Tuple[int, int, int]]:
     """The copies that bring bytes ``start:end`` of memory laid out as rows of ``width`` bytes,
     ``pitch`` apart (``layout``), into contiguous memory, in order: (offset of the source,
@@ -253,7 +263,7 @@ class PeerTransport:
         where ``send_after`` is given, once that event is). ``wait()`` on the result orders the
         current stream after them."""
         channel = channel_of(shift, self.size)
-        send = [t if layout(t) else t.contiguous() for t in send if t.numel()]
+        send = [_readable(t) for t in send if t.numel()]  # (tensor, its layout)
         recv = [t for t in recv if t.numel()]
         if any(not t.is_contiguous() for t in recv):
             raise ValueError("ringflex: a receive buffer of the copy-engine transport must be contiguous")
@@ -267,10 +277,10 @@ class PeerTransport:
             self._receive(recv_stream.cuda_stream, channel, t)
         received = recv_stream.record_event()
         send_stream.wait_event(queued if send_after is None else send_after)
-        for t in send:
-            self._send(send_stream.cuda_stream, channel, t)
+        for t, rows_of_t in send:
+            self._send(send_stream.cuda_stream, channel, t, rows_of_t)
         sent = send_stream.record_event()
-        for t in send:
+        for t, _ in send:
             t.record_stream(send_stream)  # its memory is not reused before the send has read it
             sending.pop(_storage(t), None)  # kept in the order the sends were issued
             sending[_storage(t)] = sent
@@ -327,10 +337,10 @@ class PeerTransport:
         if capturing:
             self.sending_captured.clear()
 
-    def _send(self, stream: int, channel: int, data: Tensor) -> None:
-        """``data`` sent a slot at a time, read in place (``layout``): each chunk of its bytes, as
-        they lie contiguous, numbered in ``sent`` as the receiver numbers it."""
-        address, (width, pitch) = data.data_ptr(), layout(data)
+    def _send(self, stream: int, channel: int, data: Tensor, rows_of_data: Tuple[int, int]) -> None:
+        """``data`` sent a slot at a time, read in place as ``rows_of_data`` (its ``layout``): each
+        chunk of its bytes, as they lie contiguous, numbered in ``sent`` as the receiver numbers it."""
+        address, (width, pitch) = data.data_ptr(), rows_of_data
         for start, end in chunks(data.numel() * data.element_size()):
             copies = [(address + offset, rows, nbytes) for offset, rows, nbytes in pieces(start, end, width, pitch)]
             self._send_chunk(stream, channel, *slot_of(self.sent[channel]), copies, pitch)
