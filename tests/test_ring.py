@@ -697,6 +697,10 @@ def test_each_send_of_the_own_block_waits_for_the_one_before():
         def sendable(t):
             return t
 
+        @staticmethod
+        def receives_in_place(device):
+            return False
+
         def exchange(self, send, recv, shift=1, send_after=None):
             self.waited_for.append(send_after)
             self.sends += 1

@@ -62,6 +62,7 @@ def _ranks(world_size: int):
         t.peer_mailbox = {p: mailboxes[p] for p in t.to}
         t.base = {p: mailboxes[p].data_ptr() for p in range(world_size)}
         t.sent, t.received = [0] * len(shifts), [0] * len(shifts)
+        t.handed, t.taken, t.in_place = [0] * len(shifts), [0] * len(shifts), {}
         ranks.append(t)
     return ranks
 
@@ -84,13 +85,43 @@ def _exchange_all(ranks, shift: int, sizes, g):
 
 
 def _end_pass(ranks) -> None:
-    """``end_pass`` without CUDA: each rank's uses without data, senders first."""
+    """``end_pass`` without CUDA: each rank's uses without data, senders first; the odd
+    handshakes of transfers in place, CLEAR before the sender's wait for it."""
     for count, chunk in (("sent", "_send_chunk"), ("received", "_receive_chunk")):
         for t in ranks:
             for channel in range(len(t.shifts)):
                 for slot in peer.odd_slots(getattr(t, count)[channel]):
                     getattr(t, chunk)(0, channel, slot, peer.MARKS[1])
                 getattr(t, count)[channel] = 0
+    for halves in (["_clear"], ["_hand"], ["_take"]):
+        for t in ranks:
+            for channel in range(len(t.shifts)):
+                counts = t.handed if halves == ["_hand"] else t.taken
+                if counts[channel] % 2:
+                    getattr(t, halves[0])(0, channel)
+    for t in ranks:
+        t.handed, t.taken = [0] * len(t.shifts), [0] * len(t.shifts)
+
+
+def _in_place_all(ranks, shift: int, rows, g):
+    """Every rank hands ``rows[r]`` (start, count) of its block (a [1, 2, 8, 4] view, read in place)
+    straight into the receive buffers of the rank ``shift`` ahead, as ``exchange`` issues it:
+    receivers raise CLEAR, senders copy and raise DONE, receivers wait for it. Returns what
+    each rank received, and what each sent."""
+    channel = peer.channel_of(shift, len(ranks))
+    blocks = [torch.randint(0, 256, (1, 2, 8, 4), dtype=torch.uint8, generator=g) for _ in ranks]
+    sends = [b.narrow(2, *rows[r]) for r, b in enumerate(blocks)]
+    recvs = [t.recv_buffer[:sends[(r - shift) % len(ranks)].numel()].view(1, 2, rows[(r - shift) % len(ranks)][1], 4)
+             for r, t in enumerate(ranks)]
+    for t in ranks:
+        t._clear(0, channel)
+    for t, send, recv in zip(ranks, sends, recvs):
+        into = t._in_place(channel, [send], [recv])
+        assert into is not None
+        t._hand(0, channel, [(send, peer.layout(send), a) for a in into if send.numel()])
+    for t in ranks:
+        t._take(0, channel)
+    return recvs, sends
 
 
 def test_each_shift_has_a_channel():
@@ -216,3 +247,44 @@ def test_rows_of_a_block_reach_the_receiver_contiguous(monkeypatch):
     for t, data in zip(ranks, got):
         t._receive(0, 0, data)
     assert all(torch.equal(got[r], sent[1 - r]) for r in range(2))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_blocks_land_in_the_receive_buffers_in_place(world_size, monkeypatch):
+    """Transfers in place: a sender copies its rows (read in place) straight into the
+    receiver's buffer of the key it receives into itself, whatever the rows each rank sends
+    (a rank's own receive may be empty: the last rank's block under a window, which no one
+    reads), with no slot of the mailbox used; the handshakes alternate marks over several
+    uses and a pass leaves every flag as it found it."""
+    monkeypatch.setattr(peer, "SLOT_BYTES", 64)
+    ranks = _ranks(world_size)
+    buffers = [torch.zeros(64, dtype=torch.uint8) for _ in ranks]
+    for r, t in enumerate(ranks):
+        t.recv_buffer = buffers[r]
+        t.in_place = {buffers[r].data_ptr(): {p: buffers[p].data_ptr() for p in t.to}}
+    flags, g = ranks[0].driver, torch.Generator().manual_seed(4)
+    before = dict(flags.values)
+    for uses in (1, 2, 3):
+        for _ in range(uses):
+            for shift in (1, -1):
+                rows = [(2, 4) if r < world_size - 1 else (0, 0) for r in range(world_size)]
+                recvs, sends = _in_place_all(ranks, shift, rows, g)
+                for r in range(world_size):
+                    assert torch.equal(recvs[r], sends[(r - shift) % world_size].contiguous()), (uses, shift, r)
+        assert all(t.sent == t.received == [0] * len(t.shifts) for t in ranks)  # no slot used
+        _end_pass(ranks)
+        changed = {a: v for a, v in flags.values.items() if before.get(a, peer.MARKS[1]) != v}
+        assert changed == {}, (uses, changed)
+
+
+def test_only_receive_buffers_are_received_into_in_place():
+    """``_in_place``: the addresses in the receiver's buffers only where every tensor received
+    lies in one (at its offset there), else None: the mailbox carries the transfer."""
+    t = _ranks(2)[0]
+    mine, theirs = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    t.in_place = {mine.data_ptr(): {1: theirs.data_ptr()}}
+    send = torch.ones(10, dtype=torch.uint8)
+    assert t._in_place(0, [send], [mine[:10]]) == [theirs.data_ptr()]
+    assert t._in_place(0, [send], [mine[:0]]) == [theirs.data_ptr()]  # nothing to receive here, still in place there
+    assert t._in_place(0, [send, send], [mine[:10], torch.zeros(10, dtype=torch.uint8)]) is None
+    assert t._in_place(0, [send], []) is None

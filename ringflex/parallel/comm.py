@@ -83,6 +83,19 @@ class RingComm:
         own block, at every step) is copied once."""
         return t if self._copy_engines(t.device) is not None else contiguous_rows(t)
 
+    def receives_in_place(self, device) -> bool:
+        """Whether ``receive_buffer`` serves ``device``: the copy engines, where no two ranks share a GPU."""
+        transport = self._copy_engines(device)
+        return transport is not None and not transport.shared_gpu
+
+    def receive_buffer(self, key, like: Tensor) -> Tensor:
+        """A tensor shaped as ``like``, the same memory for ``key`` at every call, that the copy
+        engines fill in place (``peer.PeerTransport.receive_buffer``; where ``receives_in_place``).
+        Every rank asks for the same keys and shapes in the same order, after the ranks agreed
+        on the call: the first ask makes it, with every rank."""
+        buffer = self._copy_engines(like.device).receive_buffer(key, like.numel() * like.element_size())
+        return buffer.view(like.dtype).view(like.shape)
+
     def _copy_engines(self, device) -> Optional[peer.PeerTransport]:
         """The copy-engine transport where it carries this ring's transfers on ``device``, else None."""
         return peer.transport(self.group, device) if device.type == "cuda" else None

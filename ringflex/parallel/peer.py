@@ -28,6 +28,16 @@ state they expect, and eager calls and replays can follow each other in any orde
 waits have no timeout, so a rank that marks the ring failed (``fault.fail``) releases them
 (``release``).
 
+The receiver's copy out of its mailbox is a copy within one GPU, which the driver runs on
+the SMs: it waits for the attention kernel that holds them, and the next step's kernel
+waits for it. A copy into another GPU's memory runs on the copy engines beside any kernel.
+So the ring's K/V blocks (``receive_buffer``) are received in place: into buffers in
+symmetric memory that the senders map, one per key and size, reused by every call. The
+receiver raises CLEAR at the sender once the work queued before the receive (the kernels
+that read the buffer's previous block) is done; the sender waits for it, copies straight
+into the receiver's buffer and raises DONE there; the receiver waits for DONE. Both ends
+count these handshakes per channel, and their flags alternate marks as the slots' do.
+
 An arrival orders the compute stream after the receive only. A send completes when the
 peer has copied the chunks out of its mailbox, which its device-local copies do only once
 its own kernel releases the SMs; ordering after it too would make each rank wait for its
@@ -62,6 +72,7 @@ SLOT_BYTES = 32 << 20
 SLOTS = 4  # per channel: 128 MiB of mailbox per rank and channel
 _FLAGS_BYTES = 4096
 _READY, _FREE = 0, 1
+_CLEAR, _DONE = 2, 3  # a transfer into the receiver's own buffer: its flags, one pair per channel
 MARKS = (1, 2)  # a slot's flag after its even / odd uses in a pass; it starts as after an odd one
 _RELEASED = MARKS[0] | MARKS[1]  # passes every wait (see ``release``)
 _TRANSPORTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> PeerTransport or None
@@ -229,6 +240,7 @@ class PeerTransport:
         self.to = [(rank + shift) % size for shift in self.shifts]
         self.source = [(rank - shift) % size for shift in self.shifts]
         total = _FLAGS_BYTES + len(self.shifts) * SLOTS * SLOT_BYTES
+        self.group, self.shared_gpu = group, shared_gpu
         if shared_gpu:
             self.mailbox = torch.empty(total, dtype=torch.uint8, device=device)
             self.peer_mailbox = _ipc_mailboxes(group, self.mailbox, set(self.to))
@@ -244,6 +256,9 @@ class PeerTransport:
         self.rank = rank
         self.streams = [(torch.cuda.Stream(device), torch.cuda.Stream(device)) for _ in self.shifts]  # (send, recv)
         self.sent, self.received = [0] * len(self.shifts), [0] * len(self.shifts)  # chunks of the pass, per channel
+        self.handed, self.taken = [0] * len(self.shifts), [0] * len(self.shifts)  # transfers in place, per channel
+        self.buffers = {}  # (key, bytes) -> a receive buffer in symmetric memory (``receive_buffer``)
+        self.in_place = {}  # its storage address -> {peer rank: the address of that rank's buffer of the key}
         # storage address -> the event of the last send that reads it; eager sends, and those
         # of the pass being captured (its events mean nothing outside the graph)
         self.sending, self.sending_captured = {}, {}
@@ -252,6 +267,23 @@ class PeerTransport:
     def _slot(self, owner: int, channel: int, slot: int) -> int:
         """The address of a slot of ``owner``'s mailbox."""
         return self.base[owner] + _FLAGS_BYTES + (channel * SLOTS + slot) * SLOT_BYTES
+
+    def receive_buffer(self, key, nbytes: int) -> Tensor:
+        """``nbytes`` of symmetric memory to receive into in place (see the module), the same
+        for ``key`` at every call: made by every rank together at its first use, after the
+        ranks agreed on the call (not where ranks share a GPU: symmetric memory refuses it)."""
+        if (key, nbytes) not in self.buffers:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("ringflex: a ring call captured in a CUDA graph needs an eager call of the same "
+                                   "shapes on the same process group first (it makes the receive buffers, which "
+                                   "capture cannot)")
+            import torch.distributed._symmetric_memory as symm_mem
+            buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+            handle = symm_mem.rendezvous(buffer, self.group.group_name)
+            self.in_place[buffer.data_ptr()] = {r: handle.get_buffer(r, (nbytes,), torch.uint8).data_ptr()
+                                                for r in set(self.to)}
+            self.buffers[(key, nbytes)] = buffer, handle  # the handle keeps the peers' buffers mapped
+        return self.buffers[(key, nbytes)][0]
 
     def _flag(self, owner: int, kind: int, channel: int, slot: int) -> int:
         return self.base[owner] + 4 * ((kind * len(self.shifts) + channel) * SLOTS + slot)
@@ -263,6 +295,8 @@ class PeerTransport:
         where ``send_after`` is given, once that event is). ``wait()`` on the result orders the
         current stream after them."""
         channel = channel_of(shift, self.size)
+        into = self._in_place(channel, send, recv)  # None: through the mailbox
+        into = None if into is None else [a for t, a in zip(send, into) if t.numel()]
         send = [_readable(t) for t in send if t.numel()]  # (tensor, its layout)
         recv = [t for t in recv if t.numel()]
         if any(not t.is_contiguous() for t in recv):
@@ -273,11 +307,16 @@ class PeerTransport:
         recv_stream.wait_event(queued)
         for event in self._still_sending(sending, recv):
             recv_stream.wait_event(event)
-        for t in recv:
+        if into is not None:
+            self._clear(recv_stream.cuda_stream, channel)
+            self._take(recv_stream.cuda_stream, channel)
+        for t in recv if into is None else ():
             self._receive(recv_stream.cuda_stream, channel, t)
         received = recv_stream.record_event()
         send_stream.wait_event(queued if send_after is None else send_after)
-        for t, rows_of_t in send:
+        if into is not None:
+            self._hand(send_stream.cuda_stream, channel, [(*sent, a) for sent, a in zip(send, into)])
+        for t, rows_of_t in send if into is None else ():
             self._send(send_stream.cuda_stream, channel, t, rows_of_t)
         sent = send_stream.record_event()
         for t, _ in send:
@@ -285,6 +324,21 @@ class PeerTransport:
             sending.pop(_storage(t), None)  # kept in the order the sends were issued
             sending[_storage(t)] = sent
         return _Arrival(self.device, received, sent)
+
+    def _in_place(self, channel: int, send: Sequence[Tensor], recv: Sequence[Tensor]) -> Optional[List[int]]:
+        """Where ``recv`` lies in receive buffers (``receive_buffer``): for each tensor of
+        ``send``, the address in the receiver's buffer of the same key, where the receiver's
+        counterpart of ``recv`` lies (every rank receives a step's block into the buffers of
+        the same keys, so both ends decide alike). None where the mailbox carries the transfer."""
+        if len(send) != len(recv):
+            return None
+        found = []
+        for t in recv:
+            peers = self.in_place.get(_storage(t))
+            if peers is None:
+                return None
+            found.append(peers[self.to[channel]] + t.storage_offset() * t.element_size())  # an empty t: data_ptr 0
+        return found
 
     def _sending(self) -> dict:
         """The sends that memory may still be read by, as the current stream sees them."""
@@ -316,8 +370,8 @@ class PeerTransport:
 
     def end_pass(self) -> None:
         """Ends a pass of the ring: each slot used an odd number of times is used once more,
-        with no data, so every flag is back as the pass found it, and the next pass counts
-        its chunks from 0 (see the module). Under capture the current stream then waits for
+        with no data, and so is each channel's handshake of transfers in place, so every flag
+        is back as the pass found it, and the next pass counts its chunks from 0 (see the module). Under capture the current stream then waits for
         the transport's streams, which the graph must join. Once a pass was captured, an
         eager pass also orders the current stream after its receives' uses without data: a
         slot's READY flag holds its first use's mark until then, which a replay, running on
@@ -325,13 +379,16 @@ class PeerTransport:
         capturing = torch.cuda.is_current_stream_capturing()
         self.captured |= capturing
         for channel, (send_stream, recv_stream) in enumerate(self.streams):
-            for stream, count, chunk in ((send_stream, self.sent, self._send_chunk),
-                                         (recv_stream, self.received, self._receive_chunk)):
-                if count[channel] == 0:
+            for stream, count, chunk, handshakes, handshake in (
+                    (send_stream, self.sent, self._send_chunk, self.handed, [self._hand]),
+                    (recv_stream, self.received, self._receive_chunk, self.taken, [self._clear, self._take])):
+                if count[channel] == handshakes[channel] == 0:
                     continue  # this pass left the channel's streams alone
                 for slot in odd_slots(count[channel]):
                     chunk(stream.cuda_stream, channel, slot, MARKS[1])  # an odd use of the slot
-                count[channel] = 0
+                for half in handshake if handshakes[channel] % 2 else ():
+                    half(stream.cuda_stream, channel)  # an odd handshake, without data
+                count[channel] = handshakes[channel] = 0
                 if capturing or (self.captured and stream is recv_stream):
                     torch.cuda.current_stream(self.device).wait_stream(stream)
         if capturing:
@@ -376,6 +433,32 @@ class PeerTransport:
         if nbytes:
             self.driver.copy(stream, destination, self._slot(self.rank, channel, slot), nbytes)
         self.driver.write(stream, self._flag(self.source[channel], _FREE, channel, slot), mark)
+
+    def _hand(self, stream: int, channel: int, copies=()) -> None:
+        """Waits until the receiver is CLEAR (its buffer's previous block read), copies each
+        (tensor, its layout, address) straight into the receiver's buffer at that address
+        and raises DONE there; none: a handshake without data."""
+        to, mark = self.to[channel], MARKS[self.handed[channel] % 2]
+        self.driver.wait(stream, self._flag(self.rank, _CLEAR, channel, 0), mark)
+        for t, (width, pitch), destination in copies:
+            for source, rows, nbytes in pieces(0, t.numel() * t.element_size(), width, pitch):
+                if rows == 1:
+                    self.driver.copy(stream, destination, t.data_ptr() + source, nbytes)
+                else:
+                    self.driver.copy_rows(stream, destination, t.data_ptr() + source, pitch, nbytes, rows)
+                destination += rows * nbytes
+        self.driver.write(stream, self._flag(to, _DONE, channel, 0), mark)
+        self.handed[channel] += 1
+
+    def _clear(self, stream: int, channel: int) -> None:
+        """Raises CLEAR at the sender: the work queued before it on this stream is done."""
+        self.driver.write(stream, self._flag(self.source[channel], _CLEAR, channel, 0),
+                          MARKS[self.taken[channel] % 2])
+
+    def _take(self, stream: int, channel: int) -> None:
+        """Waits for the sender's DONE: the block is then in the receive buffer."""
+        self.driver.wait(stream, self._flag(self.rank, _DONE, channel, 0), MARKS[self.taken[channel] % 2])
+        self.taken[channel] += 1
 
     def release(self) -> None:
         """Raises every flag this rank's and its peers' streams may wait on (see ``release``)."""

@@ -99,7 +99,8 @@ class RingCall:
 class _KVStream:
     """The K/V block of each step: ``first``, then blocks received into two buffers that
     alternate (no step allocates, and a block is never overwritten while it is still being
-    read), and for the last step ``last``, where the rank holds that block already: then the
+    read; over the copy engines, buffers that the senders fill in place, the same at every
+    call: ``peer``), and for the last step ``last``, where the rank holds that block already: then the
     ring skips the transfer that would bring it. Each transfer brings the next step's block
     from its owner, to which this rank sends its own block (``own``: ``first`` forward, ``last``
     backward) at the same distance, so every send reads the own block's rows (in place over
@@ -114,11 +115,13 @@ class _KVStream:
         self.shapes = [t.shape for t in self.own]  # the own block, whole
         self.offset = self.rows(0)[0]  # the first row of the block that ``current`` holds
         self.buffers = []
+        self.in_place = call.comm is not None and call.comm.receives_in_place(first[0].device)
         # A transfer starts only after the work queued before it on the current stream. The
         # first one may be issued after the own block's compute is queued (forward waits for
         # the argument check there), so it goes from a stream that waits for the inputs alone
         # and still overlaps that compute. Its receive buffer is allocated before that compute
-        # is queued: memory freed by the compute's temporaries is then not handed to it.
+        # is queued: memory freed by the compute's temporaries is then not handed to it (the
+        # buffers received into in place come from no allocator).
         # Every later send of the own block waits for that stream too (``own_ready``), not for
         # the compute queued since nor for the blocks this rank waits to receive: otherwise a
         # rank's send waits for its previous receive, and the transfers of a step follow those
@@ -128,7 +131,8 @@ class _KVStream:
         # after another the nearest rank, which reads the block first, has it first.
         self.first_stream, self.own_sent, self.own_ready, self.joined = None, None, None, False
         if self.transfers > 0:
-            self._add_buffer()
+            if not self.in_place:  # in place, the buffers are made with every rank, once they agreed
+                self._add_buffer()
             k = first[0]
             if k.is_cuda:
                 self.first_stream = torch.cuda.Stream(k.device)
@@ -136,8 +140,11 @@ class _KVStream:
                 self.own_ready = self.first_stream.record_event()
 
     def _add_buffer(self):
-        self.buffers.append(tuple(torch.empty(shape, dtype=t.dtype, device=t.device)
-                                  for shape, t in zip(self.shapes, self.current)))
+        if self.in_place:  # the same memory at every call, which the senders fill (``peer``)
+            index = len(self.buffers)
+            self.buffers.append(tuple(self.call.comm.receive_buffer((index, i), t) for i, t in enumerate(self.own)))
+        else:
+            self.buffers.append(tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in self.own))
 
     @property
     def steps(self) -> int:
@@ -237,7 +244,12 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
         call.comm.join_sends(q.device)  # the caller's K/V left first: it may change them once this returns
     blocks.close()
     # The block of the last step: backward starts on it, so it is saved until then.
-    last = blocks.current if blocks.current[0] is k else tuple(_compact(t) for t in blocks.current)
+    if blocks.current[0] is k:
+        last = blocks.current
+    elif blocks.in_place:  # the receive buffers serve the next call
+        last = tuple(t.clone() for t in blocks.current)
+    else:
+        last = tuple(_compact(t) for t in blocks.current)
     return (*merged.result(), last, borrowed_q)
 
 

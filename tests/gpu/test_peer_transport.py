@@ -79,10 +79,52 @@ def _rows_exchanges(rank, world_size):
     return wrong
 
 
+def _in_place_exchanges(rank, world_size):
+    """Blocks received in place (``RingComm.receive_buffer``: senders copy straight into the
+    receiver's buffer): rows of blocks read in place, into the leading rows of buffers reused
+    over passes, where the last rank sends nothing (its receiver's view is empty) and a
+    mailbox transfer (a dK/dV share) shares the channel; bit for bit as sent. Where ranks
+    share a GPU, nothing is received in place (symmetric memory refuses it)."""
+    os.environ["RINGFLEX_TRANSPORT"] = "copy-engine"
+    comm = RingComm(dist.group.WORLD)
+    device = on_a_gpu(rank)
+    if not comm.receives_in_place(device):
+        return [] if torch.cuda.device_count() < world_size else ["not in place"]
+    b, h, length = 1, 8, 4096
+    wrong = []
+    for round_ in range(3):  # passes in turn, every buffer reused
+        for shift in (1, -1, *range(2, world_size)):
+            source = (rank - shift) % world_size
+            rows = [(100, 2048), (7, 3000), (0, length)]
+            g = torch.Generator(device="cuda").manual_seed(round_)
+            blocks = {r: [torch.randn(b, h, length, 128, device="cuda", generator=g).to(torch.bfloat16)
+                          for _ in range(2)] for r in range(world_size)}
+            start, n = rows[round_]
+            sent_n, got_n = (0 if r == world_size - 1 else n for r in (rank, source))
+            buffers = [comm.receive_buffer((round_ % 2, i), t) for i, t in enumerate(blocks[rank])]
+            recv = [buf.view(-1)[:b * h * got_n * 128].view(b, h, got_n, 128) for buf in buffers]
+            arrival = comm.exchange([t.narrow(2, start, sent_n) for t in blocks[rank]], recv, shift)
+            share = torch.full((1000,), rank, dtype=torch.uint8, device="cuda")
+            share_got = torch.empty(1000, dtype=torch.uint8, device="cuda")
+            share_arrival = comm.exchange([share], [share_got], -shift)
+            arrival.wait()
+            share_arrival.wait()
+            if not all(torch.equal(got, t.narrow(2, start, got_n)) for got, t in zip(recv, blocks[source])):
+                wrong.append((round_, shift))
+            if not torch.equal(share_got, torch.full_like(share, (rank + shift) % world_size)):
+                wrong.append((round_, shift, "share"))
+            torch.cuda.synchronize()  # the next round fills the buffers again
+        comm.end_pass(device)
+    torch.cuda.synchronize()
+    return wrong
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("exchanges", [_exchanges, _rows_exchanges], ids=["bytes", "rows"])
+@pytest.mark.parametrize("exchanges", [_exchanges, _rows_exchanges, _in_place_exchanges],
+                         ids=["bytes", "rows", "in_place"])
 def test_every_byte_arrives_in_every_channel(world_size, exchanges):
-    """Contiguous payloads, and rows of a block read in place: as a copy of them would."""
+    """Contiguous payloads, rows of a block read in place, and blocks received in place: as a
+    copy of them would."""
     assert run_world(world_size, exchanges, backend=gpu_backend(world_size)) == [[]] * world_size
 
 
