@@ -61,11 +61,12 @@ def main():
         cases += [("cuMemcpyAsync into GPU 1 (a send)", lambda: driver.copy(raw(), remote.data_ptr(), a.data_ptr(), n)),
                   ("cuMemcpyAsync from GPU 1 into GPU 0 (a pull)",
                    lambda: driver.copy(raw(), a.data_ptr(), remote.data_ptr(), n)),
-                  ("cuMemcpy2DAsync into GPU 1",
-                   lambda: driver.copy_rows(raw(), remote.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[1], 64))]
+                  ("cuMemcpy2DAsync into GPU 1", lambda: driver.copy_rows(
+                      raw(), remote.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[1], 64))]
     for label, copy in cases:
         kernel, copy_end = beside_kernel(ks, cs, copy)
-        print(f"{label:46s} alone {alone(copy):6.3f} ms; beside a {kernel:5.2f} ms kernel it ends at {copy_end:5.2f} ms")
+        print(f"{label:46s} alone {alone(copy):6.3f} ms; beside a {kernel:5.2f} ms kernel "
+              f"it ends at {copy_end:5.2f} ms")
 
 
 if __name__ == "__main__":

@@ -371,8 +371,9 @@ class PeerTransport:
     def end_pass(self) -> None:
         """Ends a pass of the ring: each slot used an odd number of times is used once more,
         with no data, and so is each channel's handshake of transfers in place, so every flag
-        is back as the pass found it, and the next pass counts its chunks from 0 (see the module). Under capture the current stream then waits for
-        the transport's streams, which the graph must join. Once a pass was captured, an
+        is back as the pass found it, and the next pass counts its chunks from 0 (see the
+        module). Under capture the current stream then waits for the transport's streams,
+        which the graph must join. Once a pass was captured, an
         eager pass also orders the current stream after its receives' uses without data: a
         slot's READY flag holds its first use's mark until then, which a replay, running on
         other streams than the transport's, would take for its own first chunk."""

@@ -100,8 +100,8 @@ class _KVStream:
     """The K/V block of each step: ``first``, then blocks received into two buffers that
     alternate (no step allocates, and a block is never overwritten while it is still being
     read; over the copy engines, buffers that the senders fill in place, the same at every
-    call: ``peer``), and for the last step ``last``, where the rank holds that block already: then the
-    ring skips the transfer that would bring it. Each transfer brings the next step's block
+    call: ``peer``), and for the last step ``last``, where the rank holds that block already:
+    then the ring skips the transfer that would bring it. Each transfer brings the next step's block
     from its owner, to which this rank sends its own block (``own``: ``first`` forward, ``last``
     backward) at the same distance, so every send reads the own block's rows (in place over
     the copy engines; over the process group's P2P, a copy made once). A received block holds
