@@ -21,7 +21,7 @@ import ringflex
 from ringflex import mods
 from ringflex.kernels import cudnn
 from ringflex.kernels.base import Mods
-from ringflex.parallel import peer
+from ringflex.parallel.driver import Driver
 from ringflex.plan.layout import Segment
 
 
@@ -31,7 +31,7 @@ def max_diffs(got, want) -> str:
 
 def stream_memops(dev) -> str:
     """A flag written and awaited on a capturing stream, then replayed."""
-    driver, flags = peer._Driver(), torch.zeros(2, dtype=torch.int32, device=dev)
+    driver, flags = Driver(), torch.zeros(2, dtype=torch.int32, device=dev)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         stream = torch.cuda.current_stream().cuda_stream

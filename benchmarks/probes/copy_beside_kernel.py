@@ -6,7 +6,7 @@ send), each issued on a second stream while cuDNN's SDPA runs on the first.
 """
 import torch
 import torch.nn.functional as F
-from ringflex.parallel.peer import _Driver
+from ringflex.parallel.driver import Driver
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
@@ -45,7 +45,7 @@ def main():
     wide = torch.empty(2 * n, dtype=torch.uint8, device="cuda:0")
     rows = wide.view(64, -1)[:, : (n // 64)]  # 64 rows of half their pitch: a 2-D copy
     ks, cs = torch.cuda.Stream("cuda:0"), torch.cuda.Stream("cuda:0")
-    driver = _Driver()
+    driver = Driver()
 
     def raw():
         return torch.cuda.current_stream().cuda_stream
