@@ -1,6 +1,6 @@
 """The copy-engine transport (``ringflex.parallel.peer``): every byte arrives, in every
-channel, for transfers smaller and larger than its mailbox, several in flight, over
-passes that each end as ``end_pass`` leaves them; a failing rank releases the others' waits
+channel, for transfers smaller and larger than its mailbox, several in flight, and into
+receive buffers in place, over passes that each end as ``end_pass`` leaves them; a failing rank releases the others' waits
 (these on two ranks that share one GPU where there is only one); an arrival does not wait
 for the rank's own send; and a ring over it computes bit for bit what the same ring
 computes over NCCL (these two need two GPUs)."""
