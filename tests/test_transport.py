@@ -288,3 +288,56 @@ def test_only_receive_buffers_are_received_into_in_place():
     assert t._in_place(0, [send], [mine[:0]]) == [theirs.data_ptr()]  # nothing to receive here, still in place there
     assert t._in_place(0, [send, send], [mine[:10], torch.zeros(10, dtype=torch.uint8)]) is None
     assert t._in_place(0, [send], []) is None
+
+
+def _pool(monkeypatch):
+    """A transport whose symmetric buffers are CPU tensors (one rank, its peer a stand-in
+    address), with the device's synchronisation and the capture state simulated."""
+    t = _ranks(2)[0]
+    t.buffers, t.kept, t.in_graphs, t.device = {}, {}, set(), torch.device("cpu")
+    state = {"capturing": False, "synchronized": 0}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: state.update(synchronized=state["synchronized"] + 1))
+
+    def symmetric(nbytes):
+        buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        t.in_place[buffer.data_ptr()] = {p: 1 << 40 for p in t.to}
+        t.kept[buffer.data_ptr()] = buffer, None
+        return buffer
+    monkeypatch.setattr(t, "_symmetric", symmetric)
+    return t, state
+
+
+def test_a_key_keeps_one_receive_buffer_the_largest_asked(monkeypatch):
+    """Calls of many lengths hold one buffer per key, the largest asked for: a smaller ask
+    gets the leading bytes of the one there, a larger one a new buffer, after the device is
+    synchronised (no copy into the old one under way), and the old one is let go."""
+    t, state = _pool(monkeypatch)
+    first = t.receive_buffer((0, 0), 100)
+    assert first.numel() == 100 and len(t.kept) == 1
+    smaller = t.receive_buffer((0, 0), 40)
+    assert smaller.data_ptr() == first.data_ptr() and smaller.numel() == 40 and state["synchronized"] == 0
+    other = t.receive_buffer((1, 0), 40)
+    assert other.data_ptr() != first.data_ptr() and len(t.kept) == 2
+    larger = t.receive_buffer((0, 0), 300)
+    assert larger.numel() == 300 and state["synchronized"] == 1
+    assert first.data_ptr() not in t.kept and first.data_ptr() not in t.in_place and len(t.kept) == 2
+    assert t._in_place(0, [torch.ones(10, dtype=torch.uint8)], [t.receive_buffer((0, 0), 10)]) == [1 << 40]
+
+
+def test_a_receive_buffer_a_graph_captured_stays(monkeypatch):
+    """A captured pass's replays write into the buffers it was captured with: a larger ask
+    later makes a new buffer but keeps that one (and its peers' addresses); under capture a
+    key or size not made before is refused, since capture cannot make one."""
+    t, state = _pool(monkeypatch)
+    t.receive_buffer((0, 0), 100)
+    state["capturing"] = True
+    captured = t.receive_buffer((0, 0), 100)
+    with pytest.raises(RuntimeError, match="eager call of the same shapes"):
+        t.receive_buffer((0, 0), 200)
+    with pytest.raises(RuntimeError, match="eager call of the same shapes"):
+        t.receive_buffer((1, 1), 10)
+    state["capturing"] = False
+    larger = t.receive_buffer((0, 0), 200)
+    assert larger.data_ptr() != captured.data_ptr()
+    assert captured.data_ptr() in t.kept and captured.data_ptr() in t.in_place and state["synchronized"] == 0

@@ -32,7 +32,7 @@ The receiver's copy out of its mailbox is a copy within one GPU, which the drive
 the SMs: it waits for the attention kernel that holds them, and the next step's kernel
 waits for it. A copy into another GPU's memory runs on the copy engines beside any kernel.
 So the ring's K/V blocks (``receive_buffer``) are received in place: into buffers in
-symmetric memory that the senders map, one per key and size, reused by every call. The
+symmetric memory that the senders map, one per key, reused by every call. The
 receiver raises CLEAR at the sender once the work queued before the receive (the kernels
 that read the buffer's previous block) is done; the sender waits for it, copies straight
 into the receiver's buffer and raises DONE there; the receiver waits for DONE. Both ends
@@ -194,8 +194,10 @@ class PeerTransport:
         self.streams = [(torch.cuda.Stream(device), torch.cuda.Stream(device)) for _ in self.shifts]  # (send, recv)
         self.sent, self.received = [0] * len(self.shifts), [0] * len(self.shifts)  # chunks of the pass, per channel
         self.handed, self.taken = [0] * len(self.shifts), [0] * len(self.shifts)  # transfers in place, per channel
-        self.buffers = {}  # (key, bytes) -> a receive buffer in symmetric memory (``receive_buffer``)
-        self.in_place = {}  # its storage address -> {peer rank: the address of that rank's buffer of the key}
+        self.buffers = {}  # key -> its receive buffer in symmetric memory (``receive_buffer``)
+        self.in_place = {}  # a receive buffer's address -> {peer rank: the address of its buffer of the key}
+        self.kept = {}  # a receive buffer's address -> (it, its handle): every one still in use
+        self.in_graphs = set()  # the addresses of the receive buffers a captured pass writes into
         # storage address -> the event of the last send that reads it; eager sends, and those
         # of the pass being captured (its events mean nothing outside the graph)
         self.sending, self.sending_captured = {}, {}
@@ -206,21 +208,38 @@ class PeerTransport:
         return self.base[owner] + _FLAGS_BYTES + (channel * SLOTS + slot) * SLOT_BYTES
 
     def receive_buffer(self, key, nbytes: int) -> Tensor:
-        """``nbytes`` of symmetric memory to receive into in place (see the module), the same
-        for ``key`` at every call: made by every rank together at its first use, after the
-        ranks agreed on the call (not where ranks share a GPU: symmetric memory refuses it)."""
-        if (key, nbytes) not in self.buffers:
-            if torch.cuda.is_current_stream_capturing():
+        """``nbytes`` of symmetric memory to receive into in place (see the module): for each
+        ``key`` one buffer, the leading bytes of which every call uses, made by every rank
+        together at the first call that needs it, after the ranks agreed on the call, and
+        made anew, larger, by the first that needs more (calls of many lengths hold the
+        largest's, not one for each). A buffer that a CUDA graph captured is kept as long as
+        the transport: its replays write into it. Not where ranks share a GPU: symmetric
+        memory refuses it."""
+        capturing = torch.cuda.is_current_stream_capturing()
+        found = self.buffers.get(key)
+        if found is None or found.numel() < nbytes:
+            if capturing:
                 raise RuntimeError("ringflex: a ring call captured in a CUDA graph needs an eager call of the same "
                                    "shapes on the same process group first (it makes the receive buffers, which "
                                    "capture cannot)")
-            import torch.distributed._symmetric_memory as symm_mem
-            buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
-            handle = symm_mem.rendezvous(buffer, self.group.group_name)
-            self.in_place[buffer.data_ptr()] = {r: handle.get_buffer(r, (nbytes,), torch.uint8).data_ptr()
-                                                for r in set(self.to)}
-            self.buffers[(key, nbytes)] = buffer, handle  # the handle keeps the peers' buffers mapped
-        return self.buffers[(key, nbytes)][0]
+            if found is not None and found.data_ptr() not in self.in_graphs:
+                torch.cuda.synchronize(self.device)  # no copy into or out of it is under way, here or at a peer
+                del self.in_place[found.data_ptr()], self.kept[found.data_ptr()]
+            found = self.buffers[key] = self._symmetric(nbytes)
+        if capturing:
+            self.in_graphs.add(found.data_ptr())
+        return found[:nbytes]
+
+    def _symmetric(self, nbytes: int) -> Tensor:
+        """A buffer in symmetric memory, made by every rank together; the addresses of the
+        peers' buffers go to ``in_place``, its handle (which keeps them mapped) to ``kept``."""
+        import torch.distributed._symmetric_memory as symm_mem
+        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        handle = symm_mem.rendezvous(buffer, self.group.group_name)
+        self.in_place[buffer.data_ptr()] = {r: handle.get_buffer(r, (nbytes,), torch.uint8).data_ptr()
+                                            for r in set(self.to)}
+        self.kept[buffer.data_ptr()] = buffer, handle
+        return buffer
 
     def _flag(self, owner: int, kind: int, channel: int, slot: int) -> int:
         return self.base[owner] + 4 * ((kind * len(self.shifts) + channel) * SLOTS + slot)

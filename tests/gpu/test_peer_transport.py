@@ -82,24 +82,26 @@ def _rows_exchanges(rank, world_size):
 def _in_place_exchanges(rank, world_size):
     """Blocks received in place (``RingComm.receive_buffer``: senders copy straight into the
     receiver's buffer): rows of blocks read in place, into the leading rows of buffers reused
-    over passes, where the last rank sends nothing (its receiver's view is empty) and a
-    mailbox transfer (a dK/dV share) shares the channel; bit for bit as sent. Where ranks
-    share a GPU, nothing is received in place (symmetric memory refuses it)."""
+    over passes (by smaller blocks, and made anew for a larger one), where the last rank sends
+    nothing (its receiver's view is empty) and a mailbox transfer (a dK/dV share) shares the
+    channel; bit for bit as sent. Where ranks share a GPU, nothing is received in place
+    (symmetric memory refuses it)."""
     os.environ["RINGFLEX_TRANSPORT"] = "copy-engine"
     comm = RingComm(dist.group.WORLD)
     device = on_a_gpu(rank)
     if not comm.receives_in_place(device):
         return [] if torch.cuda.device_count() < world_size else ["not in place"]
-    b, h, length = 1, 8, 4096
+    b, h = 1, 8
     wrong = []
-    for round_ in range(3):  # passes in turn, every buffer reused
+    # passes in turn: every buffer reused, by a smaller block (its leading bytes), then a larger (a new buffer)
+    for round_, (length, rows) in enumerate([(4096, (100, 2048)), (4096, (7, 3000)), (2048, (0, 2048)),
+                                             (8192, (5, 6000))]):
         for shift in (1, -1, *range(2, world_size)):
             source = (rank - shift) % world_size
-            rows = [(100, 2048), (7, 3000), (0, length)]
             g = torch.Generator(device="cuda").manual_seed(round_)
             blocks = {r: [torch.randn(b, h, length, 128, device="cuda", generator=g).to(torch.bfloat16)
                           for _ in range(2)] for r in range(world_size)}
-            start, n = rows[round_]
+            start, n = rows
             sent_n, got_n = (0 if r == world_size - 1 else n for r in (rank, source))
             buffers = [comm.receive_buffer((round_ % 2, i), t) for i, t in enumerate(blocks[rank])]
             recv = [buf.view(-1)[:b * h * got_n * 128].view(b, h, got_n, 128) for buf in buffers]
