@@ -248,14 +248,17 @@ def timed_in_rounds(timers, args, device, required) -> dict:
 
 
 def ring_peak_memory(ring, local) -> int:
-    """Bytes a rank holds at most during a ring fwd+bwd: its inputs and what the call adds."""
+    """Bytes a rank holds at most during a ring fwd+bwd: its inputs, what the call adds and the
+    ring's receive buffers in symmetric memory, which torch's allocator does not count (the
+    mailboxes are not counted)."""
     q, k, v = (t.detach().requires_grad_() for t in local)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     ring(q, k, v).backward(torch.randn_like(q))
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before + sum(t.numel() * t.element_size() for t in local)
+    return (torch.cuda.max_memory_allocated() - before + sum(t.numel() * t.element_size() for t in local)
+            + peer.receive_bytes(q.device))
 
 
 def table(rows) -> str:
@@ -278,7 +281,7 @@ def table(rows) -> str:
     return "\n".join(lines) + ("\n(fwd+bwd times in ms unless named fwd; single = the best single-GPU kernel on the "
                                "whole sequence; cp = torch context_parallel (SDPA), flex cp = torch's flex_attention "
                                "context parallel, +h/t with its head-tail balancer; vs best peer = the fastest peer's "
-                               "time / ringflex's)")
+                               "time / ringflex's; mem GiB = a rank's peak memory in a ring call, its receive buffers included)")
 
 
 def plot(rows, path):

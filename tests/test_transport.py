@@ -341,3 +341,16 @@ def test_a_receive_buffer_a_graph_captured_stays(monkeypatch):
     larger = t.receive_buffer((0, 0), 200)
     assert larger.data_ptr() != captured.data_ptr()
     assert captured.data_ptr() in t.kept and captured.data_ptr() in t.in_place and state["synchronized"] == 0
+
+
+def test_receive_buffers_are_counted_apart_from_torchs_allocator(monkeypatch):
+    """``receive_bytes``: the bytes of the receive buffers in use on a device (the benchmark
+    adds them to the peak memory it reports: torch's allocator does not see them)."""
+    t, _ = _pool(monkeypatch)
+    monkeypatch.setattr(peer, "_TRANSPORTS", {"group": t, "another group, over the process group": None})
+    t.receive_buffer((0, 0), 100)
+    t.receive_buffer((1, 0), 50)
+    assert peer.receive_bytes(torch.device("cpu")) == 150
+    t.receive_buffer((0, 0), 300)
+    assert peer.receive_bytes(torch.device("cpu")) == 350
+    assert peer.receive_bytes(torch.device("cuda", 0)) == 0

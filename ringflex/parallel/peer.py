@@ -443,6 +443,13 @@ def release(group) -> None:
         transport.release()
 
 
+def receive_bytes(device: torch.device) -> int:
+    """The bytes of the receive buffers (``PeerTransport.receive_buffer``) of every transport on
+    ``device``, which torch's allocator does not count."""
+    return sum(buffer.numel() for t in _TRANSPORTS.values() if t is not None and t.device == device
+               for buffer, _ in t.kept.values())
+
+
 def _storage(t: Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
