@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ringflex.parallel import peer
+from ringflex.parallel.inplace import ReceiveBuffers
 
 
 def test_chunks_cover_a_transfer_in_slots():
@@ -62,7 +63,8 @@ def _ranks(world_size: int):
         t.peer_mailbox = {p: mailboxes[p] for p in t.to}
         t.base = {p: mailboxes[p].data_ptr() for p in range(world_size)}
         t.sent, t.received = [0] * len(shifts), [0] * len(shifts)
-        t.handed, t.taken, t.in_place = [0] * len(shifts), [0] * len(shifts), {}
+        t.handed, t.taken = [0] * len(shifts), [0] * len(shifts)
+        t.device, t.receive_buffers = torch.device("cpu"), ReceiveBuffers(None, torch.device("cpu"), t.to)
         ranks.append(t)
     return ranks
 
@@ -261,7 +263,7 @@ def test_blocks_land_in_the_receive_buffers_in_place(world_size, monkeypatch):
     buffers = [torch.zeros(64, dtype=torch.uint8) for _ in ranks]
     for r, t in enumerate(ranks):
         t.recv_buffer = buffers[r]
-        t.in_place = {buffers[r].data_ptr(): {p: buffers[p].data_ptr() for p in t.to}}
+        t.receive_buffers.mapped = {buffers[r].data_ptr(): {p: buffers[p].data_ptr() for p in t.to}}
     flags, g = ranks[0].driver, torch.Generator().manual_seed(4)
     before = dict(flags.values)
     for uses in (1, 2, 3):
@@ -279,49 +281,52 @@ def test_blocks_land_in_the_receive_buffers_in_place(world_size, monkeypatch):
 
 def test_only_receive_buffers_are_received_into_in_place():
     """``_in_place``: the addresses in the receiver's buffers only where every tensor received
-    lies in one (at its offset there), else None: the mailbox carries the transfer."""
+    lies in one (at its offset there), else None: the mailbox carries the transfer, as it
+    does where ranks share a GPU (no receive buffers)."""
     t = _ranks(2)[0]
     mine, theirs = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
-    t.in_place = {mine.data_ptr(): {1: theirs.data_ptr()}}
+    t.receive_buffers.mapped = {mine.data_ptr(): {1: theirs.data_ptr()}}
     send = torch.ones(10, dtype=torch.uint8)
     assert t._in_place(0, [send], [mine[:10]]) == [theirs.data_ptr()]
     assert t._in_place(0, [send], [mine[:0]]) == [theirs.data_ptr()]  # nothing to receive here, still in place there
     assert t._in_place(0, [send, send], [mine[:10], torch.zeros(10, dtype=torch.uint8)]) is None
     assert t._in_place(0, [send], []) is None
+    t.receive_buffers = None
+    assert t._in_place(0, [send], [mine[:10]]) is None
 
 
 def _pool(monkeypatch):
-    """A transport whose symmetric buffers are CPU tensors (one rank, its peer a stand-in
-    address), with the device's synchronisation and the capture state simulated."""
+    """A transport whose receive buffers are CPU tensors (its peers' stand-in addresses), with
+    the device's synchronisation and the capture state simulated."""
     t = _ranks(2)[0]
-    t.buffers, t.kept, t.in_graphs, t.device = {}, {}, set(), torch.device("cpu")
+    pool = t.receive_buffers
     state = {"capturing": False, "synchronized": 0}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: state.update(synchronized=state["synchronized"] + 1))
 
     def symmetric(nbytes):
         buffer = torch.zeros(nbytes, dtype=torch.uint8)
-        t.in_place[buffer.data_ptr()] = {p: 1 << 40 for p in t.to}
-        t.kept[buffer.data_ptr()] = buffer, None
+        pool.mapped[buffer.data_ptr()] = {p: 1 << 40 for p in pool.peers}
+        pool.kept[buffer.data_ptr()] = buffer, None
         return buffer
-    monkeypatch.setattr(t, "_symmetric", symmetric)
-    return t, state
+    monkeypatch.setattr(pool, "_symmetric", symmetric)
+    return t, pool, state
 
 
 def test_a_key_keeps_one_receive_buffer_the_largest_asked(monkeypatch):
     """Calls of many lengths hold one buffer per key, the largest asked for: a smaller ask
     gets the leading bytes of the one there, a larger one a new buffer, after the device is
     synchronised (no copy into the old one under way), and the old one is let go."""
-    t, state = _pool(monkeypatch)
+    t, pool, state = _pool(monkeypatch)
     first = t.receive_buffer((0, 0), 100)
-    assert first.numel() == 100 and len(t.kept) == 1
+    assert first.numel() == 100 and len(pool.kept) == 1
     smaller = t.receive_buffer((0, 0), 40)
     assert smaller.data_ptr() == first.data_ptr() and smaller.numel() == 40 and state["synchronized"] == 0
     other = t.receive_buffer((1, 0), 40)
-    assert other.data_ptr() != first.data_ptr() and len(t.kept) == 2
+    assert other.data_ptr() != first.data_ptr() and len(pool.kept) == 2
     larger = t.receive_buffer((0, 0), 300)
     assert larger.numel() == 300 and state["synchronized"] == 1
-    assert first.data_ptr() not in t.kept and first.data_ptr() not in t.in_place and len(t.kept) == 2
+    assert first.data_ptr() not in pool.kept and first.data_ptr() not in pool.mapped and len(pool.kept) == 2
     assert t._in_place(0, [torch.ones(10, dtype=torch.uint8)], [t.receive_buffer((0, 0), 10)]) == [1 << 40]
 
 
@@ -329,7 +334,7 @@ def test_a_receive_buffer_a_graph_captured_stays(monkeypatch):
     """A captured pass's replays write into the buffers it was captured with: a larger ask
     later makes a new buffer but keeps that one (and its peers' addresses); under capture a
     key or size not made before is refused, since capture cannot make one."""
-    t, state = _pool(monkeypatch)
+    t, pool, state = _pool(monkeypatch)
     t.receive_buffer((0, 0), 100)
     state["capturing"] = True
     captured = t.receive_buffer((0, 0), 100)
@@ -340,13 +345,13 @@ def test_a_receive_buffer_a_graph_captured_stays(monkeypatch):
     state["capturing"] = False
     larger = t.receive_buffer((0, 0), 200)
     assert larger.data_ptr() != captured.data_ptr()
-    assert captured.data_ptr() in t.kept and captured.data_ptr() in t.in_place and state["synchronized"] == 0
+    assert captured.data_ptr() in pool.kept and captured.data_ptr() in pool.mapped and state["synchronized"] == 0
 
 
 def test_receive_buffers_are_counted_apart_from_torchs_allocator(monkeypatch):
     """``receive_bytes``: the bytes of the receive buffers in use on a device (the benchmark
     adds them to the peak memory it reports: torch's allocator does not see them)."""
-    t, _ = _pool(monkeypatch)
+    t, pool, _ = _pool(monkeypatch)
     monkeypatch.setattr(peer, "_TRANSPORTS", {"group": t, "another group, over the process group": None})
     t.receive_buffer((0, 0), 100)
     t.receive_buffer((1, 0), 50)

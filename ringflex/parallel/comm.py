@@ -86,7 +86,7 @@ class RingComm:
     def receives_in_place(self, device) -> bool:
         """Whether ``receive_buffer`` serves ``device``: the copy engines, where no two ranks share a GPU."""
         transport = self._copy_engines(device)
-        return transport is not None and not transport.shared_gpu
+        return transport is not None and transport.receive_buffers is not None
 
     def receive_buffer(self, key, like: Tensor) -> Tensor:
         """A tensor shaped as ``like``, the same memory for ``key`` at every call, that the copy

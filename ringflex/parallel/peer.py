@@ -30,10 +30,8 @@ waits have no timeout, so a rank that marks the ring failed (``fault.fail``) rel
 
 The receiver's copy out of its mailbox is a copy within one GPU, which the driver runs on
 the SMs: it waits for the attention kernel that holds them, and the next step's kernel
-waits for it. A copy into another GPU's memory runs on the copy engines beside any kernel.
-So the ring's K/V blocks (``receive_buffer``) are received in place: into buffers in
-symmetric memory that the senders map, one per key, reused by every call. The
-receiver raises CLEAR at the sender once the work queued before the receive (the kernels
+waits for it. So the ring's K/V blocks are received in place, into buffers that the
+senders map (``inplace``; not where ranks share a GPU). The receiver raises CLEAR at the sender once the work queued before the receive (the kernels
 that read the buffer's previous block) is done; the sender waits for it, copies straight
 into the receiver's buffer and raises DONE there; the receiver waits for DONE. Both ends
 count these handshakes per channel, and their flags alternate marks as the slots' do.
@@ -67,6 +65,7 @@ from .. import config
 from ..config import warn_once
 from .driver import Driver
 from .groups import gather_objects
+from .inplace import ReceiveBuffers
 
 SLOT_BYTES = 32 << 20
 SLOTS = 4  # per channel: 128 MiB of mailbox per rank and channel
@@ -177,7 +176,6 @@ class PeerTransport:
         self.to = [(rank + shift) % size for shift in self.shifts]
         self.source = [(rank - shift) % size for shift in self.shifts]
         total = _FLAGS_BYTES + len(self.shifts) * SLOTS * SLOT_BYTES
-        self.group, self.shared_gpu = group, shared_gpu
         if shared_gpu:
             self.mailbox = torch.empty(total, dtype=torch.uint8, device=device)
             self.peer_mailbox = _ipc_mailboxes(group, self.mailbox, set(self.to))
@@ -194,10 +192,7 @@ class PeerTransport:
         self.streams = [(torch.cuda.Stream(device), torch.cuda.Stream(device)) for _ in self.shifts]  # (send, recv)
         self.sent, self.received = [0] * len(self.shifts), [0] * len(self.shifts)  # chunks of the pass, per channel
         self.handed, self.taken = [0] * len(self.shifts), [0] * len(self.shifts)  # transfers in place, per channel
-        self.buffers = {}  # key -> its receive buffer in symmetric memory (``receive_buffer``)
-        self.in_place = {}  # a receive buffer's address -> {peer rank: the address of its buffer of the key}
-        self.kept = {}  # a receive buffer's address -> (it, its handle): every one still in use
-        self.in_graphs = set()  # the addresses of the receive buffers a captured pass writes into
+        self.receive_buffers = None if shared_gpu else ReceiveBuffers(group, device, self.to)
         # storage address -> the event of the last send that reads it; eager sends, and those
         # of the pass being captured (its events mean nothing outside the graph)
         self.sending, self.sending_captured = {}, {}
@@ -208,38 +203,9 @@ class PeerTransport:
         return self.base[owner] + _FLAGS_BYTES + (channel * SLOTS + slot) * SLOT_BYTES
 
     def receive_buffer(self, key, nbytes: int) -> Tensor:
-        """``nbytes`` of symmetric memory to receive into in place (see the module): for each
-        ``key`` one buffer, the leading bytes of which every call uses, made by every rank
-        together at the first call that needs it, after the ranks agreed on the call, and
-        made anew, larger, by the first that needs more (calls of many lengths hold the
-        largest's, not one for each). A buffer that a CUDA graph captured is kept as long as
-        the transport: its replays write into it. Not where ranks share a GPU: symmetric
-        memory refuses it."""
-        capturing = torch.cuda.is_current_stream_capturing()
-        found = self.buffers.get(key)
-        if found is None or found.numel() < nbytes:
-            if capturing:
-                raise RuntimeError("ringflex: a ring call captured in a CUDA graph needs an eager call of the same "
-                                   "shapes on the same process group first (it makes the receive buffers, which "
-                                   "capture cannot)")
-            if found is not None and found.data_ptr() not in self.in_graphs:
-                torch.cuda.synchronize(self.device)  # no copy into or out of it is under way, here or at a peer
-                del self.in_place[found.data_ptr()], self.kept[found.data_ptr()]
-            found = self.buffers[key] = self._symmetric(nbytes)
-        if capturing:
-            self.in_graphs.add(found.data_ptr())
-        return found[:nbytes]
-
-    def _symmetric(self, nbytes: int) -> Tensor:
-        """A buffer in symmetric memory, made by every rank together; the addresses of the
-        peers' buffers go to ``in_place``, its handle (which keeps them mapped) to ``kept``."""
-        import torch.distributed._symmetric_memory as symm_mem
-        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
-        handle = symm_mem.rendezvous(buffer, self.group.group_name)
-        self.in_place[buffer.data_ptr()] = {r: handle.get_buffer(r, (nbytes,), torch.uint8).data_ptr()
-                                            for r in set(self.to)}
-        self.kept[buffer.data_ptr()] = buffer, handle
-        return buffer
+        """``nbytes`` of the buffer of ``key`` that senders fill in place (``inplace``); not where
+        ranks share a GPU (symmetric memory refuses it)."""
+        return self.receive_buffers.get(key, nbytes)
 
     def _flag(self, owner: int, kind: int, channel: int, slot: int) -> int:
         return self.base[owner] + 4 * ((kind * len(self.shifts) + channel) * SLOTS + slot)
@@ -288,13 +254,10 @@ class PeerTransport:
         the same keys, so both ends decide alike). None where the mailbox carries the transfer."""
         if len(send) != len(recv):
             return None
-        found = []
-        for t in recv:
-            peers = self.in_place.get(_storage(t))
-            if peers is None:
-                return None
-            found.append(peers[self.to[channel]] + t.storage_offset() * t.element_size())  # an empty t: data_ptr 0
-        return found
+        if self.receive_buffers is None:
+            return None
+        found = [self.receive_buffers.at_peer(t, self.to[channel]) for t in recv]
+        return None if None in found else found
 
     def _sending(self) -> dict:
         """The sends that memory may still be read by, as the current stream sees them."""
@@ -444,10 +407,10 @@ def release(group) -> None:
 
 
 def receive_bytes(device: torch.device) -> int:
-    """The bytes of the receive buffers (``PeerTransport.receive_buffer``) of every transport on
-    ``device``, which torch's allocator does not count."""
-    return sum(buffer.numel() for t in _TRANSPORTS.values() if t is not None and t.device == device
-               for buffer, _ in t.kept.values())
+    """The bytes of the receive buffers (``inplace``) of every transport on ``device``, which
+    torch's allocator does not count."""
+    return sum(t.receive_buffers.nbytes() for t in _TRANSPORTS.values()
+               if t is not None and t.device == device and t.receive_buffers is not None)
 
 
 def _storage(t: Tensor) -> int:

@@ -1,0 +1,68 @@
+"""Receive buffers that the senders fill in place (the copy-engine transport, ``peer``).
+
+A copy within one GPU runs on its SMs and waits for the attention kernel that holds them;
+a copy into another GPU's memory runs on the copy engines beside it. So the ring's K/V blocks
+skip the mailbox: each goes straight into the receiver's buffer, in symmetric memory that
+the senders map. Every rank asks for the buffers of the same keys, in the same order and
+sizes (the shards are equal), so a sender finds the receiver's buffer of a key at the address
+its own buffer of that key maps there.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+class ReceiveBuffers:
+    """For each key one buffer, the leading bytes of which every call uses: made by every rank
+    of ``group`` together at the first call that needs it (after the ranks agreed on the call),
+    made anew, larger, by the first that needs more (calls of many lengths hold the largest's,
+    not one for each). A buffer that a CUDA graph captured is kept as long as these are: its
+    replays write into it. ``peers``: the ranks that send into them."""
+
+    def __init__(self, group, device: torch.device, peers):
+        self.group, self.device, self.peers = group, device, set(peers)
+        self.current: Dict[object, Tensor] = {}  # key -> its buffer
+        self.mapped: Dict[int, Dict[int, int]] = {}  # a buffer's address -> {peer: that peer's buffer of its key}
+        self.kept: Dict[int, Tuple[Tensor, object]] = {}  # a buffer's address -> (it, its handle): those in use
+        self.in_graphs = set()  # the addresses of the buffers a captured pass writes into
+
+    def get(self, key, nbytes: int) -> Tensor:
+        """``nbytes`` of the buffer of ``key`` (see the class)."""
+        capturing = torch.cuda.is_current_stream_capturing()
+        found = self.current.get(key)
+        if found is None or found.numel() < nbytes:
+            if capturing:
+                raise RuntimeError("ringflex: a ring call captured in a CUDA graph needs an eager call of the same "
+                                   "shapes on the same process group first (it makes the receive buffers, which "
+                                   "capture cannot)")
+            if found is not None and found.data_ptr() not in self.in_graphs:
+                torch.cuda.synchronize(self.device)  # no copy into or out of it is under way, here or at a peer
+                del self.mapped[found.data_ptr()], self.kept[found.data_ptr()]
+            found = self.current[key] = self._symmetric(nbytes)
+        if capturing:
+            self.in_graphs.add(found.data_ptr())
+        return found[:nbytes]
+
+    def _symmetric(self, nbytes: int) -> Tensor:
+        """A buffer in symmetric memory, made by every rank together, and the peers' buffers'
+        addresses; its handle keeps them mapped."""
+        import torch.distributed._symmetric_memory as symm_mem
+        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        handle = symm_mem.rendezvous(buffer, self.group.group_name)
+        self.mapped[buffer.data_ptr()] = {r: handle.get_buffer(r, (nbytes,), torch.uint8).data_ptr()
+                                          for r in self.peers}
+        self.kept[buffer.data_ptr()] = buffer, handle
+        return buffer
+
+    def at_peer(self, t: Tensor, peer: int) -> Optional[int]:
+        """The address at ``peer`` that corresponds to ``t`` (a view of one of these buffers:
+        the same offset into that peer's buffer of the key); None where ``t`` is not one."""
+        mapped = self.mapped.get(t.untyped_storage().data_ptr())
+        return None if mapped is None else mapped[peer] + t.storage_offset() * t.element_size()  # t may be empty
+
+    def nbytes(self) -> int:
+        """The bytes of the buffers in use, which torch's allocator does not count."""
+        return sum(buffer.numel() for buffer, _ in self.kept.values())
