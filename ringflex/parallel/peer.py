@@ -252,9 +252,7 @@ class PeerTransport:
         ``send``, the address in the receiver's buffer of the same key, where the receiver's
         counterpart of ``recv`` lies (every rank receives a step's block into the buffers of
         the same keys, so both ends decide alike). None where the mailbox carries the transfer."""
-        if len(send) != len(recv):
-            return None
-        if self.receive_buffers is None:
+        if self.receive_buffers is None or len(send) != len(recv):
             return None
         found = [self.receive_buffers.at_peer(t, self.to[channel]) for t in recv]
         return None if None in found else found
