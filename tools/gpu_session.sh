@@ -3,7 +3,7 @@
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh copybeside1 kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash tools/gpu_session.sh local2 sharding2 reshard2 ownblock2 joined2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
-#   bash tools/gpu_session.sh links efficiency binding4 profile4 check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
+#   bash tools/gpu_session.sh links efficiency binding4 profile4 skew4 capturetests check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base2   # on 2 GPUs; base4 basephases4 on 4: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -133,6 +133,13 @@ for stage in "$@"; do
              --with-stack
            CUDA_VISIBLE_DEVICES=0,1 run gaps4 tr 2 -m benchmarks.profile_ring --seq-lens 16384 --masks none causal --hot 80 \
              --iters 5 --profiled-calls 3 --with-stack ;;  # what the host runs while the GPUs idle, 8k tokens per GPU, at the power limit
+    skew4) dir=$(mktemp -d)
+           nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,clocks_event_reasons.active --format=csv,noheader \
+             -lms 25 > "$dir/clocks.csv" & sampler=$!
+           run skew4 tr 4 -m benchmarks.profile_ring --seq-lens 32768 --masks causal --iters 5 --hot 40 --profiled-calls 3 \
+             --gpu-only --trace "$dir/skew_{}.json.gz"
+           kill $sampler; tar czf "$OUT/skew4.tgz" -C "$dir" . ;;  # every rank's trace at the power limit and the GPUs' clocks beside it (--timelines reads the traces)
+    capturetests) run capturetests python3 -m pytest -q tests/gpu/test_capture.py tests/gpu/test_moves.py ;;  # CUDA-graph capture and replay of ring passes, re-sharding moves
     launch4) CUDA_VISIBLE_DEVICES=0 run launch4 python3 -m benchmarks.probes.launch_cost
              run launch4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --no-timers --calls 30 --ab-launch 6 \
                --cases documents:contiguous window:zigzag causal:zigzag ;;  # the fused merge launched directly vs the JIT
