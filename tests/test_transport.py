@@ -120,7 +120,7 @@ def _in_place_all(ranks, shift: int, rows, g):
     for t, send, recv in zip(ranks, sends, recvs):
         into = t._in_place(channel, [send], [recv])
         assert into is not None
-        t._hand(0, channel, [(send, peer.layout(send), a) for a in into if send.numel()])
+        t._hand(0, channel, [(send, peer.layout(send), a) for a in into])  # none for an empty send
     for t in ranks:
         t._take(0, channel)
     return recvs, sends
@@ -318,16 +318,16 @@ def test_a_key_keeps_one_receive_buffer_the_largest_asked(monkeypatch):
     gets the leading bytes of the one there, a larger one a new buffer, after the device is
     synchronised (no copy into the old one under way), and the old one is let go."""
     t, pool, state = _pool(monkeypatch)
-    first = t.receive_buffer((0, 0), 100)
+    first = pool.get((0, 0), 100)
     assert first.numel() == 100 and len(pool.kept) == 1
-    smaller = t.receive_buffer((0, 0), 40)
+    smaller = pool.get((0, 0), 40)
     assert smaller.data_ptr() == first.data_ptr() and smaller.numel() == 40 and state["synchronized"] == 0
-    other = t.receive_buffer((1, 0), 40)
+    other = pool.get((1, 0), 40)
     assert other.data_ptr() != first.data_ptr() and len(pool.kept) == 2
-    larger = t.receive_buffer((0, 0), 300)
+    larger = pool.get((0, 0), 300)
     assert larger.numel() == 300 and state["synchronized"] == 1
     assert first.data_ptr() not in pool.kept and first.data_ptr() not in pool.mapped and len(pool.kept) == 2
-    assert t._in_place(0, [torch.ones(10, dtype=torch.uint8)], [t.receive_buffer((0, 0), 10)]) == [1 << 40]
+    assert t._in_place(0, [torch.ones(10, dtype=torch.uint8)], [pool.get((0, 0), 10)]) == [1 << 40]
 
 
 def test_a_receive_buffer_a_graph_captured_stays(monkeypatch):
@@ -335,15 +335,15 @@ def test_a_receive_buffer_a_graph_captured_stays(monkeypatch):
     later makes a new buffer but keeps that one (and its peers' addresses); under capture a
     key or size not made before is refused, since capture cannot make one."""
     t, pool, state = _pool(monkeypatch)
-    t.receive_buffer((0, 0), 100)
+    pool.get((0, 0), 100)
     state["capturing"] = True
-    captured = t.receive_buffer((0, 0), 100)
+    captured = pool.get((0, 0), 100)
     with pytest.raises(RuntimeError, match="eager call of the same shapes"):
-        t.receive_buffer((0, 0), 200)
+        pool.get((0, 0), 200)
     with pytest.raises(RuntimeError, match="eager call of the same shapes"):
-        t.receive_buffer((1, 1), 10)
+        pool.get((1, 1), 10)
     state["capturing"] = False
-    larger = t.receive_buffer((0, 0), 200)
+    larger = pool.get((0, 0), 200)
     assert larger.data_ptr() != captured.data_ptr()
     assert captured.data_ptr() in pool.kept and captured.data_ptr() in pool.mapped and state["synchronized"] == 0
 
@@ -353,9 +353,9 @@ def test_receive_buffers_are_counted_apart_from_torchs_allocator(monkeypatch):
     adds them to the peak memory it reports: torch's allocator does not see them)."""
     t, pool, _ = _pool(monkeypatch)
     monkeypatch.setattr(peer, "_TRANSPORTS", {"group": t, "another group, over the process group": None})
-    t.receive_buffer((0, 0), 100)
-    t.receive_buffer((1, 0), 50)
+    pool.get((0, 0), 100)
+    pool.get((1, 0), 50)
     assert peer.receive_bytes(torch.device("cpu")) == 150
-    t.receive_buffer((0, 0), 300)
+    pool.get((0, 0), 300)
     assert peer.receive_bytes(torch.device("cpu")) == 350
     assert peer.receive_bytes(torch.device("cuda", 0)) == 0

@@ -90,10 +90,10 @@ class RingComm:
 
     def receive_buffer(self, key, like: Tensor) -> Tensor:
         """A tensor shaped as ``like``, the same memory for ``key`` at every call, that the copy
-        engines fill in place (``peer.PeerTransport.receive_buffer``; where ``receives_in_place``).
+        engines fill in place (``inplace.ReceiveBuffers``; where ``receives_in_place``).
         Every rank asks for the same keys and shapes in the same order, after the ranks agreed
         on the call: the first ask makes it, with every rank."""
-        buffer = self._copy_engines(like.device).receive_buffer(key, like.numel() * like.element_size())
+        buffer = self._copy_engines(like.device).receive_buffers.get(key, like.numel() * like.element_size())
         return buffer.view(like.dtype).view(like.shape)
 
     def _copy_engines(self, device) -> Optional[peer.PeerTransport]:

@@ -192,6 +192,7 @@ class PeerTransport:
         self.streams = [(torch.cuda.Stream(device), torch.cuda.Stream(device)) for _ in self.shifts]  # (send, recv)
         self.sent, self.received = [0] * len(self.shifts), [0] * len(self.shifts)  # chunks of the pass, per channel
         self.handed, self.taken = [0] * len(self.shifts), [0] * len(self.shifts)  # transfers in place, per channel
+        # buffers that senders fill in place (``inplace``); none where ranks share a GPU: symmetric memory refuses it
         self.receive_buffers = None if shared_gpu else ReceiveBuffers(group, device, self.to)
         # storage address -> the event of the last send that reads it; eager sends, and those
         # of the pass being captured (its events mean nothing outside the graph)
@@ -201,11 +202,6 @@ class PeerTransport:
     def _slot(self, owner: int, channel: int, slot: int) -> int:
         """The address of a slot of ``owner``'s mailbox."""
         return self.base[owner] + _FLAGS_BYTES + (channel * SLOTS + slot) * SLOT_BYTES
-
-    def receive_buffer(self, key, nbytes: int) -> Tensor:
-        """``nbytes`` of the buffer of ``key`` that senders fill in place (``inplace``); not where
-        ranks share a GPU (symmetric memory refuses it)."""
-        return self.receive_buffers.get(key, nbytes)
 
     def _flag(self, owner: int, kind: int, channel: int, slot: int) -> int:
         return self.base[owner] + 4 * ((kind * len(self.shifts) + channel) * SLOTS + slot)
@@ -218,7 +214,6 @@ class PeerTransport:
         current stream after them."""
         channel = channel_of(shift, self.size)
         into = self._in_place(channel, send, recv)  # None: through the mailbox
-        into = None if into is None else [a for t, a in zip(send, into) if t.numel()]
         send = [_readable(t) for t in send if t.numel()]  # (tensor, its layout)
         recv = [t for t in recv if t.numel()]
         if any(not t.is_contiguous() for t in recv):
@@ -248,14 +243,14 @@ class PeerTransport:
         return _Arrival(self.device, received, sent)
 
     def _in_place(self, channel: int, send: Sequence[Tensor], recv: Sequence[Tensor]) -> Optional[List[int]]:
-        """Where ``recv`` lies in receive buffers (``receive_buffer``): for each tensor of
-        ``send``, the address in the receiver's buffer of the same key, where the receiver's
-        counterpart of ``recv`` lies (every rank receives a step's block into the buffers of
-        the same keys, so both ends decide alike). None where the mailbox carries the transfer."""
+        """Where ``recv`` lies in receive buffers (``inplace``): for each tensor of ``send`` that
+        holds any bytes, the address in the receiver's buffer of the same key, where the
+        receiver's counterpart of it lies (every rank receives a step's block into the buffers
+        of the same keys, so both ends decide alike). None where the mailbox carries the transfer."""
         if self.receive_buffers is None or len(send) != len(recv):
             return None
         found = [self.receive_buffers.at_peer(t, self.to[channel]) for t in recv]
-        return None if None in found else found
+        return None if None in found else [a for t, a in zip(send, found) if t.numel()]
 
     def _sending(self) -> dict:
         """The sends that memory may still be read by, as the current stream sees them."""
@@ -334,14 +329,18 @@ class PeerTransport:
         data) and raises READY at the receiver."""
         to = self.to[channel]
         self.driver.wait(stream, self._flag(self.rank, _FREE, channel, slot), other(mark))
-        destination = self._slot(to, channel, slot)
+        self._copy(stream, self._slot(to, channel, slot), copies, pitch)
+        self.driver.write(stream, self._flag(to, _READY, channel, slot), mark)
+
+    def _copy(self, stream: int, destination: int, copies, pitch: int) -> None:
+        """Copies ``copies`` (``pieces`` at their addresses, rows ``pitch`` apart) one after
+        another into contiguous memory at ``destination``."""
         for source, rows, nbytes in copies:
             if rows == 1:
                 self.driver.copy(stream, destination, source, nbytes)
             else:
                 self.driver.copy_rows(stream, destination, source, pitch, nbytes, rows)
             destination += rows * nbytes
-        self.driver.write(stream, self._flag(to, _READY, channel, slot), mark)
 
     def _receive_chunk(self, stream: int, channel: int, slot: int, mark: int, destination: int = 0,
                        nbytes: int = 0) -> None:
@@ -359,12 +358,8 @@ class PeerTransport:
         to, mark = self.to[channel], MARKS[self.handed[channel] % 2]
         self.driver.wait(stream, self._flag(self.rank, _CLEAR, channel, 0), mark)
         for t, (width, pitch), destination in copies:
-            for source, rows, nbytes in pieces(0, t.numel() * t.element_size(), width, pitch):
-                if rows == 1:
-                    self.driver.copy(stream, destination, t.data_ptr() + source, nbytes)
-                else:
-                    self.driver.copy_rows(stream, destination, t.data_ptr() + source, pitch, nbytes, rows)
-                destination += rows * nbytes
+            self._copy(stream, destination, [(t.data_ptr() + offset, rows, nbytes) for offset, rows, nbytes
+                                             in pieces(0, t.numel() * t.element_size(), width, pitch)], pitch)
         self.driver.write(stream, self._flag(to, _DONE, channel, 0), mark)
         self.handed[channel] += 1
 

@@ -100,7 +100,7 @@ class _KVStream:
     """The K/V block of each step: ``first``, then blocks received into two buffers that
     alternate (no step allocates, and a block is never overwritten while it is still being
     read; over the copy engines, buffers that the senders fill in place, the same at every
-    call: ``peer``), and for the last step ``last``, where the rank holds that block already:
+    call: ``inplace``), and for the last step ``last``, where the rank holds that block already:
     then the ring skips the transfer that would bring it. Each transfer brings the next step's block
     from its owner, to which this rank sends its own block (``own``: ``first`` forward, ``last``
     backward) at the same distance, so every send reads the own block's rows (in place over
@@ -140,7 +140,7 @@ class _KVStream:
                 self.own_ready = self.first_stream.record_event()
 
     def _add_buffer(self):
-        if self.in_place:  # the same memory at every call, which the senders fill (``peer``)
+        if self.in_place:  # the same memory at every call, which the senders fill (``inplace``)
             index = len(self.buffers)
             self.buffers.append(tuple(self.call.comm.receive_buffer((index, i), t) for i, t in enumerate(self.own)))
         else:
