@@ -1,5 +1,6 @@
 """The copy-engine transport's bookkeeping, on CPU (tests/gpu/test_peer_transport.py moves bytes)."""
 import ctypes
+import inspect
 
 import pytest
 import torch
@@ -359,3 +360,10 @@ def test_receive_buffers_are_counted_apart_from_torchs_allocator(monkeypatch):
     pool.get((0, 0), 300)
     assert peer.receive_bytes(torch.device("cpu")) == 350
     assert peer.receive_bytes(torch.device("cuda", 0)) == 0
+
+
+def test_ipc_mailboxes_open_in_the_ranks_own_gpu():
+    """``peer._ipc_mailboxes`` hands torch's rebuild of a shared CUDA tensor this rank's GPU in
+    place of the one the tensor lies on: the argument it replaces is still the storage's device."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    assert list(inspect.signature(rebuild_cuda_tensor).parameters)[peer._IPC_DEVICE] == "storage_device"

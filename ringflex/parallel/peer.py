@@ -74,6 +74,7 @@ _READY, _FREE = 0, 1
 _CLEAR, _DONE = 2, 3  # a transfer into the receiver's own buffer: its flags, one pair per channel
 MARKS = (1, 2)  # a slot's flag after its even / odd uses in a pass; it starts as after an odd one
 _RELEASED = MARKS[0] | MARKS[1]  # passes every wait (see ``release``)
+_IPC_DEVICE = 6  # where the GPU lies in what torch's ``reduce_tensor`` gives to rebuild a CUDA tensor
 _TRANSPORTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> PeerTransport or None
 
 
@@ -382,11 +383,15 @@ class PeerTransport:
 
 def _ipc_mailboxes(group, mailbox: Tensor, ranks) -> dict:
     """The mailboxes of ``ranks`` mapped into this process by CUDA IPC (torch's own sharing of
-    CUDA tensors between processes), which serves ranks that share a GPU."""
+    CUDA tensors between processes), which serves ranks that share a GPU. Each is opened in
+    this rank's GPU's context, whichever GPU it lies on (so its tensor names this rank's GPU):
+    a stream memory operation reaches only memory mapped in its stream's context, and torch
+    would map it in its own GPU's."""
     from torch.multiprocessing.reductions import reduce_tensor
     rebuild, mine = reduce_tensor(mailbox)
     shared = gather_objects(group, mine)
-    return {r: rebuild(*shared[r]) for r in ranks}
+    device = mailbox.device.index
+    return {r: rebuild(*shared[r][:_IPC_DEVICE], device, *shared[r][_IPC_DEVICE + 1:]) for r in ranks}
 
 
 def release(group) -> None:
