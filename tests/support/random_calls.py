@@ -1,4 +1,5 @@
-"""Random ring calls: a layout, lengths (cross-attention too), heads (GQA), a mask drawn from
+"""Random ring calls: a layout (a named one, ``shard_by_mask``'s choice for the call's mask, or
+chunks dealt to the ranks at random), lengths (cross-attention too), heads (GQA), a mask drawn from
 a pool (lookups by position, by distance, constants) and combined with and / or, a score_mod
 (lookups by head, by batch element and head, by clamped distance), sinks, an LSE the loss
 reads, a scale, and some calls forward only, without grad mode. The matrix in ``cases.py``
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -19,12 +20,12 @@ import torch.distributed as dist
 import ringflex
 from .oracle import attention
 from ringflex import mods
-from ringflex.plan.layout import divisor
+from ringflex.plan.layout import Sharding, divisor
 
 
 @dataclass
 class RandomCall:
-    layout: str
+    layout: Union[str, Sharding]
     q: torch.Tensor  # the full sequence, [B, Hq, S, D]
     k: torch.Tensor
     v: torch.Tensor
@@ -46,7 +47,8 @@ class RandomCall:
                                          ("[B, S, H, D] memory", self.bshd), ("learnable", self.learnable is not None),
                                          ("no grad", not self.grad))
                   if on]
-        return (f"{self.layout}, {s} x {s_kv} tokens, B={b}, heads {hq}/{hkv}, D={d}, scale {self.scale}, "
+        layout = self.layout if isinstance(self.layout, str) else f"{self.layout.name} {self.layout.ranks}"
+        return (f"{layout}, {s} x {s_kv} tokens, B={b}, heads {hq}/{hkv}, D={d}, scale {self.scale}, "
                 f"{' + '.join(self.parts) or 'no mods'}{', ' + ', '.join(extras) if extras else ''}")
 
 
@@ -178,8 +180,22 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
     q = randn(batch, heads, s, head_dim)
     k, v = randn(batch, kv_heads, s_kv, head_dim), randn(batch, kv_heads, s_kv, head_dim)
     dout, dlse = randn(batch, heads, s, head_dim), randn(batch, heads, s)
+    if s == s_kv and rnd.random() < 0.3:  # a Sharding: the mask's own, or chunks dealt at random
+        layout = (ringflex.shard_by_mask(mask_mod, s, world_size, batch=batch, heads=heads) if rnd.random() < 0.5
+                  else _dealt(rnd, s, world_size))
     return RandomCall(layout, q, k, v, None if lse_only else dout, dlse if return_lse else None, mask_mod, score_mod,
                       sinks, scale, parts, bshd, learnable[0] if learnable else None, grad)
+
+
+def _dealt(rnd: random.Random, seq_len: int, world_size: int) -> Sharding:
+    """Chunks of a random size dealt to the ranks at random, equally many each, each rank's in a
+    random local order."""
+    local = seq_len // world_size
+    size = rnd.choice([c for c in range(1, local + 1) if local % c == 0])
+    chunks = rnd.sample(range(seq_len // size), seq_len // size)
+    per_rank = local // size
+    return Sharding.from_ranges(seq_len, [[(c * size, (c + 1) * size) for c in chunks[r * per_rank:(r + 1) * per_rank]]
+                                          for r in range(world_size)], name="dealt")
 
 
 def ring_errors(call: RandomCall, truth: RandomCall, backend: str = "reference", group=None,
