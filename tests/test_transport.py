@@ -96,12 +96,11 @@ def _end_pass(ranks) -> None:
                 for slot in peer.odd_slots(getattr(t, count)[channel]):
                     getattr(t, chunk)(0, channel, slot, peer.MARKS[1])
                 getattr(t, count)[channel] = 0
-    for halves in (["_clear"], ["_hand"], ["_take"]):
+    for half, count in (("_clear", "taken"), ("_hand", "handed"), ("_take", "taken")):
         for t in ranks:
             for channel in range(len(t.shifts)):
-                counts = t.handed if halves == ["_hand"] else t.taken
-                if counts[channel] % 2:
-                    getattr(t, halves[0])(0, channel)
+                if getattr(t, count)[channel] % 2:
+                    getattr(t, half)(0, channel)
     for t in ranks:
         t.handed, t.taken = [0] * len(t.shifts), [0] * len(t.shifts)
 
