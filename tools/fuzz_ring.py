@@ -7,13 +7,16 @@
 (from the repository root). Each seed is a call of ``tests/support/random_calls.py`` (layout, lengths, heads, mixed masks and
 score_mods, sinks, an LSE the loss reads), run in bf16 on the backend given and compared
 with the same call (the same bf16 values) in fp64 on the CPU. A call beyond the tolerance
-runs again on the reference kernel (fp32 arithmetic on the same bf16 values): it fails only
-where the first error is also beyond twice the reference kernel's, as bf16 alone makes some
-gradients of a sharp softmax ill-conditioned. Rank 0 prints every call that fails, with its
-seed, and a summary; the script exits 1 if any call failed. A call that raises inside the
-ring (which breaks it: ``RingFailure``) is reported, and the next one runs on a new process group.
+runs again on the reference kernel (fp32 arithmetic on the same bf16 values) and, whole, on the
+same kernel in each rank's process alone: it fails only where the first error is also beyond
+twice each of those, as bf16 alone makes some gradients of a sharp softmax ill-conditioned
+(and flash kernels, flex_attention's among them, round P and dS to bf16 as well). Every rank
+prints what it found of every call that fails, with its seed; rank 0 a summary; the script
+exits 1 if any call failed. A call that raises inside the ring (which breaks it:
+``RingFailure``) is reported, and the next one runs on a new process group.
 """
 import argparse
+import dataclasses
 import sys
 import time
 import traceback
@@ -64,6 +67,7 @@ def fuzz(args, device):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     flags_on = "cpu" if dist.get_backend() == "gloo" else device
     group, quantum = dist.new_group(backend=dist.get_backend()), lending.QUANTUM
+    alone_group, _ = dist.new_subgroups(1)
     warnings.simplefilter("ignore")  # fallbacks say so; the errors are what is checked
     start, ran, failed = time.time(), 0, []
     first, count = args.seeds
@@ -78,24 +82,30 @@ def fuzz(args, device):
             return ring_errors(bf16_call(seed, world_size, device, size), truth(seed, world_size, size), backend,
                                group, floor=0.1)
 
+        def errors_alone(backend):  # the whole call on this rank's process alone
+            one = [dataclasses.replace(c, layout="contiguous") for c in (bf16_call(seed, world_size, device, size),
+                                                                         truth(seed, world_size, size))]
+            return ring_errors(*one, backend, alone_group, floor=0.1)
+
         errors, problem, broken = None, {}, False
         try:
             errors = errors_on(args.backend)
         except Exception as e:  # noqa: BLE001 (reported, and the next call goes on)
             broken = not isinstance(e, CallRejected)  # raised before any transfer: the group still serves
             problem = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            if rank == 0:
-                traceback.print_exc(limit=-3)
+            traceback.print_exc(limit=-3)
         beyond = errors is not None and any(not e <= args.tolerance for e in errors.values())
         flags = torch.tensor([int(beyond), int(errors is None), int(broken)], device=flags_on)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0].item() and not flags[1].item():
             # A sharp softmax makes some gradients ill-conditioned in bf16 (the backward reads the
-            # rounded output): an error is the ring's only if the reference kernel, computing in
-            # fp32 from the same bf16 values, comes out well closer.
-            reference = errors_on("reference")
-            problem = {name: f"{e:.2e} (reference kernel {reference[name]:.2e})" for name, e in errors.items()
-                       if not e <= max(args.tolerance, 2 * reference[name])}
+            # rounded output, and flash kernels round P and dS to bf16 before their products): an
+            # error is the ring's only if the reference kernel, computing in fp32 from the same
+            # bf16 values, and the same kernel on one process both come out well closer.
+            reference, alone = errors_on("reference"), errors_alone(args.backend)
+            problem = {name: f"{e:.2e} (reference kernel {reference[name]:.2e}, one process {alone[name]:.2e})"
+                       for name, e in errors.items()
+                       if not e <= max(args.tolerance, 2 * reference[name], 2 * alone[name])}
         flags = torch.tensor([int(bool(problem)), int(broken)], device=flags_on)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[1].item():
@@ -103,9 +113,9 @@ def fuzz(args, device):
         ran += 1
         if flags[0].item():
             failed.append(seed)
-            if rank == 0:
-                print(f"seed {seed}: {truth(seed, world_size, size).describe()}: {problem or 'failed on another rank'}",
-                      flush=True)
+            if problem or rank == 0:  # every rank names what it found
+                print(f"seed {seed}, rank {rank}: {truth(seed, world_size, size).describe()}: "
+                      f"{problem or 'failed on another rank'}", flush=True)
     lending.QUANTUM = quantum
     return ran, failed
 
