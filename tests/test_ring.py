@@ -730,24 +730,25 @@ def test_travelling_rows_are_widened_to_a_power_of_two_inside_the_block(rows, le
 
 class _OneCallKernel(_RoundingKernel):
     """Takes a step's hops of disjoint rows and keys as one call, as the cuDNN kernel does a
-    rank's own diagonal blocks of packed documents over zigzag: each hop's results are rows of
-    one tensor over all of them, in the input dtype. It counts its joined calls."""
+    rank's own diagonal blocks of packed documents over zigzag: the results are one tensor over
+    all of them, in the input dtype, NaN in rows and keys no hop has (which the ring must not
+    read). It counts its joined calls."""
 
     joined = 0
 
     def forward_hops(self, q, k, v, hops, mods, scale):
         type(self).joined += 1
-        out = q.new_zeros(*q.shape[:3], v.shape[-1])
-        lse = torch.full(q.shape[:3], -torch.inf, dtype=torch.float32)
+        out = q.new_full((*q.shape[:3], v.shape[-1]), torch.nan)
+        lse = torch.full(q.shape[:3], torch.nan, dtype=torch.float32)
         for h in hops:
             o, l, _ = self.forward(q[:, :, slice(*h.q_rows)], k[:, :, slice(*h.kv_rows)], v[:, :, slice(*h.kv_rows)],
                                    h.q_seg, h.kv_seg, mods, scale, h.kind != BlockKind.FULL)
             out[:, :, slice(*h.q_rows)], lse[:, :, slice(*h.q_rows)] = o, l
-        return [(out[:, :, slice(*h.q_rows)], lse[:, :, slice(*h.q_rows)], None) for h in hops]
+        return out, lse, None
 
     def backward_hops(self, q, k, v, out, lse, dout, hops, mods, scale, res=None):
         type(self).joined += 1
-        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        grads = [torch.full_like(t, torch.nan) for t in (q, k, v)]
         for h in hops:
             q_rows, kv_rows = slice(*h.q_rows), slice(*h.kv_rows)
             parts = self.backward(q[:, :, q_rows], k[:, :, kv_rows], v[:, :, kv_rows], out[:, :, q_rows],
@@ -755,7 +756,7 @@ class _OneCallKernel(_RoundingKernel):
                                   h.kind != BlockKind.FULL, res=None if res is None else res[:, :, q_rows])
             for grad, part, r in zip(grads, parts, (q_rows, kv_rows, kv_rows)):
                 grad[:, :, r] = part
-        return [(grads[0][:, :, slice(*h.q_rows)], *(g[:, :, slice(*h.kv_rows)] for g in grads[1:])) for h in hops]
+        return tuple(grads)
 
 
 def _joined_documents(rank, world_size):

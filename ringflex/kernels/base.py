@@ -74,18 +74,21 @@ class HopKernel(Protocol):
         ...
 
     def forward_hops(self, q: Tensor, k: Tensor, v: Tensor, hops: Sequence[Hop], mods: Mods, scale: float
-                     ) -> Optional[List[Tuple[Tensor, Tensor, Optional[Tensor]]]]:
+                     ) -> Optional[Tuple[Tensor, Tensor, Optional[Tensor]]]:
         """Several hops of one block in one call, where the kernel can: ``hops`` hold disjoint
         rows of ``q`` and disjoint keys of ``k`` (their rows are local to these tensors), and
-        the result is each hop's (out, lse, res) as ``forward`` gives it. None where it cannot:
-        the ring then runs the hops one by one. A rank's own block over zigzag is two diagonal
-        blocks (packed documents: two ragged batches), which cost the host a call each."""
+        the result is (out, lse, res) over every row of ``q``, each hop's rows as ``forward``
+        gives them (rows in no hop: any value). None where it cannot: the ring then runs the
+        hops one by one. A rank's own block over zigzag is two diagonal blocks (packed
+        documents: two ragged batches), which cost the host a call each, and, where they fill
+        the block, one result to merge and sum, not two."""
         ...
 
     def backward_hops(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
                       hops: Sequence[Hop], mods: Mods, scale: float, res: Optional[Tensor] = None
-                      ) -> Optional[List[Tuple[Tensor, Tensor, Tensor]]]:
-        """``forward_hops``' backward: each hop's (dq, dk, dv), or None where it cannot."""
+                      ) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+        """``forward_hops``' backward: (dq, dk, dv) over every row of ``q`` and ``k`` (rows and
+        keys in no hop: any value), or None where it cannot."""
         ...
 
     def plans_within(self, mask_mod: Optional[MaskMod], has_score_mod: bool, q_seg: Segment, kv_seg: Segment,

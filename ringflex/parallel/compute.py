@@ -44,40 +44,57 @@ def hop_backward(call, hop: Hop, q, k, v, out, lse, res, dout, lse_grad, r: Rows
 
 
 def step_forward(call, hops: Sequence[Hop], q: Tensor, keys: Callable) -> List[tuple]:
-    """(q rows, out, lse, res) of each hop of a ring step; ``keys(r)``: the K and V rows ``r`` of
-    the block the step holds. Hops of disjoint rows and keys (a rank's own block over zigzag:
-    its two diagonal blocks) go to the kernel as one call where it takes them
-    (``HopKernel.forward_hops``): a call fewer for the host, and no merge."""
+    """(q rows, out, lse, res) of a ring step's hops; ``keys(r)``: the K and V rows ``r`` of the
+    block the step holds. Hops of disjoint rows and keys (a rank's own block over zigzag: its
+    two diagonal blocks) go to the kernel as one call where it takes them
+    (``HopKernel.forward_hops``): a call fewer for the host; and where they fill their rows
+    and keys, one result over all of them, which the ring merges as one part."""
     if _joinable(call, hops):
         q_span, kv_span, local = _local_hops(hops)
         joined = call.kernel.forward_hops(rows(q, q_span), *keys(kv_span), local, call.mods, call.scale)
         if joined is not None:
-            return [(hop.q_rows, *result) for hop, result in zip(hops, joined)]
+            if _filled(hops):
+                return [(q_span, *joined)]
+            return [(hop.q_rows, *(optional_rows(t, r.q_rows) for t in joined)) for hop, r in zip(hops, local)]
     return [(hop.q_rows, *hop_forward(call, hop, rows(q, hop.q_rows), *keys(hop.kv_rows))) for hop in hops]
 
 
 def step_backward(call, hops: Sequence[Hop], q: Tensor, keys: Callable, out: Tensor, lse: Tensor,
                   res: Optional[Tensor], dout: Optional[Tensor], lse_grad) -> List[tuple]:
-    """(hop, dq, dk, dv, gradients of ``call.tensors``) of each hop of a ring step, as
+    """(q rows, key rows, dq, dk, dv, gradients of ``call.tensors``) of a ring step's hops, as
     ``step_forward`` runs them: one call where the kernel takes them (not with the LSE's
-    share, ``lse_grad``)."""
+    share, ``lse_grad``), one result where they fill their rows and keys."""
     if _joinable(call, hops) and lse_grad is None and dout is not None:
         q_span, kv_span, local = _local_hops(hops)
-        joined = call.kernel.backward_hops(rows(q, q_span), *keys(kv_span), rows(out, q_span), rows(lse, q_span),
-                                           rows(dout, q_span), local, call.mods, call.scale, optional_rows(res, q_span))
-        if joined is not None:
-            return [(hop, *grads, []) for hop, grads in zip(hops, joined)]
-    return [(hop, *hop_backward(call, hop, rows(q, hop.q_rows), *keys(hop.kv_rows), rows(out, hop.q_rows),
-                                rows(lse, hop.q_rows), optional_rows(res, hop.q_rows), dout, lse_grad, hop.q_rows))
+        dq, dk, dv = call.kernel.backward_hops(rows(q, q_span), *keys(kv_span), rows(out, q_span), rows(lse, q_span),
+                                               rows(dout, q_span), local, call.mods, call.scale,
+                                               optional_rows(res, q_span)) or (None,) * 3
+        if dq is not None and _filled(hops):
+            return [(q_span, kv_span, dq, dk, dv, [])]
+        if dq is not None:
+            return [(hop.q_rows, hop.kv_rows, rows(dq, r.q_rows), rows(dk, r.kv_rows), rows(dv, r.kv_rows), [])
+                    for hop, r in zip(hops, local)]
+    return [(hop.q_rows, hop.kv_rows, *hop_backward(call, hop, rows(q, hop.q_rows), *keys(hop.kv_rows),
+                                                    rows(out, hop.q_rows), rows(lse, hop.q_rows),
+                                                    optional_rows(res, hop.q_rows), dout, lse_grad, hop.q_rows))
             for hop in hops]
 
 
 def _joinable(call, hops: Sequence[Hop]) -> bool:
     """Whether ``hops`` may run as one call: several, none sharing a query row or a key."""
-    def apart(spans):
-        spans = sorted(spans)
-        return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-    return len(hops) > 1 and not call.tensors and apart([h.q_rows for h in hops]) and apart([h.kv_rows for h in hops])
+    return len(hops) > 1 and not call.tensors and _side_by_side(hops, lambda end, start: end <= start)
+
+
+def _filled(hops: Sequence[Hop]) -> bool:
+    """Whether disjoint ``hops`` leave no row and no key between them: their joined result is
+    then theirs over every row and key it has."""
+    return _side_by_side(hops, lambda end, start: end == start)
+
+
+def _side_by_side(hops: Sequence[Hop], follows: Callable[[int, int], bool]) -> bool:
+    """Whether, in order, each hop's query rows and key rows ``follows`` the previous hop's."""
+    return all(all(follows(a[1], b[0]) for a, b in zip(spans, spans[1:]))
+               for spans in (sorted(h.q_rows for h in hops), sorted(h.kv_rows for h in hops)))
 
 
 def _local_hops(hops: Sequence[Hop]):

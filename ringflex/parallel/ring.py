@@ -297,11 +297,12 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
         kv_pending = blocks.start(step)
         distance = call.distance(steps - 1 - step)  # the block held is the one of the rank this many before
         parts = []  # this step's (key rows, dk, dv)
-        for hop, hq, hk, hv, ht in step_backward(call, hops, q, blocks.keys, out, lse, res, dout, lse_grad):
+        for q_rows, kv_rows, hq, hk, hv, ht in step_backward(call, hops, q, blocks.keys, out, lse, res, dout,
+                                                             lse_grad):
             for total, g in zip(d_tensors, ht):
                 total += g
-            dq.add(hop.q_rows, hq)
-            parts.append((hop.kv_rows, hk, hv))
+            dq.add(q_rows, hq)
+            parts.append((kv_rows, hk, hv))
         if arriving is not None:  # waited for after this step's kernels, which ran while it came
             arriving.arrive(own_sum)
         arriving = _exchange_shares(call, distance, parts, k, v, acc) if distance else None

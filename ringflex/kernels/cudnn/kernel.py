@@ -127,7 +127,7 @@ class CudnnKernel:
         if batch is None:
             return None
         out, lse = self._forward_one(batch, None, *(_inner_contiguous(t) for t in (q, k, v)), scale, None, None)
-        return [(rows(out, hop.q_rows), rows(lse, hop.q_rows), None) for hop in hops]
+        return out, lse, None
 
     def backward_hops(self, q, k, v, out, lse, dout, hops: Sequence[Hop], mods: Mods, scale: float, res=None):
         if res is not None:  # rows whose scores are all huge, for the reference kernel
@@ -137,8 +137,7 @@ class CudnnKernel:
             return None
         q, k, v, out, dout = (_inner_contiguous(t) for t in (q, k, v, out, dout))
         stats = lse.float().unsqueeze(-1)  # a batch's runs are unmasked or causal: every row sees a key
-        dq, dk, dv = self._backward_one(batch, None, mods, q, k, v, out, lse, stats, dout, scale, None, None)
-        return [(rows(dq, hop.q_rows), rows(dk, hop.kv_rows), rows(dv, hop.kv_rows)) for hop in hops]
+        return self._backward_one(batch, None, mods, q, k, v, out, lse, stats, dout, scale, None, None)
 
     def _joined(self, hops: Sequence[Hop], mods: Mods, q, k, v, out=None, dout=None) -> Optional[batches.Batch]:
         """The hops' runs as one ragged batch, or None where they do not make one (a score_mod,
