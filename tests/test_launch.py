@@ -43,8 +43,8 @@ def _kernel(x, y, n, m, A, B):  # noqa: ARG001 - the signature is what the launc
 
 @pytest.fixture
 def launcher(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=77))
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_current_stream", lambda device: 77)
     knobs = types.SimpleNamespace(runtime=types.SimpleNamespace(  # Triton 3.5 on: empty chains of hooks
         launch_enter_hook=types.SimpleNamespace(calls=[]), launch_exit_hook=None))
     monkeypatch.setattr(launch, "_knobs", lambda: knobs)

@@ -87,11 +87,15 @@ def add(d: Tensor, parts: Sequence[Tensor]) -> None:
     (which may be one of them); one part: a copy."""
     a, b, c, e = list(parts) + [parts[0]] * (MAX_PARTS - len(parts))  # unread beyond ``len(parts)``
     for rows in _launches(a, b, c, e, d):
-        a_, b_, c_, e_, d_ = rows
-        _kernels()[1].launch(_grid(d_), (
-            a_, b_, c_, e_, d_, d.shape[1], d_.shape[2], d.shape[3],
-            *_in_rows(a_), *_in_rows(b_), *_in_rows(c_), *_in_rows(e_), *_in_rows(d_)),
-            dict(PARTS=len(parts), **_blocks(d)))
+        _kernels()[1].launch(*_add_arguments(rows, len(parts)))
+
+
+def _add_arguments(rows: Sequence[Tensor], count: int):
+    """(grid, arguments, constants) of the sum of ``count`` parts over ``rows`` (a, b, c, e, d)."""
+    a, b, c, e, d = rows
+    arguments = (a, b, c, e, d, d.shape[1], d.shape[2], d.shape[3],
+                 *_in_rows(a), *_in_rows(b), *_in_rows(c), *_in_rows(e), *_in_rows(d))
+    return _grid(d), arguments, dict(PARTS=count, **_blocks(d))
 
 
 def _launches(*tensors: Tensor):
@@ -118,8 +122,8 @@ def _blocks(d: Tensor) -> dict:
 
 def _in_rows(t: Tensor):
     """Batch and head strides in rows, and the row stride (in elements)."""
-    row = t.stride(2)
-    return t.stride(0) // row, t.stride(1) // row, row
+    batch, head, row = t.stride()[:3]
+    return batch // row, head // row, row
 
 
 @functools.lru_cache(maxsize=None)

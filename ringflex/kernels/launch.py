@@ -4,7 +4,9 @@ At every launch Triton's JIT binds each argument, works out what it specialises 
 pointer's alignment, an integer's value or width), builds a cache key and looks it up: for
 the fused merge's 25 to 55 arguments that took 20 to 70 us of host time on 4x H100 hosts,
 against about 7 us for the launcher itself, and a ring call launches about ten. A call that
-is bound by its host (short sequences, packed documents) waits for all of it.
+is bound by its host (short sequences, packed documents) waits for all of it. For the same
+reason the device and its stream are read raw (``torch.cuda.current_stream`` builds a Python
+object: a few us a launch).
 
 ``Launcher`` keeps, for each kernel, the compiled kernel of each specialisation it has
 launched, keyed by what Triton specialises on, so that only the first launch of each goes
@@ -36,6 +38,15 @@ def _knobs():
     return knobs
 
 
+def _current_device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+def _current_stream(device: int) -> int:
+    """The device's current stream, raw (``torch.cuda.current_stream`` makes a Stream object)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
 def _set(hook) -> bool:
     """Whether a launch hook is set: a function, or a chain of them (Triton 3.5 on) not empty."""
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -62,10 +73,8 @@ class Launcher:
         if self.tensors is None:  # where the tensors and integers are: the same at every launch
             self.tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
             self.ints = [i for i, a in enumerate(args) if i not in self.free and not isinstance(a, Tensor)]
-        tensors = [args[i] for i in self.tensors]
-        return (torch.cuda.current_device(), constants, *[t.dtype for t in tensors],
-                *[t.data_ptr() % 16 == 0 for t in tensors], *[args[i] for i in self.ints],
-                all(-_INT32 <= args[i] < _INT32 for i in self.free))
+        return (_current_device(), constants, *[(args[i].dtype, args[i].data_ptr() % 16 == 0) for i in self.tensors],
+                *[args[i] for i in self.ints], all(-_INT32 <= args[i] < _INT32 for i in self.free))
 
     def launch(self, grid, args: Sequence, constants: dict) -> None:
         values = tuple(constants.values())
@@ -81,6 +90,5 @@ class Launcher:
             if key is not None:
                 self.compiled[key] = compiled
             return
-        stream = torch.cuda.current_stream().cuda_stream
-        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                     *args, *values)
+        compiled.run(grid[0], grid[1], 1, _current_stream(key[0]), compiled.function, compiled.packed_metadata,
+                     None, None, None, *args, *values)
