@@ -786,3 +786,48 @@ def test_a_steps_disjoint_hops_go_to_the_kernel_as_one_call(world_size):
     results = run_world(world_size, _joined_documents)
     assert all(error < TOLERANCE[torch.bfloat16] for error, _ in results), results
     assert any(joined == 2 for _, joined in results), results  # one forward, one backward call
+
+
+@pytest.mark.parametrize("gap", [0, 3])
+def test_a_joined_steps_results_are_one_part_where_its_hops_fill_them(gap):
+    """A step's hops run as one call come back as one result over their rows and keys where
+    they leave none between them (the own block over zigzag), and as each hop's rows of it
+    where they do: the same numbers as a call per hop, never a row no hop computed (the
+    one-call kernel leaves those NaN)."""
+    from ringflex.kernels.base import Mods
+    from ringflex.parallel import compute
+    from ringflex.plan.blocks import Hop
+    from ringflex.plan.layout import Segment
+
+    n = 8
+    starts = (0, 100)
+    spans = [(0, n), (n + gap, 2 * n + gap)]
+    hops = [Hop(r, r, Segment(s, 1, n), Segment(s, 1, n), BlockKind.PARTIAL) for r, s in zip(spans, starts)]
+    call = types.SimpleNamespace(kernel=_OneCallKernel(), mods=Mods(None, lambda b, h, q, kv: q >= kv),
+                                 scale=0.5, tensors=[])
+    q, k, v, dout = (torch.randn(1, 2, 2 * n + gap, 4, dtype=torch.float64) for _ in range(4))
+
+    def keys(r):
+        return k[:, :, slice(*r)], v[:, :, slice(*r)]
+
+    parts = compute.step_forward(call, hops, q, keys)
+    assert len(parts) == (1 if gap == 0 else 2)
+    one_by_one = [(h.q_rows, *compute.hop_forward(call, h, q[:, :, slice(*h.q_rows)], *keys(h.kv_rows)))
+                  for h in hops]
+    for h, (r, want_out, want_lse, _) in zip(hops, one_by_one):
+        (got_rows, out, lse, _), = [p for p in parts if p[0][0] <= r[0] and r[1] <= p[0][1]]
+        local = slice(r[0] - got_rows[0], r[1] - got_rows[0])
+        torch.testing.assert_close(out[:, :, local], want_out)
+        torch.testing.assert_close(lse[:, :, local], want_lse.to(lse.dtype))  # the one-call kernel's lse: fp32
+    out, lse = torch.zeros_like(q), torch.zeros(q.shape[:3], dtype=torch.float64)
+    for r, o, l, _ in one_by_one:
+        out[:, :, slice(*r)], lse[:, :, slice(*r)] = o, l
+    grads = compute.step_backward(call, hops, q, keys, out, lse, None, dout, None)
+    assert len(grads) == len(parts)
+    for h in hops:
+        want = compute.hop_backward(call, h, q[:, :, slice(*h.q_rows)], *keys(h.kv_rows), out[:, :, slice(*h.q_rows)],
+                                    lse[:, :, slice(*h.q_rows)], None, dout, None, h.q_rows)[:3]
+        (q_rows, kv_rows, *got), = [g for g in grads if g[0][0] <= h.q_rows[0] and h.q_rows[1] <= g[0][1]]
+        for g, w, r, base in zip(got, want, (h.q_rows, h.kv_rows, h.kv_rows), (q_rows, kv_rows, kv_rows)):
+            torch.testing.assert_close(g[:, :, r[0] - base[0]:r[1] - base[0]], w)
+            assert not g.isnan().any()
