@@ -104,8 +104,9 @@ def _fuzz(rank, world_size, argv):
 
 def test_fuzz_script_weighs_calls_beyond_the_tolerance_against_the_reference_kernel():
     """``tools/fuzz_ring.py`` over two gloo ranks on the reference kernel, with a tolerance no
-    bf16 call meets: every call is run again on the reference kernel, which errs as much, so
-    none fails (and no rank is left waiting in a collective the other skipped)."""
+    bf16 call meets: every call is run again on the reference kernel and, whole, in each
+    rank's process alone, which err as much, so none fails (and no rank is left waiting in a
+    collective the other skipped)."""
     argv = ["--device", "cpu", "--backend", "reference", "--no-gathers", "--seeds", "0", "2", "--tolerance", "1e-9"]
     for ran, failed in run_world(2, _fuzz, argv):
         assert (ran, failed) == (2, [])
