@@ -67,7 +67,7 @@ def fuzz(args, device):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     flags_on = "cpu" if dist.get_backend() == "gloo" else device
     group, quantum = dist.new_group(backend=dist.get_backend()), lending.QUANTUM
-    alone_group, _ = dist.new_subgroups(1)
+    alone, _ = dist.new_subgroups(1)
     warnings.simplefilter("ignore")  # fallbacks say so; the errors are what is checked
     start, ran, failed = time.time(), 0, []
     first, count = args.seeds
@@ -78,14 +78,11 @@ def fuzz(args, device):
             break
         size = dict(max_chunks=SIZES[seed % len(SIZES)], gathers=not args.no_gathers, head_dims=(64, 128))
         lending.QUANTUM = 1 if seed % 2 else quantum  # half the calls lend any row that evens the ranks
-        def errors_on(backend):
-            return ring_errors(bf16_call(seed, world_size, device, size), truth(seed, world_size, size), backend,
-                               group, floor=0.1)
-
-        def errors_alone(backend):  # the whole call on this rank's process alone
-            one = [dataclasses.replace(c, layout="contiguous") for c in (bf16_call(seed, world_size, device, size),
-                                                                         truth(seed, world_size, size))]
-            return ring_errors(*one, backend, alone_group, floor=0.1)
+        def errors_on(backend, over=group):  # over ``alone``: the whole call in this rank's process alone
+            calls = bf16_call(seed, world_size, device, size), truth(seed, world_size, size)
+            if over is alone:
+                calls = [dataclasses.replace(c, layout="contiguous") for c in calls]
+            return ring_errors(*calls, backend, over, floor=0.1)
 
         errors, problem, broken = None, {}, False
         try:
@@ -102,10 +99,10 @@ def fuzz(args, device):
             # rounded output, and flash kernels round P and dS to bf16 before their products): an
             # error is the ring's only if the reference kernel, computing in fp32 from the same
             # bf16 values, and the same kernel on one process both come out well closer.
-            reference, alone = errors_on("reference"), errors_alone(args.backend)
-            problem = {name: f"{e:.2e} (reference kernel {reference[name]:.2e}, one process {alone[name]:.2e})"
+            reference, one = errors_on("reference"), errors_on(args.backend, alone)
+            problem = {name: f"{e:.2e} (reference kernel {reference[name]:.2e}, one process {one[name]:.2e})"
                        for name, e in errors.items()
-                       if not e <= max(args.tolerance, 2 * reference[name], 2 * alone[name])}
+                       if not e <= max(args.tolerance, 2 * reference[name], 2 * one[name])}
         flags = torch.tensor([int(bool(problem)), int(broken)], device=flags_on)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[1].item():

@@ -66,12 +66,12 @@ def step_backward(call, hops: Sequence[Hop], q: Tensor, keys: Callable, out: Ten
     share, ``lse_grad``), one result where they fill their rows and keys."""
     if _joinable(call, hops) and lse_grad is None and dout is not None:
         q_span, kv_span, local = _local_hops(hops)
-        dq, dk, dv = call.kernel.backward_hops(rows(q, q_span), *keys(kv_span), rows(out, q_span), rows(lse, q_span),
-                                               rows(dout, q_span), local, call.mods, call.scale,
-                                               optional_rows(res, q_span)) or (None,) * 3
-        if dq is not None and _filled(hops):
-            return [(q_span, kv_span, dq, dk, dv, [])]
-        if dq is not None:
+        joined = call.kernel.backward_hops(rows(q, q_span), *keys(kv_span), rows(out, q_span), rows(lse, q_span),
+                                           rows(dout, q_span), local, call.mods, call.scale, optional_rows(res, q_span))
+        if joined is not None:
+            if _filled(hops):
+                return [(q_span, kv_span, *joined, [])]
+            dq, dk, dv = joined
             return [(hop.q_rows, hop.kv_rows, rows(dq, r.q_rows), rows(dk, r.kv_rows), rows(dv, r.kv_rows), [])
                     for hop, r in zip(hops, local)]
     return [(hop.q_rows, hop.kv_rows, *hop_backward(call, hop, rows(q, hop.q_rows), *keys(hop.kv_rows),
