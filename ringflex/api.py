@@ -7,6 +7,7 @@ merges the hops' results (``parallel.ring``).
 """
 from __future__ import annotations
 
+import functools
 import math
 import types
 from dataclasses import dataclass
@@ -30,9 +31,10 @@ from .parallel.shard import warn_if_launched_alone
 from .plan import layout as layouts
 from .plan import lending
 from .plan.sharding import Resharding, resharding
-from .plan.blocks import Hop, PlanCache, check_lookups, keys_read, plan_hops
+from .plan.blocks import Hop, MaskCache, PlanCache, check_lookups, keys_read, plan_hops
 
 _PLANS = PlanCache()
+_CALL_PLANS = MaskCache()  # (schedule, offer, reads) of this rank's part of a call (``_plan``)
 _COLD_CAPTURE = ("ring_flex_attention is being captured in a CUDA graph, but no call with this mask, these shapes and "
                  "this backend ran before: a first call plans the ring and builds its kernels, which a capture cannot "
                  "hold. Run the call once eagerly before capturing (torch.cuda.make_graphed_callables does)")
@@ -139,7 +141,7 @@ def ring_flex_attention(
         mask_mod=mask_mod, sinks=sinks, return_lse=return_lse, debug=debugging, kernel=plan.kernel.name,
         grad=torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
                                              for t in (q, k, v, sinks, *plan.tensors)))
-    agreed = agreement.start(group, args, plan.shares(world_size) if plan else _no_shares(world_size), error, cause)
+    agreed = agreement.start(group, args, plan.shares() if plan else _no_shares(world_size), error, cause)
     if agreed.failed_here or debugging or moved:  # raises here (or agrees before the checks or the move below)
         agreed.wait()
     if default is not None and rank_and_size(group)[0] == 0:  # where it moves, or what staying costs
@@ -195,27 +197,32 @@ class _Plan:
     kernel: HopKernel
     tensors: Tuple[Tensor, ...]  # the score_mod's captured tensors that require grad
     offer: Optional[lending.Offer]  # this rank's side of lending (None: one rank, or lending off)
+    reads: List[int]  # per step, the rows of the block held then that the hops read (``keys_read``), flat
 
-    def shares(self, world_size: int) -> List[int]:
+    def shares(self) -> List[int]:
         """What every rank learns of this plan in the agreement: the rows of the block held at
         each step that its hops read, and the offer's shares."""
-        reads = [x for span in keys_read(self.schedule, world_size) for x in span]
-        return reads + (self.offer.shares if self.offer is not None else lending.NO_OFFER)
+        return self.reads + (self.offer.shares if self.offer is not None else lending.NO_OFFER)
 
 
 def _plan(q: Tensor, k: Tensor, v: Tensor, mods: Mods, group, layout: str, backend: str, debugging: bool) -> _Plan:
     """This rank's plan of a call whose arguments passed ``checks.local_error``. It evaluates
-    the mods, which may raise (on this rank only): the caller makes that a refusal of every rank."""
+    the mods, which may raise (on this rank only): the caller makes that a refusal of every rank.
+    A training loop makes the same call at every step: its schedule, offer and reads are kept
+    (``_CALL_PLANS``, by the mask_mod as the plan cache keeps plans), so such a call looks them
+    up once instead of planning its steps, the next rank's hops and the offer anew."""
     world_size = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     mask_mod, score_mod = mods.mask_mod, mods.score_mod
     q_len, kv_len = q.shape[2] * world_size, k.shape[2] * world_size
-    q_segs = layouts.segments(layout, q_len, world_size, rank)
-    kv_segs_per_step = [layouts.segments(layout, kv_len, world_size, (rank - step) % world_size)
-                        for step in range(world_size)]
     tensors = tensors_requiring_grad(score_mod, q.device)
     kernel = select_kernel(backend, q, k, v, mods, tensor_grads=bool(tensors), lengths=(q_len, kv_len))
     min_tile = config.MIN_TILE.value()
+    segments = functools.partial(layouts.segments, layout, world_size=world_size)
+
+    def segments_of_call():  # this rank's query segments, and the key segments of each step's block
+        return segments(q_len, rank=rank), [segments(kv_len, rank=(rank - step) % world_size)
+                                            for step in range(world_size)]
 
     def plan_args(q_segs, kv_segs_per_step):
         return (mask_mod, score_mod is not None, q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device,
@@ -230,16 +237,24 @@ def _plan(q: Tensor, k: Tensor, v: Tensor, mods: Mods, group, layout: str, backe
                 raise
             raise RuntimeError(_COLD_CAPTURE) from None
 
-    schedule = planned(q_segs, kv_segs_per_step)
-    stale = debugging and debug.plan_error(schedule, plan_hops(*plan_args(q_segs, kv_segs_per_step)))
-    if stale:
-        raise ValueError(stale)
-    if score_mod is not None:  # the mask's lookups are checked where it is planned
-        check_lookups(score_mod, "score_mod", q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device)
-    offer = None
-    if world_size > 1:  # the next rank's hops against this rank's block, planned here too: it may lend them here
-        next_hops = planned(layouts.segments(layout, q_len, world_size, (rank + 1) % world_size),
-                            kv_segs_per_step[:1])[0]
-        offer = lending.offer(mask_mod, schedule, next_hops, kernel.name,
-                              kernel.call_pairs(q.shape[0], q.shape[1], q.shape[3]), q.device)
-    return _Plan(schedule, kernel, tensors, offer)
+    def plan_and_offer():
+        q_segs, kv_segs_per_step = segments_of_call()
+        schedule = planned(q_segs, kv_segs_per_step)
+        offer = None
+        if world_size > 1:  # the next rank's hops against this rank's block, planned here too: it may lend them here
+            next_hops = planned(segments(q_len, rank=(rank + 1) % world_size), kv_segs_per_step[:1])[0]
+            offer = lending.offer(mask_mod, schedule, next_hops, kernel.name,
+                                  kernel.call_pairs(q.shape[0], q.shape[1], q.shape[3]), q.device)
+        return schedule, offer, [x for span in keys_read(schedule, world_size) for x in span]
+
+    key = (score_mod is not None, *q.shape[:2], q.shape[3], q_len, kv_len, layout, world_size, rank, str(q.device),
+           min_tile, kernel.name, config.LENDING.value())
+    schedule, offer, reads = _CALL_PLANS.lookup(mask_mod, key, plan_and_offer)
+    if debugging or score_mod is not None:
+        q_segs, kv_segs_per_step = segments_of_call()
+        stale = debugging and debug.plan_error(schedule, plan_hops(*plan_args(q_segs, kv_segs_per_step)))
+        if stale:
+            raise ValueError(stale)
+        if score_mod is not None:  # the mask's lookups are checked where it is planned
+            check_lookups(score_mod, "score_mod", q.shape[0], q.shape[1], q_segs, kv_segs_per_step, q.device)
+    return _Plan(schedule, kernel, tensors, offer, reads)

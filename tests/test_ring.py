@@ -303,6 +303,46 @@ def test_what_the_mask_reads_may_change_between_calls():
         assert all(max(e) < 1e-12 for e in errors.values()), errors
 
 
+def _plans_of_repeated_calls(rank, world_size):
+    """Over calls that repeat: how many times the ring had planned hops and made its offer to
+    lend after each call, and each call's error."""
+    import os
+    from ringflex.plan import blocks, lending
+    planned, offered, plan_hops, offer = [], [], blocks.plan_hops, lending.offer
+    blocks.plan_hops = lambda *args, **kwargs: planned.append(1) or plan_hops(*args, **kwargs)
+    lending.offer = lambda *args, **kwargs: offered.append(1) or offer(*args, **kwargs)
+    try:
+        q, k, v, _ = make_inputs(cases(16)["no_mask"], 16, dtype=torch.float64)
+        local = [ringflex.shard(t, 2) for t in (q, k, v)]
+        ids = ringflex.mods.document_ids([5, 11])
+        documents = ringflex.mods.document(ids, causal_within=False)
+        counts, errors = [], []
+        for change in (None, None, "ids written in place", None, "lending off"):
+            if change == "ids written in place":
+                ids.copy_(ringflex.mods.document_ids([9, 7]))
+            if change == "lending off":
+                os.environ["RINGFLEX_LENDING"] = "0"
+            out = ringflex.ring_flex_attention(*local, mask_mod=documents)
+            errors.append((out - ringflex.shard(attention(q, k, v, None, documents), 2)).abs().max().item())
+            counts.append((len(planned), len(offered)))
+        return counts, errors
+    finally:
+        blocks.plan_hops, lending.offer = plan_hops, offer
+        os.environ.pop("RINGFLEX_LENDING", None)
+
+
+def test_a_repeated_call_plans_once():
+    """A training loop's call plans its steps and the next rank's hops and makes its offer to
+    lend at its first call only (``api._CALL_PLANS``); new document ids written into the same
+    tensor plan anew, and another lending setting makes the offer anew."""
+    for counts, errors in run_world(2, _plans_of_repeated_calls):
+        assert max(errors) < 1e-12, errors
+        first, again, written, written_again, lending_off = counts
+        assert first[0] > 0 and first[1] == 1 and again == first, counts
+        assert written[0] > again[0] and written[1] == 2 and written_again == written, counts
+        assert lending_off == (written[0], 3), counts
+
+
 def _changed_before_backward(rank, world_size):
     """What backward says where the documents a mask reads change between forward and backward
     (as training code that sets the next batch's ids before the last backward might)."""

@@ -20,7 +20,7 @@ Conventions (the flex_attention ones):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import Tensor
