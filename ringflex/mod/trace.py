@@ -300,6 +300,12 @@ def _traced(fn, parts, inputs, kind, device, where: str) -> ModGraph:
 
 
 def _cached(fn, inputs, kind, device) -> ModGraph:
+    """The graph of ``fn``, once per ``captured.one_walk`` (a ring call's pass asks for it at
+    every hop, and nothing the mod reads changes within one): else as ``_looked_up`` finds it."""
+    return captured.kept(fn, ("trace", kind, device), lambda: _looked_up(fn, inputs, kind, device))
+
+
+def _looked_up(fn, inputs, kind, device) -> ModGraph:
     parts = captured.parts(fn)
     if device is None:  # where its tensors live: a mod's traces are kept for one device, so every caller agrees
         device = captured.device_of(fn, parts)
