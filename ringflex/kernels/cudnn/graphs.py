@@ -53,7 +53,7 @@ def _layout(t: Tensor, ragged: bool) -> tuple:
     lengths (``batches.Ragged``): only heads, head_dim and the strides between them count."""
     if ragged:
         return t.shape[1], t.shape[3:], t.stride()[1:], t.dtype
-    return tuple(t.shape), tuple(t.stride()), t.dtype
+    return t.shape, t.stride(), t.dtype
 
 
 def _band_kwargs(band: Tuple[Optional[int], Optional[int]]) -> dict:
@@ -76,9 +76,10 @@ def graph(backward: bool, tensors: Dict[str, Tensor], scale: float, band, loweri
     key = (backward, deterministic, q.device, scale, band, lowering and lowering.key,
            tuple(sorted(strided.items())) if lowering and lowering.indices else None, ragged,
            tuple((name, _layout(t, ragged is not None)) for name, t in sorted(tensors.items()) if name in _ATTENTION))
-    if key in _GRAPHS:
+    found = _GRAPHS.get(key)  # the key is hashed at each lookup: once here, once to mark it recent
+    if found is not None:
         _GRAPHS.move_to_end(key)
-        return _GRAPHS[key]
+        return found
     if q.is_cuda and torch.cuda.is_current_stream_capturing():  # building would invalidate the capture
         raise RuntimeError("ringflex: a cuDNN graph for this call's shapes is not built yet, and building one cannot "
                            "be captured in a CUDA graph: run the call once eagerly before capturing")
