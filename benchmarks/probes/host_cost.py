@@ -11,8 +11,10 @@ Prints, for each piece, the min and median over 7 rounds of the host time per ca
 queued, not waited for): torch's CUDA calls that a ring call makes dozens of, one bare Triton
 launch, and ringflex's own pieces: the cuDNN hop kernel's forward and backward (an unmasked
 block; a block of packed documents, one ragged batch), the fused copy of a block's rows, the
-argument check's record exchange (on one gloo rank) and the kernel choice. Host time
-varies by up to 2x between runs on a shared host: compare versions in alternating runs.
+argument check's record exchange (on one gloo rank) and the kernel choice; and the cuDNN
+frontend's own execute and torch's SDPA on cuDNN beside the hop forward, to tell the kernel's
+own cost from ringflex's around it. Host time varies by up to 2x between runs on a shared
+host: compare versions in alternating runs.
 """
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ from ringflex import mods
 from ringflex.kernels import select_kernel
 from ringflex.kernels.base import Mods
 from ringflex.kernels import fused_merge
+from ringflex.kernels import cudnn
 from ringflex.kernels.cudnn import CudnnKernel
+from ringflex.mod import captured
 from ringflex.parallel import agreement
 from ringflex.plan.layout import Segment
 
@@ -45,6 +49,12 @@ def timed(name: str, fn, calls: int = 300, rounds: int = 7) -> None:
         torch.cuda.synchronize()
     spent.sort()
     print(f"{name:48s} min {spent[0] * 1e6:7.1f} us   median {spent[rounds // 2] * 1e6:7.1f} us", flush=True)
+
+
+def sdpa_on_cudnn(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
 
 def bare_triton_launch():
@@ -82,6 +92,17 @@ def main():
     dout = torch.randn_like(out)
     timed("cuDNN hop forward, no mask", lambda: kernel.forward(q, k, v, None, None, plain, 0.088, False))
     timed("cuDNN hop backward, no mask", lambda: kernel.backward(q, k, v, out, lse, dout, None, None, plain, 0.088, False))
+    with captured.one_walk():  # as inside a ring call's pass, where the mods' walks and traces are kept
+        timed("cuDNN hop forward, no mask, within a pass", lambda: kernel.forward(q, k, v, None, None, plain, 0.088,
+                                                                                 False))
+    kernel.forward(q, k, v, None, None, plain, 0.088, False)
+    built = next(reversed(cudnn.graphs._GRAPHS.values()))  # the graph that forward ran
+    buffers = [dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1))[name] for name in built.names]
+    workspace = torch.empty(max(1, built.workspace), dtype=torch.uint8, device=device)
+    handle = cudnn.frontend.handle(device)
+    timed("  of it: the cuDNN frontend's execute alone", lambda: built.graph.execute(
+        buffers, workspace, handle=handle, tensor_uids=built.uids))
+    timed("torch's SDPA forward on cuDNN, no mask (for comparison)", lambda: sdpa_on_cudnn(q, k, v))
     lengths = [3 * n // 10, n // 2, n - 3 * n // 10 - n // 2]
     docs, seg = Mods(None, mods.document(mods.document_ids(lengths, device=device))), Segment(0, 1, n)
     out, lse, _ = kernel.forward(q, k, v, seg, seg, docs, 0.088, True)
