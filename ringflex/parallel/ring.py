@@ -135,7 +135,7 @@ class _KVStream:
                 self._add_buffer()
             k = first[0]
             if k.is_cuda:
-                self.first_stream = _first_stream(k.device)
+                self.first_stream = torch.cuda.Stream(k.device)
                 self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
                 self.own_ready = self.first_stream.record_event()
 
@@ -206,17 +206,6 @@ class _KVStream:
             transfer.wait()
         elif step + 2 == self.steps and self.last is not None:
             self.current, self.offset = self.last, 0
-
-
-_FIRST_STREAMS = {}  # device -> the stream of its passes' first transfers (``_KVStream``)
-
-
-def _first_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream a pass's first transfer leaves from, one per device, made once: making a
-    stream per pass costs host time, and torch hands out the same few streams round-robin anyway."""
-    if device not in _FIRST_STREAMS:
-        _FIRST_STREAMS[device] = torch.cuda.Stream(device)
-    return _FIRST_STREAMS[device]
 
 
 def _leading_rows(buffer: Tensor, n: int) -> Tensor:
