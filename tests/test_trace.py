@@ -139,6 +139,24 @@ def test_a_mod_is_walked_once_within_a_call():
     assert captured.parts(mask) is not first
 
 
+def test_a_mod_is_traced_once_within_a_call(monkeypatch):
+    """Within ``one_walk`` every hop of a pass asks for the mod's trace: it is looked up once
+    (the same graph after); outside one, at every asking, so a tensor written between calls
+    is traced anew."""
+    from ringflex.mod import captured, trace
+    looked_up, original = [], trace._looked_up
+    monkeypatch.setattr(trace, "_looked_up", lambda *args: looked_up.append(1) or original(*args))
+    ids = mods.document_ids([3, 5])
+    mask = mods.document(ids)
+    with captured.one_walk():
+        first = trace_mask_mod(mask)
+        assert all(trace_mask_mod(mask) is first for _ in range(3)) and len(looked_up) == 1
+    ids.copy_(mods.document_ids([5, 3]))
+    assert trace_mask_mod(mask) is not first and len(looked_up) == 2
+    trace_mask_mod(mask)
+    assert len(looked_up) == 3
+
+
 def _walks_per_pass(rank, world_size):
     """The walks of the mods in one ring call's forward and in its backward."""
     import ringflex
