@@ -662,10 +662,12 @@ def test_ring_stops_where_no_rank_needs_further_blocks(mask_name, forward, backw
         assert error < 1e-10
 
 
-def _zigzag_window(rank, world_size):
+def _zigzag_window(rank, world_size, kernel=None):
     """A window of 4 over zigzag (chunks of 4 tokens): the shifts of one forward's and
-    backward's transfers, and the largest error against the oracle."""
+    backward's transfers and the rows of K they send, and the largest error against the oracle."""
     from ringflex import mods
+    if kernel is not None:
+        _with_kernel(kernel)
     mask, seq_len = mods.sliding_window(4), 8 * world_size
     q, k, v, dout = (torch.randn(1, 2, seq_len, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
                      for i in range(4))
@@ -673,7 +675,7 @@ def _zigzag_window(rank, world_size):
     want = attention(*full, mask_mod=mask)
     want.backward(dout)
     parts = [ringflex.shard(t, 2, layout="zigzag").requires_grad_() for t in (q, k, v)]
-    with _recorded_transfers(lambda comm, send, shift: (comm.phase, shift)) as seen:
+    with _recorded_transfers(lambda comm, send, shift: (comm.phase, shift, send[0].shape[2])) as seen:
         out = ringflex.ring_flex_attention(*parts, mask_mod=mask, layout="zigzag")
         out.backward(ringflex.shard(dout, 2, layout="zigzag"))
     errors = [(a - ringflex.shard(b, 2, layout="zigzag")).abs().max().item()
@@ -688,7 +690,24 @@ def test_a_window_over_zigzag_brings_the_blocks_of_both_neighbours_alone(monkeyp
     dK/dV share. (Without lending.)"""
     monkeypatch.setenv("RINGFLEX_LENDING", "0")
     for seen, error in run_world(4, _zigzag_window):
-        assert seen == [("forward", 1), ("forward", 3), ("backward", 1), ("backward", -3), ("backward", -1)], seen
+        assert [s[:2] for s in seen] == [("forward", 1), ("forward", 3), ("backward", 1), ("backward", -3),
+                                         ("backward", -1)], seen
+        assert error < 1e-10
+
+
+def test_a_window_over_zigzag_sends_each_neighbour_the_chunk_it_reads(monkeypatch):
+    """Over zigzag a window's reader behind reads the first chunk of a block (4 rows of 8), its
+    reader ahead the second: each K/V transfer is that chunk, not the block (the first and
+    last rank read nothing of each other); the dK/dV shares come back over the 3 rows read.
+    (With a kernel that plans within blocks, so the rows read are exact; without lending.)"""
+    monkeypatch.setenv("RINGFLEX_LENDING", "0")
+    monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
+    for rank, (seen, error) in enumerate(run_world(4, _zigzag_window, _WholeBlockKernel())):
+        ahead = 0 if rank == 3 else 4  # rows sent to the rank 1 ahead (rank 0 reads no row of rank 3)
+        behind = 0 if rank == 0 else 4  # to the rank 3 ahead, 1 behind
+        share_1, share_3 = (0 if rank == 0 else 3), (0 if rank == 3 else 3)  # to the owners 1 and 3 back
+        assert seen == [("forward", 1, ahead), ("forward", 3, behind), ("backward", 1, ahead),
+                        ("backward", -3, share_3), ("backward", -1, share_1)], (rank, seen)
         assert error < 1e-10
 
 

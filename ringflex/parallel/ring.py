@@ -2,8 +2,8 @@
 plan's hops against it. Step s brings the block of the rank ``RingCall.distance(s)`` back
 (0: the own block), over the distances at which some rank reads keys (``plan.blocks.
 distances_needed``): a mask that reads the ranks on either side brings two blocks, whatever
-the number of ranks. Of each block only the rows that some other rank reads travel
-(``RingCall.travelling``), widened to a power of two (``plan.blocks.widened``).
+the number of ranks. Of each block only the rows that its receiver reads travel
+(``RingCall.rows_sent``), widened to a power of two (``plan.blocks.widened``).
 
 Results accumulate in fp32 (fp64 for fp64 inputs) and are rounded once into the input dtype
 (``merge.RowMerge`` / ``RowSum``). Backward runs the steps in reverse, from the block forward
@@ -29,7 +29,7 @@ from ..kernels.base import HopKernel, Mods
 from ..kernels.merge import RowMerge, RowSum, Rows, lse_weights, rows
 from ..kernels.reference import compute_dtype
 from ..mod import captured
-from ..plan.blocks import Hop, distances_needed, part_planner, travelling_rows, widened
+from ..plan.blocks import Hop, distances_needed, part_planner, widened
 from ..plan.lending import Loan, Offer
 from .comm import RingComm, capture_error
 from .compute import lse_as_attention, new_rows, rows_shape, some, step_backward, step_forward
@@ -47,7 +47,6 @@ class RingCall:
     mods: Mods
     scale: float
     agreement: Any = None  # the cross-rank argument check under way: ``wait()`` before the first transfer
-    travelling: Optional[List[Rows]] = None  # per block (by owner): the rows of it that travel; None: all
     tensors: Tuple[Tensor, ...] = ()  # captured tensors of the score_mod that require grad
     offer: Optional[Offer] = None  # this rank's side of lending, before the ranks agree
     loan: Optional[Loan] = None  # the rows lent and borrowed, once they agree (``plan.lending``)
@@ -57,9 +56,9 @@ class RingCall:
 
     def agree(self, device) -> None:
         """Waits for the agreement. Then the ring runs only the steps of the distances some rank
-        reads (``plan.blocks.distances_needed``), moves only the rows of each block that some
-        rank reads (``plan.blocks.travelling_rows``), and lends rows where that evens the ranks'
-        work (``plan.lending``: the next rank's rows, computed against this rank's block)."""
+        reads (``plan.blocks.distances_needed``), moves only the rows of a block that its
+        receiver reads (``rows_sent``), and lends rows where that evens the ranks' work
+        (``plan.lending``: the next rank's rows, computed against this rank's block)."""
         if self.agreement is None:
             return
         self.agreement.wait()
@@ -68,8 +67,6 @@ class RingCall:
         reads = self.reads = [[(s[i], s[i + 1]) for i in range(0, 2 * world, 2)] for s in shared]
         self.distances = distances_needed(reads)
         self.schedule = [self.schedule[d] for d in self.distances]
-        if self.comm is not None:
-            self.travelling = travelling_rows(reads, self.distances)
         if self.comm is not None and self.offer is not None and self.distances[1:2] == [1]:
             planned_part = part_planner(self.kernel, self.mods.mask_mod, self.mods.score_mod is not None, device)
             self.loan = self.offer.agree([s[2 * world:] for s in shared], self.comm.rank, planned_part)
@@ -85,15 +82,24 @@ class RingCall:
         reads, as the ranks agreed: the rows of its dK/dV share of that block."""
         return self.reads[rank % len(self.reads)][distance]
 
-    def rows_travelling(self, step: int, length: int) -> Rows:
-        """The rows of the block held at (forward) ``step`` that travel."""
-        if self.travelling is None:
-            return (0, length)
-        return widened(self.travelling[(self.comm.rank - self.distance(step)) % self.comm.world_size], length)
+    def rows_sent(self, distance: int, length: int) -> Rows:
+        """The rows of the own block (of ``length`` rows) that travel to the rank ``distance``
+        ahead: those that rank reads of it, widened (``plan.blocks.widened``). A block goes to
+        each reader apart, so each gets its own rows: over zigzag a window's reader behind
+        reads the block's first chunk, its reader ahead the second, and each transfer is half
+        the block."""
+        return self._travelling(distance, distance, length)
 
     def rows_held(self, step: int, length: int) -> Rows:
-        """The rows of the block held at (forward) ``step``: the own block whole, others as they travel."""
-        return (0, length) if step == 0 else self.rows_travelling(step, length)
+        """The rows of the block held at (forward) ``step``: the own block whole, others as
+        they travel (``rows_sent`` at their owner)."""
+        return (0, length) if step == 0 else self._travelling(self.distance(step), 0, length)
+
+    def _travelling(self, distance: int, reader_ahead: int, length: int) -> Rows:
+        """The rows of a block that travel at ``distance`` to its reader, ``reader_ahead`` ranks after this one."""
+        if self.reads is None:  # no agreement: every row
+            return (0, length)
+        return widened(self.rows_read(self.comm.rank + reader_ahead, distance), length)
 
 
 class _KVStream:
@@ -104,7 +110,7 @@ class _KVStream:
     then the ring skips the transfer that would bring it. Each transfer brings the next step's block
     from its owner, to which this rank sends its own block (``own``: ``first`` forward, ``last``
     backward) at the same distance, so every send reads the own block's rows (in place over
-    the copy engines; over the process group's P2P, a copy made once). A received block holds
+    the copy engines; over the process group's P2P, a copy made once per range of rows). A received block holds
     only the rows of it that travel (``RingCall.rows_held``), in the leading memory of a buffer
     sized for a whole block. The number of steps is read when the first transfer starts:
     forward may shorten the schedule once the ranks agree."""
@@ -129,7 +135,7 @@ class _KVStream:
         # also waits for the one before it (its ``sent`` event): the sends share the copy
         # engines and the link, so side by side each would end as late as the last, while one
         # after another the nearest rank, which reads the block first, has it first.
-        self.first_stream, self.own_sent, self.own_ready, self.joined = None, None, None, False
+        self.first_stream, self.own_sent, self.own_ready, self.joined = None, {}, None, False
         if self.transfers > 0:
             if not self.in_place:  # in place, the buffers are made with every rank, once they agreed
                 self._add_buffer()
@@ -177,16 +183,16 @@ class _KVStream:
         if len(self.buffers) <= step % 2:
             self._add_buffer()
         lo, hi = self.rows(step + 1)
-        own_rows = self.call.rows_travelling(0, self.shapes[0][2])
+        distance = self.call.distance(self._forward_step(step + 1))
+        own_rows = self.call.rows_sent(distance, self.shapes[0][2])
         if step > 0 and self.first_stream is not None and not self.joined:  # the own rows sent were made there
             torch.cuda.current_stream(self.first_stream.device).wait_stream(self.first_stream)
             self.joined = True
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
-            if self.own_sent is None or self.own_sent[0] != own_rows:
-                self.own_sent = own_rows, tuple(self.call.comm.sendable(rows(t, own_rows)) for t in self.own)
-            send = self.own_sent[1]
+            if own_rows not in self.own_sent:
+                self.own_sent[own_rows] = tuple(self.call.comm.sendable(rows(t, own_rows)) for t in self.own)
+            send = self.own_sent[own_rows]
             recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
-            distance = self.call.distance(self._forward_step(step + 1))
             transfer = self.call.comm.exchange(send, recv, shift=distance, send_after=self.own_ready)
             if transfer.sent is not None:
                 self.own_ready = transfer.sent

@@ -366,16 +366,6 @@ def distances_needed(keys_read_by_rank) -> List[int]:
                   if any(spans[d][1] > spans[d][0] for spans in keys_read_by_rank)]
 
 
-def travelling_rows(keys_read_by_rank, distances: Sequence[int]) -> List[Tuple[int, int]]:
-    """Per block (by owner), the rows of it that travel: one range around the rows that the
-    other ranks read of it at the ring's ``distances`` ((0, 0): none, and it never leaves).
-    Over the contiguous layout a sliding window reads only the end of the previous rank's
-    block, so only that end travels (and, in backward, the dK/dV shares of the rows read)."""
-    world_size = len(keys_read_by_rank)
-    return [around(keys_read_by_rank[(owner + d) % world_size][d] for d in distances[1:])
-            for owner in range(world_size)]
-
-
 def widened(r: Tuple[int, int], length: int) -> Tuple[int, int]:
     """Rows ``r`` of a block of ``length`` rows widened inside it to a power of two (or to the
     whole block). A received block holds these rows, so its row count, and with it the strides

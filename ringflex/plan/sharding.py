@@ -103,7 +103,8 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
       (query segment, key segment) pair and one for all FULL ones of a (rank, step), which
       the planner joins.
     - ``travel_rows``: the rows of a block that travel at each step after the first (one range
-      around the rows other ranks see, widened to a power of two, as the ring sends them).
+      around the rows other ranks see, widened to a power of two; the ring sends each reader
+      its own range, which is at most that: half of it over zigzag for local masks).
     - ``cost``: the slowest rank's time, the longer of its GPU work and its host work (which
       run side by side). GPU: its own block, then per step the longer of its hop and the
       transfer of the step's block (which the ring overlaps with the step before), a hop
