@@ -33,6 +33,9 @@ def _worker(rank, world_size, store_path, environ, backend, fn, args, results, d
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        # Every rank's connections are up before any rank may finish and close its own (gloo's
+        # set-up fails on a rank whose peer exits meanwhile: a rank whose function returns at once).
+        dist.barrier()
         # Pickled here, by value: a queue would pass tensors as file descriptors served by this
         # process, which may have exited by the time the parent reads them.
         results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
