@@ -164,7 +164,9 @@ def test_workload_counts_every_pair(name):
             groups = int(labels.max()) + 1
             pairs, read = work.usage(labels, groups)
             assert torch.allclose(pairs, brute_pairs(mask_mod, seq_len, labels, groups, 2, 3))
-            assert (read >= (seen & (labels[:, None] != labels[None, :])).any(0)).all()  # keys others see
+            for reader in range(groups):  # the keys of other labels that each label's queries see
+                want = (seen[labels == reader] & (labels != reader)).any(0)
+                assert (read[reader] >= want).all() and not (read[reader] & (labels == reader)).any()
         t = work.tile
         tile_of = torch.arange(seq_len) // t
         assert np.allclose(work.tile_pairs[0], brute_pairs(mask_mod, seq_len, tile_of, work.tiles, 2, 3).numpy())
@@ -192,18 +194,21 @@ def test_a_mask_too_open_to_count_is_sampled(monkeypatch):
 # ----------------------------------------------------------------------------- the cost model
 
 def brute_estimate(s: Sharding, mask_mod):
-    """Per (step, rank) pairs and the rows that travel, from the dense mask."""
+    """Per (step, rank) pairs, and the most rows one transfer carries, from the dense mask: to
+    each rank, of each other rank's block, one range around the keys its queries see, widened
+    to a power of two."""
     m = dense(mask_mod, s.seq_len)
     w = s.world_size
     pairs = [[float(m[s.positions(r)][:, s.positions((r - step) % w)].sum()) for r in range(w)] for step in range(w)]
     owners, local = s.owners(), s.local_index()
-    read_by_others = ((m > 0) & (owners[:, None] != owners[None, :])).any(0)
     travel = 0
-    for rank in range(w):
-        rows = local[read_by_others & (owners == rank)]
-        if len(rows):
-            span = int(rows.max() - rows.min()) + 1
-            travel = max(travel, min(s.local_len(rank), 1 << (span - 1).bit_length()))
+    for reader in range(w):
+        seen = (m[owners == reader] > 0).any(0)
+        for owner in set(range(w)) - {reader}:
+            rows = local[seen & (owners == owner)]
+            if len(rows):
+                span = int(rows.max() - rows.min()) + 1
+                travel = max(travel, min(s.local_len(owner), 1 << (span - 1).bit_length()))
     return pairs, travel
 
 
@@ -251,6 +256,16 @@ def test_estimate_weighs_calls_and_transfers():
     assert est["steps"] == 2 and est["travel_rows"] == 512 and est["calls"] == 3
     assert est["cost"] == pytest.approx(own + 1000 + max(corner + 1000, 10 * 512))
     assert "contiguous" in describe(est) and "2 steps" in describe(est)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_a_window_over_zigzag_prices_the_chunk_each_neighbour_reads(world_size):
+    """Over zigzag a window reads the ranks on either side, each transfer the one chunk (half a
+    block) that its reader reads, as the ring sends it: the model prices that, not the whole
+    block around both chunks."""
+    s = Sharding.of_layout("zigzag", 4096 * world_size, world_size)
+    est = estimate(s, mods.sliding_window(512), weights=Weights(call=0, token=1, host_step=0, host_call=0))
+    assert est["steps"] == 3 and est["travel_rows"] == 512
 
 
 def test_estimate_takes_the_longer_of_a_ranks_gpu_and_host_work():

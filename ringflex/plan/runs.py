@@ -60,8 +60,8 @@ class BandRuns:
         """For segments ``start + stride * i`` (i < ``length``), each held by rank ``owner`` from
         its local row ``local`` on: (pairs [S, S] float64 of segment i's queries against
         segment j's keys; with ``owner``, the keys that another rank's queries see, as the
-        rank holding them and the first and last local row of each run of them); None where
-        two segments of unequal strides meet in a run."""
+        rank reading them, the rank holding them and the first and last local row of each
+        run of them); None where two segments of unequal strides meet in a run."""
         piece = self._pieces(start, stride, length)
         q, k = _same_run_pairs(piece["run"])
         n, m = piece["count"][q], piece["count"][k]
@@ -83,7 +83,7 @@ class BandRuns:
         read = (count > 0) & (owner[seg_q] != owner[seg_k])  # keys j with some i: t_lo <= i - j <= t_hi
         row = local[seg_k] + piece["offset"][k]
         first, last = row + np.maximum(0, -t_hi), row + np.minimum(m - 1, n - 1 - t_lo)
-        return pairs, (owner[seg_k][read], first[read], last[read])
+        return pairs, (owner[seg_q][read], owner[seg_k][read], first[read], last[read])
 
     def _pieces(self, start: np.ndarray, stride: np.ndarray, length: np.ndarray):
         """Each segment's positions within each run it meets: its segment, run, first position,

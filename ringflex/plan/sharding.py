@@ -102,12 +102,12 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
     - ``hops``: the non-empty (rank, step) pairs. ``calls``: kernel calls, one per PARTIAL
       (query segment, key segment) pair and one for all FULL ones of a (rank, step), which
       the planner joins.
-    - ``travel_rows``: the rows of a block that travel at each step after the first (one range
-      around the rows other ranks see, widened to a power of two; the ring sends each reader
-      its own range, which is at most that: half of it over zigzag for local masks).
+    - ``travel_rows``: the most rows that one transfer carries (to a rank at a step after the
+      first: one range around the rows of the block it holds then that its queries see,
+      widened to a power of two, as the ring sends them).
     - ``cost``: the slowest rank's time, the longer of its GPU work and its host work (which
       run side by side). GPU: its own block, then per step the longer of its hop and the
-      transfer of the step's block (which the ring overlaps with the step before), a hop
+      transfer of the rows it reads of the step's block (which the ring overlaps with the step before), a hop
       being its pairs (strided ones ``weights.strided`` dearer) plus ``weights.call`` per
       call, a transfer ``weights.token`` per row. Host: ``weights.host_step`` per step and
       ``weights.host_call`` per call.
@@ -143,9 +143,9 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
         calls[0] = np.where(ordered & (pairs[0] > 0), 1, calls[0])
     needed = np.union1d(0, np.flatnonzero(pairs.max(1) > 0))  # the ring's steps (``plan.distances_needed``)
     steps = len(needed)
-    travel = travelling() if steps > 1 else 0
+    travel = travelling() if steps > 1 else np.zeros((world, world))
     hop = (weighed + weights.call * calls)[needed]
-    gpu = np.maximum(hop, np.where(needed > 0, weights.token * travel, 0.0)[:, None]).sum(0)
+    gpu = np.maximum(hop, weights.token * travel[needed]).sum(0)
     host = weights.host_step * steps + weights.host_call * calls[needed].sum(0)
     critical = float(pairs[needed].sum(0).max())
     total = float(pairs.sum())
@@ -155,7 +155,7 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
         "critical_pairs": _number(critical), "total_pairs": _number(total),
         "balance": total / world / critical if critical else 1.0,
         "steps": steps, "hops": int((pairs > 0).sum()), "calls": int(calls[needed].sum()),
-        "travel_rows": int(travel), "cost": float(np.maximum(gpu, host).max()), "gpu_cost": float(gpu.max()),
+        "travel_rows": int(travel.max()), "cost": float(np.maximum(gpu, host).max()), "gpu_cost": float(gpu.max()),
         "exact": work.exact,
     }
 
@@ -220,7 +220,7 @@ def _on_tiles(sharding: Sharding, segs: np.ndarray, tile: int) -> Optional[np.nd
 
 def _usage(sharding: Sharding, segs: np.ndarray, work, tiled_count: Callable[[], Workload]):
     """(pairs [S, S] of the sharding's segments (``segs``: ``_segments``), queries against
-    keys; a function that gives ``estimate``'s travelling rows) from ``work`` (``mask_work``);
+    keys; a function that gives ``estimate``'s travelling rows, ``_travel``) from ``work`` (``mask_work``);
     where a ``BandRuns`` cannot count these segments, from the tiled count ``tiled_count()``."""
     seg_rank = segs[3]
     if isinstance(work, BandRuns):
@@ -248,38 +248,58 @@ def _read_spans_tiled(sharding: Sharding, segs: np.ndarray, work: Workload, seg_
     pairs, first, last = work.tile_pairs
     seg_begin, seg_rank, local_start = segs[0], segs[3], segs[4]
     owner = seg_rank[seg_of_tile]
-    others = (pairs > 0) & (owner[:, None] != owner[None, :])  # [query tile, key tile]
-    read = others.any(0)
-    lo = np.where(others, first, sharding.seq_len).min(0)[read]
-    hi = np.where(others, last, 0).max(0)[read] - 1
-    seg = seg_of_tile[read]
-    return _spans(sharding.world_size, owner[read], local_start[seg] + lo - seg_begin[seg],
-                  local_start[seg] + hi - seg_begin[seg])
+    to_local = local_start[seg_of_tile] - seg_begin[seg_of_tile]  # a key tile's positions as local rows
+    records = []
+    for reader in range(sharding.world_size):  # the key tiles of other ranks its query tiles see
+        sees = pairs[owner == reader] > 0
+        tiles = np.flatnonzero(sees.any(0) & (owner != reader))
+        lo = np.where(sees, first[owner == reader], sharding.seq_len).min(0)[tiles]
+        hi = np.where(sees, last[owner == reader], 0).max(0)[tiles] - 1
+        records.append((np.full(len(tiles), reader), owner[tiles], to_local[tiles] + lo, to_local[tiles] + hi))
+    return _spans(sharding.world_size, *(np.concatenate(r) for r in zip(*records)))
 
 
 def _read_spans(sharding: Sharding, read: Tensor) -> np.ndarray:
-    """[world, 2]: the first and last local row of each rank's keys that another rank's
-    queries see (``read``, by position; first > last where none)."""
-    read = read.numpy()
-    return _spans(sharding.world_size, sharding.owners().numpy()[read], sharding.local_index().numpy()[read])
-
-
-def _spans(world: int, rank: np.ndarray, first: np.ndarray, last: Optional[np.ndarray] = None) -> np.ndarray:
-    """[world, 2]: each rank's least ``first`` and greatest ``last`` local row (default:
-    ``first``) over the reads of ``rank``; first > last where it has none."""
-    last = first if last is None else last
-    spans = np.array([(np.iinfo(np.int64).max, -1)] * world)
-    np.minimum.at(spans[:, 0], rank, first)
-    np.maximum.at(spans[:, 1], rank, last)
+    """``_spans`` of ``read`` ([world, seq_len]: the keys of other ranks that each rank's queries see)."""
+    read, spans = read.numpy(), _no_spans(sharding.world_size)
+    for owner in range(sharding.world_size):
+        seen = read[:, sharding.positions(owner).numpy()]  # [reader, the owner's local rows]
+        some = seen.any(1)
+        spans[some, owner] = np.stack([seen.argmax(1), seen.shape[1] - 1 - seen[:, ::-1].argmax(1)], 1)[some]
     return spans
 
 
-def _travel(sharding: Sharding, spans: np.ndarray) -> int:
-    """The most rows of one rank's block that travel: one range (in local order) around its
-    keys that another rank's queries see (``spans``: its first and last such local row),
-    widened to a power of two (``ring.widened``)."""
-    return max((_widened(last - first + 1, sharding.local_len(rank))
-                for rank, (first, last) in enumerate(spans.tolist()) if first <= last), default=0)
+def _spans(world: int, reader: np.ndarray, owner: np.ndarray, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """[world, world, 2]: per reading rank and holding rank, the least ``first`` and greatest
+    ``last`` local row of the holder's keys that the reader's queries see, over reads by
+    ``reader`` of ``owner``'s keys; first > last where it sees none."""
+    spans = _no_spans(world)
+    np.minimum.at(spans[..., 0], (reader, owner), first)
+    np.maximum.at(spans[..., 1], (reader, owner), last)
+    return spans
+
+
+def _no_spans(world: int) -> np.ndarray:
+    """``_spans`` where no rank sees another's keys."""
+    spans = np.empty((world, world, 2), dtype=np.int64)
+    spans[..., 0], spans[..., 1] = np.iinfo(np.int64).max, -1
+    return spans
+
+
+def _travel(sharding: Sharding, spans: np.ndarray) -> np.ndarray:
+    """[step, rank]: the rows that travel to each rank at each ring step, as the ring sends
+    them (``RingCall.rows_sent``): one range (in local order) around the keys of the block it
+    holds then, the rank ``step`` back's, that its queries see (``spans``), widened to a power
+    of two (``ring.widened``); none at step 0, the own block."""
+    world = sharding.world_size
+    travel = np.zeros((world, world))
+    for step in range(1, world):
+        for rank in range(world):
+            owner = (rank - step) % world
+            first, last = spans[rank, owner].tolist()
+            if first <= last:
+                travel[step, rank] = _widened(last - first + 1, sharding.local_len(owner))
+    return travel
 
 
 def describe(est: Dict[str, object]) -> str:

@@ -129,11 +129,12 @@ class Workload:
         return self.usage(labels, groups, reads=False)[0]
 
     def usage(self, labels: Tensor, groups: int, reads: bool = True, owner_of: Optional[Tensor] = None):
-        """``pairs``, and with ``reads`` a [seq_len] bool: whether a query of another owner sees
-        the key at each position, a label's owner being ``owner_of[label]`` (default: the label
-        itself). Exact but for two bounds, both wide of the mark: a FULL tile of keys counts
-        as seen by every owner of queries whose tiles see it, and a rectangle over many runs of
-        labels (a strided labelling) marks all of its keys."""
+        """``pairs``, and with ``reads`` an [owners, seq_len] bool: whether a query of each owner
+        sees the key at each position that another owner holds, a label's owner being
+        ``owner_of[label]`` (default: the label itself). Exact but for two bounds, both wide of
+        the mark: a FULL tile of keys counts as seen by every owner of queries whose tiles see
+        it, and a rectangle over many runs of labels (a strided labelling) marks all of its
+        keys for every owner."""
         labels = labels.to("cpu", torch.long)
         counts = torch.bincount(self._tile_of * groups + labels, minlength=self.tiles * groups).view(
             self.tiles, groups).double()
@@ -144,8 +145,8 @@ class Workload:
             owners = int(owner_of.max()) + 1
             readers = torch.zeros(owners, self.tiles, dtype=torch.float64).index_add_(
                 0, owner_of, counts.t() @ self._full) > 0  # [owners, T]: whose queries see a key of tile j
-            by_tile = readers[:, self._tile_of]
-            seen = (by_tile.sum(0) - by_tile.gather(0, owner_of[labels].view(1, -1)).squeeze(0).long()) > 0
+            others = owner_of[labels] != torch.arange(owners).unsqueeze(1)  # [owners, seq_len]: keys another holds
+            seen = readers[:, self._tile_of] & others
         if not len(self.weights):
             return out, seen
         q0, q1, k0, k1 = self._columns
@@ -159,25 +160,27 @@ class Workload:
         out.view(-1).index_add_(0, (lq * groups + lk)[simple], self._areas[simple])
         rest = (~simple).nonzero().squeeze(1)
         pieces = int((q_runs[rest] * k_runs[rest]).sum()) if len(rest) else 0
-        marked = [(k0[simple], k1[simple], owner_of[lq[simple]] != owner_of[lk[simple]])]
+        marked = [(k0[simple], k1[simple], owner_of[lq[simple]])]  # keys, and the owner of queries that see them
         if pieces and pieces <= 4 * len(rest) * groups:  # a few runs each: cut them along the runs
             rect, q_a, q_b, _ = _cut(rest, q0, q1, q_runs, run_of, run_start, run_end, ())
             rect, k_a, k_b, (q_a, q_b) = _cut(rect, k0, k1, k_runs, run_of, run_start, run_end, (q_a, q_b))
             counts = self.weights[rect] * ((q_b - q_a) * (k_b - k_a)).double()
             lq, lk = labels[q_a], labels[k_a]
             out.view(-1).index_add_(0, lq * groups + lk, counts)
-            marked.append((k_a, k_b, owner_of[lq] != owner_of[lk]))
+            marked.append((k_a, k_b, owner_of[lq]))
         elif pieces:  # many runs (a strided labelling): histograms of their labels
             cum = _cumulative(labels, groups)
             rows = (cum[q1[rest]] - cum[q0[rest]]).double() * self.weights[rest].unsqueeze(1)
             out += rows.t() @ (cum[k1[rest]] - cum[k0[rest]]).double()
-            marked.append((k0[rest], k1[rest], torch.ones(len(rest), dtype=torch.bool)))  # all of their keys
+            for reader in range(len(seen) if reads else 0):  # all of their keys, for every owner
+                marked.append((k0[rest], k1[rest], torch.full((len(rest),), reader)))
         if reads:
-            begin, end, other = (torch.cat(parts) for parts in zip(*marked))
-            edges = torch.zeros(self.seq_len + 1, dtype=torch.long)
-            edges.index_add_(0, begin[other], torch.ones(1, dtype=torch.long).expand(int(other.sum())))
-            edges.index_add_(0, end[other], -torch.ones(1, dtype=torch.long).expand(int(other.sum())))
-            seen |= edges.cumsum(0)[:-1] > 0
+            begin, end, reader = (torch.cat(parts) for parts in zip(*marked))
+            width = self.seq_len + 1
+            edges = torch.zeros(len(seen) * width, dtype=torch.long)
+            edges.index_add_(0, reader * width + begin, torch.ones(1, dtype=torch.long).expand(len(begin)))
+            edges.index_add_(0, reader * width + end, -torch.ones(1, dtype=torch.long).expand(len(begin)))
+            seen |= (edges.view(-1, width).cumsum(1)[:, :-1] > 0) & others
         return out, seen
 
 
