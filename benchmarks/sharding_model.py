@@ -7,7 +7,7 @@
 
 Masks: causal, a sliding window of 4096, packed documents of 512 to 6144 tokens (seeded),
 prefix-LM with a prefix of a quarter of the sequence. Each row: the critical path in pairs
-(per head), balance, ring steps, non-empty hops, kernel calls, rows that travel per step,
+(per head), balance, ring steps, non-empty hops, kernel calls, the most rows one transfer carries,
 the model's cost, and that cost as milliseconds at ``--ms-per-mpair`` (H100, cuDNN, fwd+bwd,
 B=1 H=32 D=128: 0.109 ms per million pairs, kernels/cudnn/kernel.py). Host time: CPU time of
 ``shard_by_mask`` on one thread (wall time with ``--device cuda``, which waits for the GPU), the

@@ -76,7 +76,7 @@ PHASES = [
     (cudnn.graphs.Graph, "execute", "  cuDNN execute"), (cudnn.graphs, "_build", "  cuDNN graph builds"),
     (merge.RowMerge, "add", "output merges"), (merge.RowSum, "add", "gradient sums"),
     (ring, "ring_forward", "ring forward (all of it)"), (ring, "ring_backward", "ring backward (all of it)"),
-    (ring.RingCall, "agree", "  the agreed plan (steps, rows that travel, loans)"),
+    (ring.RingCall, "agree", "  the agreed plan (steps, rows read, loans)"),
     (merge.RowMerge, "__init__", "  output merges set up"), (merge.RowSum, "__init__", "  gradient sums set up"),
     (ring, "_exchange_shares", "  dK/dV shares exchanged"),
     (fused_merge, "add", "Triton launches: sums and copies"), (fused_merge, "merge", "Triton launches: merges"),
