@@ -102,6 +102,26 @@ def _fuzz(rank, world_size, argv):
     return fuzz_ring.fuzz(fuzz_ring.parse_args(argv), torch.device("cpu"))
 
 
+def _fuzz_printed(rank, world_size, argv):
+    import contextlib
+    import io
+    from tools import fuzz_ring
+    fuzz_ring.REPORT_EVERY_S = -1  # a report after every call
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        fuzz_ring.fuzz(fuzz_ring.parse_args(argv), torch.device("cpu"))
+    return printed.getvalue()
+
+
+def test_fuzz_script_reports_how_far_it_got_and_takes_the_sizes_given():
+    """Rank 0 prints the calls run so far as it goes (a run cut short still says how far it
+    got); ``--sizes`` sets the most chunks per rank of the random layouts."""
+    argv = ["--device", "cpu", "--backend", "reference", "--no-gathers", "--seeds", "5", "2", "--sizes", "4"]
+    printed = run_world(2, _fuzz_printed, argv)
+    assert printed[0].splitlines()[-1].startswith("2 calls so far (0 failed), through seed 6"), printed[0]
+    assert printed[1] == ""
+
+
 def test_fuzz_script_weighs_calls_beyond_the_tolerance_against_the_reference_kernel():
     """``tools/fuzz_ring.py`` over two gloo ranks on the reference kernel, with a tolerance no
     bf16 call meets: every call is run again on the reference kernel and, whole, in each

@@ -11,7 +11,8 @@ runs again on the reference kernel (fp32 arithmetic on the same bf16 values) and
 same kernel in each rank's process alone: it fails only where the first error is also beyond
 twice each of those, as bf16 alone makes some gradients of a sharp softmax ill-conditioned
 (and flash kernels, flex_attention's among them, round P and dS to bf16 as well). Every rank
-prints what it found of every call that fails, with its seed; rank 0 a summary; the script
+prints what it found of every call that fails, with its seed; rank 0 the calls so far every
+minute (a run cut short still says how far it got) and a summary at the end; the script
 exits 1 if any call failed. A call that raises inside the ring (which breaks it:
 ``RingFailure``) is reported, and the next one runs on a new process group.
 """
@@ -32,6 +33,7 @@ from tests.support.random_calls import random_call, ring_errors
 from tools import ranks
 
 SIZES = (4, 64, 512)  # most layout chunks per rank, by seed: tiny blocks, a few tiles, many
+REPORT_EVERY_S = 60
 
 
 def bf16_call(seed: int, world_size: int, device, size: dict):
@@ -55,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--tiles", action="store_true", help="plan every block from tiles of keys, as blocks of more "
                    "than 2**26 pairs are (ringflex/extents.py): their exact plans at the sizes of these calls")
     p.add_argument("--tolerance", type=float, default=3e-2, help="max error relative to the largest value (>= 0.1)")
+    p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), metavar="CHUNKS",
+                   help="the most layout chunks per rank, taken in turn by seed (on a CPU, a call of 512 chunks a "
+                        "rank over 4 ranks takes minutes to plan: 4 64 leaves those out)")
     return p.parse_args(argv)
 
 
@@ -70,13 +75,14 @@ def fuzz(args, device):
     alone, _ = dist.new_subgroups(1)
     warnings.simplefilter("ignore")  # fallbacks say so; the errors are what is checked
     start, ran, failed = time.time(), 0, []
+    reported = start
     first, count = args.seeds
     for seed in range(first, first + count):
         late = torch.tensor([time.time() - start > args.seconds], device=flags_on)
         dist.all_reduce(late, op=dist.ReduceOp.MAX)  # every rank stops at the same call
         if late.item():
             break
-        size = dict(max_chunks=SIZES[seed % len(SIZES)], gathers=not args.no_gathers, head_dims=(64, 128))
+        size = dict(max_chunks=args.sizes[seed % len(args.sizes)], gathers=not args.no_gathers, head_dims=(64, 128))
         lending.QUANTUM = 1 if seed % 2 else quantum  # half the calls lend any row that evens the ranks
         def errors_on(backend, over=group):  # over ``alone``: the whole call in this rank's process alone
             calls = bf16_call(seed, world_size, device, size), truth(seed, world_size, size)
@@ -113,6 +119,9 @@ def fuzz(args, device):
             if problem or rank == 0:  # every rank names what it found
                 print(f"seed {seed}, rank {rank}: {truth(seed, world_size, size).describe()}: "
                       f"{problem or 'failed on another rank'}", flush=True)
+        if rank == 0 and time.time() - reported > REPORT_EVERY_S:
+            reported = time.time()
+            print(f"{ran} calls so far ({len(failed)} failed), through seed {seed}, {reported - start:.0f} s", flush=True)
     lending.QUANTUM = quantum
     return ran, failed
 
