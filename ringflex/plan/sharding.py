@@ -29,6 +29,7 @@ from ..mod.band import diagonal_band
 from ..mod.graph import UnsupportedModError
 from ..mod.fingerprint import fingerprint
 from ..mod.trace import trace_mask_mod
+from .blocks import widened
 from .layout import LAYOUTS, Sharding, divisor
 from .runs import BandRuns, band_runs
 from .workload import Workload, workload
@@ -238,11 +239,6 @@ def _usage(sharding: Sharding, segs: np.ndarray, work, tiled_count: Callable[[],
     return seg_pairs.numpy(), lambda: _travel(sharding, _read_spans(sharding, read))
 
 
-def _widened(span: int, length: int) -> int:
-    """Rows that travel for ``span`` rows read: a power of two, at most the block (``ring.widened``)."""
-    return min(length, 1 << (span - 1).bit_length()) if span > 0 else 0
-
-
 def _read_spans_tiled(sharding: Sharding, segs: np.ndarray, work: Workload, seg_of_tile: np.ndarray) -> np.ndarray:
     """``_read_spans`` from the tile pairs' first and end keys (a sharding on whole tiles)."""
     pairs, first, last = work.tile_pairs
@@ -251,10 +247,11 @@ def _read_spans_tiled(sharding: Sharding, segs: np.ndarray, work: Workload, seg_
     to_local = local_start[seg_of_tile] - seg_begin[seg_of_tile]  # a key tile's positions as local rows
     records = []
     for reader in range(sharding.world_size):  # the key tiles of other ranks its query tiles see
-        sees = pairs[owner == reader] > 0
-        tiles = np.flatnonzero(sees.any(0) & (owner != reader))
-        lo = np.where(sees, first[owner == reader], sharding.seq_len).min(0)[tiles]
-        hi = np.where(sees, last[owner == reader], 0).max(0)[tiles] - 1
+        mine = owner == reader
+        sees = pairs[mine] > 0
+        tiles = np.flatnonzero(sees.any(0) & ~mine)
+        lo = np.where(sees, first[mine], sharding.seq_len).min(0)[tiles]
+        hi = np.where(sees, last[mine], 0).max(0)[tiles] - 1
         records.append((np.full(len(tiles), reader), owner[tiles], to_local[tiles] + lo, to_local[tiles] + hi))
     return _spans(sharding.world_size, *(np.concatenate(r) for r in zip(*records)))
 
@@ -290,7 +287,7 @@ def _travel(sharding: Sharding, spans: np.ndarray) -> np.ndarray:
     """[step, rank]: the rows that travel to each rank at each ring step, as the ring sends
     them (``RingCall.rows_sent``): one range (in local order) around the keys of the block it
     holds then, the rank ``step`` back's, that its queries see (``spans``), widened to a power
-    of two (``ring.widened``); none at step 0, the own block."""
+    of two (``plan.blocks.widened``); none at step 0, the own block."""
     world = sharding.world_size
     travel = np.zeros((world, world))
     for step in range(1, world):
@@ -298,7 +295,8 @@ def _travel(sharding: Sharding, spans: np.ndarray) -> np.ndarray:
             owner = (rank - step) % world
             first, last = spans[rank, owner].tolist()
             if first <= last:
-                travel[step, rank] = _widened(last - first + 1, sharding.local_len(owner))
+                lo, hi = widened((first, last + 1), sharding.local_len(owner))
+                travel[step, rank] = hi - lo
     return travel
 
 
