@@ -784,6 +784,84 @@ def test_ragged_batches_only_where_cudnn_computes_them_right_emulated(monkeypatc
     module.clear_cache()
 
 
+def _diagonal_blocks(n: int, far: int):
+    """A zigzag rank's own block: its two chunks of ``n`` rows, at global positions 0 and ``far``,
+    each against its own keys."""
+    from ringflex.plan.blocks import BlockKind, Hop
+    return [Hop((i * n, (i + 1) * n), (i * n, (i + 1) * n), Segment(s, 1, n), Segment(s, 1, n), BlockKind.PARTIAL)
+            for i, s in enumerate((0, far))]
+
+
+def _check_joined_hops(kernel, hops, m, q, k, v, dout, close):
+    """``forward_hops`` and ``backward_hops`` against the reference kernel, hop by hop."""
+    ref, scale = ReferenceKernel(), 0.25
+    parts = [tuple(t[:, :, slice(*h.q_rows)] for t in (q, k, v, dout)) for h in hops]
+    wants = [ref.forward(*p[:3], h.q_seg, h.kv_seg, m, scale, True) for h, p in zip(hops, parts)]
+    joined_out, joined_lse, _ = kernel.forward_hops(q, k, v, hops, m, scale)
+    for h, (want_out, want_lse, _) in zip(hops, wants):
+        close(joined_out[:, :, slice(*h.q_rows)], want_out)
+        close(joined_lse[:, :, slice(*h.q_rows)], want_lse)
+    out = torch.cat([w[0] for w in wants], 2).to(q.dtype)
+    lse = torch.cat([w[1] for w in wants], 2).float()
+    got = kernel.backward_hops(q, k, v, out, lse, dout, hops, m, scale)
+    for h, p in zip(hops, parts):
+        want = ref.backward(*p[:3], out[:, :, slice(*h.q_rows)], lse[:, :, slice(*h.q_rows)], p[3], h.q_seg, h.kv_seg,
+                            m, scale, True)
+        for g, w, r in zip(got, want, (h.q_rows, h.kv_rows, h.kv_rows)):
+            close(g[:, :, slice(*r)], w)
+
+
+@pytest.mark.parametrize("window", [40, 128])  # a band with a left bound; causal over a chunk
+@pytest.mark.parametrize("memory", ["bhsd", "bshd", "grouped_heads"])
+def test_a_zigzag_ranks_diagonal_blocks_of_a_band_run_as_one_strided_call_emulated(window, memory, monkeypatch):
+    """A rank's own block over zigzag, two diagonal blocks of one shape: one plain call over
+    batch-2 views of the block, forward and backward (grouped key/value heads too, which a
+    ragged batch cannot take), matching the reference kernel block by block."""
+    module = _emulated(monkeypatch)
+    n, case = 128, Case(mask_mod=mods.sliding_window(window), q_heads=4, kv_heads=2 if memory == "grouped_heads" else 4)
+    q, k, v, dout = (t[:, :, :2 * n] for t in make_inputs(case, SEQ, batch=1, head_dim=16))
+    if memory == "bshd":
+        q, k, v, dout = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout))
+    else:
+        q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
+    hops, m, kernel = _diagonal_blocks(n, 3 * n), Mods(None, case.mask_mod), module.CudnnKernel()
+    assert isinstance(kernel._joined(hops, m, q, k, v, q, dout), module.batches.Strided)
+    calls = []
+    real = module.graphs.Graph.execute
+    monkeypatch.setattr(module.graphs.Graph, "execute", lambda self, *a: calls.append(1) or real(self, *a))
+    _check_joined_hops(kernel, hops, m, q, k, v, dout,
+                       lambda got, want: torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-5))
+    assert len(calls) == 2  # one forward, one backward
+    module.clear_cache()
+
+
+def test_runs_of_one_shape_evenly_spaced_make_one_strided_call():
+    """Which runs ``batched`` groups, and how: one shape evenly spaced, any native band, as one
+    strided call (of an exact plan only at lengths that recur: powers of two); else causal and
+    unmasked runs as a ragged batch; the rest alone."""
+    from ringflex.kernels.cudnn.batches import batched
+    window, causal = (40, 0), (None, 0)
+
+    def kinds(runs, exact=False, ragged=True):
+        return sorted(type(c).__name__ for c in batched(tuple(runs), exact, ragged))
+    even = [Run((0, 128), (0, 128), band=window), Run((128, 256), (128, 256), band=window)]
+    assert kinds(even) == ["Strided"] and kinds(even, ragged=False) == ["Strided"]
+    group = batched(tuple(even), False)[0]
+    assert group.row_spans == group.col_spans == ((0, 256),) and group.band == window
+    apart = [Run((0, 64), (0, 64), band=causal), Run((100, 164), (200, 264), band=causal),
+             Run((200, 264), (400, 464), band=causal)]
+    assert kinds(apart) == ["Strided"]
+    uneven = [Run((0, 64), (0, 64), band=causal), Run((64, 160), (64, 160), band=causal)]
+    assert kinds(uneven) == ["Batch"] and kinds(uneven, ragged=False) == ["Run", "Run"]
+    assert kinds([dataclasses.replace(r, band=window) for r in uneven]) == ["Run", "Run"]
+    overlapping = [Run((0, 64), (0, 64)), Run((32, 96), (32, 96))]
+    assert kinds(overlapping) == ["Run", "Run"]
+    documents = [Run((0, 96), (0, 96), band=causal), Run((96, 192), (96, 192), band=causal)]
+    assert kinds(documents) == ["Strided"] and kinds(documents, exact=True) == ["Batch"]
+    assert kinds(documents[:1], exact=True) == ["Batch"] and kinds(documents[:1]) == ["Run"]
+    assert kinds([Run((0, 64), (0, 64)), Run((64, 128), (64, 128), masked=True)]) == ["Run", "Run"]
+
+
 def test_full_graph_cache_says_so_once_emulated(monkeypatch):
     """More call shapes than the cache holds: graphs are rebuilt (slow), and the user is told once."""
     module = _emulated(monkeypatch)
@@ -958,6 +1036,10 @@ def test_ragged_backward_needs_equal_head_dims_above_192():
     assert not applies(256, 128) and not applies(224, 128)
 
 
+def _close_in_bf16(got, want):
+    assert _err(got, want) < 2e-2
+
+
 @pytest.mark.gpu
 @needs_cudnn
 @pytest.mark.parametrize("starts", [(0, 640), (150, 640)])
@@ -965,26 +1047,28 @@ def test_two_diagonal_blocks_of_packed_documents_run_as_one_batch(starts):
     """A rank's own block over zigzag: two diagonal blocks of causal documents at distant
     positions, in one ragged call (``forward_hops`` / ``backward_hops``), match the reference
     kernel block by block."""
-    from ringflex.plan.blocks import BlockKind, Hop
-
+    from ringflex.kernels.cudnn.batches import Batch
     n = L // 2
     case = dataclasses.replace(_packed("cuda"), mask_mod=mods.and_masks(mods.causal, _packed("cuda").mask_mod))
     q, k, v, dout = _case_inputs(case, torch.bfloat16, batch=1)
-    m, scale, kernel, ref = Mods(None, case.mask_mod), 64 ** -0.5, CudnnKernel(), ReferenceKernel()
-    hops = [Hop((i * n, (i + 1) * n), (i * n, (i + 1) * n), Segment(s, 1, n), Segment(s, 1, n), BlockKind.PARTIAL)
-            for i, s in enumerate(starts)]
-    assert kernel._joined(hops, m, q, k, v) is not None  # one batch
-    parts = [tuple(t[:, :, slice(*h.q_rows)] for t in (q, k, v, dout)) for h in hops]
-    wants = [ref.forward(*p[:3], h.q_seg, h.kv_seg, m, scale, True) for h, p in zip(hops, parts)]
-    joined_out, joined_lse, _ = kernel.forward_hops(q, k, v, hops, m, scale)
-    for h, (want_out, want_lse, _) in zip(hops, wants):
-        out, lse = (t[:, :, slice(*h.q_rows)] for t in (joined_out, joined_lse))
-        assert _err(out, want_out) < 2e-2 and (lse - want_lse).abs().max().item() < 0.02
-    global_out = torch.cat([w[0] for w in wants], 2).to(q.dtype)
-    global_lse = torch.cat([w[1] for w in wants], 2).float()
-    got = kernel.backward_hops(q, k, v, global_out, global_lse, dout, hops, m, scale)
-    for h, p in zip(hops, parts):
-        grads = [t[:, :, slice(*r)] for t, r in zip(got, (h.q_rows, h.kv_rows, h.kv_rows))]
-        want = ref.backward(*p[:3], global_out[:, :, slice(*h.q_rows)], global_lse[:, :, slice(*h.q_rows)], p[3],
-                            h.q_seg, h.kv_seg, m, scale, True)
-        assert all(_err(g, w) < 2e-2 for g, w in zip(grads, want))
+    hops = [dataclasses.replace(h, q_seg=Segment(s, 1, n), kv_seg=Segment(s, 1, n))
+            for h, s in zip(_diagonal_blocks(n, 0), starts)]
+    m, kernel = Mods(None, case.mask_mod), CudnnKernel()
+    assert isinstance(kernel._joined(hops, m, q, k, v), Batch)
+    _check_joined_hops(kernel, hops, m, q, k, v, dout, _close_in_bf16)
+
+
+@pytest.mark.gpu
+@needs_cudnn
+@pytest.mark.parametrize("window", [40, 4096])  # a band with a left bound; causal over a chunk
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_two_diagonal_blocks_of_a_band_run_as_one_strided_call(window, kv_heads):
+    """A rank's own block over zigzag, a window's two diagonal blocks: one plain cuDNN call
+    over batch-2 views of the block (``batches.Strided``), forward and backward, grouped heads
+    too, matches the reference kernel block by block."""
+    from ringflex.kernels.cudnn.batches import Strided
+    n, case = L // 2, Case(mask_mod=mods.sliding_window(window), q_heads=4, kv_heads=kv_heads)
+    q, k, v, dout = _case_inputs(case, torch.bfloat16, batch=1)
+    hops, m, kernel = _diagonal_blocks(n, 3 * n), Mods(None, case.mask_mod), CudnnKernel()
+    assert isinstance(kernel._joined(hops, m, q, k, v, q, dout), Strided)
+    _check_joined_hops(kernel, hops, m, q, k, v, dout, _close_in_bf16)

@@ -1,6 +1,7 @@
-"""Runs of a block batched into one ragged cuDNN call (packed documents: one call per hop
-instead of one per document), and the padded memory that lets a few ragged graphs serve any
-documents."""
+"""Runs of a block computed by one cuDNN call: a ragged batch (``Batch``: packed documents, one
+call per hop instead of one per document) or, for runs of one shape evenly spaced, a plain call
+over batch-n views (``Strided``: a zigzag rank's two diagonal blocks); and the padded memory
+that lets a few ragged graphs serve any documents."""
 from __future__ import annotations
 
 import functools
@@ -12,8 +13,10 @@ from torch import Tensor
 
 from .frontend import CUDNN_TILE, MAX_PLANS
 
-# The row axis of each tensor of a call: its sequences' offsets follow the queries' or the keys' spans.
-RAGGED_AXIS = {**dict.fromkeys(("q", "out", "lse", "dout", "dq"), "q"), **dict.fromkeys(("k", "v", "dk", "dv"), "kv")}
+FORWARD_INPUTS = ("q", "k", "v")
+BACKWARD_INPUTS = ("q", "k", "v", "out", "dout", "lse")
+# The row axis of each tensor of a call: its sequences follow the queries' or the keys' spans.
+ROW_AXIS = {**dict.fromkeys(("q", "out", "lse", "dout", "dq"), "q"), **dict.fromkeys(("k", "v", "dk", "dv"), "kv")}
 
 
 @dataclass(frozen=True)
@@ -50,18 +53,40 @@ class Run:
         return (self.cols,)
 
 
-class Batch:
-    """Runs of a block computed by one cuDNN call, as the sequences of a ragged batch: each
-    starts at its own offset into the block's tensors and has its own lengths (cuDNN's padding
-    mask). They share one native mask and no rows or columns, so every output and gradient row
-    has one writer. Packed documents: one call per hop instead of one per document. Its rows
-    and columns are merged as the spans they form (``row_spans``, ``col_spans``), not per run."""
+class Group:
+    """Runs of a block computed by one cuDNN call. They share one native mask (or none) and no
+    rows or columns, so every output and gradient row has one writer; their rows and columns
+    are merged as the spans they form (``row_spans``, ``col_spans``), not per run."""
 
     def __init__(self, runs: Tuple[Run, ...]):
         self.runs, self.band = runs, runs[0].band
         self.spans = {"q": [r.rows for r in runs], "kv": [r.cols for r in runs]}
         self.row_spans, self.col_spans = _joined(self.spans["q"]), _joined(self.spans["kv"])
+
+    def bound(self, tensors: Dict[str, Tensor], backward: bool) -> Tuple[Dict[str, Tensor], Optional["Ragged"]]:
+        """The call's tensors, from the block's whole ones (forward: q, k, v, out, lse as
+        [B, H, n, 1]; backward: q, k, v, out, dout, lse as stats, dq, dk, dv), and the ragged
+        description its graph is built for (None: a plain graph)."""
+        raise NotImplementedError
+
+
+class Batch(Group):
+    """Runs as the sequences of a ragged batch: each starts at its own offset into the block's
+    tensors and has its own lengths (cuDNN's padding mask). Packed documents: one call per hop
+    instead of one per document."""
+
+    def __init__(self, runs: Tuple[Run, ...]):
+        super().__init__(runs)
         self._inputs: Dict[tuple, Tuple[Ragged, Dict[str, Tensor]]] = {}
+
+    def bound(self, tensors: Dict[str, Tensor], backward: bool) -> Tuple[Dict[str, Tensor], Ragged]:
+        # The inputs with rows ``head_dim`` elements apart, the stats packed (``head_dim_rows``,
+        # ``packed_stats``); the outputs were allocated so (``empty_for``).
+        inputs, rows = (BACKWARD_INPUTS if backward else FORWARD_INPUTS), query_rows(tensors["q"])
+        tensors = {name: t if name not in inputs else packed_stats(t, rows) if name == "lse" else head_dim_rows(t)
+                   for name, t in tensors.items()}
+        ragged, offsets = self.inputs(tensors)
+        return {**tensors, **offsets}, ragged
 
     def inputs(self, tensors: Dict[str, Tensor]) -> Tuple[Ragged, Dict[str, Tensor]]:
         """The ragged description over these tensors, and its int32 inputs: per tensor the
@@ -71,7 +96,7 @@ class Batch:
         documents share a few graphs (each new one is a slow build)."""
         q, k = tensors["q"], tensors["k"]
         key = (q.device, query_rows(q), k.shape[2], *((name, t.stride(2)) for name, t in tensors.items()
-                                                      if name in RAGGED_AXIS))
+                                                      if name in ROW_AXIS))
         if key not in self._inputs:
             self._inputs[key] = self._made_inputs(tensors)
         return self._inputs[key]
@@ -84,7 +109,7 @@ class Batch:
             return torch.tensor(values, dtype=torch.int32).view(-1, 1, 1, 1).to(q.device)
         inputs = {f"seq_{axis}": int32s([e - b for b, e in spans] + [0] * padding) for axis, spans in self.spans.items()}
         for name, t in tensors.items():
-            axis = RAGGED_AXIS.get(name)
+            axis = ROW_AXIS.get(name)
             if axis is not None:
                 step, spans = t.stride(2), self.spans[axis]
                 inputs[f"{name}_offsets"] = int32s([b * step for b, _ in spans] + [spans[-1][1] * step] * (padding + 1))
@@ -93,6 +118,49 @@ class Batch:
         ragged = Ragged(len(self.runs) + padding, q_rows, _bucket(longest_kv, k.shape[2]), q_rows,
                         power_of_two(k.shape[2]))
         return ragged, inputs
+
+class Strided(Group):
+    """Runs of one shape, each the rows and keys of the one before moved by the same steps (a
+    zigzag rank's two diagonal blocks of a band mask), as one plain call over batch-n views of
+    the block's tensors (B = 1). A plain graph reads no offsets, so the call costs less host
+    time than a ragged batch, takes any native band (ragged batches only unmasked or causal,
+    docs/cudnn.md), and its runs fill the GPU together where each alone would not (a narrow
+    window's diagonal blocks)."""
+
+    def __init__(self, runs: Tuple[Run, ...]):
+        super().__init__(runs)
+        first, second = runs[:2]
+        self.starts = {"q": first.rows[0], "kv": first.cols[0]}
+        self.steps = {"q": second.rows[0] - first.rows[0], "kv": second.cols[0] - first.cols[0]}
+        self.lengths = {"q": first.rows[1] - first.rows[0], "kv": first.cols[1] - first.cols[0]}
+
+    def bound(self, tensors: Dict[str, Tensor], backward: bool) -> Tuple[Dict[str, Tensor], None]:
+        views = {name: self._view(t, ROW_AXIS[name]) for name, t in tensors.items()}
+        if backward:  # cuDNN's backward wants its stats packed
+            views["lse"] = packed_stats(views["lse"], self.lengths["q"])
+        return views, None
+
+    def _view(self, t: Tensor, axis: str) -> Tensor:
+        """[runs, H, rows of a run, ...] of ``t``'s rows: batch entry i is run i's."""
+        s = t.stride()
+        return t.as_strided((len(self.runs), t.shape[1], self.lengths[axis], *t.shape[3:]),
+                            (self.steps[axis] * s[2], *s[1:]), t.storage_offset() + self.starts[axis] * s[2])
+
+    @staticmethod
+    def takes(runs: List[Run]) -> bool:
+        """Whether ``runs`` (ascending, two or more) are of one shape and evenly spaced, rows and keys apart."""
+        first, second = runs[:2]
+        shape = lambda r: (r.rows[1] - r.rows[0], r.cols[1] - r.cols[0])  # noqa: E731
+        step = (second.rows[0] - first.rows[0], second.cols[0] - first.cols[0])
+        return (step[0] >= shape(first)[0] and step[1] >= shape(first)[1]
+                and all(shape(b) == shape(first) and (b.rows[0] - a.rows[0], b.cols[0] - a.cols[0]) == step
+                        for a, b in zip(runs, runs[1:])))
+
+
+def grouped_applies(*tensors: Optional[Tensor]) -> bool:
+    """Whether a ``Group``'s runs can be one call over these tensors: one batch (its runs are
+    rows of it; ``ragged_applies`` says which groups)."""
+    return all(t.shape[0] == 1 for t in tensors if t is not None)
 
 
 def empty_for(calls, rows: Optional[int] = None) -> Callable:
@@ -123,28 +191,37 @@ def _joined(spans: List[Tuple[int, int]]) -> Tuple[Tuple[int, int], ...]:
 _BATCHED_BANDS = (None, (None, 0))  # unmasked and causal: the ragged forms known right (docs/cudnn.md)
 
 
-def _batchable(run: Run) -> bool:
-    one_pair = run.rows[1] - run.rows[0] == 1 and run.cols[1] - run.cols[0] == 1
-    return not run.masked and run.band in _BATCHED_BANDS and not one_pair
-
-
 @functools.lru_cache(maxsize=MAX_PLANS)
-def batched(runs: Tuple[Run, ...], alone: bool) -> Tuple[object, ...]:
-    """The calls for a block's runs: runs with the same native mask (or none) whose rows
-    and columns both follow one another become one ``Batch`` (with ``alone``, a run with no
-    such neighbour too); the rest stay single calls. A one-pair run stays single: cuDNN's
-    backward rejects it (see ``CudnnKernel._backward_call``)."""
+def batched(runs: Tuple[Run, ...], exact: bool, ragged: bool = True) -> Tuple[object, ...]:
+    """The calls for a block's runs. Runs with the same native mask (or none) become one call
+    where they can: ``Strided`` where they are of one shape and evenly spaced, else (with
+    ``ragged``) one ``Batch`` where their rows and columns follow one another. ``exact``: the
+    runs of an exact plan (packed documents), whose shapes follow the documents: they batch
+    even alone, as a ragged graph serves any lengths, and run strided only where their lengths
+    are powers of two, as a plain graph is built per shape. The rest stay single calls; a
+    one-pair run too: cuDNN's backward rejects it (see ``CudnnKernel._backward_call``)."""
     calls, groups = [], {}
     for run in runs:
-        if _batchable(run):
-            groups.setdefault(run.band, []).append(run)
-        else:
+        one_pair = run.rows[1] - run.rows[0] == 1 and run.cols[1] - run.cols[0] == 1
+        if run.masked or one_pair:
             calls.append(run)
-    for members in groups.values():
+        else:
+            groups.setdefault(run.band, []).append(run)
+    for band, members in groups.items():
         members.sort(key=lambda r: r.rows)
         apart = all(a.rows[1] <= b.rows[0] and a.cols[1] <= b.cols[0] for a, b in zip(members, members[1:]))
-        calls += [Batch(tuple(members))] if apart and (alone or len(members) > 1) else members
+        if len(members) > 1 and Strided.takes(members) and (not exact or _recurring_shape(members[0])):
+            calls.append(Strided(tuple(members)))
+        elif ragged and band in _BATCHED_BANDS and apart and (exact or len(members) > 1):
+            calls.append(Batch(tuple(members)))
+        else:
+            calls += members
     return tuple(calls)
+
+
+def _recurring_shape(run: Run) -> bool:
+    """Whether the run's lengths are among a few whatever the documents: powers of two."""
+    return all(n == power_of_two(n) for n in (run.rows[1] - run.rows[0], run.cols[1] - run.cols[0]))
 
 
 def power_of_two(n: int) -> int:

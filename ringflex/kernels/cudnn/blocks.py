@@ -17,7 +17,7 @@ from ...plan.blocks import BlockKind, block_kinds
 from ...plan.extents import mask_key, row_extents
 from ...plan.layout import Segment
 from ..base import Mods
-from .batches import Batch, Run, batched
+from .batches import Group, Run, batched
 from .frontend import CUDNN_TILE, MAX_PLANS
 from .lowering import Program
 
@@ -161,7 +161,7 @@ def _grouped_runs(extents: Tensor) -> Optional[List[Run]]:
     if len(groups) > _MAX_GROUPS:
         return None
     runs = [run for r0, r1 in groups for run in _group_runs(extents[:, r0:r1], r0)]
-    singles = sum(not isinstance(call, Batch) for call in batched(tuple(runs), True))
+    singles = sum(not isinstance(call, Group) for call in batched(tuple(runs), True))
     return runs if singles <= _MAX_SINGLE_CALLS else None
 
 

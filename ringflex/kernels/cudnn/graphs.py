@@ -13,7 +13,7 @@ from ...cache import remember
 from ...config import warn_once
 from ...plan.layout import Segment
 from . import frontend
-from .batches import RAGGED_AXIS, Ragged
+from .batches import BACKWARD_INPUTS, FORWARD_INPUTS, ROW_AXIS, Ragged
 from .lowering import Emitter, Inputs, Lowering
 
 # Built graphs kept (LRU). Every distinct call shape needs its own: packed documents that
@@ -41,10 +41,8 @@ class Graph:
         self.graph.execute(buffers, workspace, handle=frontend.handle(q.device), tensor_uids=self.uids)
 
 
-_FORWARD_INPUTS = ("q", "k", "v")
-_BACKWARD_INPUTS = ("q", "k", "v", "out", "dout", "lse")
 # The tensors whose layouts a graph bakes in; a ragged batch's int32 inputs follow from ``Ragged``.
-_ATTENTION = frozenset(_BACKWARD_INPUTS + ("dq", "dk", "dv"))
+_ATTENTION = frozenset(BACKWARD_INPUTS + ("dq", "dk", "dv"))
 _DTYPES = {torch.float16: "HALF", torch.bfloat16: "BFLOAT16", torch.float32: "FLOAT"}
 
 
@@ -103,19 +101,19 @@ def _build(backward: bool, tensors: Dict[str, Tensor], scale: float, band, lower
     if ragged is not None:  # int32 inputs: each sequence's element offset per tensor, and its lengths
         scalars = dict(stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
         offsets = {name: g.tensor(name=f"{name}_offsets", dim=[ragged.count + 1, 1, 1, 1], **scalars)
-                   for name in tensors if name in RAGGED_AXIS}
+                   for name in tensors if name in ROW_AXIS}
         io.update({f"{name}_offsets": t for name, t in offsets.items()})
         io.update({name: g.tensor(name=name, dim=[ragged.count, 1, 1, 1], **scalars) for name in ("seq_q", "seq_kv")})
 
     def describe(name: str, t: Tensor) -> dict:
         if ragged is None:
             return dict(dim=list(t.shape), stride=list(t.stride()))
-        n = ragged.max_q if RAGGED_AXIS[name] == "q" else ragged.max_kv
+        n = ragged.max_q if ROW_AXIS[name] == "q" else ragged.max_kv
         return dict(dim=[ragged.count, t.shape[1], n, t.shape[3]], stride=[n * t.stride(2), *t.stride()[1:]])
 
     io.update({name: g.tensor(name=name, data_type=getattr(cudnn.data_type, _DTYPES[t.dtype]), **describe(name, t),
                               **({"ragged_offset": offsets[name]} if ragged is not None else {}))
-               for name, t in tensors.items() if name in (_BACKWARD_INPUTS if backward else _FORWARD_INPUTS)})
+               for name, t in tensors.items() if name in (BACKWARD_INPUTS if backward else FORWARD_INPUTS)})
     kwargs = dict(attn_scale=scale)
     if band is not None:
         kwargs.update(_band_kwargs(band))

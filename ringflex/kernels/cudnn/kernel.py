@@ -97,8 +97,8 @@ class CudnnKernel:
         shape, empty = (*q.shape[:3], v.shape[-1]), batches.empty_for(calls, batches.query_rows(q))
         merged = RowMerge(shape, q.dtype, torch.float32, q.device, [span for c in calls for span in c.row_spans], empty)
         for call in calls:
-            if isinstance(call, batches.Batch):
-                self._forward_batch(call, q, k, v, merged, scale)
+            if isinstance(call, batches.Group):
+                self._forward_group(call, q, k, v, merged, scale)
                 continue
             # The result's own rows where no call wrote yet; else computed aside, then merged.
             n = call.rows[1] - call.rows[0]
@@ -113,8 +113,8 @@ class CudnnKernel:
         empty = batches.empty_for((call,), batches.query_rows(q))
         out = empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
         lse = empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        if isinstance(call, batches.Batch):
-            self._forward_batch_into(call, q, k, v, out, lse, scale)
+        if isinstance(call, batches.Group):
+            self._group_call(False, call, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
         else:
             self._forward_call(call, program, q, k, v, rows(out, call.rows), rows(lse, call.rows), scale, q_seg, kv_seg)
         for r in _outside(call.row_spans, q.shape[2]):  # rows that see no key
@@ -139,23 +139,24 @@ class CudnnKernel:
         stats = lse.float().unsqueeze(-1)  # a batch's runs are unmasked or causal: every row sees a key
         return self._backward_one(batch, None, mods, q, k, v, out, lse, stats, dout, scale, None, None)
 
-    def _joined(self, hops: Sequence[Hop], mods: Mods, q, k, v, out=None, dout=None) -> Optional[batches.Batch]:
-        """The hops' runs as one ragged batch, or None where they do not make one (a score_mod,
-        runs that cannot batch, tensors a ragged batch computes wrong over)."""
-        if mods.score_mod is not None or not batches.ragged_applies(q, k, v, out, dout):
+    def _joined(self, hops: Sequence[Hop], mods: Mods, q, k, v, out=None, dout=None) -> Optional[batches.Group]:
+        """The hops' runs as one call (``batches.Group``), or None where they do not make one (a
+        score_mod, runs that cannot be one call over these tensors)."""
+        if mods.score_mod is not None or not batches.grouped_applies(q, k, v, out, dout):
             return None
-        runs = []
+        runs, exact = [], False
         for hop in hops:
             program = traced(mods, hop.kind != BlockKind.FULL, q.device)
+            exact = exact or _exact(program)
             planned = blocks.plan(program, mods, rows(q, hop.q_rows), rows(k, hop.kv_rows), hop.q_seg, hop.kv_seg,
                                   self.split_depth)
             runs += [blocks.shifted(run, hop.q_rows[0], hop.kv_rows[0]) for run in planned]
-        calls = batches.batched(tuple(runs), True)
-        return calls[0] if len(calls) == 1 and isinstance(calls[0], batches.Batch) else None
+        calls = batches.batched(tuple(runs), exact, batches.ragged_applies(q, k, v, out, dout))
+        return calls[0] if len(calls) == 1 and isinstance(calls[0], batches.Group) else None
 
     @staticmethod
     def _calls(program: Program, runs: List[blocks.Run], *tensors: Tensor) -> Tuple[object, ...]:
-        """The block's runs as cuDNN calls: batched where they can be (see ``batches.Batch``). The
+        """The block's runs as cuDNN calls: grouped where they can be (``batches.batched``). The
         exact plan's runs (masks that are no band: packed documents) batch even alone: their
         shapes follow the documents, and a graph of exact shapes would be built for every new
         length (a slow build each), where ragged graphs are built for a few sizes (``batches.Ragged``).
@@ -163,28 +164,25 @@ class CudnnKernel:
         ring cuts a hop to a document that straddles two ranks); where it recurs (``batches.recurring``)
         the run stays a plain call, which costs less: a ragged graph reads its offsets (docs/cudnn.md)."""
         q, k = tensors[:2]
-        exact = program.mask is not None and blocks.native_band(program.mask) is None
+        exact = _exact(program)
         whole = len(runs) == 1 and (runs[0].rows, runs[0].cols) == ((0, q.shape[2]), (0, k.shape[2]))
         recurring = whole and batches.recurring(q) and batches.recurring(k)
-        if program.score is not None or (len(runs) < 2 and not exact) or recurring or not batches.ragged_applies(*tensors):
+        if (program.score is not None or (len(runs) < 2 and not exact) or recurring
+                or not batches.grouped_applies(*tensors)):
             return tuple(runs)
-        return batches.batched(tuple(runs), exact)
+        return batches.batched(tuple(runs), exact, batches.ragged_applies(*tensors))
 
-    def _forward_batch(self, batch: batches.Batch, q, k, v, merged: RowMerge, scale: float) -> None:
-        """The batch's runs in one call, into the result itself where no call wrote their rows yet."""
-        (out, lse), parts = merged.targets(batch.row_spans)
-        self._forward_batch_into(batch, q, k, v, out, lse, scale)
-        for span, part in zip(batch.row_spans, parts):
+    def _forward_group(self, group: batches.Group, q, k, v, merged: RowMerge, scale: float) -> None:
+        """The group's runs in one call, into the result itself where no call wrote their rows yet."""
+        (out, lse), parts = merged.targets(group.row_spans)
+        self._group_call(False, group, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
+        for span, part in zip(group.row_spans, parts):
             merged.add(span, *part)
 
-    def _forward_batch_into(self, batch: batches.Batch, q, k, v, out, lse, scale: float) -> None:
-        q, k, v = (batches.head_dim_rows(t) for t in (q, k, v))
-        self._batch_call(False, batch, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
-
-    def _batch_call(self, backward: bool, batch: batches.Batch, tensors: Dict[str, Tensor], scale: float) -> None:
-        ragged, inputs = batch.inputs(tensors)
-        tensors = {**tensors, **inputs}
-        graphs.graph(backward, tensors, scale, batch.band, None, {}, ragged).execute(tensors, None, None, None)
+    def _group_call(self, backward: bool, group: batches.Group, tensors: Dict[str, Tensor], scale: float) -> None:
+        """The group's one cuDNN call over the block's whole tensors (``batches.Group.bound``)."""
+        tensors, ragged = group.bound(tensors, backward)
+        graphs.graph(backward, tensors, scale, group.band, None, {}, ragged).execute(tensors, None, None, None)
 
     def _forward_call(self, run: blocks.Run, program: Program, q, k, v, out, lse, scale, q_seg, kv_seg) -> None:
         tensors = dict(q=rows(q, run.rows), k=rows(k, run.cols), v=rows(v, run.cols), out=out, lse=lse.unsqueeze(-1))
@@ -225,8 +223,8 @@ class CudnnKernel:
         kv_sum = RowSum([k.shape, v.shape], k.dtype, torch.float32, k.device, [span for c in calls for span in c.col_spans],
                         kv_empty)
         for call in calls:
-            if isinstance(call, batches.Batch):
-                self._backward_batch(call, q, k, v, out, stats, dout, scale, dq_sum, kv_sum)
+            if isinstance(call, batches.Group):
+                self._backward_group(call, q, k, v, out, stats, dout, scale, dq_sum, kv_sum)
                 continue
             grads = (dq_sum.destination(call.rows) or [q.new_empty(rows(q, call.rows).shape)]) + (
                 kv_sum.destination(call.cols) or [k.new_empty(rows(k, call.cols).shape), v.new_empty(rows(v, call.cols).shape)])
@@ -245,8 +243,8 @@ class CudnnKernel:
             q_empty, kv_empty = batches.empty_for((call,), batches.query_rows(q)), batches.empty_for((call,))
             grads = [q_empty(q.shape, dtype=q.dtype, device=q.device),
                      *(kv_empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))]
-        if isinstance(call, batches.Batch):
-            self._backward_batch_into(call, q, k, v, out, stats, dout, scale, *grads)
+        if isinstance(call, batches.Group):
+            self._backward_group_into(call, q, k, v, out, stats, dout, scale, *grads)
         else:
             self._backward_call(call, program, mods, q, k, v, out, lse, stats, dout, scale, q_seg, kv_seg,
                                 [rows(grads[0], call.rows), *(rows(g, call.cols) for g in grads[1:])])
@@ -256,21 +254,19 @@ class CudnnKernel:
                     rows(grad, r).zero_()
         return tuple(grads)
 
-    def _backward_batch(self, batch: batches.Batch, q, k, v, out, stats, dout, scale: float, dq_sum: RowSum,
+    def _backward_group(self, group: batches.Group, q, k, v, out, stats, dout, scale: float, dq_sum: RowSum,
                         kv_sum: RowSum) -> None:
-        """The batch's runs in one call, into the sums themselves where no call wrote their rows yet."""
-        (dq,), dq_parts = dq_sum.targets(batch.row_spans)
-        (dk, dv), kv_parts = kv_sum.targets(batch.col_spans)
-        self._backward_batch_into(batch, q, k, v, out, stats, dout, scale, dq, dk, dv)
-        for span, part in zip(batch.row_spans, dq_parts):
+        """The group's runs in one call, into the sums themselves where no call wrote their rows yet."""
+        (dq,), dq_parts = dq_sum.targets(group.row_spans)
+        (dk, dv), kv_parts = kv_sum.targets(group.col_spans)
+        self._backward_group_into(group, q, k, v, out, stats, dout, scale, dq, dk, dv)
+        for span, part in zip(group.row_spans, dq_parts):
             dq_sum.add(span, *part)
-        for span, part in zip(batch.col_spans, kv_parts):
+        for span, part in zip(group.col_spans, kv_parts):
             kv_sum.add(span, *part)
 
-    def _backward_batch_into(self, batch: batches.Batch, q, k, v, out, stats, dout, scale: float, dq, dk, dv) -> None:
-        stats = batches.packed_stats(stats, batches.query_rows(q))
-        q, k, v, out, dout = (batches.head_dim_rows(t) for t in (q, k, v, out, dout))
-        self._batch_call(True, batch, dict(q=q, k=k, v=v, out=out, dout=dout, lse=stats, dq=dq, dk=dk, dv=dv), scale)
+    def _backward_group_into(self, group: batches.Group, q, k, v, out, stats, dout, scale: float, dq, dk, dv) -> None:
+        self._group_call(True, group, dict(q=q, k=k, v=v, out=out, dout=dout, lse=stats, dq=dq, dk=dk, dv=dv), scale)
 
     def _backward_call(self, run: blocks.Run, program: Program, mods: Mods, q, k, v, out, lse, stats, dout, scale,
                        q_seg, kv_seg, grads: List[Tensor]) -> None:
@@ -288,6 +284,12 @@ class CudnnKernel:
                 grad.copy_(value)
         else:
             self._call(True, run, program, tensors, scale, q_seg, kv_seg)
+
+
+def _exact(program: Program) -> bool:
+    """Whether the block is planned from its exact mask (a mask that is no band: packed
+    documents), whose calls' shapes follow the documents."""
+    return program.mask is not None and blocks.native_band(program.mask) is None
 
 
 def _outside(spans, length: int) -> List[Tuple[int, int]]:
