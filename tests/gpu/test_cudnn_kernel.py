@@ -472,11 +472,11 @@ def test_a_window_over_two_blocks_runs_as_two_one_sided_bands():
     of keys) as two calls whose right bound is the diagonal or absent."""
     window = diagonal_band(trace_mask_mod(mods.sliding_window(4096)))
     runs = band_runs(window, Segment(8192, 1, 4096), Segment(4096, 1, 8192))
-    assert runs == [Run((0, 4096), (1, 4097), band=(1, None)), Run((1, 4096), (4097, 8192), band=(None, 0))]
+    assert runs == (Run((0, 4096), (1, 4097), band=(1, None)), Run((1, 4096), (4097, 8192), band=(None, 0)))
     whole = band_runs(window, Segment(0, 1, 16384), Segment(0, 1, 16384))  # the diagonal: one call
-    assert whole == [Run((0, 16384), (0, 16384), band=(4096, 0))]
+    assert whole == (Run((0, 16384), (0, 16384), band=(4096, 0)),)
     longer = band_runs(window, Segment(16384, 1, 8192), Segment(8192, 1, 16384))  # blocks longer than the window
-    assert longer == [Run((0, 4096), (4097, 8193), band=(1, None)), Run((1, 8192), (8193, 16384), band=(4096, 0))]
+    assert longer == (Run((0, 4096), (4097, 8193), band=(1, None)), Run((1, 8192), (8193, 16384), band=(4096, 0)))
 
 
 def _coverage(runs, shape):
@@ -1045,16 +1045,17 @@ def _close_in_bf16(got, want):
 @pytest.mark.parametrize("starts", [(0, 640), (150, 640)])
 def test_two_diagonal_blocks_of_packed_documents_run_as_one_batch(starts):
     """A rank's own block over zigzag: two diagonal blocks of causal documents at distant
-    positions, in one ragged call (``forward_hops`` / ``backward_hops``), match the reference
-    kernel block by block."""
-    from ringflex.kernels.cudnn.batches import Batch
+    positions, in one call (``forward_hops`` / ``backward_hops``): a ragged batch, or one
+    strided call where the blocks hold one document each of one length; they match the
+    reference kernel block by block."""
+    from ringflex.kernels.cudnn.batches import Batch, Strided
     n = L // 2
     case = dataclasses.replace(_packed("cuda"), mask_mod=mods.and_masks(mods.causal, _packed("cuda").mask_mod))
     q, k, v, dout = _case_inputs(case, torch.bfloat16, batch=1)
     hops = [dataclasses.replace(h, q_seg=Segment(s, 1, n), kv_seg=Segment(s, 1, n))
             for h, s in zip(_diagonal_blocks(n, 0), starts)]
     m, kernel = Mods(None, case.mask_mod), CudnnKernel()
-    assert isinstance(kernel._joined(hops, m, q, k, v), Batch)
+    assert isinstance(kernel._joined(hops, m, q, k, v), Strided if starts == (0, 640) else Batch)
     _check_joined_hops(kernel, hops, m, q, k, v, dout, _close_in_bf16)
 
 

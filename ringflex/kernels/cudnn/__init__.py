@@ -26,7 +26,7 @@ from __future__ import annotations
 import atexit
 import gc
 
-from . import batches, blocks, frontend, graphs, lowering
+from . import batches, blocks, frontend, graphs, kernel, lowering
 from .kernel import SPLIT_DEPTH, CudnnKernel, cudnn_unavailable_reason
 from .lowering import lowering_error
 
@@ -38,6 +38,8 @@ def clear_cache() -> None:
     graphs._GRAPHS.clear()
     blocks._PLANS.clear()
     blocks._BANDS.clear()
+    blocks.band_runs.cache_clear()
+    kernel._JOINED.clear()
     batches.batched.cache_clear()
     lowering._LOWERINGS.clear()
     gc.collect()

@@ -4,8 +4,9 @@ row groups where it is the same for every batch and head (packed documents), els
 chunks that skip empty key tiles (``split_runs``)."""
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -25,7 +26,7 @@ _PLANS = ByObjects(MAX_PLANS)  # a block's runs, by its mask's traced values and
 
 
 def plan(program: Program, mods: Mods, q: Tensor, k: Tensor, q_seg: Optional[Segment], kv_seg: Optional[Segment],
-         split_depth: int) -> List[Run]:
+         split_depth: int) -> Sequence[Run]:
     """The calls that compute a block of ``q``'s rows against ``k``'s keys: one without mask;
     native bands for a band mask; the exact plan for other masks; with a score_mod, the
     exact plan's or ``split_runs``'s, whichever computes less (docs/cudnn.md)."""
@@ -59,7 +60,8 @@ def _ceil_div(a: int, b: int) -> int:
 _MIN_FULL = 4 * CUDNN_TILE  # narrowest column range worth its own call
 
 
-def band_runs(band: Tuple[Optional[int], Optional[int]], q_seg: Segment, kv_seg: Segment) -> Optional[List[Run]]:
+@functools.lru_cache(maxsize=MAX_PLANS)  # a pure function of its arguments, asked at every call of a band's hop
+def band_runs(band: Tuple[Optional[int], Optional[int]], q_seg: Segment, kv_seg: Segment) -> Optional[Tuple[Run, ...]]:
     """The block as calls with cuDNN's native band mask (at most two), or None where it cannot be.
 
     The mask keeps ``lo <= q_pos - kv_pos <= hi`` with ``pos = start + stride * i``, that is
@@ -75,17 +77,17 @@ def band_runs(band: Tuple[Optional[int], Optional[int]], q_seg: Segment, kv_seg:
     b = None if lo is None else -_ceil_div(lo - d, t)  # i - j >= ceil((lo - d) / t)
     n_q, n_k = q_seg.length, kv_seg.length
     if a is not None and b is not None and a > b:
-        return []
+        return ()
     r0 = max(0, -b) if b is not None else 0
     c0 = max(0, a) if a is not None else 0
     r1 = min(n_q, n_k - a) if a is not None else n_q
     c1 = min(n_k, n_q + b) if b is not None else n_k
     if r0 >= r1 or c0 >= c1:
-        return []
+        return ()
     a = None if a is None or a + r0 - c0 <= -(r1 - r0 - 1) else a + r0 - c0
     b = None if b is None or b + r0 - c0 >= c1 - c0 - 1 else b + r0 - c0
     if a is None and b is None:
-        return [Run((r0, r1), (c0, c1))]
+        return (Run((r0, r1), (c0, c1)),)
     if a is not None and r1 - r0 > c1 - c0:  # cuDNN's sliding window needs s_q <= s_kv
         return None
     if b is not None and _MIN_FULL <= b + 1 < c1 - c0:
@@ -98,8 +100,8 @@ def band_runs(band: Tuple[Optional[int], Optional[int]], q_seg: Segment, kv_seg:
         left = band_runs(band, q_seg, kv_seg.slice(0, split))
         right = band_runs(band, q_seg, kv_seg.slice(split, n_k))
         if left is not None and right is not None:
-            return left + [Run(r.rows, (split + r.cols[0], split + r.cols[1]), band=r.band) for r in right]
-    return [Run((r0, r1), (c0, c1), band=(None if a is None else 1 - a, b))]
+            return left + tuple(Run(r.rows, (split + r.cols[0], split + r.cols[1]), band=r.band) for r in right)
+    return (Run((r0, r1), (c0, c1), band=(None if a is None else 1 - a, b)),)
 
 
 def split_runs(mods: Mods, mask: ModGraph, batch: int, heads: int, q_seg: Segment, kv_seg: Segment,

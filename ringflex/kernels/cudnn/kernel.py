@@ -10,7 +10,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ...cache import ByObjects
 from ...plan.blocks import BlockKind, Hop, around
+from ...plan.extents import mask_key
 from ...plan.layout import Segment
 from .. import huge
 from ..base import Extent, Mods
@@ -19,6 +21,8 @@ from ..reference import ReferenceKernel
 from . import batches, blocks, frontend, graphs
 from .lowering import Program, lowered, lowering_error, packed_strides, traced
 
+# The joined calls of ring steps' hops (``CudnnKernel._joined``), by the hops and what planning them reads.
+_JOINED = ByObjects(frontend.MAX_PLANS)
 # A masked block with a score_mod runs as 2**SPLIT_DEPTH row chunks (measured best: docs/cudnn.md).
 SPLIT_DEPTH = 2
 _MIN_CUDNN = 90600  # score_mod arrived in cuDNN 9.6
@@ -141,9 +145,18 @@ class CudnnKernel:
 
     def _joined(self, hops: Sequence[Hop], mods: Mods, q, k, v, out=None, dout=None) -> Optional[batches.Group]:
         """The hops' runs as one call (``batches.Group``), or None where they do not make one (a
-        score_mod, runs that cannot be one call over these tensors)."""
+        score_mod, runs that cannot be one call over these tensors). Kept by what planning them
+        reads (``_JOINED``): a training step's ring calls join the same hops at every step."""
         if mods.score_mod is not None or not batches.grouped_applies(q, k, v, out, dout):
             return None
+        ragged = batches.ragged_applies(q, k, v, out, dout)
+        mask = traced(mods, True, q.device).mask
+        key = (tuple(hops), self.split_depth, ragged, *q.shape[:2], str(q.device))
+        if mask is None:
+            return _JOINED.get(key, (), lambda: self._join(hops, mods, q, k, ragged))
+        return _JOINED.get(mask_key(mask, *key), mask.tensors(), lambda: self._join(hops, mods, q, k, ragged))
+
+    def _join(self, hops: Sequence[Hop], mods: Mods, q, k, ragged: bool) -> Optional[batches.Group]:
         runs, exact = [], False
         for hop in hops:
             program = traced(mods, hop.kind != BlockKind.FULL, q.device)
@@ -151,11 +164,11 @@ class CudnnKernel:
             planned = blocks.plan(program, mods, rows(q, hop.q_rows), rows(k, hop.kv_rows), hop.q_seg, hop.kv_seg,
                                   self.split_depth)
             runs += [blocks.shifted(run, hop.q_rows[0], hop.kv_rows[0]) for run in planned]
-        calls = batches.batched(tuple(runs), exact, batches.ragged_applies(q, k, v, out, dout))
+        calls = batches.batched(tuple(runs), exact, ragged)
         return calls[0] if len(calls) == 1 and isinstance(calls[0], batches.Group) else None
 
     @staticmethod
-    def _calls(program: Program, runs: List[blocks.Run], *tensors: Tensor) -> Tuple[object, ...]:
+    def _calls(program: Program, runs: Sequence[blocks.Run], *tensors: Tensor) -> Tuple[object, ...]:
         """The block's runs as cuDNN calls: grouped where they can be (``batches.batched``). The
         exact plan's runs (masks that are no band: packed documents) batch even alone: their
         shapes follow the documents, and a graph of exact shapes would be built for every new
