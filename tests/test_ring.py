@@ -540,7 +540,7 @@ def _saved_block(rank, world_size):
     _with_kernel(_WholeBlockKernel())
     q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
     out = ringflex.ring_flex_attention(q, k, v, mask_mod=mods.sliding_window(3), layout="contiguous")
-    last_k = out.grad_fn.saved_tensors[6]  # q, k, v, out, lse, res, then the last block
+    last_k = out.grad_fn.saved_tensors[8]  # q, k, v, out, lse, res, sinks, borrowed queries, then the blocks kept
     return last_k.untyped_storage().nbytes(), last_k.numel() * last_k.element_size(), last_k.shape[2]
 
 
@@ -687,7 +687,8 @@ def test_a_window_over_zigzag_brings_the_blocks_of_both_neighbours_alone(monkeyp
     """Over zigzag a window reads the ranks on either side (distances 1 and W - 1 = 3), so on 4
     ranks forward brings those two blocks straight from their owners and skips distance 2;
     backward starts on the block of distance 3, brings distance 1's, and sends each its
-    dK/dV share. (Without lending.)"""
+    dK/dV share: the reference kernel reads whole blocks, two of which forward does not keep
+    (``RingCall.keeps_received``). (Without lending.)"""
     monkeypatch.setenv("RINGFLEX_LENDING", "0")
     for seen, error in run_world(4, _zigzag_window):
         assert [s[:2] for s in seen] == [("forward", 1), ("forward", 3), ("backward", 1), ("backward", -3),
@@ -699,15 +700,17 @@ def test_a_window_over_zigzag_sends_each_neighbour_the_chunk_it_reads(monkeypatc
     """Over zigzag a window's reader behind reads the first chunk of a block (4 rows of 8), its
     reader ahead the second: each K/V transfer is that chunk, not the block (the first and
     last rank read nothing of each other); the dK/dV shares come back over the 3 rows read.
-    (With a kernel that plans within blocks, so the rows read are exact; without lending.)"""
+    The two chunks a rank receives fill one block, so forward keeps them and backward moves
+    no K/V (``RingCall.keeps_received``). (With a kernel that plans within blocks, so the
+    rows read are exact; without lending.)"""
     monkeypatch.setenv("RINGFLEX_LENDING", "0")
     monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
     for rank, (seen, error) in enumerate(run_world(4, _zigzag_window, _WholeBlockKernel())):
         ahead = 0 if rank == 3 else 4  # rows sent to the rank 1 ahead (rank 0 reads no row of rank 3)
         behind = 0 if rank == 0 else 4  # to the rank 3 ahead, 1 behind
         share_1, share_3 = (0 if rank == 0 else 3), (0 if rank == 3 else 3)  # to the owners 1 and 3 back
-        assert seen == [("forward", 1, ahead), ("forward", 3, behind), ("backward", 1, ahead),
-                        ("backward", -3, share_3), ("backward", -1, share_1)], (rank, seen)
+        assert seen == [("forward", 1, ahead), ("forward", 3, behind), ("backward", -3, share_3),
+                        ("backward", -1, share_1)], (rank, seen)
         assert error < 1e-10
 
 
@@ -774,6 +777,65 @@ def test_each_send_of_the_own_block_waits_for_the_one_before():
         for step in range(3):
             blocks.advance(step, blocks.start(step))
         assert comm.waited_for == want
+
+
+def _in_place_calls(rank, world_size, mask_name):
+    """Two calls, both forwards before either backward, with blocks received in place: into
+    buffers that every call reuses (here CPU tensors kept per key, filled over gloo), as the
+    copy engines' are. Returns the largest error of both calls against the oracle and the
+    number of buffers."""
+    from ringflex import mods
+    from ringflex.parallel.comm import RingComm
+    _with_kernel(_WholeBlockKernel())
+    buffers = {}
+    RingComm.receives_in_place = lambda self, device: True
+    RingComm.receive_buffer = lambda self, key, like: buffers.setdefault(key, torch.empty_like(like))
+    mask = {"window": mods.sliding_window(4), "causal": mods.causal}[mask_name]
+    calls = []
+    for seed in range(2):
+        q, k, v, dout = (torch.randn(1, 2, 8 * world_size, 8, dtype=torch.float64,
+                                     generator=torch.Generator().manual_seed(10 * seed + i)) for i in range(4))
+        parts = [ringflex.shard(t, 2, layout="zigzag").requires_grad_() for t in (q, k, v)]
+        out = ringflex.ring_flex_attention(*parts, mask_mod=mask, layout="zigzag")
+        calls.append((q, k, v, dout, parts, out))
+    errors = []
+    for q, k, v, dout, parts, out in calls:
+        out.backward(ringflex.shard(dout, 2, layout="zigzag"))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = attention(*full, mask_mod=mask)
+        want.backward(dout)
+        errors += [(a - ringflex.shard(b, 2, layout="zigzag")).abs().max().item()
+                   for a, b in zip([out] + [t.grad for t in parts], [want] + [t.grad for t in full])]
+    return max(errors), len(buffers)
+
+
+@pytest.mark.parametrize("mask_name, buffers", [("window", 4), ("causal", 4)])
+def test_blocks_received_in_place_are_saved_out_of_the_buffers_the_next_call_fills(mask_name, buffers, monkeypatch):
+    """Blocks received in place land in buffers that the next call fills: forward saves what
+    backward reads out of them, every received block where it keeps them all (a window's two
+    halves over zigzag, each in a buffer of its own: K and V of two transfers) and the last
+    one where it does not (causal: two buffers that alternate)."""
+    monkeypatch.setenv("RINGFLEX_LENDING", "0")
+    monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
+    for error, made in run_world(4, _in_place_calls, mask_name):
+        assert error < 1e-10 and made == buffers
+
+
+@pytest.mark.parametrize("reads, steps, keeps", [
+    (None, 1, True), (None, 2, True), (None, 3, False),  # no agreement: whole blocks travel
+    ([[(0, 8), (4, 8), (0, 0), (0, 4)]] * 4, 3, True),  # two halves: one block in all
+    ([[(0, 8), (4, 8), (0, 0), (0, 4)]] * 3 + [[(0, 8), (3, 8), (0, 0), (0, 4)]], 3, False),  # a half widened to 8
+    ([[(0, 8), (0, 8), (0, 0), (0, 0)]] * 4, 2, True),  # one transfer: its block, kept anyway
+    ([[(0, 8), (0, 8), (0, 8), (0, 8)]] * 4, 4, False)])  # causal: whole blocks
+def test_forward_keeps_the_blocks_it_receives_where_they_fill_one_block_at_most(reads, steps, keeps):
+    """``RingCall.keeps_received``: every rank's received rows in all (widened as they travel,
+    ``plan.blocks.widened``) at most one block, the same answer on every rank."""
+    from ringflex.kernels.base import Mods
+    from ringflex.parallel.ring import RingCall
+    distances = [0, 1, 3, 2][:steps] if reads is not None else None
+    call = RingCall(comm=None, schedule=[[] for _ in range(steps)], kernel=ReferenceKernel(), mods=Mods(), scale=1.0,
+                    reads=reads, distances=distances)
+    assert call.keeps_received(8) == keeps
 
 
 @pytest.mark.parametrize("rows, length, want", [

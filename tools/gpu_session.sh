@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/README.md and benchmarks/results/, one stage per argument; logs go to
 # $OUT (or ./out). Run from the repository root.
-#   bash tools/gpu_session.sh copybeside1 kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
+#   bash tools/gpu_session.sh copybeside1 kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 ownblock1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash tools/gpu_session.sh local2 sharding2 reshard2 ownblock2 joined2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash tools/gpu_session.sh links efficiency binding4 profile4 skew4 capturetests check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base2   # on 2 GPUs; base4 basephases4 on 4: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
@@ -54,6 +54,7 @@ for stage in "$@"; do
     compile1) run compile python3 -m pytest -q tests/gpu/test_compiled_wrapper.py ;;  # torch.compile around a wrapped model
     plans1) run plans python3 -m benchmarks.probes.plan_probe --seq-len 8192 --window 1024 ;;  # every cuDNN plan and knob, timed
     ragged1) run ragged python3 -m benchmarks.probes.ragged_cost ;;  # ragged batch vs a call per document
+    ownblock1) run ownblock1 python3 -m benchmarks.probes.own_block_cost --rows 8192 --windows 4096 512 ;;  # zigzag's own block: strided, ragged, a call per block
     balance1) for n in 16384 32768; do run balance1 python3 -m benchmarks.probes.balance_probe --seq-len $n; done
               run balance1 python3 -m benchmarks.probes.balance_probe --seq-len 16384 --layout zigzag --masks window documents causal none
               run balance1 python3 -m benchmarks.probes.balance_probe --seq-len 32768 --world-size 4 --masks window

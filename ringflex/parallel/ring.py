@@ -95,6 +95,20 @@ class RingCall:
         they travel (``rows_sent`` at their owner)."""
         return (0, length) if step == 0 else self._travelling(self.distance(step), 0, length)
 
+    def keeps_received(self, length: int) -> bool:
+        """Whether forward keeps every block it receives (of blocks of ``length`` rows) for
+        backward, which then moves no K/V: where no rank receives more rows in all than its own
+        block holds, so that a call keeps at most about one block more until its backward than
+        its inputs. A window's or packed documents' two halves over zigzag; a ring of one
+        transfer, whose block forward keeps anyway. Every rank decides alike, from the rows the
+        ranks agreed each reads: a rank's sends in backward follow its readers' choice."""
+        steps = range(1, len(self.schedule))
+        if self.reads is None:  # no agreement: every row travels
+            return len(steps) <= 1
+        held = [[widened(self.rows_read(reader, self.distance(s)), length) for s in steps]
+                for reader in range(len(self.reads))]
+        return all(sum(hi - lo for lo, hi in blocks) <= length for blocks in held)
+
     def _travelling(self, distance: int, reader_ahead: int, length: int) -> Rows:
         """The rows of a block that travel at ``distance`` to its reader, ``reader_ahead`` ranks after this one."""
         if self.reads is None:  # no agreement: every row
@@ -107,7 +121,9 @@ class _KVStream:
     alternate (no step allocates, and a block is never overwritten while it is still being
     read; over the copy engines, buffers that the senders fill in place, the same at every
     call: ``inplace``), and for the last step ``last``, where the rank holds that block already:
-    then the ring skips the transfer that would bring it. Each transfer brings the next step's block
+    then the ring skips the transfer that would bring it. Where forward keeps every block it
+    receives (``RingCall.keeps_received``), each transfer has a buffer of its own, and the
+    blocks are ``received``, in order. Each transfer brings the next step's block
     from its owner, to which this rank sends its own block (``own``: ``first`` forward, ``last``
     backward) at the same distance, so every send reads the own block's rows (in place over
     the copy engines; over the process group's P2P, a copy made once per range of rows). A received block holds
@@ -136,6 +152,7 @@ class _KVStream:
         # engines and the link, so side by side each would end as late as the last, while one
         # after another the nearest rank, which reads the block first, has it first.
         self.first_stream, self.own_sent, self.own_ready, self.joined = None, {}, None, False
+        self.keeps, self.received = False, []  # decided at the first transfer, once the ranks agreed
         if self.transfers > 0:
             if not self.in_place:  # in place, the buffers are made with every rank, once they agreed
                 self._add_buffer()
@@ -180,7 +197,9 @@ class _KVStream:
         rank as far ahead; the block arrives in ``advance``."""
         if step >= self.transfers:
             return None
-        if len(self.buffers) <= step % 2:
+        if step == 0:
+            self.keeps = not self.reverse and self.call.keeps_received(self.shapes[0][2])
+        if len(self.buffers) <= self._slot(step):
             self._add_buffer()
         lo, hi = self.rows(step + 1)
         distance = self.call.distance(self._forward_step(step + 1))
@@ -192,11 +211,15 @@ class _KVStream:
             if own_rows not in self.own_sent:
                 self.own_sent[own_rows] = tuple(self.call.comm.sendable(rows(t, own_rows)) for t in self.own)
             send = self.own_sent[own_rows]
-            recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[step % 2])
+            recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[self._slot(step)])
             transfer = self.call.comm.exchange(send, recv, shift=distance, send_after=self.own_ready)
             if transfer.sent is not None:
                 self.own_ready = transfer.sent
             return transfer, send, recv, lo
+
+    def _slot(self, step: int) -> int:
+        """The buffer the transfer of ``step`` fills."""
+        return step if self.keeps else step % 2
 
     def close(self) -> None:
         """Ends the stream's pass: the current stream joins the first transfer's stream (a CUDA
@@ -210,6 +233,8 @@ class _KVStream:
         if pending is not None:
             transfer, _, self.current, self.offset = pending  # ``send`` stays referenced until here
             transfer.wait()
+            if self.keeps:
+                self.received.append(self.current)
         elif step + 2 == self.steps and self.last is not None:
             self.current, self.offset = self.last, 0
 
@@ -221,8 +246,10 @@ def _leading_rows(buffer: Tensor, n: int) -> Tensor:
 
 
 def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
-    """This rank's (out, lse, res) (``kernels.base``), the block of the last step (backward
-    starts on it) and the queries borrowed from the next rank (None where none are: ``loans``)."""
+    """This rank's (out, lse, res) (``kernels.base``), the blocks it keeps for backward (every
+    block it received, where it keeps them: ``RingCall.keeps_received``; else the block of
+    the last step, which backward starts on) and the queries borrowed from the next rank (None
+    where none are: ``loans``)."""
     blocks = _KVStream(call, (k, v))
     # The own block needs no transfer: it is computed while the ranks agree on the call, and
     # no block leaves before they have (the agreement may shorten the schedule and lend rows).
@@ -249,14 +276,14 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     if call.comm is not None:
         call.comm.join_sends(q.device)  # the caller's K/V left first: it may change them once this returns
     blocks.close()
-    # The block of the last step: backward starts on it, so it is saved until then.
-    if blocks.current[0] is k:
-        last = blocks.current
-    elif blocks.in_place:  # the receive buffers serve the next call
-        last = tuple(t.clone() for t in blocks.current)
-    else:
-        last = tuple(_compact(t) for t in blocks.current)
-    return (*merged.result(), last, borrowed_q)
+    kept = blocks.received if call.keeps_received(k.shape[2]) else [blocks.current]
+    return (*merged.result(), [tuple(_saved(t, blocks.in_place) for t in block) for block in kept], borrowed_q)
+
+
+def _saved(received: Tensor, in_place: bool) -> Tensor:
+    """A received block as saved for backward: out of the receive buffer where the next call
+    fills it (received in place), else ``_compact``."""
+    return received.clone() if in_place else _compact(received)
 
 
 def _compact(received: Tensor) -> Tensor:
@@ -269,10 +296,10 @@ def _compact(received: Tensor) -> Tensor:
     return received
 
 
-def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, dlse=None, borrowed_q=None):
-    """The ring's steps in reverse. It starts on the block forward ended on (``last_k``,
-    ``last_v``, kept for it), each further step brings its block from the owner, and it ends
-    on the own block, which needs no transfer. At each step a rank sends its hops' share of
+def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None, borrowed_q=None):
+    """The ring's steps in reverse, on the blocks forward ``kept``: every block it received
+    (``_HeldBlocks``: no K/V moves), or the block it ended on, after which each step brings its
+    block from the owner; it ends on the own block, which needs no transfer. At each step a rank sends its hops' share of
     the dK/dV of the block it holds straight to the block's owner (``_exchange_shares``), in
     the dtype the kernel returned it in (the input dtype for cuDNN: half the bytes of fp32; a
     share of hops that reach the same rows is their fp32 sum rounded once, as a hop's several
@@ -295,7 +322,10 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
     lent = [loan.lent] if loan is not None and some(loan.lent) else []
     dq = RowSum([q.shape], q.dtype, acc, q.device, [hop.q_rows for hops in schedule for hop in hops] + lent)
     borrowed_inputs = lend_backward(call, dout, out, lse, res, dlse) if loan is not None else None
-    blocks = _KVStream(call, (last_k, last_v), last=(k, v), reverse=True)
+    if call.keeps_received(k.shape[2]):
+        blocks = _HeldBlocks(call, [(k, v), *kept])
+    else:
+        blocks = _KVStream(call, kept[-1], last=(k, v), reverse=True)
     lse_grad = lse_as_attention(dlse, out, lse) if dlse is not None else None
     d_tensors = [torch.zeros_like(t, dtype=acc) for t in call.tensors]
     own_sum, arriving, returned = None, None, None  # the own block's dK/dV; a share on its way here; the lent dq
@@ -332,6 +362,31 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, last_k, last_v, 
             dq.add(loan.lent, dq_lent)
     (dq,), (dk, dv) = dq.result(), own_sum.result()
     return dq, dk, dv, d_tensors
+
+
+class _HeldBlocks:
+    """Backward's blocks where forward kept every block it received (``RingCall.keeps_received``):
+    each step's block is at hand, so backward moves no K/V and waits for dK/dV shares alone.
+    ``held[i]``: the block of forward step i (0: the own block), as ``_KVStream`` held it."""
+
+    def __init__(self, call: RingCall, held: List[Tuple[Tensor, Tensor]]):
+        self.call, self.held, self.step = call, held, 0
+
+    def start(self, step: int) -> None:
+        return None
+
+    def advance(self, step: int, pending) -> None:
+        self.step = step + 1
+
+    def keys(self, r: Rows):
+        """The keys and values at rows ``r`` of the current step's block."""
+        forward_step = len(self.held) - 1 - self.step
+        offset = self.call.rows_held(forward_step, self.held[0][0].shape[2])[0]
+        return tuple(rows(t, (r[0] - offset, r[1] - offset)) for t in self.held[forward_step])
+
+    def close(self) -> None:
+        if self.call.comm is not None:
+            self.call.comm.end_pass(self.held[0][0].device)
 
 
 class _Share:
@@ -430,18 +485,18 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: RingCall, sinks, *tensors):
         with guard(call.comm, "forward"):  # a failure here releases the other ranks
-            out, lse, res, (last_k, last_v), borrowed_q = ring_forward(call, q, k, v)
+            out, lse, res, kept, borrowed_q = ring_forward(call, q, k, v)
         if sinks is not None:
             out, lse, res = _with_sinks(out, lse, res, sinks)
         ctx.call = call
         ctx.mods_read = _mods_read(call.mods)
-        ctx.save_for_backward(q, k, v, out, lse, res, last_k, last_v, sinks, borrowed_q)
+        ctx.save_for_backward(q, k, v, out, lse, res, sinks, borrowed_q, *(t for block in kept for t in block))
         ctx.set_materialize_grads(False)  # a loss that does not read the LSE costs no LSE backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, res, last_k, last_v, sinks, borrowed_q = ctx.saved_tensors
+        q, k, v, out, lse, res, sinks, borrowed_q, *kept = ctx.saved_tensors
         capture = ctx.call.comm is not None and capture_error(q, ctx.call.comm.group)
         if capture:  # raised before any transfer: the same on every rank, none is left waiting
             raise RuntimeError(f"ring_flex_attention backward: {capture}")
@@ -449,8 +504,8 @@ class RingAttention(torch.autograd.Function):
         # also under create_graph=True; the check's walk of the mods is the one backward reads
         with guard(ctx.call.comm, "backward"), torch.no_grad(), captured.one_walk():
             _check_mods_unchanged(ctx.mods_read, ctx.call.mods)
-            dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, res, last_k, last_v, dlse=dlse,
-                                                  borrowed_q=borrowed_q)
+            dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, res, list(zip(kept[::2], kept[1::2])),
+                                                  dlse=dlse, borrowed_q=borrowed_q)
             d_sinks = _sink_grad(out, lse, res, dout, dlse, sinks) if ctx.needs_input_grad[4] else None
         grads = [dq, dk, dv, d_sinks, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors))]
         if torch.is_grad_enabled():  # create_graph=True: the gradients are values, with no derivative

@@ -14,11 +14,12 @@ which skips tiles, once rows and columns that see nothing are cut off; other mas
 score_mod are planned from the exact mask (keys every row sees unmasked, native bands where
 the mask is one); with a score_mod, cuDNN takes no native mask, so the block is cut into row
 chunks that skip empty key tiles (``SPLIT_DEPTH``). Calls that share a native mask (or none) and
-no rows or columns (packed documents) run as one ragged batch (``batches.Batch``). docs/cudnn.md has
-the measurements.
+no rows or columns run as one call: a plain call over strided views where they are of one shape
+and evenly spaced (a zigzag rank's two diagonal blocks, ``batches.Strided``), else a ragged batch
+(packed documents, ``batches.Batch``). docs/cudnn.md has the measurements.
 
 Where each part lives: ``kernel`` (``CudnnKernel``, a hop as cuDNN calls), ``blocks`` (a
-block planned as calls), ``batches`` (ragged batches of calls), ``graphs`` (built graphs,
+block planned as calls), ``batches`` (calls grouped into one), ``graphs`` (built graphs,
 cached), ``lowering`` (the mods inside a graph), ``frontend`` (the library and its handles).
 """
 from __future__ import annotations
