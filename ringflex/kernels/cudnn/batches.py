@@ -119,6 +119,7 @@ class Batch(Group):
                         power_of_two(k.shape[2]))
         return ragged, inputs
 
+
 class Strided(Group):
     """Runs of one shape, each the rows and keys of the one before moved by the same steps (a
     zigzag rank's two diagonal blocks of a band mask), as one plain call over batch-n views of
