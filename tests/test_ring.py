@@ -733,13 +733,14 @@ def test_first_receive_buffer_exists_before_the_own_block_is_computed():
     queued (memory freed by that compute's temporaries must not be handed to the transfer);
     the second buffer comes with the second transfer, and a ring without transfers has none."""
     from ringflex.kernels.base import Mods
-    from ringflex.parallel.ring import RingCall, _KVStream
+    from ringflex.parallel.kv import KVStream
+    from ringflex.parallel.ring import RingCall
 
     k, v = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
     for steps, last, buffers in ((3, None, 1), (2, None, 1), (2, (k, v), 0), (1, None, 0)):
         call = RingCall(comm=None, schedule=[[] for _ in range(steps)], kernel=ReferenceKernel(), mods=Mods(),
                         scale=1.0)
-        blocks = _KVStream(call, (k, v), last=last)
+        blocks = KVStream(call, (k, v), last=last)
         assert len(blocks.buffers) == buffers, (steps, last is not None)
         assert all(b.shape == k.shape for pair in blocks.buffers for b in pair)
 
@@ -749,7 +750,8 @@ def test_each_send_of_the_own_block_waits_for_the_one_before():
     before as ``send_after``, so the nearest rank, which reads the block first, has it first.
     Where a transport reports no end (the process group orders its sends), nothing waits."""
     from ringflex.kernels.base import Mods
-    from ringflex.parallel.ring import RingCall, _KVStream
+    from ringflex.parallel.kv import KVStream
+    from ringflex.parallel.ring import RingCall
 
     class Comm:
         def __init__(self, reports_end):
@@ -773,7 +775,7 @@ def test_each_send_of_the_own_block_waits_for_the_one_before():
     for reports_end, want in ((True, [None, "end of send 1", "end of send 2"]), (False, [None, None, None])):
         comm = Comm(reports_end)
         call = RingCall(comm=comm, schedule=[[] for _ in range(4)], kernel=ReferenceKernel(), mods=Mods(), scale=1.0)
-        blocks = _KVStream(call, (k, v))
+        blocks = KVStream(call, (k, v))
         for step in range(3):
             blocks.advance(step, blocks.start(step))
         assert comm.waited_for == want

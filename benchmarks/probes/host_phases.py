@@ -50,7 +50,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ringflex import api, checks, heads
 from ringflex.kernels import cudnn, fused_merge, merge
 from ringflex.mod import captured, trace
-from ringflex.parallel import agreement, alltoall, board, comm, compute, peer, ring
+from ringflex.parallel import agreement, alltoall, board, comm, compute, kv, peer, ring
 from ringflex.parallel.groups import gather_objects
 from ringflex.plan import blocks, lending
 
@@ -68,7 +68,7 @@ PHASES = [
     (lending, "offer", "    lending: this rank's offer (a call not seen before)"),
     (agreement, "start", "start of the agreement (the cross-rank exchange)"),
     (agreement.Agreement, "wait", "waiting for the other ranks' records"),
-    (ring._KVStream, "__init__", "K/V stream set-up"), (ring._KVStream, "start", "transfers issued"),
+    (kv.KVStream, "__init__", "K/V stream set-up"), (kv.KVStream, "start", "transfers issued"),
     (peer.PeerTransport, "exchange", "copy-engine exchanges (K/V, dK/dV shares)"),
     (cudnn.CudnnKernel, "forward", "kernel forward"), (cudnn.CudnnKernel, "backward", "kernel backward"),
     (cudnn.CudnnKernel, "forward_hops", "kernel forward, hops joined"),

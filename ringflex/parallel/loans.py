@@ -30,7 +30,7 @@ def lend_forward(call, q: Tensor, k: Tensor, v: Tensor, first_stream):
     with torch.cuda.stream(first_stream) if first_stream is not None else nullcontext():
         # Allocated on that stream too: the receive does not wait for the own block's compute,
         # so it must not get memory that the compute's temporaries were freed from (the
-        # current stream's), as ``_KVStream``'s first buffer must not.
+        # current stream's), as ``kv.KVStream``'s first buffer must not.
         borrowed_q = new_rows(q, held, q.shape[3])
         queries = call.comm.exchange([rows(q, sent)], [borrowed_q], shift=-1)
     if first_stream is not None:

@@ -6,9 +6,11 @@ the number of ranks. Of each block only the rows that its receiver reads travel
 (``RingCall.rows_sent``), widened to a power of two (``plan.blocks.widened``).
 
 Results accumulate in fp32 (fp64 for fp64 inputs) and are rounded once into the input dtype
-(``merge.RowMerge`` / ``RowSum``). Backward runs the steps in reverse, from the block forward
-ended on, to the own block; each rank's share of a block's dK/dV goes straight to the owner,
-which sums the shares once.
+(``merge.RowMerge`` / ``RowSum``). Backward runs the steps in reverse, on the blocks forward
+kept (``kv``: every block it received where they fill one block at most, so no K/V moves;
+else the block it ended on, after which each block comes from its owner again), to the own
+block; each rank's share of a block's dK/dV goes straight to the owner, which sums the
+shares once.
 
 Where the ranks agree on loans (``plan.lending``), query rows travel the other way: a
 rank's lent rows go to the previous rank, which computes them against its own block and
@@ -16,8 +18,6 @@ sends back their output and LSE, and in backward their dQ (``loans``).
 """
 from __future__ import annotations
 
-import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -26,7 +26,7 @@ from torch import Tensor
 from torch._C import _functions as autograd_nodes
 
 from ..kernels.base import HopKernel, Mods
-from ..kernels.merge import RowMerge, RowSum, Rows, lse_weights, rows
+from ..kernels.merge import RowMerge, RowSum, Rows, lse_weights
 from ..kernels.reference import compute_dtype
 from ..mod import captured
 from ..plan.blocks import Hop, distances_needed, part_planner, widened
@@ -34,6 +34,7 @@ from ..plan.lending import Loan, Offer
 from .comm import RingComm, capture_error
 from .compute import lse_as_attention, new_rows, rows_shape, some, step_backward, step_forward
 from .fault import guard
+from .kv import HeldBlocks, KVStream, saved
 from .loans import borrowed_backward, lend_backward, lend_forward
 
 
@@ -116,141 +117,12 @@ class RingCall:
         return widened(self.rows_read(self.comm.rank + reader_ahead, distance), length)
 
 
-class _KVStream:
-    """The K/V block of each step: ``first``, then blocks received into two buffers that
-    alternate (no step allocates, and a block is never overwritten while it is still being
-    read; over the copy engines, buffers that the senders fill in place, the same at every
-    call: ``inplace``), and for the last step ``last``, where the rank holds that block already:
-    then the ring skips the transfer that would bring it. Where forward keeps every block it
-    receives (``RingCall.keeps_received``), each transfer has a buffer of its own, and the
-    blocks are ``received``, in order. Each transfer brings the next step's block
-    from its owner, to which this rank sends its own block (``own``: ``first`` forward, ``last``
-    backward) at the same distance, so every send reads the own block's rows (in place over
-    the copy engines; over the process group's P2P, a copy made once per range of rows). A received block holds
-    only the rows of it that travel (``RingCall.rows_held``), in the leading memory of a buffer
-    sized for a whole block. The number of steps is read when the first transfer starts:
-    forward may shorten the schedule once the ranks agree."""
-
-    def __init__(self, call: RingCall, first, last=None, reverse: bool = False):
-        self.call, self.reverse, self.last = call, reverse, last
-        self.current, self.own = first, last if reverse else first
-        self.shapes = [t.shape for t in self.own]  # the own block, whole
-        self.offset = self.rows(0)[0]  # the first row of the block that ``current`` holds
-        self.buffers = []
-        self.in_place = call.comm is not None and call.comm.receives_in_place(first[0].device)
-        # A transfer starts only after the work queued before it on the current stream. The
-        # first one may be issued after the own block's compute is queued (forward waits for
-        # the argument check there), so it goes from a stream that waits for the inputs alone
-        # and still overlaps that compute. Its receive buffer is allocated before that compute
-        # is queued: memory freed by the compute's temporaries is then not handed to it (the
-        # buffers received into in place come from no allocator).
-        # Every later send of the own block waits for that stream too (``own_ready``), not for
-        # the compute queued since nor for the blocks this rank waits to receive: otherwise a
-        # rank's send waits for its previous receive, and the transfers of a step follow those
-        # of the step before around the whole ring instead of running beside them. Each send
-        # also waits for the one before it (its ``sent`` event): the sends share the copy
-        # engines and the link, so side by side each would end as late as the last, while one
-        # after another the nearest rank, which reads the block first, has it first.
-        self.first_stream, self.own_sent, self.own_ready, self.joined = None, {}, None, False
-        self.keeps, self.received = False, []  # decided at the first transfer, once the ranks agreed
-        if self.transfers > 0:
-            if not self.in_place:  # in place, the buffers are made with every rank, once they agreed
-                self._add_buffer()
-            k = first[0]
-            if k.is_cuda:
-                self.first_stream = torch.cuda.Stream(k.device)
-                self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
-                self.own_ready = self.first_stream.record_event()
-
-    def _add_buffer(self):
-        if self.in_place:  # the same memory at every call, which the senders fill (``inplace``)
-            index = len(self.buffers)
-            self.buffers.append(tuple(self.call.comm.receive_buffer((index, i), t) for i, t in enumerate(self.own)))
-        else:
-            self.buffers.append(tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in self.own))
-
-    @property
-    def steps(self) -> int:
-        return len(self.call.schedule)
-
-    @property
-    def transfers(self) -> int:
-        return self.steps - 1 - (self.last is not None and self.steps > 1)
-
-    def _forward_step(self, step: int) -> int:
-        return self.steps - 1 - step if self.reverse else step
-
-    def rows(self, step: int) -> Rows:
-        """Which rows of its block the stream holds at ``step`` (the own block: all)."""
-        return self.call.rows_held(self._forward_step(step), self.shapes[0][2])
-
-    def local(self, r: Rows) -> Rows:
-        """Rows ``r`` of a block as rows of what ``current`` holds of it."""
-        return r[0] - self.offset, r[1] - self.offset
-
-    def keys(self, r: Rows):
-        """The current block's keys and values at its rows ``r``."""
-        return tuple(rows(t, self.local(r)) for t in self.current)
-
-    def start(self, step: int):
-        """Starts bringing the next step's block from its owner, while the own block goes to the
-        rank as far ahead; the block arrives in ``advance``."""
-        if step >= self.transfers:
-            return None
-        if step == 0:
-            self.keeps = not self.reverse and self.call.keeps_received(self.shapes[0][2])
-        if len(self.buffers) <= self._slot(step):
-            self._add_buffer()
-        lo, hi = self.rows(step + 1)
-        distance = self.call.distance(self._forward_step(step + 1))
-        own_rows = self.call.rows_sent(distance, self.shapes[0][2])
-        if step > 0 and self.first_stream is not None and not self.joined:  # the own rows sent were made there
-            torch.cuda.current_stream(self.first_stream.device).wait_stream(self.first_stream)
-            self.joined = True
-        with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
-            if own_rows not in self.own_sent:
-                self.own_sent[own_rows] = tuple(self.call.comm.sendable(rows(t, own_rows)) for t in self.own)
-            send = self.own_sent[own_rows]
-            recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[self._slot(step)])
-            transfer = self.call.comm.exchange(send, recv, shift=distance, send_after=self.own_ready)
-            if transfer.sent is not None:
-                self.own_ready = transfer.sent
-            return transfer, send, recv, lo
-
-    def _slot(self, step: int) -> int:
-        """The buffer the transfer of ``step`` fills."""
-        return step if self.keeps else step % 2
-
-    def close(self) -> None:
-        """Ends the stream's pass: the current stream joins the first transfer's stream (a CUDA
-        graph being captured must join every stream it forked) and the transport ends its pass."""
-        if self.first_stream is not None:
-            torch.cuda.current_stream(self.first_stream.device).wait_stream(self.first_stream)
-        if self.call.comm is not None:
-            self.call.comm.end_pass(self.current[0].device)
-
-    def advance(self, step: int, pending) -> None:
-        if pending is not None:
-            transfer, _, self.current, self.offset = pending  # ``send`` stays referenced until here
-            transfer.wait()
-            if self.keeps:
-                self.received.append(self.current)
-        elif step + 2 == self.steps and self.last is not None:
-            self.current, self.offset = self.last, 0
-
-
-def _leading_rows(buffer: Tensor, n: int) -> Tensor:
-    """A [B, H, n, ...] tensor in the leading memory of ``buffer`` (contiguous, as received)."""
-    shape = (*buffer.shape[:2], n, *buffer.shape[3:])
-    return buffer.view(-1)[:math.prod(shape)].view(shape)
-
-
 def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     """This rank's (out, lse, res) (``kernels.base``), the blocks it keeps for backward (every
     block it received, where it keeps them: ``RingCall.keeps_received``; else the block of
     the last step, which backward starts on) and the queries borrowed from the next rank (None
     where none are: ``loans``)."""
-    blocks = _KVStream(call, (k, v))
+    blocks = KVStream(call, (k, v))
     # The own block needs no transfer: it is computed while the ranks agree on the call, and
     # no block leaves before they have (the agreement may shorten the schedule and lend rows).
     own = step_forward(call, call.schedule[0], q, blocks.keys)
@@ -277,28 +149,12 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
         call.comm.join_sends(q.device)  # the caller's K/V left first: it may change them once this returns
     blocks.close()
     kept = blocks.received if call.keeps_received(k.shape[2]) else [blocks.current]
-    return (*merged.result(), [tuple(_saved(t, blocks.in_place) for t in block) for block in kept], borrowed_q)
-
-
-def _saved(received: Tensor, in_place: bool) -> Tensor:
-    """A received block as saved for backward: out of the receive buffer where the next call
-    fills it (received in place), else ``_compact``."""
-    return received.clone() if in_place else _compact(received)
-
-
-def _compact(received: Tensor) -> Tensor:
-    """A received block in memory of its own size where that frees more than half of the
-    whole-block buffer it fills part of (the rows a window reads over the contiguous layout),
-    which saving the view would keep alive: in a model, once per attention layer until its
-    backward. The copy is a pass on the SMs, so a block half the buffer (zigzag, causal) stays."""
-    if received.untyped_storage().nbytes() > 2 * received.numel() * received.element_size():
-        return received.clone()
-    return received
+    return (*merged.result(), [tuple(saved(t, blocks.in_place) for t in block) for block in kept], borrowed_q)
 
 
 def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None, borrowed_q=None):
     """The ring's steps in reverse, on the blocks forward ``kept``: every block it received
-    (``_HeldBlocks``: no K/V moves), or the block it ended on, after which each step brings its
+    (``HeldBlocks``: no K/V moves), or the block it ended on, after which each step brings its
     block from the owner; it ends on the own block, which needs no transfer. At each step a rank sends its hops' share of
     the dK/dV of the block it holds straight to the block's owner (``_exchange_shares``), in
     the dtype the kernel returned it in (the input dtype for cuDNN: half the bytes of fp32; a
@@ -323,9 +179,9 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None,
     dq = RowSum([q.shape], q.dtype, acc, q.device, [hop.q_rows for hops in schedule for hop in hops] + lent)
     borrowed_inputs = lend_backward(call, dout, out, lse, res, dlse) if loan is not None else None
     if call.keeps_received(k.shape[2]):
-        blocks = _HeldBlocks(call, [(k, v), *kept])
+        blocks = HeldBlocks(call, [(k, v), *kept])
     else:
-        blocks = _KVStream(call, kept[-1], last=(k, v), reverse=True)
+        blocks = KVStream(call, kept[-1], last=(k, v), reverse=True)
     lse_grad = lse_as_attention(dlse, out, lse) if dlse is not None else None
     d_tensors = [torch.zeros_like(t, dtype=acc) for t in call.tensors]
     own_sum, arriving, returned = None, None, None  # the own block's dK/dV; a share on its way here; the lent dq
@@ -362,31 +218,6 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None,
             dq.add(loan.lent, dq_lent)
     (dq,), (dk, dv) = dq.result(), own_sum.result()
     return dq, dk, dv, d_tensors
-
-
-class _HeldBlocks:
-    """Backward's blocks where forward kept every block it received (``RingCall.keeps_received``):
-    each step's block is at hand, so backward moves no K/V and waits for dK/dV shares alone.
-    ``held[i]``: the block of forward step i (0: the own block), as ``_KVStream`` held it."""
-
-    def __init__(self, call: RingCall, held: List[Tuple[Tensor, Tensor]]):
-        self.call, self.held, self.step = call, held, 0
-
-    def start(self, step: int) -> None:
-        return None
-
-    def advance(self, step: int, pending) -> None:
-        self.step = step + 1
-
-    def keys(self, r: Rows):
-        """The keys and values at rows ``r`` of the current step's block."""
-        forward_step = len(self.held) - 1 - self.step
-        offset = self.call.rows_held(forward_step, self.held[0][0].shape[2])[0]
-        return tuple(rows(t, (r[0] - offset, r[1] - offset)) for t in self.held[forward_step])
-
-    def close(self) -> None:
-        if self.call.comm is not None:
-            self.call.comm.end_pass(self.held[0][0].device)
 
 
 class _Share:
