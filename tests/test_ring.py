@@ -552,6 +552,28 @@ def test_forward_saves_only_the_rows_of_the_block_that_travelled():
         assert (memory, length) == (own, 2 if rank else 0), (rank, memory, own, length)
 
 
+def _kept_blocks(rank, world_size):
+    """Rows, and bytes of memory behind them, of each K block forward keeps for backward over
+    a window over zigzag (the halves it received)."""
+    from ringflex import mods
+    _with_kernel(_WholeBlockKernel())
+    q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
+    out = ringflex.ring_flex_attention(q, k, v, mask_mod=mods.sliding_window(4), layout="zigzag")
+    kept_k = out.grad_fn.saved_tensors[8::2]  # after q, k, v, out, lse, res, sinks, borrowed queries: K, V of each
+    return [(t.shape[2], t.untyped_storage().nbytes() // (t.shape[1] * t.shape[3] * t.element_size())) for t in kept_k]
+
+
+def test_forward_keeps_the_halves_it_received_in_memory_of_their_size(monkeypatch):
+    """A window of 4 over zigzag on 4 ranks (chunks of 4 of 8 rows): forward keeps both halves
+    it received, the first in the whole-block buffer made before the own block's compute (half
+    of it: kept as it is), the second in a buffer of its own 4 rows; none for rows not read."""
+    monkeypatch.setenv("RINGFLEX_LENDING", "0")
+    monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
+    for rank, kept in enumerate(run_world(4, _kept_blocks)):
+        ahead, behind = (4 if rank else 0), (4 if rank < 3 else 0)  # rows read of the ranks 1 and 3 back
+        assert kept == [(ahead, 8 if ahead else 0), (behind, behind)], (rank, kept)
+
+
 def _gradient_storage(rank, world_size):
     """Where the ring's gradients live, and where the kernel's last backward put its own."""
     from ringflex.parallel import ring

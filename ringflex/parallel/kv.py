@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -27,7 +27,8 @@ class KVStream:
     leading memory of a buffer sized for a whole block. The number of steps is read when the
     first transfer starts: forward may shorten the schedule once the ranks agree. Where forward
     keeps every block it receives (``RingCall.keeps_received``), each transfer has a buffer of
-    its own, and the blocks are ``received``, in order."""
+    its own (of the rows it brings, where the buffers are not the senders' to fill), and the
+    blocks are ``received``, in order."""
 
     def __init__(self, call, first, last=None, reverse: bool = False):
         self.call, self.reverse, self.last = call, reverse, last
@@ -60,12 +61,14 @@ class KVStream:
                 self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
                 self.own_ready = self.first_stream.record_event()
 
-    def _add_buffer(self):
+    def _add_buffer(self, n: Optional[int] = None):
+        """A buffer for a whole block, or for ``n`` rows (a block forward keeps: no larger than it)."""
         if self.in_place:  # the same memory at every call, which the senders fill (``inplace``)
             index = len(self.buffers)
             self.buffers.append(tuple(self.call.comm.receive_buffer((index, i), t) for i, t in enumerate(self.own)))
         else:
-            self.buffers.append(tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in self.own))
+            self.buffers.append(tuple(torch.empty((*t.shape[:2], t.shape[2] if n is None else n, *t.shape[3:]),
+                                                  dtype=t.dtype, device=t.device) for t in self.own))
 
     @property
     def steps(self) -> int:
@@ -97,9 +100,9 @@ class KVStream:
             return None
         if step == 0:
             self.keeps = not self.reverse and self.call.keeps_received(self.shapes[0][2])
-        if len(self.buffers) <= self._slot(step):
-            self._add_buffer()
         lo, hi = self.rows(step + 1)
+        if len(self.buffers) <= self._slot(step):
+            self._add_buffer(hi - lo if self.keeps else None)
         distance = self.call.distance(self._forward_step(step + 1))
         own_rows = self.call.rows_sent(distance, self.shapes[0][2])
         if step > 0 and self.first_stream is not None and not self.joined:  # the own rows sent were made there

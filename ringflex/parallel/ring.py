@@ -99,8 +99,9 @@ class RingCall:
     def keeps_received(self, length: int) -> bool:
         """Whether forward keeps every block it receives (of blocks of ``length`` rows) for
         backward, which then moves no K/V: where no rank receives more rows in all than its own
-        block holds, so that a call keeps at most about one block more until its backward than
-        its inputs. A window's or packed documents' two halves over zigzag; a ring of one
+        block holds, so that a call keeps about one block more until its backward than its
+        inputs (the first received into a whole-block buffer: at most one and a half over the
+        process group's P2P, see ``kv.saved``). A window's or packed documents' two halves over zigzag; a ring of one
         transfer, whose block forward keeps anyway. Every rank decides alike, from the rows the
         ranks agreed each reads: a rank's sends in backward follow its readers' choice."""
         steps = range(1, len(self.schedule))
