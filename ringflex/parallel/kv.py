@@ -26,7 +26,7 @@ class KVStream:
     A received block holds only the rows of it that travel (``RingCall.rows_held``), in the
     leading memory of a buffer sized for a whole block. The number of steps is read when the
     first transfer starts: forward may shorten the schedule once the ranks agree. Where forward
-    keeps every block it receives (``RingCall.keeps_received``), each transfer has a buffer of
+    keeps every block it receives (``RingCall.keeps``), each transfer has a buffer of
     its own (of the rows it brings, where the buffers are not the senders' to fill), and the
     blocks are ``received``, in order."""
 
@@ -51,7 +51,7 @@ class KVStream:
         # engines and the link, so side by side each would end as late as the last, while one
         # after another the nearest rank, which reads the block first, has it first.
         self.first_stream, self.own_sent, self.own_ready, self.joined = None, {}, None, False
-        self.keeps, self.received = False, []  # decided at the first transfer, once the ranks agreed
+        self.received = []
         if self.transfers > 0:
             if not self.in_place:  # in place, the buffers are made with every rank, once they agreed
                 self._add_buffer()
@@ -98,8 +98,6 @@ class KVStream:
         rank as far ahead; the block arrives in ``advance``."""
         if step >= self.transfers:
             return None
-        if step == 0:
-            self.keeps = not self.reverse and self.call.keeps_received(self.shapes[0][2])
         lo, hi = self.rows(step + 1)
         if len(self.buffers) <= self._slot(step):
             self._add_buffer(hi - lo if self.keeps else None)
@@ -117,6 +115,11 @@ class KVStream:
             if transfer.sent is not None:
                 self.own_ready = transfer.sent
             return transfer, send, recv, lo
+
+    @property
+    def keeps(self) -> bool:
+        """Whether forward keeps the blocks it receives (``RingCall.keeps``: known once the ranks agreed)."""
+        return not self.reverse and self.call.keeps
 
     def _slot(self, step: int) -> int:
         """The buffer the transfer of ``step`` fills."""

@@ -54,6 +54,7 @@ class RingCall:
     lse_grad: bool = False  # a loss may read the LSE (return_lse): lent rows take its gradient along
     reads: Optional[List[List[Rows]]] = None  # per rank and distance, the rows of that block it reads
     distances: Optional[List[int]] = None  # per step, how many ranks back its block's owner is (None: the step)
+    keeps: bool = False  # forward keeps every block it receives for backward (``keeps_received``, once agreed)
 
     def agree(self, device) -> None:
         """Waits for the agreement. Then the ring runs only the steps of the distances some rank
@@ -128,6 +129,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     # no block leaves before they have (the agreement may shorten the schedule and lend rows).
     own = step_forward(call, call.schedule[0], q, blocks.keys)
     call.agree(q.device)
+    call.keeps = call.keeps_received(k.shape[2])  # decided once: the stream, the end of forward and backward read it
     pending = blocks.start(0)
     borrowed_q, returned = lend_forward(call, q, k, v, blocks.first_stream) if call.loan else (None, None)
     lent = [call.loan.lent] if call.loan is not None and some(call.loan.lent) else []
@@ -149,7 +151,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     if call.comm is not None:
         call.comm.join_sends(q.device)  # the caller's K/V left first: it may change them once this returns
     blocks.close()
-    kept = blocks.received if call.keeps_received(k.shape[2]) else [blocks.current]
+    kept = blocks.received if call.keeps else [blocks.current]
     return (*merged.result(), [tuple(saved(t, blocks.in_place) for t in block) for block in kept], borrowed_q)
 
 
@@ -179,7 +181,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None,
     lent = [loan.lent] if loan is not None and some(loan.lent) else []
     dq = RowSum([q.shape], q.dtype, acc, q.device, [hop.q_rows for hops in schedule for hop in hops] + lent)
     borrowed_inputs = lend_backward(call, dout, out, lse, res, dlse) if loan is not None else None
-    if call.keeps_received(k.shape[2]):
+    if call.keeps:
         blocks = HeldBlocks(call, [(k, v), *kept])
     else:
         blocks = KVStream(call, kept[-1], last=(k, v), reverse=True)

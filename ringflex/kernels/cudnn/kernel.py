@@ -152,9 +152,8 @@ class CudnnKernel:
         ragged = batches.ragged_applies(q, k, v, out, dout)
         mask = traced(mods, True, q.device).mask
         key = (tuple(hops), self.split_depth, ragged, *q.shape[:2], str(q.device))
-        if mask is None:
-            return _JOINED.get(key, (), lambda: self._join(hops, mods, q, k, ragged))
-        return _JOINED.get(mask_key(mask, *key), mask.tensors(), lambda: self._join(hops, mods, q, k, ragged))
+        key, objects = (key, ()) if mask is None else (mask_key(mask, *key), mask.tensors())
+        return _JOINED.get(key, objects, lambda: self._join(hops, mods, q, k, ragged))
 
     def _join(self, hops: Sequence[Hop], mods: Mods, q, k, ragged: bool) -> Optional[batches.Group]:
         runs, exact = [], False
