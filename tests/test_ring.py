@@ -803,6 +803,12 @@ def test_each_send_of_the_own_block_waits_for_the_one_before():
         assert comm.waited_for == want
 
 
+def _summaries(b, h, q_idx, kv_idx):
+    """Each query sees itself and the first key of every 8: over zigzag on 4 ranks of 8 rows,
+    one row of each other rank, each at a ring step of its own."""
+    return (kv_idx % 8 == 0) | (q_idx == kv_idx)
+
+
 def _in_place_calls(rank, world_size, mask_name):
     """Two calls, both forwards before either backward, with blocks received in place: into
     buffers that every call reuses (here CPU tensors kept per key, filled over gloo), as the
@@ -814,7 +820,7 @@ def _in_place_calls(rank, world_size, mask_name):
     buffers = {}
     RingComm.receives_in_place = lambda self, device: True
     RingComm.receive_buffer = lambda self, key, like: buffers.setdefault(key, torch.empty_like(like))
-    mask = {"window": mods.sliding_window(4), "causal": mods.causal}[mask_name]
+    mask = {"window": mods.sliding_window(4), "causal": mods.causal, "summaries": _summaries}[mask_name]
     calls = []
     for seed in range(2):
         q, k, v, dout = (torch.randn(1, 2, 8 * world_size, 8, dtype=torch.float64,
@@ -833,12 +839,13 @@ def _in_place_calls(rank, world_size, mask_name):
     return max(errors), len(buffers)
 
 
-@pytest.mark.parametrize("mask_name, buffers", [("window", 4), ("causal", 4)])
+@pytest.mark.parametrize("mask_name, buffers", [("window", 4), ("causal", 4), ("summaries", 6)])
 def test_blocks_received_in_place_are_saved_out_of_the_buffers_the_next_call_fills(mask_name, buffers, monkeypatch):
     """Blocks received in place land in buffers that the next call fills: forward saves what
     backward reads out of them, every received block where it keeps them all (a window's two
-    halves over zigzag, each in a buffer of its own: K and V of two transfers) and the last
-    one where it does not (causal: two buffers that alternate)."""
+    halves over zigzag, each in a buffer of its own: K and V of two transfers; a row of each
+    other rank: three transfers) and the last one where it does not (causal: two buffers that
+    alternate)."""
     monkeypatch.setenv("RINGFLEX_LENDING", "0")
     monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
     for error, made in run_world(4, _in_place_calls, mask_name):
