@@ -50,7 +50,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ringflex import api, checks, heads
 from ringflex.kernels import cudnn, fused_merge, merge
 from ringflex.mod import captured, trace
-from ringflex.parallel import agreement, alltoall, board, comm, compute, kv, peer, ring
+from ringflex.parallel import agreement, alltoall, board, comm, compute, kv, peer, ring, shares
 from ringflex.parallel.groups import gather_objects
 from ringflex.plan import blocks, lending
 
@@ -78,7 +78,7 @@ PHASES = [
     (ring, "ring_forward", "ring forward (all of it)"), (ring, "ring_backward", "ring backward (all of it)"),
     (ring.RingCall, "agree", "  the agreed plan (steps, rows read, loans)"),
     (merge.RowMerge, "__init__", "  output merges set up"), (merge.RowSum, "__init__", "  gradient sums set up"),
-    (ring, "_exchange_shares", "  dK/dV shares exchanged"),
+    (shares, "exchange", "  dK/dV shares exchanged"),
     (fused_merge, "add", "Triton launches: sums and copies"), (fused_merge, "merge", "Triton launches: merges"),
     (cudnn.graphs, "graph", "cuDNN graph lookups"),
     (torch.cuda, "is_current_stream_capturing", "CUDA-graph capture queries (every caller)"),

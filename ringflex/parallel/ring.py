@@ -26,13 +26,15 @@ from torch import Tensor
 from torch._C import _functions as autograd_nodes
 
 from ..kernels.base import HopKernel, Mods
-from ..kernels.merge import RowMerge, RowSum, Rows, lse_weights
+from ..kernels.merge import RowMerge, RowSum, Rows
 from ..kernels.reference import compute_dtype
+from ..kernels.sinks import sink_grad, with_sinks
 from ..mod import captured
 from ..plan.blocks import Hop, distances_needed, part_planner, widened
 from ..plan.lending import Loan, Offer
+from . import shares
 from .comm import RingComm, capture_error
-from .compute import lse_as_attention, new_rows, rows_shape, some, step_backward, step_forward
+from .compute import lse_as_attention, some, step_backward, step_forward
 from .fault import guard
 from .kv import HeldBlocks, KVStream, saved
 from .loans import borrowed_backward, lend_backward, lend_forward
@@ -159,7 +161,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None,
     """The ring's steps in reverse, on the blocks forward ``kept``: every block it received
     (``HeldBlocks``: no K/V moves), or the block it ended on, after which each step brings its
     block from the owner; it ends on the own block, which needs no transfer. At each step a rank sends its hops' share of
-    the dK/dV of the block it holds straight to the block's owner (``_exchange_shares``), in
+    the dK/dV of the block it holds straight to the block's owner (``shares``), in
     the dtype the kernel returned it in (the input dtype for cuDNN: half the bytes of fp32; a
     share of hops that reach the same rows is their fp32 sum rounded once, as a hop's several
     calls are), and receives its own block's share from the rank that holds that now. The
@@ -200,13 +202,13 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None,
             parts.append((kv_rows, hk, hv))
         if arriving is not None:  # waited for after this step's kernels, which ran while it came
             arriving.arrive(own_sum)
-        arriving = _exchange_shares(call, distance, parts, k, v, acc) if distance else None
+        arriving = shares.exchange(call, distance, parts, k, v, acc) if distance else None
         if step == 0:
             borrowed_keys = []  # the borrowed rows' (key rows, dk, dv): after the share left, not before it
             if borrowed_inputs is not None:
                 returned, borrowed_keys = borrowed_backward(call, q, k, v, borrowed_q, borrowed_inputs, d_tensors)
             own_sum = RowSum([k.shape, v.shape], k.dtype, acc, k.device,
-                             _share_rows_arriving(call, steps) + [r for r, *_ in borrowed_keys]
+                             shares.rows_arriving(call, steps) + [r for r, *_ in borrowed_keys]
                              + [hop.kv_rows for hop in call.schedule[0]])
             for keys in borrowed_keys:
                 own_sum.add(*keys)
@@ -221,79 +223,6 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None,
             dq.add(loan.lent, dq_lent)
     (dq,), (dk, dv) = dq.result(), own_sum.result()
     return dq, dk, dv, d_tensors
-
-
-class _Share:
-    """The exchange of dK/dV shares under way: the own block's share on its way here, over
-    rows ``rows`` of the block (none where that rank read none of it)."""
-
-    def __init__(self, rows_: Rows, tensors, transfer, sent):
-        self.rows, self.tensors, self.transfer = rows_, tensors, transfer
-        self.sent = sent  # referenced until the transfer is waited for (a CPU send reads it until then)
-
-    def arrive(self, own_sum: RowSum) -> None:
-        """Waits for the exchange (a CPU send completes only then) and adds the share that arrived."""
-        self.transfer.wait()
-        if some(self.rows):
-            own_sum.add(self.rows, *self.tensors)
-
-
-def _share_rows_arriving(call: RingCall, steps: int) -> List[Rows]:
-    """The rows of the own block whose dK/dV shares arrive, one range per rank that read some."""
-    if call.comm is None:
-        return []
-    distances = [call.distance(step) for step in range(1, steps)]
-    return [r for d in distances for r in [call.rows_read(call.comm.rank + d, d)] if some(r)]
-
-
-def _exchange_shares(call: RingCall, distance: int, parts, k: Tensor, v: Tensor, acc) -> _Share:
-    """Sends this rank's share of the dK/dV of the block it holds (the rank ``distance`` before
-    it owns it) to that rank and receives its own block's share from the rank ``distance``
-    after it, which holds the block now: each over the rows that rank read of it in forward
-    (``RingCall.rows_read``, which every rank knows), summed over its hops (``parts``: block rows,
-    dk, dv) in fp32 where they overlap and rounded once into the kernel's gradient dtype.
-    Returns the exchange under way."""
-    rank, dtype = call.comm.rank, call.kernel.grad_dtype(k.dtype)
-    mine, theirs = call.rows_read(rank, distance), call.rows_read(rank + distance, distance)
-    send = _share(parts, mine, k, v, dtype, acc)
-    recv = [new_rows(t, theirs, t.shape[3], dtype=dtype) for t in (k, v)]
-    transfer = call.comm.exchange(send, recv, shift=-distance)
-    return _Share(theirs, recv, transfer, send)
-
-
-def _share(parts, r: Rows, k: Tensor, v: Tensor, dtype, acc) -> List[Tensor]:
-    """This rank's dK/dV share over block rows ``r``: its hops' ``parts`` summed (0 where none
-    reaches), rounded once into ``dtype``; a single part over all of ``r`` as it is."""
-    share = RowSum([rows_shape(k, r, k.shape[3]), rows_shape(v, r, v.shape[3])], dtype, acc, k.device,
-                   [_within(kv_rows, r) for kv_rows, _, _ in parts])
-    for kv_rows, dk, dv in parts:
-        share.add(_within(kv_rows, r), dk, dv)
-    return share.result()
-
-
-def _within(r: Rows, base: Rows) -> Rows:
-    """Block rows ``r`` as rows of the part of the block that starts at ``base[0]``."""
-    return r[0] - base[0], r[1] - base[0]
-
-
-def _with_sinks(out: Tensor, lse: Tensor, res: Optional[Tensor], sinks: Tensor):
-    """Attention with a sink per head (a logit in every softmax's denominator, with no value),
-    from attention without: the LSE grows to logaddexp(lse, sink) and each row shrinks by
-    exp(lse - that), in fp32 (a merge with a part of output 0: ``merge.lse_weights``). A row
-    that sees no key keeps output 0, its LSE the sink's. Backward needs nothing more: given
-    this output and LSE, a hop's backward computes the softmax over the keys and the sink
-    (``_sink_grad`` gives the sink's own gradient). Returns (out, lse, res)."""
-    (keep, _), lse, res = lse_weights([(lse, res), (sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse), None)])
-    return (out.to(lse.dtype) * keep.unsqueeze(-1)).to(out.dtype), lse, res
-
-
-def _sink_grad(out: Tensor, lse: Tensor, res: Optional[Tensor], dout: Optional[Tensor], dlse: Optional[Tensor],
-               sinks: Tensor) -> Tensor:
-    """The sinks' gradient from this rank's rows: per row, the sink's softmax weight times
-    (dlse - rowsum(dout * out)), as for a key whose value is 0; summed over batches and rows."""
-    weight = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse - (0.0 if res is None else res))
-    delta = 0.0 if dout is None else (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
-    return (weight * ((0.0 if dlse is None else dlse) - delta)).sum((0, 2)).to(sinks.dtype)
 
 
 def _mods_read(mods: Mods) -> Tuple[tuple, tuple]:
@@ -321,7 +250,7 @@ class RingAttention(torch.autograd.Function):
         with guard(call.comm, "forward"):  # a failure here releases the other ranks
             out, lse, res, kept, borrowed_q = ring_forward(call, q, k, v)
         if sinks is not None:
-            out, lse, res = _with_sinks(out, lse, res, sinks)
+            out, lse, res = with_sinks(out, lse, res, sinks)
         ctx.call = call
         ctx.mods_read = _mods_read(call.mods)
         ctx.save_for_backward(q, k, v, out, lse, res, sinks, borrowed_q, *(t for block in kept for t in block))
@@ -340,7 +269,7 @@ class RingAttention(torch.autograd.Function):
             _check_mods_unchanged(ctx.mods_read, ctx.call.mods)
             dq, dk, dv, d_tensors = ring_backward(ctx.call, dout, q, k, v, out, lse, res, list(zip(kept[::2], kept[1::2])),
                                                   dlse=dlse, borrowed_q=borrowed_q)
-            d_sinks = _sink_grad(out, lse, res, dout, dlse, sinks) if ctx.needs_input_grad[4] else None
+            d_sinks = sink_grad(out, lse, res, dout, dlse, sinks) if ctx.needs_input_grad[4] else None
         grads = [dq, dk, dv, d_sinks, *(g.to(t.dtype) for g, t in zip(d_tensors, ctx.call.tensors))]
         if torch.is_grad_enabled():  # create_graph=True: the gradients are values, with no derivative
             # (torch's ``once_differentiable`` does this only where the incoming gradients

@@ -1,0 +1,64 @@
+"""dK/dV shares: in backward, each rank's share of the gradient of the block it holds goes
+straight to the block's owner, over the rows it read of it in forward, in the kernel's gradient
+dtype; the owner sums the shares once (``merge.RowSum``). ``call`` is a ``ring.RingCall``."""
+from __future__ import annotations
+
+from typing import List
+
+from torch import Tensor
+
+from ..kernels.merge import RowSum, Rows
+from .compute import new_rows, rows_shape, some
+
+
+class Share:
+    """The exchange of dK/dV shares under way: the own block's share on its way here, over
+    rows ``rows`` of the block (none where that rank read none of it)."""
+
+    def __init__(self, rows_: Rows, tensors, transfer, sent):
+        self.rows, self.tensors, self.transfer = rows_, tensors, transfer
+        self.sent = sent  # referenced until the transfer is waited for (a CPU send reads it until then)
+
+    def arrive(self, own_sum: RowSum) -> None:
+        """Waits for the exchange (a CPU send completes only then) and adds the share that arrived."""
+        self.transfer.wait()
+        if some(self.rows):
+            own_sum.add(self.rows, *self.tensors)
+
+
+def rows_arriving(call, steps: int) -> List[Rows]:
+    """The rows of the own block whose dK/dV shares arrive, one range per rank that read some."""
+    if call.comm is None:
+        return []
+    distances = [call.distance(step) for step in range(1, steps)]
+    return [r for d in distances for r in [call.rows_read(call.comm.rank + d, d)] if some(r)]
+
+
+def exchange(call, distance: int, parts, k: Tensor, v: Tensor, acc) -> Share:
+    """Sends this rank's share of the dK/dV of the block it holds (the rank ``distance`` before
+    it owns it) to that rank and receives its own block's share from the rank ``distance``
+    after it, which holds the block now: each over the rows that rank read of it in forward
+    (``RingCall.rows_read``, which every rank knows), summed over its hops (``parts``: block rows,
+    dk, dv) in fp32 where they overlap and rounded once into the kernel's gradient dtype.
+    Returns the exchange under way."""
+    rank, dtype = call.comm.rank, call.kernel.grad_dtype(k.dtype)
+    mine, theirs = call.rows_read(rank, distance), call.rows_read(rank + distance, distance)
+    send = _share(parts, mine, k, v, dtype, acc)
+    recv = [new_rows(t, theirs, t.shape[3], dtype=dtype) for t in (k, v)]
+    transfer = call.comm.exchange(send, recv, shift=-distance)
+    return Share(theirs, recv, transfer, send)
+
+
+def _share(parts, r: Rows, k: Tensor, v: Tensor, dtype, acc) -> List[Tensor]:
+    """This rank's dK/dV share over block rows ``r``: its hops' ``parts`` summed (0 where none
+    reaches), rounded once into ``dtype``; a single part over all of ``r`` as it is."""
+    share = RowSum([rows_shape(k, r, k.shape[3]), rows_shape(v, r, v.shape[3])], dtype, acc, k.device,
+                   [_within(kv_rows, r) for kv_rows, _, _ in parts])
+    for kv_rows, dk, dv in parts:
+        share.add(_within(kv_rows, r), dk, dv)
+    return share.result()
+
+
+def _within(r: Rows, base: Rows) -> Rows:
+    """Block rows ``r`` as rows of the part of the block that starts at ``base[0]``."""
+    return r[0] - base[0], r[1] - base[0]
