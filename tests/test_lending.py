@@ -106,6 +106,11 @@ def _pairs_of(mask_mod, q_seg, kv_seg, rows: int, keys: int) -> int:
     return int(seen.sum())
 
 
+def _sparse_rows(b, h, q_idx, kv_idx):
+    """Causal, but every 5th query sees nothing (its LSE -inf, lent rows' too)."""
+    return (q_idx % 5 != 0) & (kv_idx <= q_idx)
+
+
 def _lending_ring(rank, world_size, layout, mask_name, quantum, environ=(), call=0):
     """One fwd+bwd: (the largest error against one process, this rank's pairs computed in
     forward, its loan's (lent, borrowed) rows); a kernel call costs ``call`` pairs."""
@@ -122,7 +127,7 @@ def _lending_ring(rank, world_size, layout, mask_name, quantum, environ=(), call
     while sum(lengths) < seq_len:
         lengths.append(min((40, 70, 30, 60)[len(lengths) % 4], seq_len - sum(lengths)))
     mask = {"window": mods.sliding_window(24), "documents": mods.document(mods.document_ids(lengths)),
-            "causal": mods.causal}[mask_name]
+            "causal": mods.causal, "sparse_rows": _sparse_rows}[mask_name]
     computed, loans = [0], []
 
     class Counting(ReferenceKernel):
@@ -207,10 +212,12 @@ def test_small_work_lends_only_when_every_rank_asks(modes, lends):
     assert max(error for error, _, _ in results) < 1e-10
 
 
-def test_lending_in_debug_mode(monkeypatch):
-    """RINGFLEX_DEBUG=1 checks every transfer across the ranks, the loans' among them."""
+@pytest.mark.parametrize("mask_name", ["window", "sparse_rows"])
+def test_lending_in_debug_mode(mask_name, monkeypatch):
+    """RINGFLEX_DEBUG=1 checks every transfer across the ranks, the loans' among them: lent
+    rows that see no key come back with an LSE of -inf, as rows that see nothing have."""
     monkeypatch.setenv("RINGFLEX_DEBUG", "1")
-    for error, _, loan in run_world(3, _lending_ring, "contiguous", "window", 1):
+    for error, _, loan in run_world(3, _lending_ring, "contiguous", mask_name, 1):
         assert error < 1e-10 and loan is not None
 
 
