@@ -630,20 +630,28 @@ def test_a_ring_call_leaves_no_cyclic_garbage(world_size):
     assert run_world(world_size, _cyclic_garbage) == [0] * world_size
 
 
-def _twice(rank, world_size):
-    """Gradients of one backward, and of two through a retained graph."""
+def _twice(rank, world_size, mask_name):
+    """Gradients of one backward, and of two through a retained graph; whether forward kept
+    every block it received."""
+    from ringflex.parallel.ring import RingCall
+    kept, agree = [], RingCall.agree
+    RingCall.agree = lambda call, device: (agree(call, device), kept.append(call))[0]
     q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    out = ringflex.ring_flex_attention(q, k, v, mask_mod=cases(4 * world_size)["causal"].mask_mod)
+    mask = {"causal": cases(4 * world_size)["causal"].mask_mod, "window": ringflex.mods.sliding_window(2)}[mask_name]
+    out = ringflex.ring_flex_attention(q, k, v, mask_mod=mask)
     out.backward(torch.ones_like(out), retain_graph=True)
     once = [t.grad.clone() for t in (q, k, v)]
     out.backward(torch.ones_like(out))
-    return once, [t.grad for t in (q, k, v)]
+    return once, [t.grad for t in (q, k, v)], kept[0].keeps
 
 
-def test_backward_twice_through_a_retained_graph():
+@pytest.mark.parametrize("mask_name, keeps", [("causal", False), ("window", True)])
+def test_backward_twice_through_a_retained_graph(mask_name, keeps):
     """Backward only reads what forward saved (the block forward ended on travels, but is
-    never received into), so a retained graph gives the same gradients again."""
-    for once, twice in run_world(3, _twice):
+    never received into; or every block it received, held), so a retained graph gives the
+    same gradients again."""
+    for once, twice, kept in run_world(3, _twice, mask_name):
+        assert kept == keeps
         for a, b in zip(once, twice):
             torch.testing.assert_close(b, 2 * a)
 
