@@ -136,11 +136,11 @@ def ring_flex_attention(
 
     # 2. One agreement among the ranks. It runs while the ring computes the own block, and the
     # ring waits for it before the first transfer; a rank that failed waits for it here.
+    grad = not error and torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
+                                                         for t in (q, k, v, sinks, *plan.tensors))
     args = None if error else dict(
         q=q, k=k, v=v, layout=layout, backend=backend, enable_gqa=enable_gqa, scale=scale, score_mod=score_mod,
-        mask_mod=mask_mod, sinks=sinks, return_lse=return_lse, debug=debugging, kernel=plan.kernel.name,
-        grad=torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
-                                             for t in (q, k, v, sinks, *plan.tensors)))
+        mask_mod=mask_mod, sinks=sinks, return_lse=return_lse, debug=debugging, kernel=plan.kernel.name, grad=grad)
     agreed = agreement.start(group, args, plan.shares() if plan else _no_shares(world_size), error, cause)
     if agreed.failed_here or debugging or moved:  # raises here (or agrees before the checks or the move below)
         agreed.wait()
@@ -155,7 +155,7 @@ def ring_flex_attention(
         transfers = debug.DebugComm(group) if debugging else GuardedComm(group)
     call = RingCall(comm=transfers, schedule=plan.schedule, kernel=plan.kernel, mods=mods,
                     scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), agreement=agreed,
-                    tensors=plan.tensors, offer=plan.offer, lse_grad=return_lse)
+                    tensors=plan.tensors, offer=plan.offer, lse_grad=return_lse, grad=grad)
     if debugging:
         debug.check_inputs(group, q, k, v)
         q, k, v = debug.watch_grads(group, q, k, v)

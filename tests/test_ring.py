@@ -991,3 +991,42 @@ def test_a_joined_steps_results_are_one_part_where_its_hops_fill_them(gap):
         for g, w, r, base in zip(got, want, (h.q_rows, h.kv_rows, h.kv_rows), (q_rows, kv_rows, kv_rows)):
             torch.testing.assert_close(g[:, :, r[0] - base[0]:r[1] - base[0]], w)
             assert not g.isnan().any()
+
+
+def _evaluation_saves(rank, world_size, mask_name):
+    """A call without grad mode, then the same with it: (blocks forward saved out of its
+    receive buffers, whether it kept every block it received) for each, and the outputs' largest
+    difference. Blocks are received "in place", into buffers every call reuses (as the copy
+    engines'), so each saved block is a copy."""
+    from ringflex import mods
+    from ringflex.parallel import ring
+    from ringflex.parallel.comm import RingComm
+    _with_kernel(_WholeBlockKernel())
+    buffers, calls, copies = {}, [], [0]
+    RingComm.receives_in_place = lambda self, device: True
+    RingComm.receive_buffer = lambda self, key, like: buffers.setdefault(key, torch.empty_like(like))
+    saved, agree = ring.saved, ring.RingCall.agree
+    ring.saved = lambda t, in_place: (copies.__setitem__(0, copies[0] + 1), saved(t, in_place))[1]
+    ring.RingCall.agree = lambda call, device: (agree(call, device), calls.append(call))[0]
+    mask = {"window": mods.sliding_window(4), "causal": mods.causal}[mask_name]
+    q, k, v = (ringflex.shard(torch.randn(1, 2, 8 * world_size, 8, dtype=torch.float64,
+                                          generator=torch.Generator().manual_seed(i)), 2, layout="zigzag")
+               .requires_grad_() for i in range(3))
+    seen, outs = [], []
+    for grad in (False, True):
+        copies[0] = 0
+        with torch.set_grad_enabled(grad):
+            outs.append(ringflex.ring_flex_attention(q, k, v, mask_mod=mask, layout="zigzag"))
+        seen.append((copies[0], calls[-1].keeps))
+    return seen, (outs[0] - outs[1]).abs().max().item()
+
+
+@pytest.mark.parametrize("mask_name, with_grad", [("window", (4, True)), ("causal", (2, False))])
+def test_a_call_without_grad_saves_no_block(mask_name, with_grad, monkeypatch):
+    """Without grad mode (evaluation) no backward will run: forward neither keeps the blocks
+    it receives (a window's halves: two buffers alternate, as for causal) nor copies any out of
+    its receive buffers; with it, every block it received (K and V of two) or the last one."""
+    monkeypatch.setenv("RINGFLEX_LENDING", "0")
+    monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
+    for (without, with_), error in run_world(4, _evaluation_saves, mask_name):
+        assert without == (0, False) and with_ == with_grad and error == 0

@@ -56,6 +56,7 @@ class RingCall:
     lse_grad: bool = False  # a loss may read the LSE (return_lse): lent rows take its gradient along
     reads: Optional[List[List[Rows]]] = None  # per rank and distance, the rows of that block it reads
     distances: Optional[List[int]] = None  # per step, how many ranks back its block's owner is (None: the step)
+    grad: bool = True  # backward may run (the ranks agreed): forward saves what it reads, else nothing
     keeps: bool = False  # forward keeps every block it receives for backward (``keeps_received``, once agreed)
 
     def agree(self, device) -> None:
@@ -124,14 +125,15 @@ class RingCall:
 def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     """This rank's (out, lse, res) (``kernels.base``), the blocks it keeps for backward (every
     block it received, where it keeps them: ``RingCall.keeps_received``; else the block of
-    the last step, which backward starts on) and the queries borrowed from the next rank (None
-    where none are: ``loans``)."""
+    the last step, which backward starts on; none where no backward will run: an evaluation's
+    call copies no block out of its receive buffers) and the queries borrowed from the next
+    rank (None where none are: ``loans``)."""
     blocks = KVStream(call, (k, v))
     # The own block needs no transfer: it is computed while the ranks agree on the call, and
     # no block leaves before they have (the agreement may shorten the schedule and lend rows).
     own = step_forward(call, call.schedule[0], q, blocks.keys)
     call.agree(q.device)
-    call.keeps = call.keeps_received(k.shape[2])  # decided once: the stream, the end of forward and backward read it
+    call.keeps = call.grad and call.keeps_received(k.shape[2])  # once: the stream, forward's end and backward read it
     pending = blocks.start(0)
     borrowed_q, returned = lend_forward(call, q, k, v, blocks.first_stream) if call.loan else (None, None)
     lent = [call.loan.lent] if call.loan is not None and some(call.loan.lent) else []
@@ -153,7 +155,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     if call.comm is not None:
         call.comm.join_sends(q.device)  # the caller's K/V left first: it may change them once this returns
     blocks.close()
-    kept = blocks.received if call.keeps else [blocks.current]
+    kept = (blocks.received if call.keeps else [blocks.current]) if call.grad else []
     return (*merged.result(), [tuple(saved(t, blocks.in_place) for t in block) for block in kept], borrowed_q)
 
 
