@@ -2,6 +2,7 @@
 score_mods, sinks, LSE losses, learnable biases, [B, S, H, D] memory, calls without grad
 mode) equal the definition, forward and backward: over 2 to 4 ranks and over rings of part
 of the ranks (reference kernel, fp64; half of them lend any row that evens the ranks' work),
+with blocks planned from small tiles,
 and on the cuDNN kernel with its frontend emulated (``tests/gpu/test_cudnn_kernel.py``),
 which runs its planning, batching and lowering on the CPU."""
 
@@ -15,15 +16,18 @@ from support.random_calls import random_call, ring_errors
 CALLS = 100  # per world size: seeds 1000 * world_size and on
 
 
-def _failures(rank, world_size, rings):
+def _failures(rank, world_size, rings, tiles=False):
     """Calls on rings of ``world_size // rings`` ranks each (every rank in one of them), each
-    ring with seeds of its own."""
-    from ringflex.plan import lending
+    ring with seeds of its own. ``tiles``: every block planned from tiles of keys (with
+    RINGFLEX_MIN_TILE small, as long blocks are on GPUs), seeds of their own."""
+    from ringflex.plan import extents, lending
+    if tiles:
+        extents._DENSE_AREA = 0
     size = world_size // rings
     groups = [dist.new_group(list(range(r * size, (r + 1) * size))) for r in range(rings)] if rings > 1 else [None]
     ring = rank // size
     quantum, failures = lending.QUANTUM, []
-    first = 1000 * world_size + 100_000 * (rings > 1) + 10_000 * ring
+    first = 1000 * world_size + 100_000 * (rings > 1) + 10_000 * ring + 500_000 * tiles
     for seed in range(first, first + CALLS // rings):
         lending.QUANTUM = 1 if seed % 2 else quantum
         call = random_call(seed, size)
@@ -36,6 +40,16 @@ def _failures(rank, world_size, rings):
 @pytest.mark.parametrize("world_size,rings", [(2, 1), (3, 1), (4, 1), (4, 2)])
 def test_random_calls_match_the_definition(world_size, rings):
     failures = [line for lines in run_world(world_size, _failures, rings) for line in lines]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_random_calls_planned_from_small_tiles(world_size, monkeypatch):
+    """The same with blocks planned from tiles of 2 rows: hops cut to the keys they see, so
+    each transfer carries only the rows its reader reads and forward keeps what it received
+    where that fills one block, under masks nobody listed."""
+    monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
+    failures = [line for lines in run_world(world_size, _failures, 1, True) for line in lines]
     assert not failures, "\n".join(failures)
 
 
