@@ -1,4 +1,4 @@
-"""The ring's cost model (``ringflex.sharding.estimate``) for the fixed layouts and the sharding
+"""The ring's cost model (``ringflex.plan.cost.estimate``) for the fixed layouts and the sharding
 ``shard_by_mask`` chooses, and the host time of choosing. CPU only, no process group:
 
     python benchmarks/sharding_model.py                      # 8k tokens a rank, 2 and 4 ranks

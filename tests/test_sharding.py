@@ -13,11 +13,13 @@ from benchmarks.sharding_model import documents
 from ringflex import mods
 from ringflex.plan import workload as workloads
 from ringflex.plan import layout as layouts
-from ringflex.plan import sharding as sharding_module
+from ringflex.plan import candidates, cost
 from ringflex.plan.blocks import distances_needed, evaluate_mask, keys_read, plan_hops
 from ringflex.plan.layout import Segment
-from ringflex.plan.sharding import (NO_WEIGHTS, Sharding, Weights, cheapest, compare, describe, estimate,
-                               packed_documents, per_document, shard_by_mask)
+from ringflex.plan.candidates import packed_documents, per_document
+from ringflex.plan.cost import NO_WEIGHTS, Weights, describe, estimate
+from ringflex.plan.layout import Sharding
+from ringflex.plan.sharding import cheapest, compare, shard_by_mask
 from ringflex.plan.workload import workload
 
 LAYOUTS = layouts.LAYOUTS
@@ -242,7 +244,7 @@ def test_estimate_of_segments_of_unequal_strides_in_one_document():
     """Strides 1 and 2 meet in a document: the closed form leaves them to the tiled count."""
     mask_mod = mods.document(mods.document_ids([10, 30, 24]))
     s = Sharding(64, ((Segment(0, 1, 16), Segment(16, 2, 16)), (Segment(17, 2, 16), Segment(48, 1, 16))))
-    assert sharding_module.band_runs(mask_mod, 64).usage(np.array([0, 16, 17, 48]), np.array([1, 2, 2, 1]),
+    assert cost.band_runs(mask_mod, 64).usage(np.array([0, 16, 17, 48]), np.array([1, 2, 2, 1]),
                                                          np.array([16, 16, 16, 16])) is None
     est = estimate(s, mask_mod, weights=NO_WEIGHTS)
     pairs, travel = brute_estimate(s, mask_mod)
@@ -398,8 +400,8 @@ def test_every_swap_priced_at_once_as_priced_alone(world_size, chunks):
     """The chunk search prices every swap of two chunks from the assignment's own matrices
     (``_Search.swapped``): exactly as each swapped assignment priced anew, its runs of chunks too."""
     seq_len = 64 * chunks
-    work = sharding_module.mask_work(mods.document(documents(seq_len, 16, 200, seed=world_size)), seq_len)
-    search = sharding_module._Search(sharding_module._chunk_pairs(work, chunks), world_size, seq_len // world_size,
+    work = cost.mask_work(mods.document(documents(seq_len, 16, 200, seed=world_size)), seq_len)
+    search = candidates._Search(candidates._chunk_pairs(work, chunks), world_size, seq_len // world_size,
                                      Weights(call=1000, token=5000, host_step=30_000, host_call=20_000))
     rng = np.random.default_rng(0)
     owner = np.stack([rng.permutation(np.arange(chunks) // (chunks // world_size)) for _ in range(3)])
@@ -459,10 +461,10 @@ def test_packed_documents_priced_in_closed_form_choose_as_the_tiled_count(seed, 
     masks = [mods.document(ids), mods.document(ids, causal_within=False),
              mods.and_masks(mods.sliding_window(1024), mods.document(ids))]
     for mask_mod in masks:
-        assert sharding_module.band_runs(mask_mod, seq_len) is not None
+        assert cost.band_runs(mask_mod, seq_len) is not None
         closed = compare(mask_mod, seq_len, world_size, document_ids=ids)
         with monkeypatch.context() as m:
-            m.setattr(sharding_module, "band_runs", lambda *args: None)
+            m.setattr(cost, "band_runs", lambda *args: None)
             tiled = compare(mask_mod, seq_len, world_size, document_ids=ids)
         assert [(s, e["cost"], e["travel_rows"]) for s, e in closed] == [(s, e["cost"], e["travel_rows"]) for s, e in tiled]
         assert cheapest(closed)[0] == cheapest(tiled)[0]

@@ -7,7 +7,7 @@ import torch
 import ringflex
 from ringflex import mods
 from ringflex.plan.layout import Sharding
-from ringflex.plan.sharding import NO_WEIGHTS
+from ringflex.plan.cost import NO_WEIGHTS
 from support.harness import run_world
 from support.oracle import attention
 

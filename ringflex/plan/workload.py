@@ -89,7 +89,7 @@ class Workload:
         """Per pair of tiles (numpy [T, T]): the visible pairs, and the first key and the end
         of the keys that any of them sees (``seq_len`` and 0 where none). Every rectangle lies
         within one pair of tiles, so a sharding whose segments begin and end on tile edges is
-        priced from these alone (``sharding.estimate``)."""
+        priced from these alone (``cost.estimate``)."""
         t, n = self.tile, self.tiles
         begin = np.arange(n) * t
         end = np.minimum(begin + t, self.seq_len)
