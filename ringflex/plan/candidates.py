@@ -24,11 +24,7 @@ def per_document(document_ids: Tensor, world_size: int) -> Optional[Sharding]:
     """Each document cut in 2 * world_size pieces, rank r holding pieces r and 2W-1-r (the
     head-tail balance of TransformerEngine and torch for packed sequences), the pieces' odd
     tokens spread so every rank holds as many; None where they cannot be."""
-    return per_document_of(documents(document_ids), world_size)
-
-
-def per_document_of(docs: List[Tuple[int, int]], world_size: int) -> Optional[Sharding]:
-    """``per_document`` of the documents ``docs`` (``documents``, which ``plan.sharding.compare`` finds once)."""
+    docs = _documents(document_ids)
     seq_len, pieces = docs[-1][1], 2 * world_size
     extra = [0] * world_size
     runs: List[List[Tuple[int, int]]] = [[] for _ in range(world_size)]
@@ -56,11 +52,7 @@ def packed_documents(document_ids: Tensor, world_size: int, row_pairs: Tensor) -
     document cut in two, whose first part stays on this rank and whose rest begins the next:
     the cut document's rows see its first part one ring step later, so a causal document
     mask keeps the ring at two steps while the ranks' work evens out."""
-    return packed_documents_of(documents(document_ids), world_size, row_pairs)
-
-
-def packed_documents_of(docs: List[Tuple[int, int]], world_size: int, row_pairs: Tensor) -> Sharding:
-    """``packed_documents`` of the documents ``docs`` (``documents``, which ``plan.sharding.compare`` finds once)."""
+    docs = _documents(document_ids)
     seq_len = docs[-1][1]
     local = seq_len // world_size
     work = np.concatenate([[0.0], row_pairs.double().cumsum(0).numpy()])
@@ -94,7 +86,7 @@ def packed_documents_of(docs: List[Tuple[int, int]], world_size: int, row_pairs:
     return Sharding.from_ranges(seq_len, runs, "packed documents")
 
 
-def documents(document_ids: Tensor) -> List[Tuple[int, int]]:
+def _documents(document_ids: Tensor) -> List[Tuple[int, int]]:
     """The (begin, end) of every run of equal document ids."""
     ids = document_ids.detach().cpu()
     bounds = [0] + (np.flatnonzero((ids[1:] != ids[:-1]).numpy()) + 1).tolist() + [len(ids)]

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..mod.fingerprint import fingerprint
-from .candidates import documents, packed_documents_of, per_document_of, searched
+from .candidates import packed_documents, per_document, searched
 from .cost import MOVE_PAIRS, Weights, compares_order_only, estimate, mask_work
 from .layout import LAYOUTS, Sharding, divisor
 
@@ -132,8 +132,7 @@ def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, docu
         return [(fixed[0], estimate(fixed[0], mask_mod, **price))]
     extra = searched(work, world_size, chunks, weights)
     if document_ids is not None:
-        docs = documents(document_ids)
-        extra += [per_document_of(docs, world_size), packed_documents_of(docs, world_size, work.row_pairs())]
+        extra += [per_document(document_ids, world_size), packed_documents(document_ids, world_size, work.row_pairs())]
     found, seen = [], set()
     for s in fixed + extra:
         if s is not None and s not in seen:
