@@ -630,12 +630,22 @@ def test_a_ring_call_leaves_no_cyclic_garbage(world_size):
     assert run_world(world_size, _cyclic_garbage) == [0] * world_size
 
 
+def _agreed_calls() -> list:
+    """Every ``RingCall`` this process makes from now on, once its ranks agreed."""
+    from ringflex.parallel.ring import RingCall
+    calls, agree = [], RingCall.agree
+
+    def recording(call, device):
+        agree(call, device)
+        calls.append(call)
+    RingCall.agree = recording
+    return calls
+
+
 def _twice(rank, world_size, mask_name):
     """Gradients of one backward, and of two through a retained graph; whether forward kept
     every block it received."""
-    from ringflex.parallel.ring import RingCall
-    kept, agree = [], RingCall.agree
-    RingCall.agree = lambda call, device: (agree(call, device), kept.append(call))[0]
+    kept = _agreed_calls()
     q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = {"causal": cases(4 * world_size)["causal"].mask_mod, "window": ringflex.mods.sliding_window(2)}[mask_name]
     out = ringflex.ring_flex_attention(q, k, v, mask_mod=mask)
@@ -817,17 +827,25 @@ def _summaries(b, h, q_idx, kv_idx):
     return (kv_idx % 8 == 0) | (q_idx == kv_idx)
 
 
+def _receiving_in_place() -> dict:
+    """Whole blocks computed (``_WholeBlockKernel``) and blocks received "in place" from now on:
+    into buffers kept per key, which every call reuses (CPU tensors filled over gloo), as the
+    copy engines' are. Returns the buffers."""
+    from ringflex.parallel.comm import RingComm
+    _with_kernel(_WholeBlockKernel())
+    buffers = {}
+    RingComm.receives_in_place = lambda self, device: True
+    RingComm.receive_buffer = lambda self, key, like: buffers.setdefault(key, torch.empty_like(like))
+    return buffers
+
+
 def _in_place_calls(rank, world_size, mask_name):
     """Two calls, both forwards before either backward, with blocks received in place: into
     buffers that every call reuses (here CPU tensors kept per key, filled over gloo), as the
     copy engines' are. Returns the largest error of both calls against the oracle and the
     number of buffers."""
     from ringflex import mods
-    from ringflex.parallel.comm import RingComm
-    _with_kernel(_WholeBlockKernel())
-    buffers = {}
-    RingComm.receives_in_place = lambda self, device: True
-    RingComm.receive_buffer = lambda self, key, like: buffers.setdefault(key, torch.empty_like(like))
+    buffers = _receiving_in_place()
     mask = {"window": mods.sliding_window(4), "causal": mods.causal, "summaries": _summaries}[mask_name]
     calls = []
     for seed in range(2):
@@ -1000,14 +1018,9 @@ def _evaluation_saves(rank, world_size, mask_name):
     engines'), so each saved block is a copy."""
     from ringflex import mods
     from ringflex.parallel import ring
-    from ringflex.parallel.comm import RingComm
-    _with_kernel(_WholeBlockKernel())
-    buffers, calls, copies = {}, [], [0]
-    RingComm.receives_in_place = lambda self, device: True
-    RingComm.receive_buffer = lambda self, key, like: buffers.setdefault(key, torch.empty_like(like))
-    saved, agree = ring.saved, ring.RingCall.agree
+    _receiving_in_place()
+    calls, copies, saved = _agreed_calls(), [0], ring.saved
     ring.saved = lambda t, in_place: (copies.__setitem__(0, copies[0] + 1), saved(t, in_place))[1]
-    ring.RingCall.agree = lambda call, device: (agree(call, device), calls.append(call))[0]
     mask = {"window": mods.sliding_window(4), "causal": mods.causal}[mask_name]
     q, k, v = (ringflex.shard(torch.randn(1, 2, 8 * world_size, 8, dtype=torch.float64,
                                           generator=torch.Generator().manual_seed(i)), 2, layout="zigzag")

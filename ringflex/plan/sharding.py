@@ -132,7 +132,8 @@ def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, docu
         return [(fixed[0], estimate(fixed[0], mask_mod, **price))]
     extra = searched(work, world_size, chunks, weights)
     if document_ids is not None:
-        extra += [per_document(document_ids, world_size), packed_documents(document_ids, world_size, work.row_pairs())]
+        ids = document_ids.detach().cpu()  # once: both candidates read them on the host
+        extra += [per_document(ids, world_size), packed_documents(ids, world_size, work.row_pairs())]
     found, seen = [], set()
     for s in fixed + extra:
         if s is not None and s not in seen:
