@@ -128,27 +128,30 @@ def compiled_flex_attention(q, k, v, score_mod, block_mask, scale, enable_gqa,
         return compiled(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options)
 
 
-def _positions(seg: Segment, device) -> Tuple[Tensor, Tensor, Tensor]:
-    """(start, stride, last local index) of ``seg`` as 0-dim int32 tensors on ``device``."""
-    key = (seg.start, seg.stride, seg.length, str(device))
+def _positions(seg: Segment, side: str, device) -> Tuple[Tensor, Tensor, Tensor]:
+    """(start, stride, last local index) of ``seg`` as 0-dim int32 tensors on ``device``.
+
+    The query and key sides never share tensors, even where their segments are equal (a
+    rank's own block): tensors aliased in one call and not in the next are a recompilation."""
+    key = (side, seg.start, seg.stride, seg.length, str(device))
     if key not in _POSITIONS:
         values = torch.tensor([seg.start, seg.stride, seg.length - 1], dtype=torch.int32, device=device)
         remember(_POSITIONS, key, tuple(values.unbind()), 1024)
     return _POSITIONS[key]
 
 
-def _global_index(seg: Segment, device) -> Callable[[Tensor], Tensor]:
+def _global_index(seg: Segment, side: str, device) -> Callable[[Tensor], Tensor]:
     """Local index -> global position. flex_attention also evaluates the mods past the end of
     a block (its last tile's padding): those indices are clamped, so a lookup in a table of
     the global sequence's length stays inside it."""
-    start, stride, last = _positions(seg, device)
+    start, stride, last = _positions(seg, side, device)
     return lambda i: start + stride * torch.minimum(i, last)
 
 
 def _score_mod(mods: Mods, q_seg: Segment, kv_seg: Segment, device):
     """The user's score_mod at the hop's global positions. flex_attention tells a score_mod
     from a mask_mod by its number of parameters, so each gets a closure of its own signature."""
-    q_pos, kv_pos = _global_index(q_seg, device), _global_index(kv_seg, device)
+    q_pos, kv_pos = _global_index(q_seg, "q", device), _global_index(kv_seg, "kv", device)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return mods.score_mod(score, b, h, q_pos(q_idx), kv_pos(kv_idx))
@@ -158,7 +161,7 @@ def _score_mod(mods: Mods, q_seg: Segment, kv_seg: Segment, device):
 
 def _mask_mod(mods: Mods, q_seg: Segment, kv_seg: Segment, device):
     """The user's mask_mod at the hop's global positions (see ``_score_mod``)."""
-    q_pos, kv_pos = _global_index(q_seg, device), _global_index(kv_seg, device)
+    q_pos, kv_pos = _global_index(q_seg, "q", device), _global_index(kv_seg, "kv", device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return mods.mask_mod(b, h, q_pos(q_idx), kv_pos(kv_idx))
