@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ringflex
+from support.calls import agreed_calls
 from support.harness import run_world
 from support.oracle import attention
 from ringflex import mods
@@ -117,7 +118,6 @@ def _lending_ring(rank, world_size, layout, mask_name, quantum, environ=(), call
     import os
     import ringflex.api
     from ringflex.kernels.reference import ReferenceKernel
-    from ringflex.parallel.ring import RingCall
 
     os.environ.update(dict(environ))
     lending.QUANTUM = quantum
@@ -128,7 +128,7 @@ def _lending_ring(rank, world_size, layout, mask_name, quantum, environ=(), call
         lengths.append(min((40, 70, 30, 60)[len(lengths) % 4], seq_len - sum(lengths)))
     mask = {"window": mods.sliding_window(24), "documents": mods.document(mods.document_ids(lengths)),
             "causal": mods.causal, "sparse_rows": _sparse_rows}[mask_name]
-    computed, loans = [0], []
+    computed, calls = [0], agreed_calls()
 
     class Counting(ReferenceKernel):
         def call_pairs(self, *sizes):
@@ -139,13 +139,6 @@ def _lending_ring(rank, world_size, layout, mask_name, quantum, environ=(), call
             return super().forward(q, k, v, q_seg, kv_seg, *args)
 
     ringflex.api.select_kernel = lambda *args, **kwargs: Counting()
-    agree = RingCall.agree
-
-    def recording(call, device):
-        agree(call, device)
-        loans.append(call.loan and (call.loan.lent, call.loan.borrowed))
-
-    RingCall.agree = recording
     q, k, v, dout = (torch.randn(1, 2, seq_len, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
                      for i in range(4))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -157,7 +150,8 @@ def _lending_ring(rank, world_size, layout, mask_name, quantum, environ=(), call
     out.backward(ringflex.shard(dout, 2, layout=layout))
     errors = [(a - ringflex.shard(b, 2, layout=layout)).abs().max().item()
               for a, b in zip([out] + [t.grad for t in parts], [want] + [t.grad for t in full])]
-    return max(errors), forward_pairs, loans[0]
+    loan = calls[0].loan
+    return max(errors), forward_pairs, loan and (loan.lent, loan.borrowed)
 
 
 @pytest.mark.parametrize("world_size, layout, mask_name", [
@@ -226,21 +220,19 @@ def _borrower_copies(rank, world_size):
     from benchmarks.probes.ring_passes import Passes
     from ringflex.kernels.flex import FlexKernel
     from ringflex.kernels.reference import ReferenceKernel
-    from ringflex.parallel.ring import RingCall
 
     lending.QUANTUM = 1
     # hops trimmed to the key tiles they see, as the GPU kernels plan them: the borrowed rows
     # and the sum the ring brings then reach only part of the borrower's block
     ReferenceKernel.plans_within, ReferenceKernel.tile = FlexKernel.plans_within, 64
-    loans, agree = [], RingCall.agree
-    RingCall.agree = lambda call, device: (agree(call, device), loans.append(call.loan))[0]
+    calls = agreed_calls()
     passes = Passes()
     passes.install()
     q, k, v = (ringflex.shard(torch.randn(1, 2, 2048, 8, generator=torch.Generator().manual_seed(i)), world_size,
                               layout="contiguous").requires_grad_() for i in range(3))
     with passes:
         ringflex.ring_flex_attention(q, k, v, mask_mod=mods.sliding_window(128), layout="contiguous").sum().backward()
-    return [op for op in passes.ops if op.startswith("copy_(") and " result" in op], loans[0]
+    return [op for op in passes.ops if op.startswith("copy_(") and " result" in op], calls[0].loan
 
 
 def test_a_borrowers_own_hop_becomes_its_gradient_sum():

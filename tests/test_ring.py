@@ -8,6 +8,7 @@ import torch
 
 import ringflex
 from support.cases import cases, make_inputs
+from support.calls import agreed_calls
 from support.harness import run_world
 from support.oracle import attention, visible_extent
 from ringflex.kernels.reference import ReferenceKernel
@@ -630,22 +631,10 @@ def test_a_ring_call_leaves_no_cyclic_garbage(world_size):
     assert run_world(world_size, _cyclic_garbage) == [0] * world_size
 
 
-def _agreed_calls() -> list:
-    """Every ``RingCall`` this process makes from now on, once its ranks agreed."""
-    from ringflex.parallel.ring import RingCall
-    calls, agree = [], RingCall.agree
-
-    def recording(call, device):
-        agree(call, device)
-        calls.append(call)
-    RingCall.agree = recording
-    return calls
-
-
 def _twice(rank, world_size, mask_name):
     """Gradients of one backward, and of two through a retained graph; whether forward kept
     every block it received."""
-    kept = _agreed_calls()
+    kept = agreed_calls()
     q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = {"causal": cases(4 * world_size)["causal"].mask_mod, "window": ringflex.mods.sliding_window(2)}[mask_name]
     out = ringflex.ring_flex_attention(q, k, v, mask_mod=mask)
@@ -1019,7 +1008,7 @@ def _evaluation_saves(rank, world_size, mask_name):
     from ringflex import mods
     from ringflex.parallel import ring
     _receiving_in_place()
-    calls, copies, saved = _agreed_calls(), [0], ring.saved
+    calls, copies, saved = agreed_calls(), [0], ring.saved
     ring.saved = lambda t, in_place: (copies.__setitem__(0, copies[0] + 1), saved(t, in_place))[1]
     mask = {"window": mods.sliding_window(4), "causal": mods.causal}[mask_name]
     q, k, v = (ringflex.shard(torch.randn(1, 2, 8 * world_size, 8, dtype=torch.float64,

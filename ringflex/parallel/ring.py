@@ -105,9 +105,10 @@ class RingCall:
         backward, which then moves no K/V: where no rank receives more rows in all than its own
         block holds, so that a call keeps about one block more until its backward than its
         inputs (the first received into a whole-block buffer: at most one and a half over the
-        process group's P2P, see ``kv.saved``). A window's or packed documents' two halves over zigzag; a ring of one
-        transfer, whose block forward keeps anyway. Every rank decides alike, from the rows the
-        ranks agreed each reads: a rank's sends in backward follow its readers' choice."""
+        process group's P2P, see ``kv.saved``). A window's or packed documents' two halves over
+        zigzag; a ring of one transfer, whose block forward keeps anyway. Every rank decides
+        alike, from the rows the ranks agreed each reads: a rank's sends in backward follow its
+        readers' choice."""
         steps = range(1, len(self.schedule))
         if self.reads is None:  # no agreement: every row travels
             return len(steps) <= 1
