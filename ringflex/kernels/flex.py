@@ -5,8 +5,7 @@ cuDNN's graphs take mods built from a fixed set of ops on positions and tables i
 one position (``kernels.cudnn``). A mod that gathers from a table indexed by a difference of
 positions (a relative-position bias), a tensor that requires grad (a learnable bias),
 fp32 inputs: these run here, as Triton kernels that ``torch.compile`` generates from the
-mod itself, instead of on the reference kernel, which materialises every hop's scores
-(benchmarks/results/1xh100_2026-11-23_flex_score_mod.md).
+mod itself, instead of on the reference kernel, which materialises every hop's scores.
 
 - Positions reach the mods as 0-dim tensors (``_positions``), so a new hop offset is a new
   input value, not a recompilation.

@@ -50,7 +50,7 @@ QUANTUM = 64  # lent rows end on a multiple of it (or at the last row): few shap
 MIN_GAIN = 0.03  # lending must shorten the busiest rank's work by this share, or none runs
 # RINGFLEX_LENDING=auto: the busiest rank's load must be this many kernel calls' worth
 # (``HopKernel.call_pairs``) for its kernels to outlast the host work lending adds; between
-# the loads where lending was measured slower and faster (benchmarks/results/*_lending.md).
+# the loads at which lending made a call slower and those at which it made it faster.
 MIN_CALLS = 40
 NO_OFFER = [-1, 0, 0, 0, 0]  # what a rank shares where lending is off: load, step-1 pairs, 2 digests, min_load
 
