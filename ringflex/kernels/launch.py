@@ -2,9 +2,9 @@
 
 At every launch Triton's JIT binds each argument, works out what it specialises on (a
 pointer's alignment, an integer's value or width), builds a cache key and looks it up: for
-the fused merge's 25 to 55 arguments that took 20 to 70 us of host time on 4x H100 hosts,
-against about 7 us for the launcher itself, and a ring call launches about ten. A call that
-is bound by its host (short sequences, packed documents) waits for all of it. For the same
+the fused merge's 25 to 55 arguments that takes several times the host time of the launcher
+itself, and a ring call launches about ten. A call that is bound by its host (short
+sequences, packed documents) waits for all of it. For the same
 reason the device and its stream are read raw (``torch.cuda.current_stream`` builds a Python
 object: a few us a launch).
 
