@@ -323,11 +323,13 @@ def test_shard_by_mask_at_8k_tokens_per_rank(world_size):
 
 
 # fwd+bwd ms of the benchmark's workloads at 8k tokens a GPU (B=1, H=32, D=128, bf16, eager):
-# 2x H200, benchmarks/results/2xh200_2026-11-28_sharding.md; 4x H100 (one run on one lease),
-# benchmarks/results/4xh100_2026-11-27_sends_in_turn.md
+# 2x H200, the window and documents as the ring runs them now (each transfer the rows its reader
+# reads, a zigzag rank's own block one call), benchmarks/results/2xh200_2026-11-29_default_layout.md,
+# causal and prefix-LM benchmarks/results/2xh200_2026-11-28_sharding.md; 4x H100 (one run on one
+# lease, before those changes), benchmarks/results/4xh100_2026-11-27_sends_in_turn.md
 MEASURED = {
-    (2, "window"): {"contiguous": 4.30, "zigzag": 5.67},
-    (2, "documents"): {"contiguous": 4.49, "zigzag": 7.14},
+    (2, "window"): {"contiguous": 4.31, "zigzag": 4.51},
+    (2, "documents"): {"contiguous": 4.10, "zigzag": 4.82},
     (2, "causal"): {"zigzag": 7.94, "contiguous": 8.18},
     (2, "prefix_lm"): {"zigzag": 8.77, "contiguous": 9.05, "striped": 9.68},
     (4, "window"): {"contiguous": 5.50, "zigzag": 10.36},
