@@ -15,10 +15,9 @@ from ringflex.plan import workload as workloads
 from ringflex.plan import layout as layouts
 from ringflex.plan import candidates, cost
 from ringflex.plan.blocks import distances_needed, evaluate_mask, keys_read, plan_hops
-from ringflex.plan.layout import Segment
 from ringflex.plan.candidates import packed_documents, per_document
 from ringflex.plan.cost import NO_WEIGHTS, Weights, describe, estimate
-from ringflex.plan.layout import Sharding
+from ringflex.plan.layout import Segment, Sharding
 from ringflex.plan.sharding import cheapest, compare, shard_by_mask
 from ringflex.plan.workload import workload
 
@@ -245,7 +244,7 @@ def test_estimate_of_segments_of_unequal_strides_in_one_document():
     mask_mod = mods.document(mods.document_ids([10, 30, 24]))
     s = Sharding(64, ((Segment(0, 1, 16), Segment(16, 2, 16)), (Segment(17, 2, 16), Segment(48, 1, 16))))
     assert cost.band_runs(mask_mod, 64).usage(np.array([0, 16, 17, 48]), np.array([1, 2, 2, 1]),
-                                                         np.array([16, 16, 16, 16])) is None
+                                              np.array([16, 16, 16, 16])) is None
     est = estimate(s, mask_mod, weights=NO_WEIGHTS)
     pairs, travel = brute_estimate(s, mask_mod)
     assert np.allclose(est["pairs"], pairs) and est["travel_rows"] == travel
@@ -403,7 +402,7 @@ def test_every_swap_priced_at_once_as_priced_alone(world_size, chunks):
     seq_len = 64 * chunks
     work = cost.mask_work(mods.document(documents(seq_len, 16, 200, seed=world_size)), seq_len)
     search = candidates._Search(candidates._chunk_pairs(work, chunks), world_size, seq_len // world_size,
-                                     Weights(call=1000, token=5000, host_step=30_000, host_call=20_000))
+                                Weights(call=1000, token=5000, host_step=30_000, host_call=20_000))
     rng = np.random.default_rng(0)
     owner = np.stack([rng.permutation(np.arange(chunks) // (chunks // world_size)) for _ in range(3)])
     after = np.repeat(owner[:, None], len(search.i), 1)  # [assignment, swap, chunk]
