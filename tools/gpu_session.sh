@@ -157,8 +157,8 @@ for stage in "$@"; do
                 run check tr 4 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 --mesh 4x1 \
                   --layouts zigzag ;;
     gputests) run gputests python3 -m pytest -q -n 4 tests/gpu ;;  # every GPU test, four at a time on one GPU
-    sharding4) run sharding4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks window documents causal \
-              --layouts default zigzag contiguous by-mask --iters 10 --warmup 3 --json "$OUT/sharding4.json" ;;  # vs flex CP
+    sharding4) run sharding4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks documents window causal prefix_lm \
+              --layouts default zigzag contiguous by-mask --iters 10 --warmup 5 --json "$OUT/sharding4.json" ;;  # vs flex CP
     local4) run local4 tr 4 -m benchmarks.bench --seq-lens 32768 --masks window documents causal --layouts zigzag \
               contiguous --single-max 0 --no-cp --no-flex-cp --iters 5 --warmup 3 --json "$OUT/local4.json" ;;  # local masks over zigzag (two blocks, straight from their owners) and contiguous
     documents4runs) for n in $(seq "${RUNS:-3}"); do run documents4runs tr 4 -m benchmarks.bench --seq-lens 32768 \
