@@ -326,15 +326,16 @@ class RingFlexMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
     @contextlib.contextmanager
-    def _with_mask(self, mask_mod: Optional[Callable], outer: Optional[Callable]):
+    def _running(self, mask_mod: Optional[Callable], outer: Optional[Callable], layout):
         """Inside: ``mask_mod`` as this entered mode's own mask, ``outer`` as what the modes around
-        it add (a checkpoint's recompute runs outside them); the mode's own after."""
-        kept = self.mask_mod, self._outer[-1]
-        self.mask_mod, self._outer[-1] = mask_mod, outer
+        it add (a checkpoint's recompute runs outside them) and ``layout`` as its layout; the
+        mode's own after."""
+        kept = self.mask_mod, self._outer[-1], self.layout
+        self.mask_mod, self._outer[-1], self.layout = mask_mod, outer, layout
         try:
             yield
         finally:
-            self.mask_mod, self._outer[-1] = kept
+            self.mask_mod, self._outer[-1], self.layout = kept
 
     def _refuse(self, error: str):
         """Raises ``error`` on every rank: a call may be refused on one rank only (a model that
@@ -440,11 +441,12 @@ class RingFlexAttention(nn.Module):
 
     ``RingFlexAttention(model, group=g)(*inputs)`` computes what ``model``
     computes on one device, given this rank's shards of the inputs (and the global position
-    ids, for RoPE). ``mask_mod`` may be changed between steps (new packed documents).
+    ids, for RoPE). ``mask_mod`` and ``layout`` may be changed between steps: new packed
+    documents, and the sharding chosen for them (``PackedSequences(...).layout``).
     ``checkpoint=True``: activation checkpointing of ``module`` (torch's, non-reentrant), whose
-    recompute runs in the ring too, with the ``mask_mod`` of its forward. A checkpoint taken
-    inside ``module`` recomputes with the ``mask_mod`` set when backward runs (docs/guide.md,
-    "Wrapping a model").
+    recompute runs in the ring too, with the ``mask_mod`` and ``layout`` of its forward. A
+    checkpoint taken inside ``module`` recomputes with those set when backward runs
+    (docs/guide.md, "Wrapping a model").
 
     A Hugging Face style model (its forward takes ``position_ids`` and ``input_ids`` or
     ``inputs_embeds``) called without ``position_ids`` gets the global position ids of this
@@ -474,6 +476,15 @@ class RingFlexAttention(nn.Module):
             raise TypeError(f"mask_mod must be callable or None, got {type(mask_mod).__name__}")
         self.mode.mask_mod = mask_mod
 
+    @property
+    def layout(self):
+        """The layout of the shards this rank is given (None: zigzag, as ``shard``'s default)."""
+        return self.mode.layout
+
+    @layout.setter
+    def layout(self, layout) -> None:
+        self.mode.layout = None if layout is None else check_layout(layout)
+
     @functools.partial(torch.compiler.disable, recursive=False)  # the model's frames still compile
     def forward(self, *args, **kwargs):
         if self._signature is not None:
@@ -482,14 +493,14 @@ class RingFlexAttention(nn.Module):
             warn_once("ringflex: a Hugging Face cache reached a module wrapped by RingFlexAttention: it holds only "
                        "this rank's keys and values, so it cannot continue the sequence (ringflex does not decode); "
                        "call the model with use_cache=False, or wrap the whole model, which turns the cache off")
-        masks = self.mode.mask_mod, _enclosing_mask(self.mode)
-        if self.checkpoint and torch.is_grad_enabled():  # the masks are inputs: the recompute gets them again
-            return torch.utils.checkpoint.checkpoint(self._run, *masks, args, kwargs, use_reentrant=False)
-        return self._run(*masks, args, kwargs)
+        step = self.mode.mask_mod, _enclosing_mask(self.mode), self.mode.layout
+        if self.checkpoint and torch.is_grad_enabled():  # inputs: the recompute gets the forward's again
+            return torch.utils.checkpoint.checkpoint(self._run, *step, args, kwargs, use_reentrant=False)
+        return self._run(*step, args, kwargs)
 
     @functools.partial(torch.compiler.disable, recursive=False)  # as forward: the mode enters eagerly
-    def _run(self, mask_mod: Optional[Callable], outer: Optional[Callable], args, kwargs):
-        with self.mode, self.mode._with_mask(mask_mod, outer):
+    def _run(self, mask_mod: Optional[Callable], outer: Optional[Callable], layout, args, kwargs):
+        with self.mode, self.mode._running(mask_mod, outer, layout):
             return self.module(*args, **kwargs)
 
     def _hf_call(self, args, kwargs):

@@ -1,6 +1,7 @@
 """A model around ring_flex_attention on a ring of 2: activation checkpointing (both kinds) gives
 the same gradients as without it, and torch.compile compiles the model around the ring (a
 clean graph break at ring_flex_attention) with the eager results."""
+import pytest
 import torch
 import torch.utils.checkpoint as cp
 
@@ -101,6 +102,51 @@ def test_the_wrappers_checkpointing_recomputes_with_the_mask_of_the_forward():
     (0.45 off in an audit); the wrapper's own keeps each forward's."""
     for error, forwards in run_world(WORLD, _micro_batches_with_their_masks, timeout=120):
         assert error < 1e-12 and forwards == [2, 4]
+
+
+def _micro_batches_with_their_shardings(rank, world_size):
+    """Two micro-batches, each with its documents and the layout its tokens are sharded in set on
+    the wrapper (the sharding ``PackedSequences`` chooses for the first, zigzag for the second),
+    forwarded before one backward: each configuration's gradients against one process's."""
+    packed = ringflex.PackedSequences([5, 11])
+    batches = [(packed.lengths, packed.layout), ((9, 7), "zigzag")]
+    xs = [torch.randn(1, S, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    torch.manual_seed(0)
+    single = SdpaBlock()
+    alone = [torch.distributed.new_group([r]) for r in range(world_size)][rank]  # a ring of this rank alone
+    for x, (lengths, _) in zip(xs, batches):
+        with ringflex.RingFlexMode(group=alone, mask_mod=mods.document(mods.document_ids(lengths)),
+                                   backend="reference"):
+            (single(x) ** 2).sum().backward()
+    errors = []
+    for checkpoint in (False, True):
+        torch.manual_seed(0)
+        block = SdpaBlock()
+        wrapped = ringflex.RingFlexAttention(block, checkpoint=checkpoint, backend="reference")
+        losses = []
+        for x, (lengths, layout) in zip(xs, batches):
+            wrapped.mask_mod, wrapped.layout = mods.document(mods.document_ids(lengths)), layout
+            losses.append((wrapped(ringflex.shard(x, 1, layout=layout)) ** 2).sum())
+        sum(losses).backward()
+        reduce_gradients(block.parameters())  # each rank's share: its tokens'
+        errors.append(((block.qkv.weight.grad - single.qkv.weight.grad).abs().max()
+                       / single.qkv.weight.grad.abs().max()).item())
+    return errors, packed.layout != "zigzag"
+
+
+def test_the_wrapper_runs_each_micro_batch_in_the_layout_set_for_it():
+    """``RingFlexAttention.layout`` set per step (a packed batch's sharding, then zigzag): forward,
+    and the checkpointed recompute, run each micro-batch in its own, matching one process."""
+    for errors, layouts_differ in run_world(WORLD, _micro_batches_with_their_shardings, timeout=120):
+        assert layouts_differ and max(errors) < 1e-12, errors
+
+
+def test_the_wrappers_layout_is_checked_when_set():
+    wrapped = ringflex.RingFlexAttention(SdpaBlock())
+    with pytest.raises(ValueError, match="layout must be one of"):
+        wrapped.layout = "diagonal"
+    wrapped.layout = "contiguous"
+    assert wrapped.layout == "contiguous" and wrapped.mode.layout == "contiguous"
 
 
 def _nested(rank, world_size):
