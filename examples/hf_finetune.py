@@ -23,10 +23,14 @@ How the pieces fit:
 - ``ringflex.integrations.hf.register()`` and ``attn_implementation="ringflex"``: every
   attention layer calls ``ring_flex_attention`` on the wrapper's group (the ``cp`` dimension of
   a ``(dp, cp)`` device mesh) and layout.
-- The collator builds each rank's shard of the packed sequence: ``input_ids``, the position
-  ids of the documents (global positions in the sequence, restarting per document),
-  ``shift_labels`` (the next token of the FULL sequence, shifted before sharding: a token's
-  successor may live on another rank) and the document ``mask_mod`` for the wrapper.
+- The collator builds each rank's shard of the packed sequence, in the sharding
+  ``ringflex.PackedSequences`` chooses for its documents (``shard_by_mask``: contiguous runs
+  that keep documents together, where zigzag would split every document over every rank):
+  ``input_ids``, the position ids of the documents (global positions in the sequence,
+  restarting per document), ``shift_labels`` (the next token of the FULL sequence, shifted
+  before sharding: a token's successor may live on another rank), and the row's
+  ``PackedSequences``, whose document ``mask_mod`` and ``layout`` the trainer sets on the
+  wrapper before the forward.
 - Trainer computes the loss as transformers does (``shift_labels``, summed and divided by the
   number of labelled tokens of all ranks, ``average_tokens_across_devices``), and its DDP
   averages the gradients over all ranks, which the loss's scaling by the world size turns into
@@ -78,10 +82,11 @@ class PackedDocuments(Dataset):
 
 class ShardPackedRow:
     """The collator: this rank's shard of one packed row (a batch of one sequence per ring, the
-    usual batch of long-context training), and the row's document mask, whose ids live on the
-    model's device (the ring evaluates the mask where the attention runs)."""
+    usual batch of long-context training) in ``layout`` (None: the sharding chosen for the row's
+    documents), and the row's ``PackedSequences``, whose document ids live on the model's device
+    (the ring evaluates the mask where the attention runs)."""
 
-    def __init__(self, group, layout: str, device):
+    def __init__(self, group, layout, device):
         self.group, self.layout, self.device = group, layout, device
 
     def __call__(self, items):
@@ -94,18 +99,24 @@ class ShardPackedRow:
                              f"{packed.padded_len - packed.total + tokens.shape[1]}")
         full = {"input_ids": tokens, "position_ids": packed.position_ids().unsqueeze(0),
                 "shift_labels": next_token_labels(tokens, doc_ids=packed.doc_ids)}
-        local = shard_batch(full, dim=1, group=self.group, layout=self.layout)
+        local = shard_batch(full, dim=1, group=self.group, layout=packed.layout)
         # ``labels`` makes the model compute its loss; with ``shift_labels`` it does not shift them again
-        mask = ringflex.PackedSequences(lengths, group=self.group, layout=self.layout, device=self.device).mask_mod()
-        return {**local, "labels": local["shift_labels"], "mask_mod": mask}
+        on_device = ringflex.PackedSequences(lengths, group=self.group, layout=packed.layout, device=self.device)
+        return {**local, "labels": local["shift_labels"], "packed": on_device}
 
 
 # ----------------------------------------------------------------------------- the Trainer
 
+def use_packed(ring, packed) -> None:
+    """Sets a row's document mask and sharding on the wrapper (None: one process, no ring)."""
+    if ring is not None:
+        ring.mask_mod, ring.layout = packed.mask_mod(), packed.layout
+
+
 class ContextParallelTrainer(Trainer):
     """transformers' Trainer, but the ranks of a ring read the same batches: a sampler over the
     data-parallel replicas only (accelerate's loader would give every rank batches of its own),
-    and each batch's document mask set on the ringflex wrapper before the forward."""
+    and each batch's document mask and sharding set on the ringflex wrapper before the forward."""
 
     def __init__(self, *args, ring: ringflex.RingFlexAttention, dp_rank: int, dp_size: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -118,9 +129,7 @@ class ContextParallelTrainer(Trainer):
                           collate_fn=self.data_collator)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        mask_mod = inputs.pop("mask_mod")
-        if self.ring is not None:
-            self.ring.mask_mod = mask_mod
+        use_packed(self.ring, inputs.pop("packed"))
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
 
@@ -173,9 +182,7 @@ def evaluate(model, ring, group, layout, args, device) -> float:
     plain model), exact in the model's dtype (``sharded_cross_entropy``)."""
     item = PackedDocuments(1, args, seed=args.seed + 1)[0]
     batch = ShardPackedRow(group, layout, device)([item])
-    mask_mod = batch.pop("mask_mod")
-    if ring is not None:
-        ring.mask_mod = mask_mod
+    use_packed(ring, batch.pop("packed"))
     logits = (ring if ring is not None else model)(input_ids=batch["input_ids"].to(device),
                                                    position_ids=batch["position_ids"].to(device)).logits
     return sharded_cross_entropy(logits, batch["shift_labels"].to(device), group=group).item()
@@ -191,8 +198,9 @@ def parse_args(argv=None):
                         "float32 weights with --bf16 autocast, Trainer's mixed precision)")
     p.add_argument("--bf16", action="store_true", help="Trainer's bf16 mixed precision (GPU)")
     p.add_argument("--cp", type=int, default=None, help="ranks per ring (default: all ranks, one ring)")
-    p.add_argument("--layout", default="zigzag", choices=ringflex.LAYOUTS,
-                   help="how a sequence is split over a ring (zigzag balances causal work)")
+    p.add_argument("--layout", default=None, choices=ringflex.LAYOUTS,
+                   help="how a sequence is split over a ring (default: the sharding ringflex.PackedSequences "
+                        "chooses for each row's documents)")
     p.add_argument("--backend", default="auto", choices=["auto", "cudnn", "flex", "reference"],
                    help="the kernel of each hop: auto takes cudnn where it can run the call, else flex on a GPU, "
                         "else reference")

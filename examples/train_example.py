@@ -84,6 +84,16 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def attention_mask(doc_ids=None, window=None):
+    """The model's mask_mod: causal, within the last ``window`` tokens, within each row's documents."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        seen = q_idx >= kv_idx
+        if window is not None:
+            seen = seen & (q_idx - kv_idx < window)
+        return seen if doc_ids is None else seen & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+    return mask_mod
+
+
 class GPT(nn.Module):
     """A decoder: tokens [B, S], positions [B, S] -> logits [B, S, vocab]. ``doc_ids`` [B, S_total]
     (packed documents) restricts attention to each token's own document, ``window`` to the
@@ -100,16 +110,10 @@ class GPT(nn.Module):
     def forward(self, tokens, positions, doc_ids=None):
         block_mask = None
         if doc_ids is not None or self.softcap is not None or self.window is not None:
-            window = self.window
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                seen = q_idx >= kv_idx
-                if window is not None:
-                    seen = seen & (q_idx - kv_idx < window)
-                return seen if doc_ids is None else seen & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
             length = tokens.shape[1]
             make_block_mask = compiled_create_block_mask if tokens.is_cuda else create_block_mask
-            block_mask = make_block_mask(mask_mod, tokens.shape[0], None, length, length, device=tokens.device)
+            block_mask = make_block_mask(attention_mask(doc_ids, self.window), tokens.shape[0], None, length, length,
+                                         device=tokens.device)
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, positions, block_mask)
@@ -133,7 +137,8 @@ def make_batch(step, args, group):
         for n in lengths:
             first = torch.randint(0, args.vocab, ((n + 1) // 2,), generator=g)
             row.append(torch.cat([first, first])[:n])
-        packed = ringflex.PackedSequences(lengths, group=group, layout=args.layout)  # seq_len fits: no padding
+        # its ids and positions (seq_len fits: no padding); the batch's layout is chosen over all rows
+        packed = ringflex.PackedSequences(lengths, group=group, layout="contiguous")
         tokens.append(torch.cat(row))
         doc_ids.append(packed.doc_ids)
         positions.append(packed.position_ids())
@@ -174,6 +179,15 @@ def _peak_memory_gib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
+def batch_layout(args, doc_ids, world_size: int):
+    """How a batch is split over the ranks: ``--layout``, else the sharding that
+    ``ringflex.shard_by_mask`` chooses for the model's mask over the batch's rows."""
+    if args.layout is not None or world_size == 1:
+        return args.layout
+    mask_mod = attention_mask(doc_ids if args.packed else None, args.window)
+    return ringflex.shard_by_mask(mask_mod, args.seq_len, world_size, batch=args.batch)
+
+
 def train(args) -> dict:
     """Trains for ``args.steps`` steps; returns (and on rank 0 logs) the loss curve and throughput."""
     global compiled_flex_attention, compiled_create_block_mask
@@ -191,7 +205,8 @@ def train(args) -> dict:
         if world_size == 1:
             print("one process on CPU with flex_attention (no CPU backward): running it as ringflex on one rank",
                   file=sys.stderr)
-        model = ringflex.RingFlexAttention(model, group=group, layout=args.layout, backend=args.backend)
+        model = ringflex.RingFlexAttention(model, group=group, layout=batch_layout(args, None, world_size),
+                                           backend=args.backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     progress = Progress(args.steps, label="step", interval=args.progress_every)
     losses, tokens_per_step = [], args.batch * args.seq_len
@@ -203,7 +218,9 @@ def train(args) -> dict:
             start = time.perf_counter()
         batch, doc_ids = make_batch(step, args, group)
         if world_size > 1:
-            batch = shard_batch(batch, dim=1, group=group, layout=args.layout)
+            if args.packed and args.layout is None:  # new documents: a new sharding
+                model.layout = batch_layout(args, doc_ids, world_size)
+            batch = shard_batch(batch, dim=1, group=group, layout=model.layout)
         batch = {key: value.to(device) for key, value in batch.items()}
         with torch.autocast(device.type, dtype=dtype, enabled=autocast):
             logits = model(batch["tokens"], batch["positions"], doc_ids.to(device) if args.packed else None)
@@ -299,8 +316,10 @@ def parse_args(argv=None):
     p.add_argument("--max-doc", type=int, default=96, help="with --packed: longest document")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (every rank alike)")
-    p.add_argument("--layout", default="zigzag", choices=ringflex.LAYOUTS,
-                   help="how the sequence is split over the ranks (zigzag balances causal work)")
+    p.add_argument("--layout", default=None, choices=ringflex.LAYOUTS,
+                   help="how the sequence is split over the ranks (default: the sharding ringflex.shard_by_mask "
+                        "chooses for the model's mask: zigzag for causal attention, contiguous runs for a window; "
+                        "with --packed, for each batch's documents)")
     p.add_argument("--backend", default="auto", choices=["auto", "cudnn", "flex", "reference"],
                    help="the kernel of each hop: auto takes cudnn where it can run the call, else flex on a GPU, "
                         "else reference")

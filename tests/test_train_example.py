@@ -1,6 +1,7 @@
 """examples/train_example.py, short: training with ring attention on 2 ranks gives the loss curve
 of the plain model in one process (fp64, relative 1e-6 over 20 steps), also with packed
-documents and a softcap, and with a sliding window over the contiguous layout; the
+documents and a softcap (each batch sharded as shard_by_mask chooses for its documents), and
+with a sliding window, in the sharding chosen for it and over the contiguous layout; the
 comparison tool agrees."""
 import json
 
@@ -12,6 +13,7 @@ SMALL = ["--device", "cpu", "--dtype", "float64", "--batch", "2", "--seq-len", "
          "--kv-heads", "2", "--progress-every", "1000"]
 VARIANTS = {"causal": ["--steps", "20"],
             "packed_softcap": ["--steps", "4", "--packed", "--min-doc", "3", "--max-doc", "12", "--softcap", "5"],
+            "window": ["--steps", "4", "--window", "5"],
             "window_contiguous": ["--steps", "4", "--window", "5", "--layout", "contiguous"]}
 
 

@@ -9,9 +9,9 @@
 The model sees this rank's tokens and their GLOBAL position ids (``ringflex.training``; the
 wrapper passes them where the call gives none); each attention layer's causal / sliding-window /
 chunked (Llama 4) mask and logit softcap become mods evaluated at global positions by
-``ring_flex_attention`` on the wrapper's group and layout. Packed documents: give
-the wrapper ``mask_mod=PackedSequences(...).mask_mod()`` (restarting position ids alone are not
-read). Attention sinks (gpt-oss's ``s_aux``) are ``ring_flex_attention``'s ``sinks``. What
+``ring_flex_attention`` on the wrapper's group and layout. Packed documents: set the
+wrapper's ``mask_mod`` and ``layout`` to a batch's ``packed.mask_mod()`` and ``packed.layout``
+(``PackedSequences``; restarting position ids alone are not read). Attention sinks (gpt-oss's ``s_aux``) are ``ring_flex_attention``'s ``sinks``. What
 cannot be routed raises: padding masks, custom 4-D masks, masks with parts ringflex does not
 know (image tokens attending bidirectionally), dropout, position biases, a cache (keys of
 earlier calls), and position ids that number each rank's tokens from 0 (a model called without
