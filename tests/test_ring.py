@@ -555,7 +555,7 @@ def test_forward_saves_only_the_rows_of_the_block_that_travelled():
 
 def _kept_blocks(rank, world_size):
     """Rows, and bytes of memory behind them, of each K block forward keeps for backward over
-    a window over zigzag (the halves it received)."""
+    a window over zigzag (the halves it received, joined)."""
     from ringflex import mods
     _with_kernel(_WholeBlockKernel())
     q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
@@ -564,15 +564,15 @@ def _kept_blocks(rank, world_size):
     return [(t.shape[2], t.untyped_storage().nbytes() // (t.shape[1] * t.shape[3] * t.element_size())) for t in kept_k]
 
 
-def test_forward_keeps_the_halves_it_received_in_memory_of_their_size(monkeypatch):
-    """A window of 4 over zigzag on 4 ranks (chunks of 4 of 8 rows): forward keeps both halves
-    it received, the first in the whole-block buffer made before the own block's compute (half
-    of it: kept as it is), the second in a buffer of its own 4 rows; none for rows not read."""
+def test_forward_keeps_the_halves_it_received_as_one_block_of_their_size(monkeypatch):
+    """A window of 4 over zigzag on 4 ranks (chunks of 4 of 8 rows): the halves a rank receives
+    from both neighbours fill one block, so they arrive in one step as one block, which forward
+    keeps in memory of its own size (not the whole-block buffers they arrived in)."""
     monkeypatch.setenv("RINGFLEX_LENDING", "0")
     monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
     for rank, kept in enumerate(run_world(4, _kept_blocks)):
         ahead, behind = (4 if rank else 0), (4 if rank < 3 else 0)  # rows read of the ranks 1 and 3 back
-        assert kept == [(ahead, 8 if ahead else 0), (behind, behind)], (rank, kept)
+        assert kept == [(ahead + behind, ahead + behind)], (rank, kept)
 
 
 def _gradient_storage(rank, world_size):
@@ -729,8 +729,9 @@ def test_a_window_over_zigzag_sends_each_neighbour_the_chunk_it_reads(monkeypatc
     """Over zigzag a window's reader behind reads the first chunk of a block (4 rows of 8), its
     reader ahead the second: each K/V transfer is that chunk, not the block (the first and
     last rank read nothing of each other); the dK/dV shares come back over the 3 rows read.
-    The two chunks a rank receives fill one block, so forward keeps them and backward moves
-    no K/V (``RingCall.keeps_received``). (With a kernel that plans within blocks, so the
+    The two chunks a rank receives fill one block, so they come in one step, as one block
+    (``RingCall.pieces``), forward keeps it and backward moves no K/V (``RingCall.keeps_received``),
+    only the shares, to both owners at once. (With a kernel that plans within blocks, so the
     rows read are exact; without lending.)"""
     monkeypatch.setenv("RINGFLEX_LENDING", "0")
     monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
@@ -738,8 +739,8 @@ def test_a_window_over_zigzag_sends_each_neighbour_the_chunk_it_reads(monkeypatc
         ahead = 0 if rank == 3 else 4  # rows sent to the rank 1 ahead (rank 0 reads no row of rank 3)
         behind = 0 if rank == 0 else 4  # to the rank 3 ahead, 1 behind
         share_1, share_3 = (0 if rank == 0 else 3), (0 if rank == 3 else 3)  # to the owners 1 and 3 back
-        assert seen == [("forward", 1, ahead), ("forward", 3, behind), ("backward", -3, share_3),
-                        ("backward", -1, share_1)], (rank, seen)
+        assert seen == [("forward", 1, ahead), ("forward", 3, behind), ("backward", -1, share_1),
+                        ("backward", -3, share_3)], (rank, seen)
         assert error < 1e-10
 
 
@@ -878,7 +879,7 @@ def test_forward_keeps_the_blocks_it_receives_where_they_fill_one_block_at_most(
     ``plan.blocks.widened``) at most one block, the same answer on every rank."""
     from ringflex.kernels.base import Mods
     from ringflex.parallel.ring import RingCall
-    distances = [0, 1, 3, 2][:steps] if reads is not None else None
+    distances = [(d,) for d in [0, 1, 3, 2][:steps]] if reads is not None else None
     call = RingCall(comm=None, schedule=[[] for _ in range(steps)], kernel=ReferenceKernel(), mods=Mods(), scale=1.0,
                     reads=reads, distances=distances)
     assert call.keeps_received(8) == keeps
@@ -955,6 +956,32 @@ def test_a_steps_disjoint_hops_go_to_the_kernel_as_one_call(world_size):
     assert any(joined == 2 for _, joined in results), results  # one forward, one backward call
 
 
+class _PlanningOneCallKernel(_WholeBlockKernel, _OneCallKernel):
+    """Plans within blocks (so the rows read are exact) and takes a step's disjoint hops as one call."""
+
+    joined = 0
+
+
+def _neighbours_in_one_step(rank, world_size):
+    """A window of 4 over zigzag: the call's steps (their distances), the hops of its second
+    step, the kernel's joined calls and the largest error against the oracle."""
+    calls = agreed_calls()
+    error = _zigzag_window(rank, world_size, _PlanningOneCallKernel())[1]
+    return calls[-1].distances, len(calls[-1].schedule[1]), _PlanningOneCallKernel.joined, error
+
+
+def test_a_window_over_zigzag_runs_both_neighbours_rows_as_one_step(monkeypatch):
+    """On 4 ranks a zigzag rank reads both neighbours (distances 1 and 3). The rows it reads of
+    them fill one block, so they arrive in one step as one block (``RingCall.pieces``), whose
+    hops, one per neighbour where a rank reads both, go to the kernel as one call, forward and
+    backward: the numbers of one process (to the one-call kernel's fp32 LSE)."""
+    monkeypatch.setenv("RINGFLEX_LENDING", "0")
+    monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
+    for rank, (distances, hops, joined, error) in enumerate(run_world(4, _neighbours_in_one_step)):
+        assert distances == [(0,), (1, 3)] and error < 1e-5, (rank, distances, error)
+        assert hops == (2 if rank in (1, 2) else 1) and joined >= (2 if rank in (1, 2) else 0), (rank, hops, joined)
+
+
 @pytest.mark.parametrize("gap", [0, 3])
 def test_a_joined_steps_results_are_one_part_where_its_hops_fill_them(gap):
     """A step's hops run as one call come back as one result over their rows and keys where
@@ -1009,7 +1036,7 @@ def _evaluation_saves(rank, world_size, mask_name):
     from ringflex.parallel import ring
     _receiving_in_place()
     calls, copies, saved = agreed_calls(), [0], ring.saved
-    ring.saved = lambda t, in_place: (copies.__setitem__(0, copies[0] + 1), saved(t, in_place))[1]
+    ring.saved = lambda t, in_place: (copies.__setitem__(0, copies[0] + in_place), saved(t, in_place))[1]
     mask = {"window": mods.sliding_window(4), "causal": mods.causal}[mask_name]
     q, k, v = (ringflex.shard(torch.randn(1, 2, 8 * world_size, 8, dtype=torch.float64,
                                           generator=torch.Generator().manual_seed(i)), 2, layout="zigzag")
@@ -1023,11 +1050,11 @@ def _evaluation_saves(rank, world_size, mask_name):
     return seen, (outs[0] - outs[1]).abs().max().item()
 
 
-@pytest.mark.parametrize("mask_name, with_grad", [("window", (4, True)), ("causal", (2, False))])
+@pytest.mark.parametrize("mask_name, with_grad", [("window", (0, True)), ("causal", (2, False))])
 def test_a_call_without_grad_saves_no_block(mask_name, with_grad, monkeypatch):
     """Without grad mode (evaluation) no backward will run: forward neither keeps the blocks
-    it receives (a window's halves: two buffers alternate, as for causal) nor copies any out of
-    its receive buffers; with it, every block it received (K and V of two) or the last one."""
+    it receives nor copies any out of its receive buffers; with it, the block a window's halves
+    were joined into (memory of its own: no copy), or for causal the last block (K and V)."""
     monkeypatch.setenv("RINGFLEX_LENDING", "0")
     monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
     for (without, with_), error in run_world(4, _evaluation_saves, mask_name):

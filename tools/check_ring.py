@@ -62,8 +62,8 @@ def _recording_loans():
     weigh_cudnn_calls_as_free()
     agree = RingCall.agree
 
-    def recording(call, device):
-        agree(call, device)
+    def recording(call, device, length):
+        agree(call, device, length)
         _LENT.append(0 if call.loan is None else call.loan.lent[1] - call.loan.lent[0])
 
     RingCall.agree = recording

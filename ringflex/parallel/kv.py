@@ -24,11 +24,12 @@ class KVStream:
     ``last`` backward) at the same distance, so every send reads the own block's rows (in place
     over the copy engines; over the process group's P2P, a copy made once per range of rows).
     A received block holds only the rows of it that travel (``RingCall.rows_held``), in the
-    leading memory of a buffer sized for a whole block. The number of steps is read when the
-    first transfer starts: forward may shorten the schedule once the ranks agree. Where forward
-    keeps every block it receives (``RingCall.keeps``), each transfer has a buffer of
-    its own (of the rows it brings, where the buffers are not the senders' to fill), and the
-    blocks are ``received``, in order."""
+    leading memory of a buffer sized for a whole block; a step that brings the rows of several
+    ranks (``RingCall.pieces``) receives each into a buffer and joins them into one block. The
+    number of steps is read when the first transfer starts: forward may shorten the schedule
+    once the ranks agree. Where forward keeps every block it receives (``RingCall.keeps``),
+    each transfer has a buffer of its own (of the rows it brings, where the buffers are not the
+    senders' to fill), and the blocks are ``received``, in order."""
 
     def __init__(self, call, first, last=None, reverse: bool = False):
         self.call, self.reverse, self.last = call, reverse, last
@@ -94,27 +95,30 @@ class KVStream:
         return tuple(rows(t, self.local(r)) for t in self.current)
 
     def start(self, step: int):
-        """Starts bringing the next step's block from its owner, while the own block goes to the
-        rank as far ahead; the block arrives in ``advance``."""
+        """Starts bringing the next step's block from its owners, while the own block goes to
+        the ranks as far ahead; the block arrives in ``advance``."""
         if step >= self.transfers:
             return None
-        lo, hi = self.rows(step + 1)
-        if len(self.buffers) <= self._slot(step):
-            self._add_buffer(hi - lo if self.keeps else None)
-        distance = self.call.distance(self._forward_step(step + 1))
-        own_rows = self.call.rows_sent(distance, self.shapes[0][2])
+        length = self.shapes[0][2]
+        pieces = self.call.pieces(self._forward_step(step + 1), length)
         if step > 0 and self.first_stream is not None and not self.joined:  # the own rows sent were made there
             torch.cuda.current_stream(self.first_stream.device).wait_stream(self.first_stream)
             self.joined = True
+        transfers, sent, received = [], [], []
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
-            if own_rows not in self.own_sent:
-                self.own_sent[own_rows] = tuple(self.call.comm.sendable(rows(t, own_rows)) for t in self.own)
-            send = self.own_sent[own_rows]
-            recv = tuple(_leading_rows(b, hi - lo) for b in self.buffers[self._slot(step)])
-            transfer = self.call.comm.exchange(send, recv, shift=distance, send_after=self.own_ready)
-            if transfer.sent is not None:
-                self.own_ready = transfer.sent
-            return transfer, send, recv, lo
+            for slot, (distance, (lo, hi), _) in enumerate(pieces, self._slot(step)):
+                if len(self.buffers) <= slot:
+                    self._add_buffer(hi - lo if self.keeps else None)
+                own_rows = self.call.rows_sent(distance, length)
+                if own_rows not in self.own_sent:
+                    self.own_sent[own_rows] = tuple(self.call.comm.sendable(rows(t, own_rows)) for t in self.own)
+                sent.append(self.own_sent[own_rows])
+                received.append(tuple(_leading_rows(b, hi - lo) for b in self.buffers[slot]))
+                transfers.append(self.call.comm.exchange(sent[-1], received[-1], shift=distance,
+                                                         send_after=self.own_ready))
+                if transfers[-1].sent is not None:
+                    self.own_ready = transfers[-1].sent
+        return transfers, sent, received, self.rows(step + 1)[0]
 
     @property
     def keeps(self) -> bool:
@@ -133,10 +137,19 @@ class KVStream:
         if self.call.comm is not None:
             self.call.comm.end_pass(self.current[0].device)
 
+    @property
+    def received_in_place(self) -> bool:
+        """Whether the blocks ``received`` lie in receive buffers that the next call fills (not
+        where several ranks' rows were joined into a block of its own)."""
+        return self.in_place and all(len(self.call.distances_at(s)) == 1 for s in range(self.steps))
+
     def advance(self, step: int, pending) -> None:
         if pending is not None:
-            transfer, _, self.current, self.offset = pending  # ``send`` stays referenced until here
-            transfer.wait()
+            transfers, _, received, self.offset = pending  # the sends stay referenced until here
+            for transfer in transfers:
+                transfer.wait()
+            self.current = received[0] if len(received) == 1 else \
+                tuple(torch.cat(pieces, dim=2) for pieces in zip(*received))
             if self.keeps:
                 self.received.append(self.current)
         elif step + 2 == self.steps and self.last is not None:

@@ -1,9 +1,12 @@
-"""The ring: each step brings one rank's K/V block, straight from its owner, and runs the
-plan's hops against it. Step s brings the block of the rank ``RingCall.distance(s)`` back
-(0: the own block), over the distances at which some rank reads keys (``plan.blocks.
+"""The ring: each step brings K/V rows straight from their owners and runs the plan's hops
+against them. Step s brings the block of the rank ``RingCall.distances_at(s)`` back (0: the
+own block), over the distances at which some rank reads keys (``plan.blocks.
 distances_needed``): a mask that reads the ranks on either side brings two blocks, whatever
 the number of ranks. Of each block only the rows that its receiver reads travel
-(``RingCall.rows_sent``), widened to a power of two (``plan.blocks.widened``).
+(``RingCall.rows_sent``), widened to a power of two (``plan.blocks.widened``). Where those
+rows fill one block at most (a window or packed documents over zigzag, whose ranks read both
+neighbours), they travel together and form one block: one step after the own block, whose
+hops the kernel may take as one call (``RingCall.pieces``).
 
 Results accumulate in fp32 (fp64 for fp64 inputs) and are rounded once into the input dtype
 (``merge.RowMerge`` / ``RowSum``). Backward runs the steps in reverse, on the blocks forward
@@ -18,7 +21,7 @@ sends back their output and LSE, and in backward their dQ (``loans``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -55,32 +58,56 @@ class RingCall:
     loan: Optional[Loan] = None  # the rows lent and borrowed, once they agree (``plan.lending``)
     lse_grad: bool = False  # a loss may read the LSE (return_lse): lent rows take its gradient along
     reads: Optional[List[List[Rows]]] = None  # per rank and distance, the rows of that block it reads
-    distances: Optional[List[int]] = None  # per step, how many ranks back its block's owner is (None: the step)
+    distances: Optional[List[Tuple[int, ...]]] = None  # per step, how many ranks back the owners of its rows are
     grad: bool = True  # backward may run (the ranks agreed): forward saves what it reads, else nothing
     keeps: bool = False  # forward keeps every block it receives for backward (``keeps_received``, once agreed)
 
-    def agree(self, device) -> None:
+    def agree(self, device, length: int) -> None:
         """Waits for the agreement. Then the ring runs only the steps of the distances some rank
         reads (``plan.blocks.distances_needed``), moves only the rows of a block that its
-        receiver reads (``rows_sent``), and lends rows where that evens the ranks' work
-        (``plan.lending``: the next rank's rows, computed against this rank's block)."""
+        receiver reads (``rows_sent``), lends rows where that evens the ranks' work
+        (``plan.lending``: the next rank's rows, computed against this rank's block), and
+        brings the rows of every other rank in one step where they fill one block at most
+        (blocks of ``length`` rows: ``keeps_received``) and no rows are lent."""
         if self.agreement is None:
             return
         self.agreement.wait()
         shared = self.agreement.shared
         world = len(shared)
         reads = self.reads = [[(s[i], s[i + 1]) for i in range(0, 2 * world, 2)] for s in shared]
-        self.distances = distances_needed(reads)
-        self.schedule = [self.schedule[d] for d in self.distances]
-        if self.comm is not None and self.offer is not None and self.distances[1:2] == [1]:
+        needed = distances_needed(reads)
+        self.distances = [(d,) for d in needed]
+        self.schedule = [self.schedule[d] for d in needed]
+        if self.comm is not None and self.offer is not None and needed[1:2] == [1]:
             planned_part = part_planner(self.kernel, self.mods.mask_mod, self.mods.score_mod is not None, device)
             self.loan = self.offer.agree([s[2 * world:] for s in shared], self.comm.rank, planned_part)
             if self.loan is not None:
                 self.schedule = [self.schedule[0], list(self.loan.kept), *self.schedule[2:]]
+        if self.loan is None and len(needed) > 2 and self.keeps_received(length):
+            self.distances = [(0,), tuple(needed[1:])]
+            self.schedule = [self.schedule[0], [replace(hop, kv_rows=(hop.kv_rows[0] + base - held[0],
+                                                                      hop.kv_rows[1] + base - held[0]))
+                                                for hops, (_, held, base) in zip(self.schedule[1:],
+                                                                                 self.pieces(1, length))
+                                                for hop in hops]]
 
-    def distance(self, step: int) -> int:
-        """How many ranks back the owner of the block of (forward) ``step`` is."""
-        return step if self.distances is None else self.distances[step]
+    def distances_at(self, step: int) -> Tuple[int, ...]:
+        """How many ranks back the owners of the rows held at (forward) ``step`` are."""
+        return (step,) if self.distances is None else self.distances[step]
+
+    def pieces(self, step: int, length: int) -> List[Tuple[int, Rows, int]]:
+        """Where the block held at (forward) ``step`` comes from, per distance (of blocks of
+        ``length`` rows): (distance, the rows of that rank's block that travel here, the row of
+        the block held where they start). A step that brings one rank's rows holds them at
+        their own rows; one that brings several holds them one after another, from row 0."""
+        held = [(d, (0, length) if d == 0 else self._travelling(d, 0, length)) for d in self.distances_at(step)]
+        if len(held) == 1:
+            return [(*held[0], held[0][1][0])]
+        found, base = [], 0
+        for d, r in held:
+            found.append((d, r, base))
+            base += r[1] - r[0]
+        return found
 
     def rows_read(self, rank: int, distance: int) -> Rows:
         """The rows of the block of the rank ``distance`` back that ``rank`` (mod the world)
@@ -96,9 +123,11 @@ class RingCall:
         return self._travelling(distance, distance, length)
 
     def rows_held(self, step: int, length: int) -> Rows:
-        """The rows of the block held at (forward) ``step``: the own block whole, others as
-        they travel (``rows_sent`` at their owner)."""
-        return (0, length) if step == 0 else self._travelling(self.distance(step), 0, length)
+        """The rows of the block held at (forward) ``step``: the own block whole, another rank's
+        as they travel (``rows_sent`` at their owner), several ranks' one after another (``pieces``)."""
+        pieces = self.pieces(step, length)
+        (_, _, start), (_, last, end) = pieces[0], pieces[-1]
+        return start, end + last[1] - last[0]
 
     def keeps_received(self, length: int) -> bool:
         """Whether forward keeps every block it receives (of blocks of ``length`` rows) for
@@ -112,7 +141,7 @@ class RingCall:
         steps = range(1, len(self.schedule))
         if self.reads is None:  # no agreement: every row travels
             return len(steps) <= 1
-        held = [[widened(self.rows_read(reader, self.distance(s)), length) for s in steps]
+        held = [[widened(self.rows_read(reader, d), length) for s in steps for d in self.distances_at(s)]
                 for reader in range(len(self.reads))]
         return all(sum(hi - lo for lo, hi in blocks) <= length for blocks in held)
 
@@ -133,7 +162,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     # The own block needs no transfer: it is computed while the ranks agree on the call, and
     # no block leaves before they have (the agreement may shorten the schedule and lend rows).
     own = step_forward(call, call.schedule[0], q, blocks.keys)
-    call.agree(q.device)
+    call.agree(q.device, k.shape[2])
     call.keeps = call.grad and call.keeps_received(k.shape[2])  # once: the stream, forward's end and backward read it
     pending = blocks.start(0)
     borrowed_q, returned = lend_forward(call, q, k, v, blocks.first_stream) if call.loan else (None, None)
@@ -157,7 +186,7 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
         call.comm.join_sends(q.device)  # the caller's K/V left first: it may change them once this returns
     blocks.close()
     kept = (blocks.received if call.keeps else [blocks.current]) if call.grad else []
-    return (*merged.result(), [tuple(saved(t, blocks.in_place) for t in block) for block in kept], borrowed_q)
+    return (*merged.result(), [tuple(saved(t, blocks.received_in_place) for t in block) for block in kept], borrowed_q)
 
 
 def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None, borrowed_q=None):
@@ -192,10 +221,10 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None,
         blocks = KVStream(call, kept[-1], last=(k, v), reverse=True)
     lse_grad = lse_as_attention(dlse, out, lse) if dlse is not None else None
     d_tensors = [torch.zeros_like(t, dtype=acc) for t in call.tensors]
-    own_sum, arriving, returned = None, None, None  # the own block's dK/dV; a share on its way here; the lent dq
+    own_sum, arriving, returned = None, [], None  # the own block's dK/dV; shares on their way here; the lent dq
     for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
-        distance = call.distance(steps - 1 - step)  # the block held is the one of the rank this many before
+        held = call.pieces(steps - 1 - step, k.shape[2])  # whose rows the block held are: (distance, rows, first row)
         parts = []  # this step's (key rows, dk, dv)
         for q_rows, kv_rows, hq, hk, hv, ht in step_backward(call, hops, q, blocks.keys, out, lse, res, dout,
                                                              lse_grad):
@@ -203,9 +232,10 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None,
                 total += g
             dq.add(q_rows, hq)
             parts.append((kv_rows, hk, hv))
-        if arriving is not None:  # waited for after this step's kernels, which ran while it came
-            arriving.arrive(own_sum)
-        arriving = shares.exchange(call, distance, parts, k, v, acc) if distance else None
+        for share in arriving:  # waited for after this step's kernels, which ran while it came
+            share.arrive(own_sum)
+        arriving = [shares.exchange(call, distance, shares.of_piece(parts, rows_, first), k, v, acc)
+                    for distance, rows_, first in held if distance]
         if step == 0:
             borrowed_keys = []  # the borrowed rows' (key rows, dk, dv): after the share left, not before it
             if borrowed_inputs is not None:

@@ -7,7 +7,7 @@ from typing import List
 
 from torch import Tensor
 
-from ..kernels.merge import RowSum, Rows
+from ..kernels.merge import RowSum, Rows, rows
 from .compute import new_rows, rows_shape, some
 
 
@@ -30,8 +30,21 @@ def rows_arriving(call, steps: int) -> List[Rows]:
     """The rows of the own block whose dK/dV shares arrive, one range per rank that read some."""
     if call.comm is None:
         return []
-    distances = [call.distance(step) for step in range(1, steps)]
+    distances = [d for step in range(1, steps) for d in call.distances_at(step)]
     return [r for d in distances for r in [call.rows_read(call.comm.rank + d, d)] if some(r)]
+
+
+def of_piece(parts, held: Rows, first: int) -> list:
+    """Of a step's ``parts`` (rows of the block held, dk, dv), those over the rows one rank's
+    block sent (``held``, of its block, lying from row ``first`` of the block held:
+    ``RingCall.pieces``), in that rank's block rows."""
+    end, shift = first + held[1] - held[0], held[0] - first
+    found = []
+    for (lo, hi), dk, dv in parts:
+        a, b = max(lo, first), min(hi, end)
+        if b > a:
+            found.append(((a + shift, b + shift), rows(dk, (a - lo, b - lo)), rows(dv, (a - lo, b - lo))))
+    return found
 
 
 def exchange(call, distance: int, parts, k: Tensor, v: Tensor, acc) -> Share:

@@ -8,8 +8,8 @@ def agreed_calls() -> list:
     from ringflex.parallel.ring import RingCall
     calls, agree = [], RingCall.agree
 
-    def recording(call, device):
-        agree(call, device)
+    def recording(call, device, length):
+        agree(call, device, length)
         calls.append(call)
     RingCall.agree = recording
     return calls
