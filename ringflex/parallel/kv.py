@@ -104,11 +104,13 @@ class KVStream:
         if step > 0 and self.first_stream is not None and not self.joined:  # the own rows sent were made there
             torch.cuda.current_stream(self.first_stream.device).wait_stream(self.first_stream)
             self.joined = True
+        slots = range(self._slot(step), self._slot(step) + len(pieces))
+        for slot, (_, (lo, hi), _) in zip(slots, pieces):  # on the current stream, whose freed memory they reuse
+            if len(self.buffers) <= slot:
+                self._add_buffer(hi - lo if self.keeps else None)
         transfers, sent, received = [], [], []
         with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
-            for slot, (distance, (lo, hi), _) in enumerate(pieces, self._slot(step)):
-                if len(self.buffers) <= slot:
-                    self._add_buffer(hi - lo if self.keeps else None)
+            for slot, (distance, (lo, hi), _) in zip(slots, pieces):
                 own_rows = self.call.rows_sent(distance, length)
                 if own_rows not in self.own_sent:
                     self.own_sent[own_rows] = tuple(self.call.comm.sendable(rows(t, own_rows)) for t in self.own)

@@ -59,6 +59,7 @@ class RingCall:
     lse_grad: bool = False  # a loss may read the LSE (return_lse): lent rows take its gradient along
     reads: Optional[List[List[Rows]]] = None  # per rank and distance, the rows of that block it reads
     distances: Optional[List[Tuple[int, ...]]] = None  # per step, how many ranks back the owners of its rows are
+    held: Optional[List[list]] = None  # per step, ``pieces`` as the ranks agreed them
     grad: bool = True  # backward may run (the ranks agreed): forward saves what it reads, else nothing
     keeps: bool = False  # forward keeps every block it receives for backward (``keeps_received``, once agreed)
 
@@ -90,6 +91,7 @@ class RingCall:
                                                 for hops, (_, held, base) in zip(self.schedule[1:],
                                                                                  self.pieces(1, length))
                                                 for hop in hops]]
+        self.held = [self.pieces(step, length) for step in range(len(self.schedule))]
 
     def distances_at(self, step: int) -> Tuple[int, ...]:
         """How many ranks back the owners of the rows held at (forward) ``step`` are."""
@@ -100,6 +102,8 @@ class RingCall:
         ``length`` rows): (distance, the rows of that rank's block that travel here, the row of
         the block held where they start). A step that brings one rank's rows holds them at
         their own rows; one that brings several holds them one after another, from row 0."""
+        if self.held is not None:
+            return self.held[step]
         held = [(d, (0, length) if d == 0 else self._travelling(d, 0, length)) for d in self.distances_at(step)]
         if len(held) == 1:
             return [(*held[0], held[0][1][0])]
