@@ -1,5 +1,5 @@
 """The ring: each step brings K/V rows straight from their owners and runs the plan's hops
-against them. Step s brings the block of the rank ``RingCall.distances_at(s)`` back (0: the
+against them. Step s brings the blocks of the ranks ``RingCall.distances_at(s)`` back (0: the
 own block), over the distances at which some rank reads keys (``plan.blocks.
 distances_needed``): a mask that reads the ranks on either side brings two blocks, whatever
 the number of ranks. Of each block only the rows that its receiver reads travel
@@ -59,7 +59,7 @@ class RingCall:
     lse_grad: bool = False  # a loss may read the LSE (return_lse): lent rows take its gradient along
     reads: Optional[List[List[Rows]]] = None  # per rank and distance, the rows of that block it reads
     distances: Optional[List[Tuple[int, ...]]] = None  # per step, how many ranks back the owners of its rows are
-    held: Optional[List[list]] = None  # per step, ``pieces`` as the ranks agreed them
+    held: Optional[List[List[Tuple[int, Rows, int]]]] = None  # per step, its ``pieces`` as the ranks agreed them
     grad: bool = True  # backward may run (the ranks agreed): forward saves what it reads, else nothing
     keeps: bool = False  # forward keeps every block it receives for backward (``keeps_received``, once agreed)
 
@@ -228,7 +228,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None,
     own_sum, arriving, returned = None, [], None  # the own block's dK/dV; shares on their way here; the lent dq
     for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
-        held = call.pieces(steps - 1 - step, k.shape[2])  # whose rows the block held are: (distance, rows, first row)
+        pieces = call.pieces(steps - 1 - step, k.shape[2])  # whose rows the block held are: (distance, rows, first row)
         parts = []  # this step's (key rows, dk, dv)
         for q_rows, kv_rows, hq, hk, hv, ht in step_backward(call, hops, q, blocks.keys, out, lse, res, dout,
                                                              lse_grad):
@@ -239,7 +239,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None,
         for share in arriving:  # waited for after this step's kernels, which ran while it came
             share.arrive(own_sum)
         arriving = [shares.exchange(call, distance, shares.of_piece(parts, rows_, first), k, v, acc)
-                    for distance, rows_, first in held if distance]
+                    for distance, rows_, first in pieces if distance]
         if step == 0:
             borrowed_keys = []  # the borrowed rows' (key rows, dk, dv): after the share left, not before it
             if borrowed_inputs is not None:
