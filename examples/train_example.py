@@ -205,8 +205,8 @@ def train(args) -> dict:
         if world_size == 1:
             print("one process on CPU with flex_attention (no CPU backward): running it as ringflex on one rank",
                   file=sys.stderr)
-        model = ringflex.RingFlexAttention(model, group=group, layout=batch_layout(args, None, world_size),
-                                           backend=args.backend)
+        layout = args.layout if args.packed else batch_layout(args, None, world_size)  # packed: per batch, below
+        model = ringflex.RingFlexAttention(model, group=group, layout=layout, backend=args.backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     progress = Progress(args.steps, label="step", interval=args.progress_every)
     losses, tokens_per_step = [], args.batch * args.seq_len
@@ -218,7 +218,7 @@ def train(args) -> dict:
             start = time.perf_counter()
         batch, doc_ids = make_batch(step, args, group)
         if world_size > 1:
-            if args.packed and args.layout is None:  # new documents: a new sharding
+            if args.packed:  # new documents: a new sharding
                 model.layout = batch_layout(args, doc_ids, world_size)
             batch = shard_batch(batch, dim=1, group=group, layout=model.layout)
         batch = {key: value.to(device) for key, value in batch.items()}
