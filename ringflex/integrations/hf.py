@@ -11,11 +11,12 @@ wrapper passes them where the call gives none); each attention layer's causal / 
 chunked (Llama 4) mask and logit softcap become mods evaluated at global positions by
 ``ring_flex_attention`` on the wrapper's group and layout. Packed documents: set the
 wrapper's ``mask_mod`` and ``layout`` to a batch's ``packed.mask_mod()`` and ``packed.layout``
-(``PackedSequences``; restarting position ids alone are not read). Attention sinks (gpt-oss's ``s_aux``) are ``ring_flex_attention``'s ``sinks``. What
-cannot be routed raises: padding masks, custom 4-D masks, masks with parts ringflex does not
-know (image tokens attending bidirectionally), dropout, position biases, a cache (keys of
-earlier calls), and position ids that number each rank's tokens from 0 (a model called without
-them inside ``RingFlexMode`` or with only its layers wrapped).
+(``PackedSequences``; restarting position ids alone are not read). Attention sinks (gpt-oss's
+``s_aux``) are ``ring_flex_attention``'s ``sinks``. What cannot be routed raises: padding
+masks, custom 4-D masks, masks with parts ringflex does not know (image tokens attending
+bidirectionally), dropout, position biases, a cache (keys of earlier calls), and position ids
+that number each rank's tokens from 0 (a model called without them inside ``RingFlexMode`` or
+with only its layers wrapped).
 """
 from __future__ import annotations
 

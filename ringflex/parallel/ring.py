@@ -190,7 +190,8 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
         call.comm.join_sends(q.device)  # the caller's K/V left first: it may change them once this returns
     blocks.close()
     kept = (blocks.received if call.keeps else [blocks.current]) if call.grad else []
-    return (*merged.result(), [tuple(saved(t, blocks.received_in_place) for t in block) for block in kept], borrowed_q)
+    in_place = blocks.received_in_place
+    return (*merged.result(), [tuple(saved(t, in_place) for t in block) for block in kept], borrowed_q)
 
 
 def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None, borrowed_q=None):

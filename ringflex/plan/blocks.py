@@ -358,10 +358,11 @@ def keys_read(schedule, world_size: int) -> List[Tuple[int, int]]:
 
 def distances_needed(keys_read_by_rank) -> List[int]:
     """The distances (in ranks back) of the blocks the ring brings: 0, the own block, then every
-    distance at which some rank reads keys (a step each, or the far ones in one: ``RingCall.agree``). Blocks go straight from their
-    owner, so a distance no rank reads is skipped: a sliding window or documents over zigzag
-    read the ranks on either side (distances 1 and W - 1) and the ring brings those two blocks
-    alone; over contiguous they read distance 1 alone, and no other block travels."""
+    distance at which some rank reads keys (a step each, or the far ones in one:
+    ``RingCall.agree``). Blocks go straight from their owner, so a distance no rank reads is
+    skipped: a sliding window or documents over zigzag read the ranks on either side (distances
+    1 and W - 1) and the ring brings those two blocks alone; over contiguous they read distance
+    1 alone, and no other block travels."""
     return [0] + [d for d in range(1, len(keys_read_by_rank[0]))
                   if any(spans[d][1] > spans[d][0] for spans in keys_read_by_rank)]
 
