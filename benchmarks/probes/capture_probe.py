@@ -64,10 +64,10 @@ def hop(mask_mod, seq_len: int, dev) -> str:
     return f"max diff out, lse, dq, dk, dv {max_diffs(got, want)}"
 
 
-def capture_ring_call(mask_mod, seq_len: int, heads: int, dev, group=None):
+def capture_ring_call(mask_mod, seq_len: int, heads: int, dev, group=None, layout=None):
     """A ring call, fwd+bwd, over ``group`` (None: one rank) with ``seq_len`` tokens per
-    rank, captured with torch's recipe (leaves made and warm-up calls run on a side stream,
-    gradients set to None before capture): (the graph, what it writes [out, dq, dk, dv], the
+    rank in ``layout``, captured with torch's recipe (leaves made and warm-up calls run on a
+    side stream, gradients set to None before capture): (the graph, what it writes [out, dq, dk, dv], the
     eager call, the eager call's values)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -78,7 +78,7 @@ def capture_ring_call(mask_mod, seq_len: int, heads: int, dev, group=None):
 
         def run(backward: bool = True):
             q.grad = k.grad = v.grad = None
-            out = ringflex.ring_flex_attention(q, k, v, mask_mod=mask_mod, group=group)
+            out = ringflex.ring_flex_attention(q, k, v, mask_mod=mask_mod, group=group, layout=layout)
             if not backward:
                 return [out.detach()]
             out.backward(dout)
@@ -91,7 +91,7 @@ def capture_ring_call(mask_mod, seq_len: int, heads: int, dev, group=None):
     q.grad = k.grad = v.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ringflex.ring_flex_attention(q, k, v, mask_mod=mask_mod, group=group)
+        out = ringflex.ring_flex_attention(q, k, v, mask_mod=mask_mod, group=group, layout=layout)
         out.backward(dout)
     return graph, [out, q.grad, k.grad, v.grad], run, want
 

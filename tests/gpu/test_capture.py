@@ -1,8 +1,8 @@
 """A ring call, forward and backward, captured in a CUDA graph replays to the eager call's
 values (the cuDNN hops of a causal and a packed-documents mask): on one rank, and on two
 over the copy engines (two ranks that share one GPU where there is only one; a window
-there lends rows), where eager
-calls and replays follow each other; torch's ``make_graphed_callables`` captures one too,
+there lends rows), where eager calls and replays follow each other, and on four, whose step
+brings both neighbours' rows; torch's ``make_graphed_callables`` captures one too,
 and a whole model wrapped in ``RingFlexAttention``; the capture check sees a capture."""
 import copy
 import os
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import make_mods
 from benchmarks.probes.capture_probe import capture_ring_call
+from support.calls import agreed_calls
 from support.harness import gpu_backend, on_a_gpu, run_world, weigh_cudnn_calls_as_free
 import ringflex
 from ringflex import mods
@@ -78,6 +79,30 @@ def _two_rank_replays(rank, world_size, name):
 @pytest.mark.parametrize("name", ["causal", "documents", "window"])
 def test_a_two_rank_call_over_the_copy_engines_replays_to_its_eager_values(name):
     run_world(2, _two_rank_replays, name, timeout=300, backend=gpu_backend(2))
+
+
+def _four_rank_replays(rank, world_size):
+    """A window over zigzag on four ranks: each rank reads both neighbours' rows, which arrive
+    in one step (``RingCall.pieces``), each piece straight into the receive buffers the capture
+    holds. Returns the steps' distances."""
+    os.environ.update(RINGFLEX_TRANSPORT="copy-engine", RINGFLEX_LENDING="0")
+    calls = agreed_calls()
+    dev = on_a_gpu(rank)
+    torch.manual_seed(rank)
+    graph, got, run, want = capture_ring_call(mods.sliding_window(512), SEQ // world_size, 4, dev, dist.group.WORLD,
+                                              layout="zigzag")
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_values(got, want)
+    _assert_values(run(), want)
+    return calls[-1].distances
+
+
+@pytest.mark.gpu
+def test_a_four_rank_call_whose_step_joins_both_neighbours_replays_to_its_eager_values():
+    for distances in run_world(4, _four_rank_replays, timeout=300, backend=gpu_backend(4)):
+        assert distances == [(0,), (1, 3)], distances
 
 
 def _graphed_callable(rank, world_size):
