@@ -88,6 +88,26 @@ def test_bench_mesh_smoke():
     assert rows == [(mask, ["mesh 1x4", "mesh 2x2", "mesh 4x1", "ring"], True) for mask in ("none", "causal", "documents")]
 
 
+def _bench_block(rank, world_size):
+    from benchmarks import bench_block
+    rows = bench_block.run(bench_block.parse_args(["--device", "cpu", "--seq-lens", "64", "--dim", "16", "--heads", "2",
+                                                   "--iters", "1", "--warmup", "0", "--rounds", "1", "--window", "16",
+                                                   "--doc-len", "16", "--layouts", "zigzag", "default", "by-mask"]))
+    return [(r["mask"], r["layout"], r["block_ms"] > 0 and r["call_ms"] > 0, r["block_vs_best"], r["call_vs_best"])
+            for r in rows]
+
+
+def test_bench_block_smoke():
+    """A transformer block around the ring, in each layout, against the fastest for its mask."""
+    rows = run_world(2, _bench_block)[0]
+    assert [(mask, layout) for mask, layout, *_ in rows] == [(m, l) for m in ("window", "documents", "causal")
+                                                             for l in ("zigzag", "default", "by-mask")]
+    assert all(ok for _, _, ok, *_ in rows)
+    for mask in ("window", "documents", "causal"):
+        for ratios in zip(*[r[3:] for r in rows if r[0] == mask]):  # the block's, the call's: 1 for the fastest
+            assert min(ratios) == 1 and all(x >= 1 for x in ratios), (mask, ratios)
+
+
 def test_mesh_model_prices_the_measured_rows_and_prefers_heads_inside_a_node_across_hosts():
     from pathlib import Path
 
