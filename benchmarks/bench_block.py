@@ -78,12 +78,13 @@ def bench_one(args, seq_len: int, mask: str, block: Block, device, dtype, group)
         attention_grad = torch.randn_like(q)
         timers[label] = {"block": lambda x=x, grad=grad, attend=attend: block(x, attend).backward(grad),
                          "call": lambda q=q, k=k, v=v, g=attention_grad, attend=attend: attend(q, k, v).backward(g),
-                         "sharding": layout if layout is None or isinstance(layout, str) else layout.name}
+                         "sharding": "zigzag" if layout is None else layout if isinstance(layout, str) else layout.name}
     samples = {(label, part): [] for label in timers for part in ("block", "call")}
     for _ in range(args.rounds):
         for (label, part), times in samples.items():
             times.append(timed(timers[label][part], args.iters, args.warmup, device, group))
-    medians = {key: max_over_ranks([statistics.median(times)], device, group)[0] * 1e3 for key, times in samples.items()}
+    medians = {key: 1e3 * max_over_ranks([statistics.median(times)], device, group)[0]
+               for key, times in samples.items()}
     best = {part: min(ms for (_, p), ms in medians.items() if p == part) for part in ("block", "call")}
     return [{"seq_len": seq_len, "mask": mask, "world_size": world_size, "layout": label,
              "sharding": timers[label]["sharding"],

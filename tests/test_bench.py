@@ -90,9 +90,9 @@ def test_bench_mesh_smoke():
 
 def _bench_block(rank, world_size):
     from benchmarks import bench_block
-    rows = bench_block.run(bench_block.parse_args(["--device", "cpu", "--seq-lens", "64", "--dim", "16", "--heads", "2",
-                                                   "--iters", "1", "--warmup", "0", "--rounds", "1", "--window", "16",
-                                                   "--doc-len", "16", "--layouts", "zigzag", "default", "by-mask"]))
+    rows = bench_block.run(bench_block.parse_args([
+        "--device", "cpu", "--seq-lens", "64", "--dim", "16", "--heads", "2", "--iters", "1", "--warmup", "0",
+        "--rounds", "1", "--window", "16", "--doc-len", "16", "--layouts", "zigzag", "default", "by-mask"]))
     return [(r["mask"], r["layout"], r["block_ms"] > 0 and r["call_ms"] > 0, r["block_vs_best"], r["call_vs_best"])
             for r in rows]
 

@@ -67,8 +67,8 @@ def hop(mask_mod, seq_len: int, dev) -> str:
 def capture_ring_call(mask_mod, seq_len: int, heads: int, dev, group=None, layout=None):
     """A ring call, fwd+bwd, over ``group`` (None: one rank) with ``seq_len`` tokens per
     rank in ``layout``, captured with torch's recipe (leaves made and warm-up calls run on a
-    side stream, gradients set to None before capture): (the graph, what it writes [out, dq, dk, dv], the
-    eager call, the eager call's values)."""
+    side stream, gradients set to None before capture): (the graph, what it writes [out, dq,
+    dk, dv], the eager call, the eager call's values)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
