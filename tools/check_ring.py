@@ -25,9 +25,9 @@ import ringflex
 from ringflex.kernels.base import Mods
 from ringflex.kernels.reference import ReferenceKernel
 from ringflex.parallel import peer
-from ringflex.parallel.ring import RingCall
 from ringflex.plan.layout import Segment
 
+from tests.support.calls import agreed_calls
 from tests.support.cases import cases, make_inputs
 from tests.support.harness import weigh_cudnn_calls_as_free
 from tests.support.oracle import attention
@@ -53,20 +53,9 @@ def reference_through_lse(q, k, v, dout, dlse, case):
     return [t.to(q.device) for t in (out, *(f.grad for f in full))]
 
 
-_LENT = []  # per ring call of this rank: how many of its query rows the previous rank computed
-
-
-def _recording_loans():
-    """Makes every ring call note the rows this rank lends (``ringflex.plan.lending``), and lend
-    wherever the ranks' pairs are uneven (``harness.weigh_cudnn_calls_as_free``)."""
-    weigh_cudnn_calls_as_free()
-    agree = RingCall.agree
-
-    def recording(call, device, length):
-        agree(call, device, length)
-        _LENT.append(0 if call.loan is None else call.loan.lent[1] - call.loan.lent[0])
-
-    RingCall.agree = recording
+def _lent_rows(calls) -> int:
+    """How many of this rank's query rows the previous rank computed, over ``calls`` (``RingCall``s agreed)."""
+    return sum(0 if call.loan is None else call.loan.lent[1] - call.loan.lent[0] for call in calls)
 
 
 def relative_error(got, want):
@@ -100,7 +89,8 @@ def main():
     seq_len = args.local_len * world_size
     failed = 0
     on_cpu = cases(seq_len, image_width=32) if args.lse_grad else None
-    _recording_loans()
+    weigh_cudnn_calls_as_free()  # every call lends wherever the ranks' pairs are uneven
+    calls = agreed_calls()
     for name, case in cases(seq_len, image_width=32, device=args.device).items():
         if args.cases and name not in args.cases:
             continue
@@ -118,7 +108,7 @@ def main():
             else:
                 layout = None if name_of_layout == "default" else name_of_layout
             local = [ringflex.shard(t, 2, group=group, layout=layout).requires_grad_() for t in (q, k, v)]
-            _LENT.clear()
+            calls.clear()
             try:
                 out, lse = ringflex.ring_flex_attention(*local, score_mod=case.score_mod, mask_mod=case.mask_mod,
                                                         group=group, layout=layout, enable_gqa=True,
@@ -134,7 +124,7 @@ def main():
                 continue
             got = [out] + [t.grad for t in local]
             *errs, lent = ranks.max_over_ranks([relative_error(g, ringflex.shard(w, 2, group=group, layout=layout))
-                                                for g, w in zip(got, want)] + [float(sum(_LENT))], q.device)
+                                                for g, w in zip(got, want)] + [float(_lent_rows(calls))], q.device)
             ok = max(errs) <= tolerance and not any(torch.isnan(g).any() for g in got)
             failed += not ok
             if rank == 0:
