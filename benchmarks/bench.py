@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import time
 
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.common import MASKS, make_mods, timed
+from benchmarks.common import MASKS, make_mods, timed, write_rows
 
 from tools.ranks import launch, max_over_ranks
 import ringflex
@@ -366,8 +365,7 @@ def run(args):
     transport, lends = peer.in_use(dist.group.WORLD, device), config.LENDING.value()
     log(table(rows) + f"\nring transfers: {transport}; RINGFLEX_LENDING={lends}")
     if rank == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "transport": transport, "lending": lends, "rows": rows}, f, indent=1)
+        write_rows(args.json, args, rows, transport=transport, lending=lends)
     if rank == 0 and args.plot:
         plot(rows, args.plot)
     return rows

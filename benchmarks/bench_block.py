@@ -18,14 +18,13 @@ On CPU (gloo, reference kernel) it runs at toy sizes as a smoke test:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.common import MASKS, make_mods, timed
+from benchmarks.common import MASKS, make_mods, timed, write_rows
 
 from tools.ranks import launch, max_over_ranks
 import ringflex
@@ -135,8 +134,7 @@ def run(args) -> list:
     if dist.get_rank() == 0:
         print(table(rows), flush=True)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+            write_rows(args.json, args, rows)
     return rows
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import ringflex
 from benchmarks import bench  # the single-GPU baselines and the fwd / fwd+bwd timer
-from benchmarks.common import make_mods
+from benchmarks.common import make_mods, write_rows
 from tools.ranks import launch, max_over_ranks
 
 MASKS = ("none", "causal", "documents")
@@ -177,8 +176,7 @@ def run(args):
             rows.append(row)
     log(table(rows, names))
     if rank == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        write_rows(args.json, args, rows)
     return rows
 
 

@@ -7,6 +7,7 @@ and import it as ``benchmarks.common``.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -46,6 +47,15 @@ def make_mods(mask: str, seq_len: int, device, window: int, doc_len: int, seed: 
     if mask == "causal_softcap":
         return mods.softcap(30.0), mods.causal
     raise ValueError(f"unknown mask {mask!r}; choose from {MASKS}")
+
+
+# ----------------------------------------------------------------------------- the record
+
+
+def write_rows(path: str, args: argparse.Namespace, rows: list, **about) -> None:
+    """A benchmark's rows as JSON at ``path``, with its arguments and ``about`` (the transport, ...)."""
+    with open(path, "w") as f:
+        json.dump({"args": vars(args), **about, "rows": rows}, f, indent=1)
 
 
 # ----------------------------------------------------------------------------- timing a call
