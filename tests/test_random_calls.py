@@ -57,13 +57,20 @@ def test_random_calls_planned_from_small_tiles(world_size, monkeypatch):
     assert not failures, "\n".join(failures)
 
 
-def _emulated_cudnn_failures(rank, world_size):
+def _on_emulated_cudnn():
+    """Makes every ring call of this process run the cuDNN kernel, its frontend emulated; returns
+    the kernel's package."""
     from support.emulated_cudnn import FakeCudnn
     from test_ring import _with_kernel
     from ringflex.kernels import cudnn
-    from ringflex.kernels.base import Mods
     cudnn.frontend.cudnn, cudnn.frontend.handle = (lambda: FakeCudnn), (lambda device: None)
     _with_kernel(cudnn.CudnnKernel())
+    return cudnn
+
+
+def _emulated_cudnn_failures(rank, world_size):
+    from ringflex.kernels.base import Mods
+    cudnn = _on_emulated_cudnn()
     failures = []
     for seed in range(1000 * world_size, 1000 * world_size + CALLS):
         made = dict(gathers=False, max_chunks=24)  # longer blocks: tiles, splits and batches of documents
@@ -115,11 +122,7 @@ def _local_mask_call(seed: int, world_size: int, dtype: torch.dtype) -> RandomCa
 def _joined_step_failures(rank, world_size):
     """The local-mask calls on the emulated cuDNN kernel against the definition, and how many
     of them took a step that brings several ranks' rows (``RingCall.pieces``)."""
-    from support.emulated_cudnn import FakeCudnn
-    from test_ring import _with_kernel
-    from ringflex.kernels import cudnn
-    cudnn.frontend.cudnn, cudnn.frontend.handle = (lambda: FakeCudnn), (lambda device: None)
-    _with_kernel(cudnn.CudnnKernel())
+    _on_emulated_cudnn()
     calls, failures = agreed_calls(), []
     for seed in range(7000 * world_size, 7000 * world_size + 40):
         call = _local_mask_call(seed, world_size, torch.float32)
