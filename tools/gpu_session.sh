@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/README.md and benchmarks/results/, one stage per argument; logs go to
 # $OUT (or ./out). Run from the repository root.
-#   bash tools/gpu_session.sh copybeside1 kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 ownblock1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 allocs1 graph1   # on 1 GPU
+#   bash tools/gpu_session.sh copybeside1 kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 ownblock1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash tools/gpu_session.sh local2 sharding2 block2 reshard2 ownblock2 joined2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
 #   bash tools/gpu_session.sh links efficiency binding4 profile4 skew4 capturetests check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 block4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base2   # on 2 GPUs; base4 basephases4 on 4: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
@@ -36,8 +36,6 @@ for stage in "$@"; do
               run capture python3 -m pytest -q tests/gpu/test_capture.py ;;  # one- and two-rank calls replay to their values
     transport1) run transport python3 -m pytest -q tests/gpu/test_peer_transport.py  # two ranks share one GPU
                 run check tr 2 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 ;;  # the ring over it
-    allocs1) for flag in "" --drained; do run allocs1 tr 4 -m benchmarks.probes.device_allocations --seq-len 32768 \
-              --cases window:zigzag window:contiguous documents:zigzag causal:zigzag $flag; done ;;  # device allocations per warm call (ranks share the GPU)
     exchange1) run exchange tr 2 -m benchmarks.probes.exchange_cost ;;  # host time of one copy-engine exchange (ranks share the GPU)
     graph1) run graph1 tr 1 -m benchmarks.bench --seq-lens 8192 16384 --masks causal documents --graph --no-cp \
               --iters 5 --warmup 2 --singles sdpa-cudnn ringflex-1gpu ;;  # one rank: eager vs graphs

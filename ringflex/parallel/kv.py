@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -58,7 +58,7 @@ class KVStream:
                 self._add_buffer()
             k = first[0]
             if k.is_cuda:
-                self.first_stream = torch.cuda.Stream(k.device)
+                self.first_stream = first_stream(k.device)
                 self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
                 self.own_ready = self.first_stream.record_event()
 
@@ -156,6 +156,20 @@ class KVStream:
                 self.received.append(self.current)
         elif step + 2 == self.steps and self.last is not None:
             self.current, self.offset = self.last, 0
+
+
+_FIRST_STREAMS: Dict[int, torch.cuda.Stream] = {}  # device index -> the stream first transfers leave from
+
+
+def first_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream a pass's first transfer leaves from on ``device``: the same for every call.
+    torch's caching allocator keeps the memory freed on a stream for that stream: on a stream
+    taken new for each call (from torch's pool of 32) what is allocated there (a loan's receive
+    buffer) would meet no cached memory of its own and take a new device allocation at every
+    call, host time each, and memory reserved until every stream of the pool holds some."""
+    if device.index not in _FIRST_STREAMS:
+        _FIRST_STREAMS[device.index] = torch.cuda.Stream(device)
+    return _FIRST_STREAMS[device.index]
 
 
 def _leading_rows(buffer: Tensor, n: int) -> Tensor:
