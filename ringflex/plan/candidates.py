@@ -8,7 +8,7 @@ Imports no torch.distributed: it is pure planning, the same on every rank.
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -19,12 +19,14 @@ from .layout import Sharding
 from .runs import BandRuns
 from .workload import Workload
 
+Run = Tuple[int, int]  # a document's (begin, end)
 
-def per_document(document_ids: Tensor, world_size: int) -> Optional[Sharding]:
-    """Each document cut in 2 * world_size pieces, rank r holding pieces r and 2W-1-r (the
-    head-tail balance of TransformerEngine and torch for packed sequences), the pieces' odd
-    tokens spread so every rank holds as many; None where they cannot be."""
-    docs = _documents(document_ids)
+
+def per_document(docs: Sequence[Run], world_size: int) -> Optional[Sharding]:
+    """Each document (``docs``: ``document_runs``) cut in 2 * world_size pieces, rank r
+    holding pieces r and 2W-1-r (the head-tail balance of TransformerEngine and torch for
+    packed sequences), the pieces' odd tokens spread so every rank holds as many; None where
+    they cannot be."""
     seq_len, pieces = docs[-1][1], 2 * world_size
     extra = [0] * world_size
     runs: List[List[Tuple[int, int]]] = [[] for _ in range(world_size)]
@@ -46,13 +48,12 @@ def per_document(document_ids: Tensor, world_size: int) -> Optional[Sharding]:
     return Sharding.from_ranges(seq_len, runs, "per-document")
 
 
-def packed_documents(document_ids: Tensor, world_size: int, row_pairs: Tensor) -> Sharding:
-    """Whole documents packed onto the ranks by their work (``row_pairs``: the keys each
-    query row sees), heaviest first, each rank filled to its share of the tokens by a
+def packed_documents(docs: Sequence[Run], world_size: int, row_pairs: Tensor) -> Sharding:
+    """Whole documents (``docs``: ``document_runs``) packed onto the ranks by their work
+    (``row_pairs``: the keys each query row sees), heaviest first, each rank filled to its share of the tokens by a
     document cut in two, whose first part stays on this rank and whose rest begins the next:
     the cut document's rows see its first part one ring step later, so a causal document
     mask keeps the ring at two steps while the ranks' work evens out."""
-    docs = _documents(document_ids)
     seq_len = docs[-1][1]
     local = seq_len // world_size
     work = np.concatenate([[0.0], row_pairs.double().cumsum(0).numpy()])
@@ -86,8 +87,9 @@ def packed_documents(document_ids: Tensor, world_size: int, row_pairs: Tensor) -
     return Sharding.from_ranges(seq_len, runs, "packed documents")
 
 
-def _documents(document_ids: Tensor) -> List[Tuple[int, int]]:
-    """The (begin, end) of every run of equal document ids."""
+def document_runs(document_ids: Tensor) -> List[Run]:
+    """The (begin, end) of every run of equal document ids: what the candidates that cut by
+    document read, found once for both."""
     ids = document_ids.detach().cpu()
     bounds = [0] + (np.flatnonzero((ids[1:] != ids[:-1]).numpy()) + 1).tolist() + [len(ids)]
     return list(zip(bounds, bounds[1:]))

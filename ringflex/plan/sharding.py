@@ -16,8 +16,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..mod import captured
 from ..mod.fingerprint import fingerprint
-from .candidates import packed_documents, per_document, searched
+from .candidates import document_runs, packed_documents, per_document, searched
 from .cost import MOVE_PAIRS, Weights, compares_order_only, estimate, mask_work
 from .layout import LAYOUTS, Sharding, divisor
 
@@ -126,14 +127,15 @@ def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, docu
     device = device if device is not None else (document_ids.device if document_ids is not None else None)
     fixed = [Sharding.of_layout(name, seq_len, world_size) for name in LAYOUTS
              if seq_len % divisor(name, world_size) == 0]
-    work = mask_work(mask_mod, seq_len, batch=batch, heads=heads, device=device)
-    price = dict(work=work, order_only=compares_order_only(mask_mod, device), weights=weights, device=device)
+    with captured.one_walk():  # the mask's pairs and its order read one trace of it (a new packed batch: a new mask)
+        work = mask_work(mask_mod, seq_len, batch=batch, heads=heads, device=device)
+        price = dict(work=work, order_only=compares_order_only(mask_mod, device), weights=weights, device=device)
     if world_size == 1 or mask_mod is None:  # every sharding does the same work; one segment a rank calls least
         return [(fixed[0], estimate(fixed[0], mask_mod, **price))]
     extra = searched(work, world_size, chunks, weights)
     if document_ids is not None:
-        ids = document_ids.detach().cpu()  # once: both candidates read them on the host
-        extra += [per_document(ids, world_size), packed_documents(ids, world_size, work.row_pairs())]
+        docs = document_runs(document_ids)
+        extra += [per_document(docs, world_size), packed_documents(docs, world_size, work.row_pairs())]
     found, seen = [], set()
     for s in fixed + extra:
         if s is not None and s not in seen:
