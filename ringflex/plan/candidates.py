@@ -50,10 +50,10 @@ def per_document(docs: Sequence[Run], world_size: int) -> Optional[Sharding]:
 
 def packed_documents(docs: Sequence[Run], world_size: int, row_pairs: Tensor) -> Sharding:
     """Whole documents (``docs``: ``document_runs``) packed onto the ranks by their work
-    (``row_pairs``: the keys each query row sees), heaviest first, each rank filled to its share of the tokens by a
-    document cut in two, whose first part stays on this rank and whose rest begins the next:
-    the cut document's rows see its first part one ring step later, so a causal document
-    mask keeps the ring at two steps while the ranks' work evens out."""
+    (``row_pairs``: the keys each query row sees), heaviest first, each rank filled to its
+    share of the tokens by a document cut in two, whose first part stays on this rank and
+    whose rest begins the next: the cut document's rows see its first part one ring step
+    later, so a causal document mask keeps the ring at two steps while the ranks' work evens out."""
     seq_len = docs[-1][1]
     local = seq_len // world_size
     work = np.concatenate([[0.0], row_pairs.double().cumsum(0).numpy()])
