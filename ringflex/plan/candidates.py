@@ -176,8 +176,8 @@ def _swaps(count: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
 class _Search:
     """The cost model on chunks (``pairs[i, j]``: chunk i's queries against chunk j's keys),
     every swap of two chunks between ranks priced at once. Its cost is ``estimate``'s with as
-    many calls per non-empty (rank, step) as the rank has runs of chunks, and the whole block
-    travelling at each needed step."""
+    many calls per non-empty (rank, step) as the rank has runs of chunks, the whole block
+    travelling at each needed step, and a step per distance (no step joins several)."""
 
     def __init__(self, pairs: np.ndarray, world: int, local_len: int, weights: Weights):
         self.pairs, self.world, self.count = pairs, world, len(pairs)
@@ -185,6 +185,7 @@ class _Search:
         self.transfer = np.where(self.steps > 0, weights.token * local_len, 0.0)  # step 0 waits for no block
         self.weights = weights
         self.held_at = held_at(world)
+        self.readers = (self.steps[None, :] + self.steps[:, None]) % world  # [step, owner]: the rank that reads it there
         self.tiny = 1e-9 * max(1.0, float(pairs.sum()))
         self.eye = np.eye(world)
         self.i, self.j, self.u = _swaps(self.count)
@@ -209,7 +210,9 @@ class _Search:
         calls = active * runs.reshape(self.world, -1)  # [step, rank, n]
         needed = active.any(1) | (self.steps == 0)[:, None]  # [step, n]: the distances some rank reads, and its own block
         gpu = np.maximum(pairs + w.call * calls, self.transfer[:, None, None]) * needed[:, None]
-        host = w.host_step * needed.sum(0) + w.host_call * calls.sum(0)  # [rank, n]: calls only where needed
+        received, sent = active[1:].sum(0), active[self.steps[:, None], self.readers][1:].sum(0)  # [rank, n]
+        host = (w.host_step * needed.sum(0) + w.host_receive * received + w.host_send * sent
+                + w.host_call * calls.sum(0))  # [rank, n]: calls only where needed
         # summed along a contiguous last axis, in the order the search always summed its costs in:
         # numpy adds across rows in another order, and non-integer costs could then tie otherwise
         gpu = np.ascontiguousarray(gpu.transpose(1, 2, 0)).sum(-1)  # [rank, n]

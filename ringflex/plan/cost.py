@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -32,41 +32,52 @@ from .workload import Workload, workload
 # - a row of K and V that travels one ring step (and its dK, dV share back) costs about as
 #   long as 3000 pairs: compute and transfer both grow with heads * head_dim, so this holds
 #   at any size of heads, and is a property of the GPU and its links (4x H100, copy engines).
-# - the host issues each ring step in about 1.5-2.2 ms (fwd + bwd: transfers, merges, the
-#   steps' bookkeeping) and each kernel call in about 0.75-0.85 ms (cuDNN's execute, the
-#   merge or sum of its rows): 16 and 7 million pairs' worth. Host and GPU work overlap, so
-#   a rank takes the longer of the two; at 8k tokens a GPU, windows and packed documents
-#   are bound by the host (fitted to 2x H200 and 4x H100 at 8k tokens a GPU:
-#   docs/sharding.md).
+# - the host's work, fwd + bwd: about 0.36 ms a ring step (its bookkeeping), 0.95 ms a block
+#   of another rank that a rank reads (the transfer in, the merge of its hops' rows, its dK/dV
+#   share back), 0.5 ms a rank that reads this rank's block (the transfer out, the share that
+#   comes back and its sum) and 0.65 ms a kernel call (cuDNN's execute and what goes around
+#   it): 3.3, 8.7, 4.6 and 6 million pairs' worth. A step that brings two ranks' rows
+#   (``RingCall.keeps_received``) saves a step, not the blocks' work. Host and GPU work
+#   overlap, so a rank takes the longer of the two; at 8k tokens a GPU, windows and packed
+#   documents are bound by the host, or close to it (fitted to 4x H200 and 2x H200 at 8k
+#   tokens a GPU: docs/sharding.md).
 # - a pair whose query or key segment is strided (``striped``) costs about 10% more: cuDNN
 #   runs the narrower bands of a strided block at that much lower a rate per pair.
 # - a row that re-sharding moves (``resharding``) costs about 5000: it carries q, k and v
 #   there and the output back (dO there and dq, dk, dv back in backward), twice the tensors
 #   of a row that travels a step, and the call waits for each move: nothing overlaps it
-#   (fitted at 8k tokens a GPU: docs/sharding.md).
+#   (fitted at 8k tokens a GPU: docs/sharding.md). Its exchanges (one per ring distance for
+#   q, k and v there, the output back, and in backward the same) cost the host some 0.4 ms a
+#   distance whatever the rows: 4 million pairs' worth, within what the move measured at 8k
+#   tokens a GPU over 2 ranks; a short call, which the host bounds, does not move for less.
 CALL_PAIRS = 1_300_000
 TOKEN_PAIRS = 3_000
-HOST_STEP_PAIRS = 16_000_000
-HOST_CALL_PAIRS = 7_000_000
+HOST_STEP_PAIRS = 3_300_000
+HOST_CALL_PAIRS = 6_000_000
+HOST_RECEIVE_PAIRS = 8_700_000
+HOST_SEND_PAIRS = 4_600_000
 STRIDED_EXTRA = 0.10
 MOVE_PAIRS = 5_000
+MOVE_HOST_PAIRS = 4_000_000
 
 
 @dataclass(frozen=True)
 class Weights:
     """What the cost model prices beyond the pairs themselves, in pairs (the constants above):
     a kernel call on the GPU, a row that travels a step, a ring step and a kernel call on the
-    host, and the extra share of a strided pair. ``NO_WEIGHTS``: none, the cost is then the
-    busiest rank's pairs."""
+    host, the extra share of a strided pair, and on the host a block a rank receives and one
+    it sends. ``NO_WEIGHTS``: none, the cost is then the busiest rank's pairs."""
 
     call: float = CALL_PAIRS
     token: float = TOKEN_PAIRS
     host_step: float = HOST_STEP_PAIRS
     host_call: float = HOST_CALL_PAIRS
     strided: float = STRIDED_EXTRA
+    host_receive: float = HOST_RECEIVE_PAIRS
+    host_send: float = HOST_SEND_PAIRS
 
 
-NO_WEIGHTS = Weights(0, 0, 0, 0, 0)
+NO_WEIGHTS = Weights(0, 0, 0, 0, 0, 0, 0)
 
 
 def mask_work(mask_mod: Optional[Callable], seq_len: int, *, batch: int = 1, heads: int = 1,
@@ -85,7 +96,8 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
     - ``pairs[d][r]``: the (query, key) pairs rank r computes against the keys of rank
       (r - d) mod W, the block the ring's step of distance d brings.
     - ``steps``: the ring's steps: the own block and each distance at which some rank sees
-      keys (the ring skips the others, as ``plan.distances_needed``).
+      keys (the ring skips the others, as ``plan.distances_needed``), those after the own
+      block as one where the rows each rank reads of them fit one block (``_joined``).
     - ``critical_pairs``: the busiest rank's pairs over the ring's steps: no step waits for
       the other ranks (each block comes straight from its owner), so the busiest rank sets
       the pace. ``total_pairs`` / W over it is ``balance`` (1: even).
@@ -99,8 +111,11 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
       run side by side). GPU: its own block, then per step the longer of its hop and the
       transfer of the rows it reads of the step's block (which the ring overlaps with the step before), a hop
       being its pairs (strided ones ``weights.strided`` dearer) plus ``weights.call`` per
-      call, a transfer ``weights.token`` per row. Host: ``weights.host_step`` per step and
-      ``weights.host_call`` per call.
+      call, a transfer ``weights.token`` per row. Host: ``weights.host_step`` per step,
+      ``weights.host_receive`` per block of another rank read, ``weights.host_send`` per rank
+      that reads the rank's block and ``weights.host_call`` per call. As the ring runs them:
+      hops of one block that share no query or key segment are one call, and where the
+      blocks of several other ranks fit one block they come in one step (``_joined``).
     - ``gpu_cost``: the busiest rank's GPU work alone: of two shardings the host prices alike,
       the one with less is never slower (and a call replayed from a CUDA graph has no host
       work), so ``cheapest`` compares it second.
@@ -121,9 +136,14 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
     strided = (segs[1] > 1) & (segs[2] > 1)
     weighed = by_rank + weights.strided * (member.T @ (seg_pairs * (strided[:, None] | strided[None, :])) @ member)
     full = seg_pairs >= np.outer(seg_len, seg_len) * (1 - 1e-9)
-    partial = member.T @ ((seg_pairs > 0) & ~full).astype(np.float64) @ member
+    active = seg_pairs > 0
+    partial = member.T @ (active & ~full).astype(np.float64) @ member
     any_full = (member.T @ full.astype(np.float64) @ member) > 0
-    calls = partial + any_full
+    hops_of_q = active.astype(np.float64) @ member  # [segment, rank]: a query segment's hops against a rank's keys
+    hops_of_k = active.T.astype(np.float64) @ member  # [segment, rank]: a key segment's hops against a rank's queries
+    shared = member.T @ (hops_of_q > 1) + ((hops_of_k > 1).T @ member)  # [q rank, k rank]
+    # hops that share no query segment and no key segment run as one kernel call (``compute.step_forward``)
+    calls = np.where((shared == 0) & (partial + any_full > 0), 1, partial + any_full)
     held = held_at(world)
     pairs, calls, weighed = by_rank.ravel()[held], calls.ravel()[held], weighed.ravel()[held]  # [step, rank]
     if order_only is None:
@@ -131,12 +151,21 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
     if order_only:  # the planner runs such a rank's own block as one call
         ordered = np.array([_in_order(segs) for segs in sharding.ranks])
         calls[0] = np.where(ordered & (pairs[0] > 0), 1, calls[0])
-    needed = np.union1d(0, np.flatnonzero(pairs.max(1) > 0))  # the ring's steps (``plan.distances_needed``)
-    steps = len(needed)
-    travel = travelling() if steps > 1 else np.zeros((world, world))
-    hop = (weighed + weights.call * calls)[needed]
-    gpu = np.maximum(hop, weights.token * travel[needed]).sum(0)
-    host = weights.host_step * steps + weights.host_call * calls[needed].sum(0)
+    needed = np.union1d(0, np.flatnonzero(pairs.max(1) > 0))  # the distances some rank reads (``plan.distances_needed``)
+    travel = travelling() if len(needed) > 1 else np.zeros((world, world))
+    hop, rows = (weighed + weights.call * calls)[needed], travel[needed]
+    calls = calls[needed]
+    if _joined(sharding, needed, travel):  # the other ranks' rows in one step after the own block
+        one_call = _one_call_each(hops_of_q, segs[3], needed[1:]) & (calls[1:] <= 1).all(0)
+        remote = calls[1:].sum(0)
+        joined_calls = np.where(one_call & (remote > 0), 1, remote)
+        hop = np.stack([hop[0], hop[1:].sum(0) - weights.call * (remote - joined_calls)])
+        rows, calls = np.stack([rows[0], rows[1:].sum(0)]), np.stack([calls[0], joined_calls])
+    steps = len(hop)
+    gpu = np.maximum(hop, weights.token * rows).sum(0)
+    received, sent = _blocks_moved(pairs, needed)
+    host = (weights.host_step * steps + weights.host_receive * received + weights.host_send * sent
+            + weights.host_call * calls.sum(0))
     critical = float(pairs[needed].sum(0).max())
     total = float(pairs.sum())
     return {
@@ -144,7 +173,7 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
         "pairs": [[_number(x) for x in row] for row in pairs.tolist()],
         "critical_pairs": _number(critical), "total_pairs": _number(total),
         "balance": total / world / critical if critical else 1.0,
-        "steps": steps, "hops": int((pairs > 0).sum()), "calls": int(calls[needed].sum()),
+        "steps": steps, "hops": int((pairs > 0).sum()), "calls": int(calls.sum()),
         "travel_rows": int(travel.max()), "cost": float(np.maximum(gpu, host).max()), "gpu_cost": float(gpu.max()),
         "exact": work.exact,
     }
@@ -152,6 +181,33 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
 
 # Masks that only compare q_idx with kv_idx: causal, and its strict and reversed forms (``plan``).
 _ORDER_BANDS = {(0, None), (1, None), (None, 0), (None, -1)}
+
+
+def _joined(sharding: Sharding, needed: np.ndarray, travel: np.ndarray) -> bool:
+    """Whether the ring brings the rows of every other rank read in one step
+    (``RingCall.keeps_received``): beyond one other rank, where no rank receives more rows in
+    all than its own block holds (``travel``: [step, rank], as they travel)."""
+    lengths = np.array([sharding.local_len(r) for r in range(sharding.world_size)])
+    return len(needed) > 2 and bool((travel[needed[1:]].sum(0) <= lengths).all())
+
+
+def _blocks_moved(pairs: np.ndarray, needed: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """([rank] blocks of other ranks each rank reads, [rank] ranks that read each rank's
+    block), from ``pairs`` ([step, rank]: a rank's pairs against the block of the rank
+    ``step`` back) at the distances ``needed``."""
+    reads = pairs[needed[1:]] > 0  # [distance, reader]
+    world = pairs.shape[1]
+    readers = (np.arange(world)[None, :] + needed[1:, None]) % world  # [distance, owner]: who reads it there
+    return reads.sum(0), np.take_along_axis(reads, readers, 1).sum(0)
+
+
+def _one_call_each(hops_of_q: np.ndarray, seg_rank: np.ndarray, distances: np.ndarray) -> np.ndarray:
+    """[rank]: whether a rank's hops against the ranks ``distances`` back share no query
+    segment (``hops_of_q``: [segment, rank], each segment's hops against each rank's keys):
+    with each block's hops one call, the step that brings those blocks together is one call."""
+    world = len(hops_of_q[0])
+    remote = sum(hops_of_q[np.arange(len(seg_rank)), (seg_rank - d) % world] for d in distances.tolist())
+    return np.bincount(seg_rank, weights=remote > 1, minlength=world) == 0
 
 
 @functools.lru_cache(maxsize=64)

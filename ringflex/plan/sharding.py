@@ -19,7 +19,7 @@ from torch import Tensor
 from ..mod import captured
 from ..mod.fingerprint import fingerprint
 from .candidates import document_runs, packed_documents, per_document, searched
-from .cost import MOVE_PAIRS, Weights, compares_order_only, estimate, mask_work
+from .cost import MOVE_HOST_PAIRS, MOVE_PAIRS, Weights, compares_order_only, estimate, mask_work
 from .layout import LAYOUTS, Sharding, divisor
 
 
@@ -88,7 +88,7 @@ def resharding(mask_mod: Optional[Callable], seq_len: int, world_size: int, layo
         return None
     source = Sharding.of_layout(layout, seq_len, world_size)
     rows = _most_rows_sent(source, best)
-    moved = cost + MOVE_PAIRS * rows
+    moved = cost + MOVE_PAIRS * rows + MOVE_HOST_PAIRS * (world_size - 1)  # an exchange per ring distance
     slower = (f"ringflex: this mask runs an estimated {given / cost:.1f}x slower in the default layout {layout!r} "
               f"than in the sharding {best.name!r} that ringflex.shard_by_mask chooses for it")
     advice = ("shard with layout=ringflex.shard_by_mask(mask_mod, seq_len, world_size) and pass the same layout "

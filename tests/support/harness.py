@@ -115,6 +115,15 @@ def weigh_cudnn_calls_as_free() -> None:
     CudnnKernel.call_pairs = lambda self, batch, heads, head_dim: 0
 
 
+def price_moves_by_their_rows() -> None:
+    """Re-sharding weighs a move by the rows it carries alone, without its exchanges' fixed
+    host work (``plan.cost.MOVE_HOST_PAIRS``): at a test's few tokens a rank that work
+    outweighs what a move saves, and these tests are of the moved call's numbers, so their
+    calls move as longer ones would. In this process only."""
+    from ringflex.plan import sharding
+    sharding.MOVE_HOST_PAIRS = 0
+
+
 def on_a_gpu(rank: int) -> torch.device:
     """Sets and returns rank r's GPU: GPU r, or with fewer GPUs than ranks one they share (in
     a gloo world, ``gpu_backend``; the copy-engine transport then maps mailboxes by CUDA IPC)."""
