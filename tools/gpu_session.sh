@@ -2,7 +2,7 @@
 # The GPU runs behind benchmarks/README.md and benchmarks/results/, one stage per argument; logs go to
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh copybeside1 kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 ownblock1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
-#   bash tools/gpu_session.sh local2 sharding2 block2 reshard2 ownblock2 joined2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million   # on 2 (or more) GPUs
+#   bash tools/gpu_session.sh local2 sharding2 block2 reshard2 ownblock2 joined2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million shortcausal   # on 2 (or more) GPUs
 #   bash tools/gpu_session.sh links efficiency binding4 profile4 skew4 capturetests check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 block4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base2   # on 2 GPUs; base4 basephases4 on 4: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
@@ -194,6 +194,9 @@ for stage in "$@"; do
              run passes2 tr 2 -m benchmarks.probes.ring_passes --seq-len 16384 --masks window documents --layout contiguous ;;  # passes outside the kernels
     block2) run block2 tr 2 -m benchmarks.bench_block --seq-lens 16384 --masks window documents causal \
               --layouts default zigzag contiguous by-mask --json "$OUT/block2.json" ;;  # 8k tokens per GPU: a transformer block around the ring, per sharding
+    shortcausal) run shortcausal tr "$ngpu" -m benchmarks.bench --seq-lens $((1024 * ngpu)) $((4096 * ngpu)) --masks causal \
+              --layouts default zigzag contiguous by-mask --no-cp --no-flex-cp --single-max 0 --iters 20 --warmup 5 \
+              --json "$OUT/shortcausal.json" ;;  # short causal calls, bound by the host: where the cost model prices contiguous below zigzag
     sharding2) run sharding2 tr 2 -m benchmarks.bench --seq-lens 16384 --masks ${MASKS:-window documents causal prefix_lm} \
               --layouts default zigzag contiguous by-mask --singles sdpa-cudnn ringflex-1gpu --iters 10 --warmup 3 \
               --json "$OUT/sharding2.json" ;;  # 8k tokens per GPU: the default layout against shard_by_mask's, vs flex CP
