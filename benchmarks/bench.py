@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.common import MASKS, make_mods, timed, write_rows
+from benchmarks.common import MASKS, device_and_dtype, make_mods, report, timed, timers_group
 
 from tools.ranks import launch, max_over_ranks
 import ringflex
@@ -343,18 +343,22 @@ def parse_args(argv=None):
     return args
 
 
+def set_up_groups(device: torch.device) -> None:
+    """The groups the timers and the single-GPU baselines read: a gloo group of every rank
+    (``timers_group``) and a one-rank group per rank (ringflex's single-GPU baseline)."""
+    global _SELF_GROUP, _CPU_GROUP
+    _CPU_GROUP = timers_group(device)
+    for r in range(dist.get_world_size()):
+        g = dist.new_group([r], backend="gloo" if device.type == "cpu" else None)
+        if r == dist.get_rank():
+            _SELF_GROUP = g
+
+
 def run(args):
     """Runs the benchmark on an initialised process group; returns the rows."""
-    global _SELF_GROUP, _CPU_GROUP
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    _CPU_GROUP = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
-    # A one-rank group per rank, for ringflex's single-GPU baseline.
-    for r in range(world_size):
-        g = dist.new_group([r], backend="gloo" if device.type == "cpu" else None)
-        if r == rank:
-            _SELF_GROUP = g
+    device, dtype = device_and_dtype(args.device)
+    set_up_groups(device)
     log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
     rows = []
     for seq_len in args.seq_lens:
@@ -363,9 +367,8 @@ def run(args):
             log(f"[{done + 1}/{len(args.seq_lens) * len(args.masks)}] {seq_len} tokens, mask {mask}")
             rows += bench_one(args, seq_len, mask, device, dtype, rank, world_size, log)
     transport, lends = peer.in_use(dist.group.WORLD, device), config.LENDING.value()
-    log(table(rows) + f"\nring transfers: {transport}; RINGFLEX_LENDING={lends}")
-    if rank == 0 and args.json:
-        write_rows(args.json, args, rows, transport=transport, lending=lends)
+    report(args, rows, table(rows) + f"\nring transfers: {transport}; RINGFLEX_LENDING={lends}",
+           transport=transport, lending=lends)
     if rank == 0 and args.plot:
         plot(rows, args.plot)
     return rows

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.common import MASKS, make_mods, timed, write_rows
+from benchmarks.common import MASKS, device_and_dtype, make_mods, report, timed, timers_group
 
 from tools.ranks import launch, max_over_ranks
 import ringflex
@@ -122,19 +122,15 @@ def parse_args(argv=None):
 
 def run(args) -> list:
     """Runs the benchmark on an initialised process group; returns the rows."""
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    group = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD  # the timers' barrier
+    device, dtype = device_and_dtype(args.device)
+    group = timers_group(device)
     torch.manual_seed(0)  # the same weights on every rank
     block = Block(args.dim, args.heads, args.mlp_ratio).to(device, dtype)
     rows = []
     for seq_len in args.seq_lens:
         for mask in args.masks:
             rows += bench_one(args, seq_len, mask, block, device, dtype, group)
-    if dist.get_rank() == 0:
-        print(table(rows), flush=True)
-        if args.json:
-            write_rows(args.json, args, rows)
+    report(args, rows, table(rows))
     return rows
 
 

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import ringflex
 from benchmarks import bench  # the single-GPU baselines and the fwd / fwd+bwd timer
-from benchmarks.common import make_mods, write_rows
+from benchmarks.common import device_and_dtype, make_mods, report
 from tools.ranks import launch, max_over_ranks
 
 MASKS = ("none", "causal", "documents")
@@ -155,15 +155,8 @@ def parse_args(argv=None):
 def run(args):
     """Runs the benchmark on an initialised process group; returns the rows."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    # bench.py's timers and single-GPU baselines read these: a gloo group of every rank (to
-    # start timed calls together, and to take the slowest rank's time), and a one-rank group
-    bench._CPU_GROUP = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
-    for r in range(world_size):
-        g = dist.new_group([r], backend="gloo" if device.type == "cpu" else None)
-        if r == rank:
-            bench._SELF_GROUP = g
+    device, dtype = device_and_dtype(args.device)
+    bench.set_up_groups(device)  # bench.py's timers and single-GPU baselines read them
     meshes = {name: init_device_mesh(device.type, shape, mesh_dim_names=("heads", "ring"))
               for name, shape in mesh_shapes(world_size, args.heads, args.meshes).items()}
     log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
@@ -174,9 +167,7 @@ def run(args):
                 f"mask {mask}")
             row, names = bench_one(args, tokens, mask, meshes, device, dtype, world_size, log)
             rows.append(row)
-    log(table(rows, names))
-    if rank == 0 and args.json:
-        write_rows(args.json, args, rows)
+    report(args, rows, table(rows, names))
     return rows
 
 

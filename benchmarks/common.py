@@ -52,10 +52,31 @@ def make_mods(mask: str, seq_len: int, device, window: int, doc_len: int, seed: 
 # ----------------------------------------------------------------------------- the record
 
 
-def write_rows(path: str, args: argparse.Namespace, rows: list, **about) -> None:
-    """A benchmark's rows as JSON at ``path``, with its arguments and ``about`` (the transport, ...)."""
-    with open(path, "w") as f:
-        json.dump({"args": vars(args), **about, "rows": rows}, f, indent=1)
+def report(args: argparse.Namespace, rows: list, text: str, **about) -> None:
+    """On the first rank: ``text`` (the rows as a table) printed, and the rows as JSON at
+    ``args.json`` where given, with the arguments and ``about`` (the transport, ...)."""
+    if dist.get_rank() != 0:
+        return
+    print(text, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **about, "rows": rows}, f, indent=1)
+
+
+# ----------------------------------------------------------------------------- a benchmark's run
+
+
+def device_and_dtype(device_name: str):
+    """(this rank's device, the dtype the benchmarks time): bf16 on a GPU, fp32 on a CPU."""
+    if device_name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def timers_group(device: torch.device):
+    """A gloo group of every rank, for the timers: their barrier (``timed``) and the slowest
+    rank's time (``max_over_ranks``); the world's own where it is gloo (on CPUs)."""
+    return dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
 
 
 # ----------------------------------------------------------------------------- timing a call
