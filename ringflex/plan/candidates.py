@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .cost import Weights, held_at
+from .cost import Weights, blocks_moved, held_at
 from .layout import Sharding
 from .runs import BandRuns
 from .workload import Workload
@@ -185,7 +185,6 @@ class _Search:
         self.transfer = np.where(self.steps > 0, weights.token * local_len, 0.0)  # step 0 waits for no block
         self.weights = weights
         self.held_at = held_at(world)
-        self.readers = (self.steps[None, :] + self.steps[:, None]) % world  # [step, owner]: the rank that reads it there
         self.tiny = 1e-9 * max(1.0, float(pairs.sum()))
         self.eye = np.eye(world)
         self.i, self.j, self.u = _swaps(self.count)
@@ -210,7 +209,7 @@ class _Search:
         calls = active * runs.reshape(self.world, -1)  # [step, rank, n]
         needed = active.any(1) | (self.steps == 0)[:, None]  # [step, n]: the distances some rank reads, and its own block
         gpu = np.maximum(pairs + w.call * calls, self.transfer[:, None, None]) * needed[:, None]
-        received, sent = active[1:].sum(0), active[self.steps[:, None], self.readers][1:].sum(0)  # [rank, n]
+        received, sent = blocks_moved(active)  # [rank, n]
         host = (w.host_step * needed.sum(0) + w.host_receive * received + w.host_send * sent
                 + w.host_call * calls.sum(0))  # [rank, n]: calls only where needed
         # summed along a contiguous last axis, in the order the search always summed its costs in:

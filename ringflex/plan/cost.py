@@ -163,7 +163,7 @@ def estimate(sharding: Sharding, mask_mod: Optional[Callable], *, batch: int = 1
         rows, calls = np.stack([rows[0], rows[1:].sum(0)]), np.stack([calls[0], joined_calls])
     steps = len(hop)
     gpu = np.maximum(hop, weights.token * rows).sum(0)
-    received, sent = _blocks_moved(pairs, needed)
+    received, sent = blocks_moved(pairs > 0)
     host = (weights.host_step * steps + weights.host_receive * received + weights.host_send * sent
             + weights.host_call * calls.sum(0))
     critical = float(pairs[needed].sum(0).max())
@@ -191,14 +191,13 @@ def _joined(sharding: Sharding, needed: np.ndarray, travel: np.ndarray) -> bool:
     return len(needed) > 2 and bool((travel[needed[1:]].sum(0) <= lengths).all())
 
 
-def _blocks_moved(pairs: np.ndarray, needed: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """([rank] blocks of other ranks each rank reads, [rank] ranks that read each rank's
-    block), from ``pairs`` ([step, rank]: a rank's pairs against the block of the rank
-    ``step`` back) at the distances ``needed``."""
-    reads = pairs[needed[1:]] > 0  # [distance, reader]
-    world = pairs.shape[1]
-    readers = (np.arange(world)[None, :] + needed[1:, None]) % world  # [distance, owner]: who reads it there
-    return reads.sum(0), np.take_along_axis(reads, readers, 1).sum(0)
+def blocks_moved(reads: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(blocks of other ranks each rank reads, ranks that read each rank's block), [rank, ...]
+    each, from ``reads`` ([step, rank, ...]: whether a rank sees keys of the block of the
+    rank ``step`` back)."""
+    world = reads.shape[1]
+    readers = (np.arange(world)[None, :] + np.arange(world)[:, None]) % world  # [step, owner]: who reads it there
+    return reads[1:].sum(0), reads[np.arange(world)[:, None], readers][1:].sum(0)
 
 
 def _one_call_each(hops_of_q: np.ndarray, seg_rank: np.ndarray, distances: np.ndarray) -> np.ndarray:
