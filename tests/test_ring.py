@@ -832,8 +832,9 @@ def _receiving_in_place() -> dict:
 def _in_place_calls(rank, world_size, mask_name):
     """Two calls, both forwards before either backward, with blocks received in place: into
     buffers that every call reuses (here CPU tensors kept per key, filled over gloo), as the
-    copy engines' are. Returns the largest error of both calls against the oracle and the
-    number of buffers."""
+    copy engines' are. Returns the largest error of both calls against the oracle, read once
+    both backwards ran (no gradient lies in a buffer the later call fills), and the number of
+    buffers."""
     from ringflex import mods
     buffers = _receiving_in_place()
     mask = {"window": mods.sliding_window(4), "causal": mods.causal, "summaries": _summaries}[mask_name]
@@ -844,9 +845,10 @@ def _in_place_calls(rank, world_size, mask_name):
         parts = [ringflex.shard(t, 2, layout="zigzag").requires_grad_() for t in (q, k, v)]
         out = ringflex.ring_flex_attention(*parts, mask_mod=mask, layout="zigzag")
         calls.append((q, k, v, dout, parts, out))
-    errors = []
     for q, k, v, dout, parts, out in calls:
         out.backward(ringflex.shard(dout, 2, layout="zigzag"))
+    errors = []
+    for q, k, v, dout, parts, out in calls:
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         want = attention(*full, mask_mod=mask)
         want.backward(dout)
