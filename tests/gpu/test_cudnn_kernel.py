@@ -2,6 +2,7 @@
 the matrix at global offsets and striped positions. The planning tests, and the lowering on an
 emulated cuDNN, run on CPU too."""
 import dataclasses
+import math
 import warnings
 import weakref
 from typing import Tuple
@@ -798,8 +799,9 @@ def _check_joined_hops(kernel, hops, m, q, k, v, dout, close):
     for h, (want_out, want_lse, _) in zip(hops, wants):
         close(joined_out[:, :, slice(*h.q_rows)], want_out)
         close(joined_lse[:, :, slice(*h.q_rows)], want_lse)
-    out = torch.cat([w[0] for w in wants], 2).to(q.dtype)
-    lse = torch.cat([w[1] for w in wants], 2).float()
+    out, lse = q.new_zeros(*q.shape[:3], v.shape[-1]), torch.full(q.shape[:3], -math.inf, device=q.device)
+    for h, (want_out, want_lse, _) in zip(hops, wants):
+        out[:, :, slice(*h.q_rows)], lse[:, :, slice(*h.q_rows)] = want_out, want_lse
     got = kernel.backward_hops(q, k, v, out, lse, dout, hops, m, scale)
     for h, p in zip(hops, parts):
         want = ref.backward(*p[:3], out[:, :, slice(*h.q_rows)], lse[:, :, slice(*h.q_rows)], p[3], h.q_seg, h.kv_seg,
@@ -829,6 +831,31 @@ def test_a_zigzag_ranks_diagonal_blocks_of_a_band_run_as_one_strided_call_emulat
     _check_joined_hops(kernel, hops, m, q, k, v, dout,
                        lambda got, want: torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-5))
     assert len(calls) == 2  # one forward, one backward
+    module.clear_cache()
+
+
+def test_joined_hops_apart_compute_their_rows_and_keys_alone_emulated(monkeypatch):
+    """Two hops of one block with rows and keys between them that neither reads (packed
+    documents' or a window's rows that read a neighbour, over zigzag): one call gives each
+    hop's rows as the reference kernel does, and no pass writes the rows and keys between
+    them, which the ring reads from other steps (``HopKernel.forward_hops``: any value)."""
+    from ringflex.plan.blocks import BlockKind, Hop
+    module = _emulated(monkeypatch)
+    n, case = 64, Case(mask_mod=mods.sliding_window(40), q_heads=4, kv_heads=4)
+    q, k, v, dout = (t[:, :, :3 * n].contiguous() for t in make_inputs(case, SEQ, batch=1, head_dim=16))
+    hops = [Hop((a, a + n), (a, a + n), Segment(s, 1, n), Segment(s, 1, n), BlockKind.PARTIAL)
+            for a, s in ((0, 0), (2 * n, 3 * n))]
+    m, kernel = Mods(None, case.mask_mod), module.CudnnKernel()
+    assert kernel._joined(hops, m, q, k, v, q, dout) is not None
+    unwritten = 7.0
+    monkeypatch.setattr(module.batches, "empty_for", lambda calls, rows=None: lambda *shape, **kw: torch.full(
+        *shape, unwritten, **kw))
+    _check_joined_hops(kernel, hops, m, q, k, v, dout,
+                       lambda got, want: torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-5))
+    between = slice(n, 2 * n)
+    out, lse, _ = kernel.forward_hops(q, k, v, hops, m, 0.25)
+    grads = kernel.backward_hops(q, k, v, out, lse, dout, hops, m, 0.25)
+    assert all(bool((t[:, :, between] == unwritten).all()) for t in (out, lse, *grads))
     module.clear_cache()
 
 

@@ -112,8 +112,10 @@ class CudnnKernel:
             merged.add(call.rows, o, lse)
         return merged.result()[:2]
 
-    def _forward_one(self, call, program: Program, q, k, v, scale: float, q_seg, kv_seg) -> Tuple[Tensor, Tensor]:
-        """The block's (out, lse) from its one call (a run, or a batch of them)."""
+    def _forward_one(self, call, program: Program, q, k, v, scale: float, q_seg, kv_seg,
+                     hops: Optional[Sequence[Hop]] = None) -> Tuple[Tensor, Tensor]:
+        """The block's (out, lse) from its one call (a run, or a batch of them); of several
+        ``hops`` joined in it, their rows alone (``forward_hops``: rows in no hop are unread)."""
         empty = batches.empty_for((call,), batches.query_rows(q))
         out = empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
         lse = empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -121,7 +123,7 @@ class CudnnKernel:
             self._group_call(False, call, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
         else:
             self._forward_call(call, program, q, k, v, rows(out, call.rows), rows(lse, call.rows), scale, q_seg, kv_seg)
-        for r in _outside(call.row_spans, q.shape[2]):  # rows that see no key
+        for r in _outside(call.row_spans, q.shape[2], hops and [h.q_rows for h in hops]):  # rows that see no key
             rows(out, r).zero_()
             rows(lse, r).fill_(-math.inf)
         return out, lse
@@ -130,7 +132,7 @@ class CudnnKernel:
         batch = self._joined(hops, mods, q, k, v)
         if batch is None:
             return None
-        out, lse = self._forward_one(batch, None, *(_inner_contiguous(t) for t in (q, k, v)), scale, None, None)
+        out, lse = self._forward_one(batch, None, *(_inner_contiguous(t) for t in (q, k, v)), scale, None, None, hops)
         return out, lse, None
 
     def backward_hops(self, q, k, v, out, lse, dout, hops: Sequence[Hop], mods: Mods, scale: float, res=None):
@@ -141,7 +143,7 @@ class CudnnKernel:
             return None
         q, k, v, out, dout = (_inner_contiguous(t) for t in (q, k, v, out, dout))
         stats = lse.float().unsqueeze(-1)  # a batch's runs are unmasked or causal: every row sees a key
-        return self._backward_one(batch, None, mods, q, k, v, out, lse, stats, dout, scale, None, None)
+        return self._backward_one(batch, None, mods, q, k, v, out, lse, stats, dout, scale, None, None, hops)
 
     def _joined(self, hops: Sequence[Hop], mods: Mods, q, k, v, out=None, dout=None) -> Optional[batches.Group]:
         """The hops' runs as one call (``batches.Group``), or None where they do not make one (a
@@ -247,8 +249,9 @@ class CudnnKernel:
         return dq, dk, dv
 
     def _backward_one(self, call, program: Program, mods: Mods, q, k, v, out, lse, stats, dout, scale: float, q_seg,
-                      kv_seg) -> Tuple[Tensor, Tensor, Tensor]:
-        """The block's (dq, dk, dv) from its one call (a run, or a batch of them)."""
+                      kv_seg, hops: Optional[Sequence[Hop]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+        """The block's (dq, dk, dv) from its one call (a run, or a batch of them); of several
+        ``hops`` joined in it, their rows and keys alone (``backward_hops``)."""
         if isinstance(call, blocks.Run) and (call.rows, call.cols) == ((0, q.shape[2]), (0, k.shape[2])):
             grads = [torch.empty_like(t) for t in (q, k, v)]
         else:
@@ -260,8 +263,9 @@ class CudnnKernel:
         else:
             self._backward_call(call, program, mods, q, k, v, out, lse, stats, dout, scale, q_seg, kv_seg,
                                 [rows(grads[0], call.rows), *(rows(g, call.cols) for g in grads[1:])])
-        for reached, spans, length in ((grads[:1], call.row_spans, q.shape[2]), (grads[1:], call.col_spans, k.shape[2])):
-            for r in _outside(spans, length):  # rows and keys no query reaches
+        for reached, spans, length, within in ((grads[:1], call.row_spans, q.shape[2], hops and [h.q_rows for h in hops]),
+                                               (grads[1:], call.col_spans, k.shape[2], hops and [h.kv_rows for h in hops])):
+            for r in _outside(spans, length, within):  # rows and keys no query reaches
                 for grad in reached:
                     rows(grad, r).zero_()
         return tuple(grads)
@@ -304,14 +308,18 @@ def _exact(program: Program) -> bool:
     return program.mask is not None and blocks.native_band(program.mask) is None
 
 
-def _outside(spans, length: int) -> List[Tuple[int, int]]:
-    """The rows of ``range(length)`` outside ascending, disjoint ``spans``, as ranges."""
+def _outside(spans, length: int, within: Optional[Sequence[Tuple[int, int]]] = None) -> List[Tuple[int, int]]:
+    """The rows of ``range(length)`` outside ascending, disjoint ``spans``, as ranges; of
+    those, only the rows inside ``within`` (ranges), where it is given."""
     gaps, start = [], 0
     for begin, end in spans:
         if begin > start:
             gaps.append((start, begin))
         start = end
-    return gaps + [(start, length)] * (start < length)
+    gaps += [(start, length)] * (start < length)
+    if within is None:
+        return gaps
+    return [(max(a, lo), min(b, hi)) for a, b in gaps for lo, hi in sorted(within) if min(b, hi) > max(a, lo)]
 
 
 def _packed(t: Tensor) -> Tensor:
