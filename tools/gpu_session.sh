@@ -70,7 +70,7 @@ for stage in "$@"; do
            run links tr 4 -m benchmarks.probes.link_bandwidth
            CUDA_VISIBLE_DEVICES=0,1 run links tr 2 -m benchmarks.probes.link_bandwidth ;;  # a block's move, each way
     efficiency) run efficiency tr 4 -m benchmarks.bench --seq-lens 32768 --masks none causal --layouts zigzag \
-              --singles sdpa-cudnn ringflex-1gpu --no-flex-cp --iters 5 --warmup 3 --json "$OUT/efficiency4.json"
+              --singles sdpa-cudnn ringflex-1gpu --no-flex-cp --iters ${ITERS:-20} --warmup 3 --json "$OUT/efficiency4.json"
               CUDA_VISIBLE_DEVICES=0,1 bash "$0" efficiency2 ;;  # 8k tokens per GPU, with torch CP; and on 2 of the GPUs
     base4) test -n "${BASE:-}" || { echo "base4 needs BASE=<another tree: git archive REV ringflex benchmarks tools>"; exit 2; }
            for round in $(seq "${ROUNDS:-2}"); do for tree in "$BASE" "$PWD"; do name=$(basename "$tree")  # -m imports from the tree's folder
@@ -215,8 +215,8 @@ for stage in "$@"; do
               --layouts contiguous by-mask --singles ringflex-1gpu --iters 5 --warmup 3 \
               --json "$OUT/documents16k2.json" ;;  # packed documents at 16k tokens per GPU against one GPU and flex CP
     efficiency2) run efficiency2 tr 2 -m benchmarks.bench --seq-lens 16384 --masks none causal --layouts zigzag \
-              --singles sdpa-cudnn ringflex-1gpu --no-flex-cp --iters ${ITERS:-5} --warmup 3 \
-              --json "$OUT/efficiency2.json" ;;  # 8k tokens per GPU, with torch CP
+              --singles sdpa-cudnn ringflex-1gpu --no-flex-cp --iters ${ITERS:-20} --warmup 3 \
+              --json "$OUT/efficiency2.json" ;;  # 8k tokens per GPU, with torch CP; 20 calls: the first of a loop pay for starting it
     local2) run local2 tr 2 -m benchmarks.probes.host_phases --seq-len 16384 --calls 20 \
               --cases documents:zigzag documents:contiguous window:zigzag window:contiguous  # per rank, by phase
             mkdir -p "$OUT/traces" && for l in zigzag contiguous; do run local2 tr 2 -m benchmarks.profile_ring \
