@@ -123,7 +123,8 @@ class CudnnKernel:
             self._group_call(False, call, dict(q=q, k=k, v=v, out=out, lse=lse.unsqueeze(-1)), scale)
         else:
             self._forward_call(call, program, q, k, v, rows(out, call.rows), rows(lse, call.rows), scale, q_seg, kv_seg)
-        for r in _outside(call.row_spans, q.shape[2], hops and [h.q_rows for h in hops]):  # rows that see no key
+        within = None if hops is None else [h.q_rows for h in hops]
+        for r in _outside(call.row_spans, q.shape[2], within):  # rows that see no key
             rows(out, r).zero_()
             rows(lse, r).fill_(-math.inf)
         return out, lse
@@ -263,8 +264,9 @@ class CudnnKernel:
         else:
             self._backward_call(call, program, mods, q, k, v, out, lse, stats, dout, scale, q_seg, kv_seg,
                                 [rows(grads[0], call.rows), *(rows(g, call.cols) for g in grads[1:])])
-        for reached, spans, length, within in ((grads[:1], call.row_spans, q.shape[2], hops and [h.q_rows for h in hops]),
-                                               (grads[1:], call.col_spans, k.shape[2], hops and [h.kv_rows for h in hops])):
+        q_within, kv_within = (None, None) if hops is None else ([h.q_rows for h in hops], [h.kv_rows for h in hops])
+        for reached, spans, length, within in ((grads[:1], call.row_spans, q.shape[2], q_within),
+                                               (grads[1:], call.col_spans, k.shape[2], kv_within)):
             for r in _outside(spans, length, within):  # rows and keys no query reaches
                 for grad in reached:
                     rows(grad, r).zero_()
