@@ -119,12 +119,12 @@ def _local_mask_call(seed: int, world_size: int, dtype: torch.dtype) -> RandomCa
                       [kind] + ["softcap"] * (score_mod is not None), False, None, True)
 
 
-def _joined_step_failures(rank, world_size):
-    """The local-mask calls on the emulated cuDNN kernel against the definition, and how many
-    of them took a step that brings several ranks' rows (``RingCall.pieces``)."""
+def _joined_step_failures(rank, world_size, count):
+    """``count`` local-mask calls on the emulated cuDNN kernel against the definition, and how
+    many of them took a step that brings several ranks' rows (``RingCall.pieces``)."""
     _on_emulated_cudnn()
     calls, failures = agreed_calls(), []
-    for seed in range(7000 * world_size, 7000 * world_size + 40):
+    for seed in range(7000 * world_size, 7000 * world_size + count):
         call = _local_mask_call(seed, world_size, torch.float32)
         errors = ring_errors(call, _local_mask_call(seed, world_size, torch.float64))
         if max(errors.values()) > 2e-4:
@@ -132,14 +132,14 @@ def _joined_step_failures(rank, world_size):
     return failures, sum(any(len(d) > 1 for d in c.distances) for c in calls)
 
 
-@pytest.mark.parametrize("world_size", [3, 4, 5])
-def test_local_masks_whose_steps_join_both_neighbours_on_the_emulated_cudnn_kernel(world_size, monkeypatch):
+@pytest.mark.parametrize("world_size, count", [(3, 40), (4, 40), (5, 20)])  # five processes share two cores
+def test_local_masks_whose_steps_join_both_neighbours_on_the_emulated_cudnn_kernel(world_size, count, monkeypatch):
     """Windows and packed documents over zigzag (no rows lent): each rank reads its two
     neighbours' rows, which arrive in one step as one block where they fill one, and the
     kernel runs their hops as one call where it can (rows no hop reaches between them): the
     numbers of the definition, forward and backward, at least half the calls by way of such a step."""
     monkeypatch.setenv("RINGFLEX_LENDING", "0")
-    results = run_world(world_size, _joined_step_failures)
+    results = run_world(world_size, _joined_step_failures, count)
     failures = [line for lines, _ in results for line in lines]
     assert not failures, "\n".join(failures)
-    assert all(joined >= 20 for _, joined in results), [joined for _, joined in results]
+    assert all(joined >= count // 2 for _, joined in results), [joined for _, joined in results]
