@@ -16,7 +16,7 @@ from ringflex.plan import workload as workloads
 from ringflex.plan import layout as layouts
 from ringflex.plan import candidates, cost
 from ringflex.plan.blocks import distances_needed, evaluate_mask, keys_read, plan_hops
-from ringflex.plan.candidates import document_runs, packed_documents, per_document
+from ringflex.plan.candidates import document_bounds, packed_documents, per_document
 from ringflex.plan.cost import NO_WEIGHTS, Weights, describe, estimate
 from ringflex.plan.layout import Segment, Sharding
 from ringflex.plan.sharding import cheapest, compare, shard_by_mask
@@ -69,8 +69,8 @@ def shardings_to_check():
     yield from (Sharding.of_layout(name, 64, w) for name in LAYOUTS for w in (1, 2, 4))
     yield Sharding.from_ranges(10, [[(8, 10), (0, 3)], [(3, 8)]])  # local order need not be global order
     yield Sharding(12, ((Segment(1, 3, 4),), (Segment(0, 3, 4), Segment(2, 3, 4))))
-    yield per_document(document_runs(ids), 2)
-    yield packed_documents(document_runs(ids), 4, torch.ones(64))
+    yield per_document(document_bounds(ids), 2)
+    yield packed_documents(document_bounds(ids), 4, torch.ones(64))
     yield shard_by_mask(mods.prefix_lm(20), 64, 4, weights=NO_WEIGHTS)
 
 
@@ -117,7 +117,7 @@ def test_repr_reads_as_ranges_per_rank():
         "  rank 2: [8, 12) [20, 24)\n"
         "  rank 3: [12, 20)")
     assert "rank 1: [1, 31] step 2" in repr(Sharding.of_layout("striped", 32, 2))
-    many = per_document(document_runs(mods.document_ids([40] * 10)), 2)
+    many = per_document(document_bounds(mods.document_ids([40] * 10)), 2)
     assert "more)" in repr(many) and str(many) == repr(many)
 
 
@@ -471,7 +471,7 @@ def test_shard_by_mask_checks_its_arguments():
 
 def test_document_candidates():
     ids = mods.document_ids([50, 3, 300, 17, 142])  # 512 tokens
-    head_tail = per_document(document_runs(ids), 4)
+    head_tail = per_document(document_bounds(ids), 4)
     assert head_tail.equal_sizes
     owners = head_tail.owners()
     for doc, (begin, end) in enumerate([(0, 50), (53, 353), (370, 512)]):  # 8 pieces: rank r holds r and 7 - r
@@ -479,7 +479,7 @@ def test_document_candidates():
         held = torch.bincount(owners[begin:end], minlength=4)
         assert ((held >= 2 * base) & (held <= 2 * base + 2)).all(), (doc, held)
         assert owners[begin] == owners[end - 1] == 0 and owners[(begin + end) // 2] == 3
-    packed = packed_documents(document_runs(ids), 4, workload(mods.document(ids), 512).row_pairs())
+    packed = packed_documents(document_bounds(ids), 4, workload(mods.document(ids), 512).row_pairs())
     assert packed.equal_sizes
     cut = {d for d in range(5) if len({int(o) for o in packed.owners()[ids == d]}) > 1}
     assert len(cut) <= 3  # at most one document cut per rank boundary

@@ -19,11 +19,11 @@ from .layout import Sharding
 from .runs import BandRuns
 from .workload import Workload
 
-Run = Tuple[int, int]  # a document's (begin, end)
+Document = Tuple[int, int]  # a document's (begin, end)
 
 
-def per_document(docs: Sequence[Run], world_size: int) -> Optional[Sharding]:
-    """Each document (``docs``: ``document_runs``) cut in 2 * world_size pieces, rank r
+def per_document(docs: Sequence[Document], world_size: int) -> Optional[Sharding]:
+    """Each document (``docs``: ``document_bounds``) cut in 2 * world_size pieces, rank r
     holding pieces r and 2W-1-r (the head-tail balance of TransformerEngine and torch for
     packed sequences), the pieces' odd tokens spread so every rank holds as many; None where
     they cannot be."""
@@ -48,8 +48,8 @@ def per_document(docs: Sequence[Run], world_size: int) -> Optional[Sharding]:
     return Sharding.from_ranges(seq_len, runs, "per-document")
 
 
-def packed_documents(docs: Sequence[Run], world_size: int, row_pairs: Tensor) -> Sharding:
-    """Whole documents (``docs``: ``document_runs``) packed onto the ranks by their work
+def packed_documents(docs: Sequence[Document], world_size: int, row_pairs: Tensor) -> Sharding:
+    """Whole documents (``docs``: ``document_bounds``) packed onto the ranks by their work
     (``row_pairs``: the keys each query row sees), heaviest first, each rank filled to its
     share of the tokens by a document cut in two, whose first part stays on this rank and
     whose rest begins the next: the cut document's rows see its first part one ring step
@@ -87,7 +87,7 @@ def packed_documents(docs: Sequence[Run], world_size: int, row_pairs: Tensor) ->
     return Sharding.from_ranges(seq_len, runs, "packed documents")
 
 
-def document_runs(document_ids: Tensor) -> List[Run]:
+def document_bounds(document_ids: Tensor) -> List[Document]:
     """The (begin, end) of every run of equal document ids: what the candidates that cut by
     document read, found once for both."""
     ids = document_ids.detach().cpu()

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..mod import captured
 from ..mod.fingerprint import fingerprint
-from .candidates import document_runs, packed_documents, per_document, searched
+from .candidates import document_bounds, packed_documents, per_document, searched
 from .cost import MOVE_HOST_PAIRS, MOVE_PAIRS, Weights, compares_order_only, estimate, mask_work
 from .layout import LAYOUTS, Sharding, divisor
 
@@ -134,7 +134,7 @@ def compare(mask_mod: Optional[Callable], seq_len: int, world_size: int, *, docu
         return [(fixed[0], estimate(fixed[0], mask_mod, **price))]
     extra = searched(work, world_size, chunks, weights)
     if document_ids is not None:
-        docs = document_runs(document_ids)
+        docs = document_bounds(document_ids)
         extra += [per_document(docs, world_size), packed_documents(docs, world_size, work.row_pairs())]
     found, seen = [], set()
     for s in fixed + extra:

@@ -321,7 +321,8 @@ def _outside(spans, length: int, within: Optional[Sequence[Tuple[int, int]]] = N
     gaps += [(start, length)] * (start < length)
     if within is None:
         return gaps
-    return [(max(a, lo), min(b, hi)) for a, b in gaps for lo, hi in sorted(within) if min(b, hi) > max(a, lo)]
+    within = sorted(within)
+    return [(max(a, lo), min(b, hi)) for a, b in gaps for lo, hi in within if min(b, hi) > max(a, lo)]
 
 
 def _packed(t: Tensor) -> Tensor:
