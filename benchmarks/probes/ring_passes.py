@@ -109,7 +109,7 @@ def main():
         score_mod, mask_mod = make_mods(mask, args.seq_len, device, 4096, 4096)
         torch.manual_seed(0)
         shape = (1, args.heads, args.seq_len, args.head_dim)
-        q, k, v = (ringflex.shard(torch.randn(shape, device=device, dtype=dtype), world, layout=args.layout)
+        q, k, v = (ringflex.shard(torch.randn(shape, device=device, dtype=dtype), dim=2, layout=args.layout)
                    .requires_grad_() for _ in range(3))
         grad = torch.randn_like(q)
 
