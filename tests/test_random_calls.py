@@ -6,7 +6,6 @@ with blocks planned from small tiles,
 and on the cuDNN kernel with its frontend emulated (``tests/gpu/test_cudnn_kernel.py``),
 which runs its planning, batching and lowering on the CPU; local masks over zigzag on 3 to 5
 ranks, whose steps bring both neighbours' rows at once, on that kernel too."""
-import random
 
 import pytest
 import torch
@@ -14,8 +13,7 @@ import torch.distributed as dist
 
 from support.calls import agreed_calls
 from support.harness import run_world
-from support.random_calls import RandomCall, random_call, ring_errors
-from ringflex import mods
+from support.random_calls import local_mask_call, random_call, ring_errors
 
 CALLS = 100  # per world size: seeds 1000 * world_size and on
 
@@ -89,44 +87,14 @@ def test_random_calls_on_the_emulated_cudnn_kernel(world_size):
     assert not failures, "\n".join(failures)
 
 
-def _local_mask_call(seed: int, world_size: int, dtype: torch.dtype) -> RandomCall:
-    """A local mask over zigzag, whose ranks read rows of both neighbours: a window no wider
-    than a chunk, or packed documents of up to a chunk each (causal within them or not, with a
-    window or not); grouped heads, a softcap, sinks and a loss of the LSE at random."""
-    rnd, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    chunk = rnd.choice([32, 64, 96, 128])
-    seq_len = 2 * chunk * world_size
-    kind = rnd.choice(["window", "documents", "bidirectional documents", "documents in a window"])
-    window = rnd.randint(2, chunk)
-    lengths = []
-    while sum(lengths) < seq_len:
-        lengths.append(min(rnd.randint(1, chunk), seq_len - sum(lengths)))
-    ids = mods.document_ids(lengths)
-    mask_mod = {"window": mods.sliding_window(window),
-                "documents": mods.document(ids),
-                "bidirectional documents": mods.document(ids, causal_within=False),
-                "documents in a window": mods.and_masks(mods.document(ids), mods.sliding_window(window))}[kind]
-    score_mod = mods.softcap(20.0) if rnd.random() < 0.25 else None
-    kv_heads = rnd.choice([1, 2, 4])
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
-
-    q, k, v = randn(1, 4, seq_len, 64), randn(1, kv_heads, seq_len, 64), randn(1, kv_heads, seq_len, 64)
-    return_lse = rnd.random() < 0.3
-    return RandomCall("zigzag", q, k, v, randn(1, 4, seq_len, 64), randn(1, 4, seq_len) if return_lse else None,
-                      mask_mod, score_mod, randn(4) if rnd.random() < 0.2 else None, None,
-                      [kind] + ["softcap"] * (score_mod is not None), False, None, True)
-
-
 def _joined_step_failures(rank, world_size, count):
     """``count`` local-mask calls on the emulated cuDNN kernel against the definition, and how
     many of them took a step that brings several ranks' rows (``RingCall.pieces``)."""
     _on_emulated_cudnn()
     calls, failures = agreed_calls(), []
     for seed in range(7000 * world_size, 7000 * world_size + count):
-        call = _local_mask_call(seed, world_size, torch.float32)
-        errors = ring_errors(call, _local_mask_call(seed, world_size, torch.float64))
+        call = local_mask_call(seed, world_size, dtype=torch.float32)
+        errors = ring_errors(call, local_mask_call(seed, world_size))
         if max(errors.values()) > 2e-4:
             failures.append(f"rank {rank} seed {seed} ({call.describe()}): {errors}")
     return failures, sum(any(len(d) > 1 for d in c.distances) for c in calls)

@@ -132,6 +132,14 @@ def test_fuzz_script_weighs_calls_beyond_the_tolerance_against_the_reference_ker
         assert (ran, failed) == (2, [])
 
 
+
+def test_fuzz_script_runs_local_masks_over_zigzag():
+    """``--local-masks``: windows and packed documents over zigzag, which on three ranks read
+    both neighbours, against the definition (on the reference kernel here)."""
+    argv = ["--device", "cpu", "--backend", "reference", "--local-masks", "--seeds", "0", "3"]
+    for ran, failed in run_world(3, _fuzz, argv):
+        assert (ran, failed) == (3, [])
+
 def _hangs_on_rank_1(rank, world_size):
     if rank == 1:
         _waits_forever()

@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 -m tools.fuzz_ring --seeds 0 500 --seconds 300   # ranks may share a GPU
     torchrun --nproc_per_node=1 -m tools.fuzz_ring --no-gathers                 # the cuDNN kernel alone
     torchrun --nproc_per_node=1 -m tools.fuzz_ring --no-gathers --tiles         # blocks planned from tiles
+    torchrun --nproc_per_node=4 -m tools.fuzz_ring --local-masks                # windows, documents over zigzag
 
 (from the repository root). Each seed is a call of ``tests/support/random_calls.py`` (layout, lengths, heads, mixed masks and
 score_mods, sinks, an LSE the loss reads), run in bf16 on the backend given and compared
@@ -22,6 +23,7 @@ import sys
 import time
 import traceback
 import warnings
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -29,20 +31,26 @@ import torch.distributed as dist
 from ringflex.parallel.fault import CallRejected
 from ringflex.plan import extents, lending
 from tests.support.harness import weigh_cudnn_calls_as_free
-from tests.support.random_calls import random_call, ring_errors
+from tests.support.random_calls import local_mask_call, random_call, ring_errors
 from tools import ranks
 
 SIZES = (4, 64, 512)  # most layout chunks per rank, by seed: tiny blocks, a few tiles, many
 REPORT_EVERY_S = 60
 
 
-def bf16_call(seed: int, world_size: int, device, size: dict):
+def bf16_call(seed: int, world_size: int, device, size: Optional[dict]):
+    """The call of ``seed`` in bf16 on ``device``: ``random_call``'s of these sizes, or where
+    ``size`` is None a local mask over zigzag (``local_mask_call``)."""
+    if size is None:
+        return local_mask_call(seed, world_size, device, torch.bfloat16)
     return random_call(seed, world_size, device, torch.bfloat16, **size)
 
 
-def truth(seed: int, world_size: int, size: dict):
+def truth(seed: int, world_size: int, size: Optional[dict]):
     """The call of ``seed`` in fp64 on the CPU, of the same bf16 values (made anew for each
     use: gradients accumulate in its tensors)."""
+    if size is None:
+        return local_mask_call(seed, world_size, values_of=torch.bfloat16)
     return random_call(seed, world_size, **size, values_of=torch.bfloat16)
 
 
@@ -56,6 +64,9 @@ def parse_args(argv=None):
                    "(those run on flex_attention, whose compiles take most of the time)")
     p.add_argument("--tiles", action="store_true", help="plan every block from tiles of keys, as blocks of more "
                    "than 2**26 pairs are (ringflex/extents.py): their exact plans at the sizes of these calls")
+    p.add_argument("--local-masks", action="store_true", help="windows and packed documents over zigzag alone, "
+                   "whose ranks read both neighbours: on 3 ranks and more a step brings both at once, and the "
+                   "cuDNN kernel runs its hops as one call")
     p.add_argument("--tolerance", type=float, default=3e-2, help="max error relative to the largest value (>= 0.1)")
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), metavar="CHUNKS",
                    help="the most layout chunks per rank, taken in turn by seed (on a CPU, a call of 512 chunks a "
@@ -82,7 +93,8 @@ def fuzz(args, device):
         dist.all_reduce(late, op=dist.ReduceOp.MAX)  # every rank stops at the same call
         if late.item():
             break
-        size = dict(max_chunks=args.sizes[seed % len(args.sizes)], gathers=not args.no_gathers, head_dims=(64, 128))
+        size = None if args.local_masks else dict(max_chunks=args.sizes[seed % len(args.sizes)],
+                                                  gathers=not args.no_gathers, head_dims=(64, 128))
         lending.QUANTUM = 1 if seed % 2 else quantum  # half the calls lend any row that evens the ranks
         def errors_on(backend, over=group):  # over ``alone``: the whole call in this rank's process alone
             calls = bf16_call(seed, world_size, device, size), truth(seed, world_size, size)

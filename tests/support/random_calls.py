@@ -187,6 +187,40 @@ def random_call(seed: int, world_size: int, device="cpu", dtype=torch.float64, m
                       sinks, scale, parts, bshd, learnable[0] if learnable else None, grad)
 
 
+def local_mask_call(seed: int, world_size: int, device="cpu", dtype=torch.float64,
+                    values_of: Optional[torch.dtype] = None) -> RandomCall:
+    """A local mask over zigzag, whose ranks read rows of both neighbours (on 3 ranks and more
+    a step brings both at once): a window no wider than a chunk, or packed documents of up to a
+    chunk each (causal within them or not, with a window or not); grouped heads, a softcap,
+    sinks and a loss of the LSE at random. ``device``, ``dtype`` and ``values_of`` as
+    ``random_call``'s."""
+    rnd, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    chunk = rnd.choice([32, 64, 96, 128])
+    seq_len = 2 * chunk * world_size
+    kind = rnd.choice(["window", "documents", "bidirectional documents", "documents in a window"])
+    window = rnd.randint(2, chunk)
+    lengths = []
+    while sum(lengths) < seq_len:
+        lengths.append(min(rnd.randint(1, chunk), seq_len - sum(lengths)))
+    ids = mods.document_ids(lengths, device=device)
+    mask_mod = {"window": mods.sliding_window(window),
+                "documents": mods.document(ids),
+                "bidirectional documents": mods.document(ids, causal_within=False),
+                "documents in a window": mods.and_masks(mods.document(ids), mods.sliding_window(window))}[kind]
+    score_mod = mods.softcap(20.0) if rnd.random() < 0.25 else None
+    kv_heads = rnd.choice([1, 2, 4])
+    values_of = values_of or dtype
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(values_of).to(device, dtype)
+
+    q, k, v = randn(1, 4, seq_len, 64), randn(1, kv_heads, seq_len, 64), randn(1, kv_heads, seq_len, 64)
+    return_lse = rnd.random() < 0.3
+    return RandomCall("zigzag", q, k, v, randn(1, 4, seq_len, 64), randn(1, 4, seq_len) if return_lse else None,
+                      mask_mod, score_mod, randn(4) if rnd.random() < 0.2 else None, None,
+                      [kind] + ["softcap"] * (score_mod is not None), False, None, True)
+
+
 def _dealt(rnd: random.Random, seq_len: int, world_size: int) -> Sharding:
     """Chunks of a random size dealt to the ranks at random, equally many each, each rank's in a
     random local order."""
