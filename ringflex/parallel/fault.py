@@ -18,7 +18,10 @@ ringflex marks the failure but cannot release a rank already blocked in NCCL; th
 group's own timeout does. Over the copy engines (``peer``), whose waits have no timeout, the
 rank that marks the failure raises every flag its own and its neighbours' streams may wait
 on: their streams run on (what the released copies deliver is garbage) and every rank
-raises ``RingFailure`` at its next call.
+raises ``RingFailure`` at its next call. A failure that broke the rank's CUDA context leaves
+it unable to raise flags; the others then release their own streams once their hosts see the
+mark (a rank whose host is itself blocked on its GPU cannot, and waits for the process
+group's timeout, as on NCCL).
 """
 from __future__ import annotations
 
@@ -95,17 +98,25 @@ def failure(group) -> Optional[str]:
 
 
 def fail(group, message: str) -> None:
-    """Marks ``group`` failed here and, best effort, for every rank (its store may be gone)."""
+    """Marks ``group`` failed here and, best effort, for every rank (its store may be gone),
+    then releases the GPU streams waiting on the copy engines' flags, which have no timeout.
+    The mark comes first: a failure that broke this rank's CUDA context (an illegal address
+    or instruction) makes the release raise too, and the other ranks, told by the mark, then
+    release their own streams."""
     if group in _FAILED:
         return
     _FAILED[group] = message
-    peer.release(group)  # GPU streams waiting on the copy engines' flags have no timeout
     store = _store(group)
     if store is not None:
         try:
             store.set(_key(group, _KEY), message)
         except (RuntimeError, ValueError):  # the store lived on a rank that is gone
             pass
+    try:
+        peer.release(group)
+    except RuntimeError as e:  # torch.AcceleratorError is one: the context is broken, the mark told the others
+        warnings.warn(f"ringflex: this rank could not release the ring's GPU streams after the failure ({e})",
+                      RuntimeWarning, stacklevel=2)
 
 
 def _remote_failure(group) -> Optional[str]:
