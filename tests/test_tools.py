@@ -140,6 +140,39 @@ def test_fuzz_script_runs_local_masks_over_zigzag():
     for ran, failed in run_world(3, _fuzz, argv):
         assert (ran, failed) == (3, [])
 
+
+def _fuzz_on_a_broken_context(rank, world_size):
+    import contextlib
+    import io
+    from tools import fuzz_ring
+
+    class Ended(Exception):
+        pass
+
+    def broken(*args, **kwargs):
+        raise torch.AcceleratorError("CUDA error: an illegal instruction was encountered")
+
+    def exit_(code):
+        raise Ended(code)
+
+    fuzz_ring.ring_errors, fuzz_ring.os._exit = broken, exit_
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            fuzz_ring.fuzz(fuzz_ring.parse_args(["--device", "cpu", "--local-masks", "--seeds", "4", "3"]),
+                           torch.device("cpu"))
+        except Ended as e:
+            return e.args[0], printed.getvalue()
+    return None, printed.getvalue()
+
+
+def test_fuzz_script_ends_when_a_call_breaks_the_cuda_context():
+    """A call that breaks the rank's CUDA context (its other ranks may wait on this GPU for good)
+    ends the run at once, exit code 1, naming the call's seed."""
+    code, printed = run_world(1, _fuzz_on_a_broken_context)[0]
+    assert code == 1
+    assert printed.startswith("seed 4, rank 0: zigzag") and "illegal instruction" in printed, printed
+
 def _hangs_on_rank_1(rank, world_size):
     if rank == 1:
         _waits_forever()

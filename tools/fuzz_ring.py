@@ -15,10 +15,12 @@ twice each of those, as bf16 alone makes some gradients of a sharp softmax ill-c
 prints what it found of every call that fails, with its seed; rank 0 the calls so far every
 minute (a run cut short still says how far it got) and a summary at the end; the script
 exits 1 if any call failed. A call that raises inside the ring (which breaks it:
-``RingFailure``) is reported, and the next one runs on a new process group.
+``RingFailure``) is reported, and the next one runs on a new process group; one that breaks
+the rank's CUDA context (an illegal address or instruction) ends the run at once, with its seed.
 """
 import argparse
 import dataclasses
+import os
 import sys
 import time
 import traceback
@@ -109,6 +111,12 @@ def fuzz(args, device):
             broken = not isinstance(e, CallRejected)  # raised before any transfer: the group still serves
             problem = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             traceback.print_exc(limit=-3)
+            if isinstance(e, torch.AcceleratorError):  # the process's CUDA context is broken for good
+                # and the other ranks may be blocked on this GPU's transfers: end the run (torchrun then
+                # stops every rank), saying which call did it
+                print(f"seed {seed}, rank {rank}: {truth(seed, world_size, size).describe()}: {problem['error']}; "
+                      f"{ran} calls ran before it", flush=True)
+                os._exit(1)
         beyond = errors is not None and any(not e <= args.tolerance for e in errors.values())
         flags = torch.tensor([int(beyond), int(errors is None), int(broken)], device=flags_on)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
