@@ -80,7 +80,7 @@ def _ring_passes(rank, world_size):
 
     passes = Passes()
     passes.install()
-    q, k, v = (ringflex.shard(torch.randn(1, 2, 256, 8, generator=torch.Generator().manual_seed(i)), world_size)
+    q, k, v = (ringflex.shard(torch.randn(1, 2, 256, 8, generator=torch.Generator().manual_seed(i)), 2)
                .requires_grad_() for i in range(3))
     with passes:
         ringflex.ring_flex_attention(q, k, v, mask_mod=mods.causal, layout="zigzag").sum().backward()
