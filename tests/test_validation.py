@@ -514,6 +514,37 @@ def test_a_ring_over_several_ranks_captures_only_on_the_copy_engines():
         assert errors["eager again"] is None
 
 
+
+def _first_call_rejected(rank, world_size):
+    """The first call on a group, rejected for one rank's argument, where building the
+    transport is a collective (as on GPUs: simulated here on the CPU), then a good call."""
+    from ringflex.parallel import comm, groups, peer
+
+    def transport(group, device):  # the copy engines' first use: a collective of the group
+        if group not in peer._TRANSPORTS:
+            groups.gather_objects(group, None)
+            peer._TRANSPORTS[group] = None  # then the process group's P2P, as on a CPU
+        return peer._TRANSPORTS[group]
+
+    peer.transport, comm.RingComm._copy_engines = transport, lambda self, device: peer.transport(self.group, device)
+    group = dist.new_group(list(range(world_size)))
+    _, (q, k, v) = _inputs()
+    scale = float("nan") if rank == 1 else None
+    errors = {"first": _error_text(lambda: ringflex.ring_flex_attention(q, k, v, scale=scale, group=group))}
+    dist.barrier()  # on the default group: a rank left in the group's collective would never reach it
+    errors["again"] = _error_text(lambda: ringflex.ring_flex_attention(q, k, v, group=group))
+    return errors, peer.built(group)
+
+
+def test_a_groups_first_call_rejected_leaves_no_rank_in_the_transports_collective():
+    """Building the ring's transport is a collective (its first use on a group, on GPUs): a
+    rank whose first call is rejected never joins it, so no rank starts it before the ranks
+    agreed on the call; every rank raises the same error, and the next call builds it."""
+    for errors, built in run_world(WORLD, _first_call_rejected, timeout=60):
+        assert errors["first"] == ("CallRejected: ring_flex_attention: rank 1: scale must be a finite number or "
+                                   "None, got nan"), errors
+        assert errors["again"] is None and built, errors
+
 def _cold_capture_errors(rank, world_size):
     """A call captured (simulated) before any eager call with its mask and shapes, and after one."""
     from ringflex.parallel import comm, peer

@@ -84,7 +84,13 @@ class RingComm:
         return t if self._copy_engines(t.device) is not None else contiguous_rows(t)
 
     def receives_in_place(self, device) -> bool:
-        """Whether ``receive_buffer`` serves ``device``: the copy engines, where no two ranks share a GPU."""
+        """Whether ``receive_buffer`` serves ``device``: the copy engines, where no two ranks share a
+        GPU, once the transport is built. A pass's K/V stream asks before the ranks have agreed on
+        the call, and building the transport is a collective that a rank whose call is rejected
+        never joins: the group's first forward receives through the mailbox, and its first
+        transfer, after the agreement, builds the transport."""
+        if not peer.built(self.group):
+            return False
         transport = self._copy_engines(device)
         return transport is not None and transport.receive_buffers is not None
 
