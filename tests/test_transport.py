@@ -366,3 +366,31 @@ def test_ipc_mailboxes_open_in_the_ranks_own_gpu():
     place of the one the tensor lies on: the argument it replaces is still the storage's device."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
     assert list(inspect.signature(rebuild_cuda_tensor).parameters)[peer._IPC_DEVICE] == "storage_device"
+
+
+def _made_together(rank, world_size):
+    from ringflex.parallel.groups import made_together
+
+    def make():
+        if rank == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB")
+        return torch.empty(4)
+
+    try:
+        made_together(None, make, "the copy engines' mailboxes")
+    except RuntimeError as e:
+        failed = str(e)
+    return failed, made_together(None, lambda: rank, "a value")
+
+
+def test_memory_a_collective_maps_is_made_by_every_rank_or_by_none():
+    """The transport's mailboxes and receive buffers are mapped by a collective right after
+    they are made: a rank out of GPU memory would leave the others in it. Every rank raises
+    the same error instead (where the mailboxes fail, the ring falls back to the process
+    group's P2P on every rank alike)."""
+    from support.harness import run_world
+    results = run_world(3, _made_together)
+    assert {failed for failed, _ in results} == {
+        "ringflex: the copy engines' mailboxes could not be made on every rank (rank 1: OutOfMemoryError: CUDA out "
+        "of memory. Tried to allocate 256.00 MiB)"}
+    assert [value for _, value in results] == [0, 1, 2]

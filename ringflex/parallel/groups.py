@@ -1,12 +1,14 @@
 """Which process group a ``group`` argument names: a ProcessGroup, a 1-D DeviceMesh (the
 context-parallel dimension of a larger mesh, ``mesh["cp"]``) or None (the default group);
-and every rank's Python value, gathered."""
+every rank's Python value, gathered; memory every rank must make before a collective maps it."""
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, List, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+T = TypeVar("T")
 
 
 def process_group(group):
@@ -48,3 +50,18 @@ def gather_objects(group, value) -> List:
     values: List = [None] * dist.get_world_size(group)
     dist.all_gather_object(values, value, group=group)
     return values
+
+
+def made_together(group, make: Callable[[], T], what: str) -> T:
+    """``make()`` where it succeeds on every rank of ``group``; else the same RuntimeError on
+    every rank, naming each rank that failed and why. For memory that a collective maps next
+    (symmetric memory, CUDA IPC): a rank out of GPU memory would leave the others in it."""
+    try:
+        made, error = make(), None
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        made, error = None, f"{type(e).__name__}: {str(e)[:300]}"
+    failed = [(rank, e) for rank, e in enumerate(gather_objects(group, error)) if e is not None]
+    if failed:
+        raise RuntimeError(f"ringflex: {what} could not be made on every rank ("
+                           + "; ".join(f"rank {rank}: {e}" for rank, e in failed) + ")")
+    return made

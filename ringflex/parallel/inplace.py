@@ -14,6 +14,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .groups import made_together
+
 
 class ReceiveBuffers:
     """For each key one buffer, the leading bytes of which every call uses: made by every rank
@@ -50,7 +52,8 @@ class ReceiveBuffers:
         """A buffer in symmetric memory, made by every rank together, and the peers' buffers'
         addresses; its handle keeps them mapped."""
         import torch.distributed._symmetric_memory as symm_mem
-        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buffer = made_together(self.group, lambda: symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device),
+                               "a receive buffer of the ring")
         handle = symm_mem.rendezvous(buffer, self.group.group_name)
         self.mapped[buffer.data_ptr()] = {r: handle.get_buffer(r, (nbytes,), torch.uint8).data_ptr()
                                           for r in self.peers}

@@ -64,7 +64,7 @@ from torch import Tensor
 from .. import config
 from ..config import warn_once
 from .driver import Driver
-from .groups import gather_objects
+from .groups import gather_objects, made_together
 from .inplace import ReceiveBuffers
 
 SLOT_BYTES = 32 << 20
@@ -178,11 +178,13 @@ class PeerTransport:
         self.source = [(rank - shift) % size for shift in self.shifts]
         total = _FLAGS_BYTES + len(self.shifts) * SLOTS * SLOT_BYTES
         if shared_gpu:
-            self.mailbox = torch.empty(total, dtype=torch.uint8, device=device)
+            self.mailbox = made_together(group, lambda: torch.empty(total, dtype=torch.uint8, device=device),
+                                         "the copy engines' mailboxes")
             self.peer_mailbox = _ipc_mailboxes(group, self.mailbox, set(self.to))
         else:
             import torch.distributed._symmetric_memory as symm_mem
-            self.mailbox = symm_mem.empty(total, dtype=torch.uint8, device=device)
+            self.mailbox = made_together(group, lambda: symm_mem.empty(total, dtype=torch.uint8, device=device),
+                                         "the copy engines' mailboxes")
             self._handle = symm_mem.rendezvous(self.mailbox, group.group_name)  # keeps the peers' mailboxes mapped
             self.peer_mailbox = {r: self._handle.get_buffer(r, (total,), torch.uint8) for r in set(self.to)}
         self.mailbox[:_FLAGS_BYTES].view(torch.int32).fill_(MARKS[1])  # as after an odd use
@@ -438,7 +440,8 @@ def transport(group, device: torch.device) -> Optional[PeerTransport]:
             if why is None:
                 try:
                     found = PeerTransport(group, device, shared_gpu=len({uuid for *_, uuid in ranks}) < len(ranks))
-                except (RuntimeError, TypeError, AttributeError) as e:  # an older torch fails alike on every rank
+                except (RuntimeError, TypeError, AttributeError) as e:  # alike on every rank: an older torch, or
+                    # a rank out of memory for its mailbox (``made_together``)
                     why = f"the ranks' mailboxes could not be mapped ({e})"
         if why is not None and wanted == "copy-engine":
             raise RuntimeError(f"ringflex: RINGFLEX_TRANSPORT=copy-engine cannot be used: {why}")
