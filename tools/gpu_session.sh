@@ -2,6 +2,7 @@
 # The GPU runs behind benchmarks/README.md and benchmarks/results/, one stage per argument; logs go to
 # $OUT (or ./out). Run from the repository root.
 #   bash tools/gpu_session.sh copybeside1 kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 ownblock1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
+#   bash tools/gpu_session.sh fuzzlocal                  # on 1 GPU or more: local masks over zigzag, 3 and 4 ranks
 #   bash tools/gpu_session.sh local2 sharding2 block2 reshard2 ownblock2 joined2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million shortcausal   # on 2 (or more) GPUs
 #   bash tools/gpu_session.sh links efficiency binding4 profile4 skew4 capturetests check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 block4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base2   # on 2 GPUs; base4 basephases4 on 4: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
@@ -51,6 +52,15 @@ for stage in "$@"; do
     fuzz1tiles) for n in 1 2; do run fuzz tr $n -m tools.fuzz_ring --no-gathers --tiles --seeds 3000 200 \
               --seconds 150; done ;;  # blocks planned from tiles, one rank and two sharing the GPU
     fuzz2) run fuzz tr 2 -m tools.fuzz_ring --seconds 400 ;;  # random calls over two ranks, gathers (flex) too
+    fuzzlocal) for n in 3 4; do  # local masks over zigzag: joined steps on cuDNN (ranks may share a GPU);
+                 # each run killed after 4 min: a broken CUDA context can leave the other ranks waiting
+                 RINGFLEX_LENDING=0 run fuzzlocal timeout -s KILL 240 torchrun --standalone --nproc_per_node=$n \
+                   -m tools.fuzz_ring --local-masks --seeds $((9000 * n)) 400 --seconds 150
+                 CUDA_MODULE_LOADING=EAGER RINGFLEX_LENDING=0 run fuzzlocal timeout -s KILL 240 torchrun --standalone \
+                   --nproc_per_node=$n -m tools.fuzz_ring --local-masks --seeds $((9000 * n)) 400 --seconds 150
+               done
+               PYTHONWARNINGS=ignore RINGFLEX_LENDING=0 SEEDS="27000 27001 27002" run fuzzlocal timeout -s KILL 120 \
+                 torchrun --standalone --nproc_per_node=3 -m benchmarks.probes.local_mask_seeds ;;
     compile1) run compile python3 -m pytest -q tests/gpu/test_compiled_wrapper.py ;;  # torch.compile around a wrapped model
     plans1) run plans python3 -m benchmarks.probes.plan_probe --seq-len 8192 --window 1024 ;;  # every cuDNN plan and knob, timed
     ragged1) run ragged python3 -m benchmarks.probes.ragged_cost ;;  # ragged batch vs a call per document
