@@ -792,7 +792,7 @@ def test_each_send_of_the_own_block_waits_for_the_one_before():
             return t
 
         @staticmethod
-        def receives_in_place(device):
+        def receives_in_place(device, build=False):
             return False
 
         def exchange(self, send, recv, shift=1, send_after=None):
@@ -810,6 +810,43 @@ def test_each_send_of_the_own_block_waits_for_the_one_before():
             blocks.advance(step, blocks.start(step))
         assert comm.waited_for == want
 
+
+def test_a_groups_first_pass_builds_its_transport_at_its_first_transfer():
+    """Building the copy-engine transport is a collective: a K/V stream made before the ranks
+    agreed on the call (as forward makes it) does not build it, and the first transfer, after
+    they agreed, does; from then on the pass receives in place, into the buffers the senders
+    fill (a CUDA graph captured after one eager call finds them made)."""
+    from ringflex.kernels.base import Mods
+    from ringflex.parallel.kv import KVStream
+    from ringflex.parallel.ring import RingCall
+
+    class Comm:
+        built, into = False, []
+
+        def receives_in_place(self, device, build=False):
+            self.built |= build
+            return self.built
+
+        def receive_buffer(self, key, like):
+            self.into.append(key)
+            return torch.empty_like(like)
+
+        @staticmethod
+        def sendable(t):
+            return t
+
+        @staticmethod
+        def exchange(send, recv, shift=1, send_after=None):
+            return types.SimpleNamespace(sent=None, wait=lambda: None)
+
+    k, v = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
+    comm = Comm()
+    call = RingCall(comm=comm, schedule=[[] for _ in range(3)], kernel=ReferenceKernel(), mods=Mods(), scale=1.0)
+    blocks = KVStream(call, (k, v))
+    assert not comm.built and not blocks.in_place
+    for step in range(2):
+        blocks.advance(step, blocks.start(step))
+    assert comm.built and blocks.in_place and comm.into == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 def _summaries(b, h, q_idx, kv_idx):
     """Each query sees itself and the first key of every 8: over zigzag on 4 ranks of 8 rows,

@@ -37,6 +37,7 @@ class KVStream:
         self.shapes = [t.shape for t in self.own]  # the own block, whole
         self.offset = self.rows(0)[0]  # the first row of the block that ``current`` holds
         self.buffers = []
+        # before the ranks agreed: False where the transport is not built yet (``start`` asks again)
         self.in_place = call.comm is not None and call.comm.receives_in_place(first[0].device)
         # A transfer starts only after the work queued before it on the current stream. The
         # first one may be issued after the own block's compute is queued (forward waits for
@@ -99,6 +100,8 @@ class KVStream:
         the ranks as far ahead; the block arrives in ``advance``."""
         if step >= self.transfers:
             return None
+        if step == 0 and not self.in_place and self.call.comm.receives_in_place(self.own[0].device, build=True):
+            self.in_place, self.buffers = True, []  # a group's first pass: its transport was not built at __init__
         length = self.shapes[0][2]
         pieces = self.call.pieces(self._forward_step(step + 1), length)
         if step > 0 and self.first_stream is not None and not self.joined:  # the own rows sent were made there
