@@ -52,8 +52,9 @@ class ReceiveBuffers:
         """A buffer in symmetric memory, made by every rank together, and the peers' buffers'
         addresses; its handle keeps them mapped."""
         import torch.distributed._symmetric_memory as symm_mem
-        buffer = made_together(self.group, lambda: symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device),
-                               "a receive buffer of the ring")
+        with torch.cuda.device(self.device):  # made_together gathers over the group (NCCL: on the current device)
+            buffer = made_together(self.group, lambda: symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device),
+                                   "a receive buffer of the ring")
         handle = symm_mem.rendezvous(buffer, self.group.group_name)
         self.mapped[buffer.data_ptr()] = {r: handle.get_buffer(r, (nbytes,), torch.uint8).data_ptr()
                                           for r in self.peers}
