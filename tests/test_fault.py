@@ -141,7 +141,6 @@ def test_a_failure_stays_with_its_group_object(monkeypatch):
     assert fault._remote_failure(anew) is None
 
 
-
 def test_a_rank_whose_gpu_context_broke_still_tells_the_others(monkeypatch):
     """A failure that broke the rank's CUDA context (an illegal instruction) makes releasing
     the GPU streams raise as well: the failure is marked for the other ranks first (they
@@ -158,6 +157,7 @@ def test_a_rank_whose_gpu_context_broke_still_tells_the_others(monkeypatch):
     with pytest.warns(RuntimeWarning, match="could not release the ring's GPU streams.*illegal instruction"):
         fault.fail(group, "rank 1 raised in the ring's forward")
     assert fault._remote_failure(group) == "rank 1 raised in the ring's forward"
+
 
 def test_a_transfer_the_transport_fails_is_named():
     """A peer's process that exits resets its connections: the error says which transfer broke

@@ -821,7 +821,8 @@ def test_a_groups_first_pass_builds_its_transport_at_its_first_transfer():
     from ringflex.parallel.ring import RingCall
 
     class Comm:
-        built, into = False, []
+        def __init__(self):
+            self.built, self.into = False, []
 
         def receives_in_place(self, device, build=False):
             self.built |= build
@@ -847,6 +848,7 @@ def test_a_groups_first_pass_builds_its_transport_at_its_first_transfer():
     for step in range(2):
         blocks.advance(step, blocks.start(step))
     assert comm.built and blocks.in_place and comm.into == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
 
 def _summaries(b, h, q_idx, kv_idx):
     """Each query sees itself and the first key of every 8: over zigzag on 4 ranks of 8 rows,

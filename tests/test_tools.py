@@ -132,7 +132,6 @@ def test_fuzz_script_weighs_calls_beyond_the_tolerance_against_the_reference_ker
         assert (ran, failed) == (2, [])
 
 
-
 def test_fuzz_script_runs_local_masks_over_zigzag():
     """``--local-masks``: windows and packed documents over zigzag, which on three ranks read
     both neighbours, against the definition (on the reference kernel here)."""
@@ -172,6 +171,7 @@ def test_fuzz_script_ends_when_a_call_breaks_the_cuda_context():
     code, printed = run_world(1, _fuzz_on_a_broken_context)[0]
     assert code == 1
     assert printed.startswith("seed 4, rank 0: zigzag") and "illegal instruction" in printed, printed
+
 
 def _hangs_on_rank_1(rank, world_size):
     if rank == 1:

@@ -514,7 +514,6 @@ def test_a_ring_over_several_ranks_captures_only_on_the_copy_engines():
         assert errors["eager again"] is None
 
 
-
 def _first_call_rejected(rank, world_size):
     """The first call on a group, rejected for one rank's argument, where building the
     transport is a collective (as on GPUs: simulated here on the CPU), then a good call."""
@@ -544,6 +543,7 @@ def test_a_groups_first_call_rejected_leaves_no_rank_in_the_transports_collectiv
         assert errors["first"] == ("CallRejected: ring_flex_attention: rank 1: scale must be a finite number or "
                                    "None, got nan"), errors
         assert errors["again"] is None and built, errors
+
 
 def _cold_capture_errors(rank, world_size):
     """A call captured (simulated) before any eager call with its mask and shapes, and after one."""

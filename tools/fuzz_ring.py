@@ -20,12 +20,13 @@ the rank's CUDA context (an illegal address or instruction) ends the run at once
 """
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
 import traceback
 import warnings
-from typing import Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,20 +41,16 @@ SIZES = (4, 64, 512)  # most layout chunks per rank, by seed: tiny blocks, a few
 REPORT_EVERY_S = 60
 
 
-def bf16_call(seed: int, world_size: int, device, size: Optional[dict]):
-    """The call of ``seed`` in bf16 on ``device``: ``random_call``'s of these sizes, or where
-    ``size`` is None a local mask over zigzag (``local_mask_call``)."""
-    if size is None:
-        return local_mask_call(seed, world_size, device, torch.bfloat16)
-    return random_call(seed, world_size, device, torch.bfloat16, **size)
+def bf16_call(seed: int, world_size: int, device, make: Callable):
+    """The call ``make`` (``random_call`` of some sizes, or ``local_mask_call``) gives for
+    ``seed``, in bf16 on ``device``."""
+    return make(seed, world_size, device, torch.bfloat16)
 
 
-def truth(seed: int, world_size: int, size: Optional[dict]):
+def truth(seed: int, world_size: int, make: Callable):
     """The call of ``seed`` in fp64 on the CPU, of the same bf16 values (made anew for each
     use: gradients accumulate in its tensors)."""
-    if size is None:
-        return local_mask_call(seed, world_size, values_of=torch.bfloat16)
-    return random_call(seed, world_size, **size, values_of=torch.bfloat16)
+    return make(seed, world_size, values_of=torch.bfloat16)
 
 
 def parse_args(argv=None):
@@ -95,11 +92,12 @@ def fuzz(args, device):
         dist.all_reduce(late, op=dist.ReduceOp.MAX)  # every rank stops at the same call
         if late.item():
             break
-        size = None if args.local_masks else dict(max_chunks=args.sizes[seed % len(args.sizes)],
-                                                  gathers=not args.no_gathers, head_dims=(64, 128))
+        make = local_mask_call if args.local_masks else functools.partial(
+            random_call, max_chunks=args.sizes[seed % len(args.sizes)], gathers=not args.no_gathers,
+            head_dims=(64, 128))
         lending.QUANTUM = 1 if seed % 2 else quantum  # half the calls lend any row that evens the ranks
         def errors_on(backend, over=group):  # over ``alone``: the whole call in this rank's process alone
-            calls = bf16_call(seed, world_size, device, size), truth(seed, world_size, size)
+            calls = bf16_call(seed, world_size, device, make), truth(seed, world_size, make)
             if over is alone:
                 calls = [dataclasses.replace(c, layout="contiguous") for c in calls]
             return ring_errors(*calls, backend, over, floor=0.1)
@@ -114,7 +112,7 @@ def fuzz(args, device):
             if isinstance(e, torch.AcceleratorError):  # the process's CUDA context is broken for good
                 # and the other ranks may be blocked on this GPU's transfers: end the run (torchrun then
                 # stops every rank), saying which call did it
-                print(f"seed {seed}, rank {rank}: {truth(seed, world_size, size).describe()}: {problem['error']}; "
+                print(f"seed {seed}, rank {rank}: {truth(seed, world_size, make).describe()}: {problem['error']}; "
                       f"{ran} calls ran before it", flush=True)
                 os._exit(1)
         beyond = errors is not None and any(not e <= args.tolerance for e in errors.values())
@@ -137,7 +135,7 @@ def fuzz(args, device):
         if flags[0].item():
             failed.append(seed)
             if problem or rank == 0:  # every rank names what it found
-                print(f"seed {seed}, rank {rank}: {truth(seed, world_size, size).describe()}: "
+                print(f"seed {seed}, rank {rank}: {truth(seed, world_size, make).describe()}: "
                       f"{problem or 'failed on another rank'}", flush=True)
         if rank == 0 and time.time() - reported > REPORT_EVERY_S:
             reported = time.time()
