@@ -63,14 +63,22 @@ class KVStream:
                 self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
                 self.own_ready = self.first_stream.record_event()
 
-    def _add_buffer(self, n: Optional[int] = None):
-        """A buffer for a whole block, or for ``n`` rows (a block forward keeps: no larger than it)."""
+    def _add_buffer(self, n: Optional[int] = None, read_on: Optional[torch.cuda.Stream] = None):
+        """A buffer for a whole block, or for ``n`` rows (a block forward keeps: no larger than it),
+        allocated on the current stream. A receive waits only for the work queued on the stream
+        its transfer leaves from, so its buffer must not get memory freed from work that stream
+        did not wait for (the own block's compute, beside which the first transfer runs): it is
+        allocated before that compute is queued, or on the first transfer's stream. ``read_on``:
+        the stream that then reads it (the compute stream), whose reads keep it from reuse too."""
         if self.in_place:  # the same memory at every call, which the senders fill (``inplace``)
             index = len(self.buffers)
             self.buffers.append(tuple(self.call.comm.receive_buffer((index, i), t) for i, t in enumerate(self.own)))
-        else:
-            self.buffers.append(tuple(torch.empty((*t.shape[:2], t.shape[2] if n is None else n, *t.shape[3:]),
-                                                  dtype=t.dtype, device=t.device) for t in self.own))
+            return
+        buffer = tuple(torch.empty((*t.shape[:2], t.shape[2] if n is None else n, *t.shape[3:]), dtype=t.dtype,
+                                   device=t.device) for t in self.own)
+        for t in buffer if read_on is not None else ():
+            t.record_stream(read_on)
+        self.buffers.append(buffer)
 
     @property
     def steps(self) -> int:
@@ -108,11 +116,13 @@ class KVStream:
             torch.cuda.current_stream(self.first_stream.device).wait_stream(self.first_stream)
             self.joined = True
         slots = range(self._slot(step), self._slot(step) + len(pieces))
-        for slot, (_, (lo, hi), _) in zip(slots, pieces):  # on the current stream, whose freed memory they reuse
-            if len(self.buffers) <= slot:
-                self._add_buffer(hi - lo if self.keeps else None)
+        first = self.first_stream if step == 0 else None
+        computes_on = torch.cuda.current_stream(first.device) if first is not None else None
         transfers, sent, received = [], [], []
-        with torch.cuda.stream(self.first_stream) if step == 0 and self.first_stream else nullcontext():
+        with torch.cuda.stream(first) if first is not None else nullcontext():
+            for slot, (_, (lo, hi), _) in zip(slots, pieces):
+                if len(self.buffers) <= slot:  # on the stream the transfer leaves from (``_add_buffer``)
+                    self._add_buffer(hi - lo if self.keeps else None, read_on=computes_on)
             for slot, (distance, (lo, hi), _) in zip(slots, pieces):
                 own_rows = self.call.rows_sent(distance, length)
                 if own_rows not in self.own_sent:
