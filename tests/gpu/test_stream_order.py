@@ -5,7 +5,9 @@ freed from while the GPU has not run it yet: a step that brings both neighbours'
 the own block's compute keeps temporaries the size of a block busy long after the host freed
 them (blocks of 16 MiB: each in memory of its own, which torch's allocator hands whole to the
 next request of that size on the stream it was freed on); a buffer taken from there would
-have its received keys overwritten before the step reads them."""
+have its received keys overwritten before the step reads them. The hazard is where buffers
+come from that allocator: ranks sharing a GPU (as here on one GPU) or the process group's P2P;
+with a GPU per rank the copy engines receive into buffers of their own."""
 import pytest
 import torch
 import torch.distributed as dist
