@@ -66,7 +66,7 @@ def _share(parts, r: Rows, k: Tensor, v: Tensor, dtype, acc) -> List[Tensor]:
     """This rank's dK/dV share over block rows ``r``: its hops' ``parts`` summed (0 where none
     reaches), rounded once into ``dtype``; a single part over all of ``r`` in ``dtype`` as it is,
     rows of a larger gradient too (a joined call's: the copy engines read them in place)."""
-    if len(parts) == 1 and _within(parts[0][0], r) == (0, r[1] - r[0]) and all(t.dtype == dtype for t in parts[0][1:]):
+    if len(parts) == 1 and parts[0][0] == r and all(t.dtype == dtype for t in parts[0][1:]):
         return list(parts[0][1:])
     share = RowSum([rows_shape(k, r, k.shape[3]), rows_shape(v, r, v.shape[3])], dtype, acc, k.device,
                    [_within(kv_rows, r) for kv_rows, _, _ in parts])
