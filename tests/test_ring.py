@@ -761,7 +761,9 @@ def test_first_receive_buffer_exists_before_the_own_block_is_computed():
     """The first transfer runs on a stream that waits only for the inputs, so its receive
     buffer is allocated when the block stream is made, before the own block's compute is
     queued (memory freed by that compute's temporaries must not be handed to the transfer);
-    the second buffer comes with the second transfer, and a ring without transfers has none."""
+    the second buffer comes with the second transfer, and a ring without transfers has none.
+    (A first step of several pieces makes the others on the first transfer's stream, which
+    the CPU has not: ``tests/gpu/test_stream_order.py``.)"""
     from ringflex.kernels.base import Mods
     from ringflex.parallel.kv import KVStream
     from ringflex.parallel.ring import RingCall
