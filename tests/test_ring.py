@@ -757,6 +757,30 @@ def test_only_the_rows_other_ranks_read_travel(world_size, monkeypatch):
         assert error < 1e-10
 
 
+class _Comm:
+    """A transport stand-in for a K/V stream's transfers: it never receives in place, and its
+    sends report no end."""
+
+    @staticmethod
+    def sendable(t):
+        return t
+
+    def receives_in_place(self, device, build=False):
+        return False
+
+    def exchange(self, send, recv, shift=1, send_after=None):
+        return types.SimpleNamespace(sent=None, wait=lambda: None)
+
+
+def _stream(comm, steps: int, last=None):
+    """A K/V stream over a ring of ``steps`` steps without hops, of 4-row blocks."""
+    from ringflex.kernels.base import Mods
+    from ringflex.parallel.kv import KVStream
+    from ringflex.parallel.ring import RingCall
+    call = RingCall(comm=comm, schedule=[[] for _ in range(steps)], kernel=ReferenceKernel(), mods=Mods(), scale=1.0)
+    return KVStream(call, (torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)), last=last)
+
+
 def test_first_receive_buffer_exists_before_the_own_block_is_computed():
     """The first transfer runs on a stream that waits only for the inputs, so its receive
     buffer is allocated when the block stream is made, before the own block's compute is
@@ -764,38 +788,20 @@ def test_first_receive_buffer_exists_before_the_own_block_is_computed():
     the second buffer comes with the second transfer, and a ring without transfers has none.
     (A first step of several pieces makes the others on the first transfer's stream, which
     the CPU has not: ``tests/gpu/test_stream_order.py``.)"""
-    from ringflex.kernels.base import Mods
-    from ringflex.parallel.kv import KVStream
-    from ringflex.parallel.ring import RingCall
-
-    k, v = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
-    for steps, last, buffers in ((3, None, 1), (2, None, 1), (2, (k, v), 0), (1, None, 0)):
-        call = RingCall(comm=None, schedule=[[] for _ in range(steps)], kernel=ReferenceKernel(), mods=Mods(),
-                        scale=1.0)
-        blocks = KVStream(call, (k, v), last=last)
+    held = (torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8))  # the last step's block, already here
+    for steps, last, buffers in ((3, None, 1), (2, None, 1), (2, held, 0), (1, None, 0)):
+        blocks = _stream(None, steps, last)
         assert len(blocks.buffers) == buffers, (steps, last is not None)
-        assert all(b.shape == k.shape for pair in blocks.buffers for b in pair)
+        assert all(b.shape == (1, 2, 4, 8) for pair in blocks.buffers for b in pair)
 
 
 def test_each_send_of_the_own_block_waits_for_the_one_before():
     """The sends of the own block share the copy engines: each is given the end of the one
     before as ``send_after``, so the nearest rank, which reads the block first, has it first.
     Where a transport reports no end (the process group orders its sends), nothing waits."""
-    from ringflex.kernels.base import Mods
-    from ringflex.parallel.kv import KVStream
-    from ringflex.parallel.ring import RingCall
-
-    class Comm:
+    class Comm(_Comm):
         def __init__(self, reports_end):
             self.reports_end, self.waited_for, self.sends = reports_end, [], 0
-
-        @staticmethod
-        def sendable(t):
-            return t
-
-        @staticmethod
-        def receives_in_place(device, build=False):
-            return False
 
         def exchange(self, send, recv, shift=1, send_after=None):
             self.waited_for.append(send_after)
@@ -803,11 +809,9 @@ def test_each_send_of_the_own_block_waits_for_the_one_before():
             return types.SimpleNamespace(sent=f"end of send {self.sends}" if self.reports_end else None,
                                          wait=lambda: None)
 
-    k, v = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
     for reports_end, want in ((True, [None, "end of send 1", "end of send 2"]), (False, [None, None, None])):
         comm = Comm(reports_end)
-        call = RingCall(comm=comm, schedule=[[] for _ in range(4)], kernel=ReferenceKernel(), mods=Mods(), scale=1.0)
-        blocks = KVStream(call, (k, v))
+        blocks = _stream(comm, 4)
         for step in range(3):
             blocks.advance(step, blocks.start(step))
         assert comm.waited_for == want
@@ -818,11 +822,7 @@ def test_a_groups_first_pass_builds_its_transport_at_its_first_transfer():
     agreed on the call (as forward makes it) does not build it, and the first transfer, after
     they agreed, does; from then on the pass receives in place, into the buffers the senders
     fill (a CUDA graph captured after one eager call finds them made)."""
-    from ringflex.kernels.base import Mods
-    from ringflex.parallel.kv import KVStream
-    from ringflex.parallel.ring import RingCall
-
-    class Comm:
+    class Comm(_Comm):
         def __init__(self):
             self.built, self.into = False, []
 
@@ -834,18 +834,8 @@ def test_a_groups_first_pass_builds_its_transport_at_its_first_transfer():
             self.into.append(key)
             return torch.empty_like(like)
 
-        @staticmethod
-        def sendable(t):
-            return t
-
-        @staticmethod
-        def exchange(send, recv, shift=1, send_after=None):
-            return types.SimpleNamespace(sent=None, wait=lambda: None)
-
-    k, v = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
     comm = Comm()
-    call = RingCall(comm=comm, schedule=[[] for _ in range(3)], kernel=ReferenceKernel(), mods=Mods(), scale=1.0)
-    blocks = KVStream(call, (k, v))
+    blocks = _stream(comm, 3)
     assert not comm.built and not blocks.in_place
     for step in range(2):
         blocks.advance(step, blocks.start(step))
