@@ -63,22 +63,18 @@ class KVStream:
                 self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
                 self.own_ready = self.first_stream.record_event()
 
-    def _add_buffer(self, n: Optional[int] = None, read_on: Optional[torch.cuda.Stream] = None):
-        """A buffer for a whole block, or for ``n`` rows (a block forward keeps: no larger than it),
-        allocated on the current stream. A receive waits only for the work queued on the stream
-        its transfer leaves from, so its buffer must not get memory freed from work that stream
-        did not wait for (the own block's compute, beside which the first transfer runs): it is
-        allocated before that compute is queued, or on the first transfer's stream. ``read_on``:
-        the stream that then reads it (the compute stream), whose reads keep it from reuse too."""
+    def _add_buffer(self, n: Optional[int] = None, beside: Optional[torch.cuda.Stream] = None):
+        """A buffer for a whole block, or for ``n`` rows (a block forward keeps: no larger than it).
+        A receive waits only for the work queued on the stream its transfer leaves from, so a
+        buffer of the first transfer, which runs beside the own block's compute, is made before
+        that compute is queued or ``allocated_beside`` it (``beside``: the first transfer's stream)."""
         if self.in_place:  # the same memory at every call, which the senders fill (``inplace``)
             index = len(self.buffers)
             self.buffers.append(tuple(self.call.comm.receive_buffer((index, i), t) for i, t in enumerate(self.own)))
             return
-        buffer = tuple(torch.empty((*t.shape[:2], t.shape[2] if n is None else n, *t.shape[3:]), dtype=t.dtype,
-                                   device=t.device) for t in self.own)
-        for t in buffer if read_on is not None else ():
-            t.record_stream(read_on)
-        self.buffers.append(buffer)
+        self.buffers.append(allocated_beside(beside, lambda: tuple(
+            torch.empty((*t.shape[:2], t.shape[2] if n is None else n, *t.shape[3:]), dtype=t.dtype, device=t.device)
+            for t in self.own)))
 
     @property
     def steps(self) -> int:
@@ -117,12 +113,11 @@ class KVStream:
             self.joined = True
         slots = range(self._slot(step), self._slot(step) + len(pieces))
         first = self.first_stream if step == 0 else None
-        computes_on = torch.cuda.current_stream(first.device) if first is not None else None
+        for slot, (_, (lo, hi), _) in zip(slots, pieces):
+            if len(self.buffers) <= slot:
+                self._add_buffer(hi - lo if self.keeps else None, beside=first)
         transfers, sent, received = [], [], []
         with torch.cuda.stream(first) if first is not None else nullcontext():
-            for slot, (_, (lo, hi), _) in zip(slots, pieces):
-                if len(self.buffers) <= slot:  # on the stream the transfer leaves from (``_add_buffer``)
-                    self._add_buffer(hi - lo if self.keeps else None, read_on=computes_on)
             for slot, (distance, (lo, hi), _) in zip(slots, pieces):
                 own_rows = self.call.rows_sent(distance, length)
                 if own_rows not in self.own_sent:
@@ -183,6 +178,22 @@ def first_stream(device: torch.device) -> torch.cuda.Stream:
     if device.index not in _FIRST_STREAMS:
         _FIRST_STREAMS[device.index] = torch.cuda.Stream(device)
     return _FIRST_STREAMS[device.index]
+
+
+def allocated_beside(stream: Optional[torch.cuda.Stream], make):
+    """``make()``'s tensors, for a transfer from ``stream`` (a pass's first, which runs beside the
+    compute queued on the current stream) to receive into: allocated on ``stream``, as its receive
+    waits only for the work queued there (memory that compute's temporaries were freed from, which
+    the GPU may still be using, is then not handed to it), and kept from reuse until the current
+    stream, which reads them, is done with them too. ``stream`` None: ``make()`` as it is."""
+    if stream is None:
+        return make()
+    reads_on = torch.cuda.current_stream(stream.device)
+    with torch.cuda.stream(stream):
+        made = make()
+    for t in made:
+        t.record_stream(reads_on)
+    return made
 
 
 def _leading_rows(buffer: Tensor, n: int) -> Tensor:

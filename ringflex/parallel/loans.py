@@ -16,6 +16,7 @@ from ..kernels.merge import RowMerge, RowSum, Rows, rows
 from ..kernels.reference import compute_dtype
 from ..plan.blocks import widened
 from .compute import hop_backward, hop_forward, lse_as_attention, new_rows, rows_shape
+from .kv import allocated_beside
 
 
 def lend_forward(call, q: Tensor, k: Tensor, v: Tensor, first_stream):
@@ -27,14 +28,9 @@ def lend_forward(call, q: Tensor, k: Tensor, v: Tensor, first_stream):
     their buffers."""
     loan, acc = call.loan, compute_dtype(q.dtype)
     sent, held = _travelling(loan.lent, q), _travelling(loan.borrowed, q)
+    borrowed_q, = allocated_beside(first_stream, lambda: (new_rows(q, held, q.shape[3]),))
     with torch.cuda.stream(first_stream) if first_stream is not None else nullcontext():
-        # Allocated on that stream too: the receive does not wait for the own block's compute,
-        # so it must not get memory that the compute's temporaries were freed from (the
-        # current stream's), as ``kv.KVStream``'s first buffer must not.
-        borrowed_q = new_rows(q, held, q.shape[3])
         queries = call.comm.exchange([rows(q, sent)], [borrowed_q], shift=-1)
-    if first_stream is not None:
-        borrowed_q.record_stream(torch.cuda.current_stream(q.device))  # computed on, and saved for backward
     queries.wait()
     # over the borrowed rows alone: a single hop's result is then what goes back, uncopied
     results = RowMerge(rows_shape(q, loan.borrowed, v.shape[-1]), q.dtype, acc, q.device,
