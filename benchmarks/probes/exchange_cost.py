@@ -5,12 +5,17 @@ ranks may share a GPU, benchmarks/common.py).
 
 An exchange here sends a K and a V of 64 MiB each (8192 tokens, 32 heads of 128, bf16: two
 mailbox chunks each) and receives the same, then ends its pass, as a forward step of the
-ring at 8k tokens per GPU does; each line is the host time per call over calls issued back
-to back.
+ring at 8k tokens per GPU does; and a dK/dV share of 2048 rows (16 MiB each of dK and dV:
+a chunk each), as a rank's share of its neighbour's block for a local mask. Each line is the
+host time per call over calls issued back to back. ``--profile N``: rank 0's hottest
+functions (cProfile, by own time) over N share exchanges.
 """
 from __future__ import annotations
 
+import argparse
+import cProfile
 import os
+import pstats
 import time
 
 import torch
@@ -34,11 +39,16 @@ def per_call(fn, calls: int) -> float:
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
+    args = parser.parse_args()
     os.environ.setdefault("RINGFLEX_TRANSPORT", "copy-engine")
     device = init()
     transport = peer.transport(dist.group.WORLD, device)
     k, v = (torch.randn(1, 32, 8192, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
     got_k, got_v = torch.empty_like(k), torch.empty_like(v)
+    share = [t[:, :, :2048] for t in (k, v)]
+    got_share = [torch.empty_like(t) for t in share]
     stream = torch.cuda.current_stream().cuda_stream
     flag = transport.base[transport.rank] + peer._FLAGS_BYTES - 4  # a flag no slot uses
     source, destination = k.reshape(-1).view(torch.uint8), got_k.reshape(-1).view(torch.uint8)
@@ -48,12 +58,17 @@ def main():
         transport.exchange([k, v], [got_k, got_v]).wait()
         transport.end_pass()
 
+    def share_exchange():
+        transport.exchange(share, got_share, shift=-1).wait()
+        transport.end_pass()
+
     def stream_context():
         with torch.cuda.stream(side):
             pass
 
     costs = {
         "exchange of K and V, with the end of its pass": per_call(exchange, 50),
+        "exchange of a dK/dV share, with the end of its pass": per_call(share_exchange, 100),
         "  a flag written (cuStreamWriteValue32)": per_call(lambda: transport.driver.write(stream, flag, 0), 500),
         "  a chunk copied (cuMemcpyAsync)": per_call(
             lambda: transport.driver.copy(stream, got_k.data_ptr(), k.data_ptr(), peer.SLOT_BYTES), 200),
@@ -62,6 +77,17 @@ def main():
         "  for comparison: a stream context entered": per_call(stream_context, 500),
         "  an event recorded": per_call(lambda: torch.cuda.current_stream().record_event(), 500),
     }
+    if args.profile:
+        profile = cProfile.Profile()
+        torch.cuda.synchronize()
+        profile.enable()
+        for _ in range(args.profile):
+            share_exchange()
+        profile.disable()
+        torch.cuda.synchronize()
+        if dist.get_rank() == 0:
+            print(f"rank 0, {args.profile} share exchanges, by own time:", flush=True)
+            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     rows = gather_objects(None, costs)
     if dist.get_rank() == 0:
         for rank, row in enumerate(rows):
