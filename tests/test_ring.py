@@ -765,7 +765,7 @@ class _Comm:
     def sendable(t):
         return t
 
-    def receives_in_place(self, device, build=False):
+    def receives_in_place(self, device):
         return False
 
     def exchange(self, send, recv, shift=1, send_after=None):
@@ -781,16 +781,17 @@ def _stream(comm, steps: int, last=None):
     return KVStream(call, (torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)), last=last)
 
 
-def test_first_receive_buffer_exists_before_the_own_block_is_computed():
-    """The first transfer runs on a stream that waits only for the inputs, so its receive
-    buffer is allocated when the block stream is made, before the own block's compute is
-    queued (memory freed by that compute's temporaries must not be handed to the transfer);
-    the second buffer comes with the second transfer, and a ring without transfers has none.
-    (A first step of several pieces makes the others on the first transfer's stream, which
-    the CPU has not: ``tests/gpu/test_stream_order.py``.)"""
+def test_receive_buffers_are_made_by_the_transfers_that_fill_them():
+    """A K/V stream is made before the own block's compute is queued and holds no buffer yet:
+    each transfer makes its receive buffer (for a whole block) when it starts, the first one
+    beside that compute (``kv.allocated_beside``, on a GPU: ``tests/gpu/test_stream_order.py``),
+    so two buffers serve a pass of any length, and a ring without transfers has none."""
     held = (torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8))  # the last step's block, already here
-    for steps, last, buffers in ((3, None, 1), (2, None, 1), (2, held, 0), (1, None, 0)):
-        blocks = _stream(None, steps, last)
+    for steps, last, buffers in ((4, None, 2), (3, None, 2), (2, None, 1), (2, held, 0), (1, None, 0)):
+        blocks = _stream(_Comm(), steps, last)
+        assert blocks.buffers == []
+        for step in range(steps - 1):
+            blocks.advance(step, blocks.start(step))
         assert len(blocks.buffers) == buffers, (steps, last is not None)
         assert all(b.shape == (1, 2, 4, 8) for pair in blocks.buffers for b in pair)
 
@@ -826,9 +827,9 @@ def test_a_groups_first_pass_builds_its_transport_at_its_first_transfer():
         def __init__(self):
             self.built, self.into = False, []
 
-        def receives_in_place(self, device, build=False):
-            self.built |= build
-            return self.built
+        def receives_in_place(self, device):
+            self.built = True
+            return True
 
         def receive_buffer(self, key, like):
             self.into.append(key)

@@ -83,13 +83,10 @@ class RingComm:
         own block, at every step) is copied once."""
         return t if self._copy_engines(t.device) is not None else contiguous_rows(t)
 
-    def receives_in_place(self, device, build: bool = False) -> bool:
+    def receives_in_place(self, device) -> bool:
         """Whether ``receive_buffer`` serves ``device``: the copy engines, where no two ranks share a
-        GPU. Building the transport (on a group's first call) is a collective, which a rank whose
-        call the ranks rejected never joins: before they agreed this says False where it is not
-        built yet; ``build``: build it, with every rank (once they agreed)."""
-        if not (build or peer.built(self.group)):
-            return False
+        GPU. On a group's first call this builds the transport, a collective, which a rank whose
+        call the ranks rejected never joins: ask only once the ranks agreed."""
         transport = self._copy_engines(device)
         return transport is not None and transport.receive_buffers is not None
 

@@ -16,8 +16,8 @@ from ..kernels.merge import Rows, rows
 
 class KVStream:
     """The K/V block of each step: ``first``, then blocks received into two buffers that
-    alternate (no step allocates, and a block is never overwritten while it is still being
-    read; over the copy engines, buffers that the senders fill in place, the same at every
+    alternate (made by the first two transfers; a block is never overwritten while it is still
+    being read; over the copy engines, buffers that the senders fill in place, the same at every
     call: ``inplace``), and for the last step ``last``, where the rank holds that block already:
     then the ring skips the transfer that would bring it. Each transfer brings the next step's
     block from its owner, to which this rank sends its own block (``own``: ``first`` forward,
@@ -37,14 +37,11 @@ class KVStream:
         self.shapes = [t.shape for t in self.own]  # the own block, whole
         self.offset = self.rows(0)[0]  # the first row of the block that ``current`` holds
         self.buffers = []
-        # before the ranks agreed: False where the transport is not built yet (``start`` asks again)
-        self.in_place = call.comm is not None and call.comm.receives_in_place(first[0].device)
+        self.in_place = False  # whether the senders fill the buffers: asked at the first transfer (``start``)
         # A transfer starts only after the work queued before it on the current stream. The
-        # first one may be issued after the own block's compute is queued (forward waits for
-        # the argument check there), so it goes from a stream that waits for the inputs alone
-        # and still overlaps that compute. Its receive buffer is allocated before that compute
-        # is queued: memory freed by the compute's temporaries is then not handed to it (the
-        # buffers received into in place come from no allocator).
+        # first one is issued after the own block's compute is queued (forward waits for the
+        # argument check there), so it goes from a stream that waits for the inputs alone and
+        # still overlaps that compute; what it receives into is ``allocated_beside`` it.
         # Every later send of the own block waits for that stream too (``own_ready``), not for
         # the compute queued since nor for the blocks this rank waits to receive: otherwise a
         # rank's send waits for its previous receive, and the transfers of a step follow those
@@ -55,8 +52,6 @@ class KVStream:
         self.first_stream, self.own_sent, self.own_ready, self.joined = None, {}, None, False
         self.received = []
         if self.transfers > 0:
-            if not self.in_place:  # in place, the buffers are made with every rank, once they agreed
-                self._add_buffer()
             k = first[0]
             if k.is_cuda:
                 self.first_stream = first_stream(k.device)
@@ -64,10 +59,8 @@ class KVStream:
                 self.own_ready = self.first_stream.record_event()
 
     def _add_buffer(self, n: Optional[int] = None, beside: Optional[torch.cuda.Stream] = None):
-        """A buffer for a whole block, or for ``n`` rows (a block forward keeps: no larger than it).
-        A receive waits only for the work queued on the stream its transfer leaves from, so a
-        buffer of the first transfer, which runs beside the own block's compute, is made before
-        that compute is queued or ``allocated_beside`` it (``beside``: the first transfer's stream)."""
+        """A buffer for a whole block, or for ``n`` rows (a block forward keeps: no larger than it),
+        ``allocated_beside`` the compute where ``beside`` (the first transfer's stream) is given."""
         if self.in_place:  # the same memory at every call, which the senders fill (``inplace``)
             index = len(self.buffers)
             self.buffers.append(tuple(self.call.comm.receive_buffer((index, i), t) for i, t in enumerate(self.own)))
@@ -104,8 +97,8 @@ class KVStream:
         the ranks as far ahead; the block arrives in ``advance``."""
         if step >= self.transfers:
             return None
-        if step == 0 and not self.in_place and self.call.comm.receives_in_place(self.own[0].device, build=True):
-            self.in_place, self.buffers = True, []  # a group's first pass: its transport was not built at __init__
+        if step == 0:  # the ranks agreed: a group's first pass builds its transport here, with every rank
+            self.in_place = self.call.comm.receives_in_place(self.own[0].device)
         length = self.shapes[0][2]
         pieces = self.call.pieces(self._forward_step(step + 1), length)
         if step > 0 and self.first_stream is not None and not self.joined:  # the own rows sent were made there

@@ -49,6 +49,8 @@ def _window_error(rank, world_size):
         want = ringflex.shard(ringflex.ring_flex_attention(q, k, v, mask_mod=mask, group=alone, backend="reference"),
                               2, layout="zigzag")
         shards = [ringflex.shard(t, 2, layout="zigzag") for t in (q, k, v)]
+        # a group's first call builds its transport, which waits for the GPU: the hazard is at later calls
+        ringflex.ring_flex_attention(*shards, mask_mod=mask, layout="zigzag", backend="reference")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # no memory freed before is left for the buffers to take
         ring.step_forward = _with_slow_own_block(compute.step_forward)
