@@ -2,12 +2,12 @@
 wait for it), so what it receives into must not be memory that the compute's temporaries were
 freed from while the GPU has not run it yet: a step that brings both neighbours' rows at once
 (a window over zigzag on 3 ranks) makes its second buffer after that compute is queued. Here
-the own block's compute keeps temporaries the size of a block busy long after the host freed
-them (blocks of 16 MiB: each in memory of its own, which torch's allocator hands whole to the
-next request of that size on the stream it was freed on); a buffer taken from there would
-have its received keys overwritten before the step reads them. The hazard is where buffers
-come from that allocator: ranks sharing a GPU (as here on one GPU) or the process group's P2P;
-with a GPU per rank the copy engines receive into buffers of their own."""
+the own block's compute is followed by a long sleep and then by writes into every piece of
+memory that torch's allocator holds free for the compute stream and could hand to a buffer of
+a block; a buffer taken from there has its received keys overwritten before the step reads
+them. The hazard is where buffers come from that allocator: ranks sharing a GPU (as here on
+one GPU) or the process group's P2P; with a GPU per rank the copy engines receive into
+buffers of their own."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,15 +23,19 @@ _SEQ, _HEADS, _DIM = 3 * 2048, 16, 128  # a rank's K block: 16 x 2048 x 128 fp32
 
 
 def _with_slow_own_block(step_forward):
-    """``step_forward``, after which the own block's step (the first of a pass) queues a long
-    sleep and then writes temporaries the size of its K and V, freed at once on the host."""
+    """``step_forward``, after which the own block's step (the first of a pass) takes every
+    piece of free memory that could serve a block, queues a long sleep, writes into them all
+    and frees them at once on the host."""
     def slow(call, hops, q, keys):
         parts = step_forward(call, hops, q, keys)
         if not getattr(call, "slowed", False):
             call.slowed = True
-            temporaries = [torch.empty_like(t) for t in keys((0, q.shape[2]))]
+            block, taken = keys((0, q.shape[2]))[0], []
+            reserved = torch.cuda.memory_reserved()
+            while torch.cuda.memory_reserved() == reserved:  # until no free piece that size is left
+                taken.append(torch.empty_like(block))
             torch.cuda._sleep(500_000_000)  # a few tenths of a second: the neighbours' rows arrive meanwhile
-            for t in temporaries:
+            for t in taken:
                 t.fill_(1e4)
         return parts
     return slow
@@ -52,7 +56,6 @@ def _window_error(rank, world_size):
         # a group's first call builds its transport, which waits for the GPU: the hazard is at later calls
         ringflex.ring_flex_attention(*shards, mask_mod=mask, layout="zigzag", backend="reference")
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # no memory freed before is left for the buffers to take
         ring.step_forward = _with_slow_own_block(compute.step_forward)
         out = ringflex.ring_flex_attention(*shards, mask_mod=mask, layout="zigzag", backend="reference")
     torch.cuda.synchronize()
