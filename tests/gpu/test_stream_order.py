@@ -1,13 +1,15 @@
 """The first transfer of a ring pass runs beside the own block's compute (its receive does not
 wait for it), so what it receives into must not be memory that the compute's temporaries were
 freed from while the GPU has not run it yet: a step that brings both neighbours' rows at once
-(a window over zigzag on 3 ranks) makes its second buffer after that compute is queued. Here
-the own block's compute is followed by a long sleep and then by writes into every piece of
-memory that torch's allocator holds free for the compute stream and could hand to a buffer of
-a block; a buffer taken from there has its received keys overwritten before the step reads
-them. The hazard is where buffers come from that allocator: ranks sharing a GPU (as here on
-one GPU) or the process group's P2P; with a GPU per rank the copy engines receive into
-buffers of their own."""
+(a window over zigzag on 3 ranks, where the cuDNN kernel joins a step's hops) makes its second
+buffer after that compute is queued. Here the own block's compute is followed by a long sleep
+and then by writes into every piece of memory that torch's allocator holds free for the
+compute stream and could hand to a buffer of a block; a buffer taken from there has its
+received keys overwritten before the step reads them. The hazard is where buffers come from
+that allocator: ranks sharing a GPU (as here on one GPU) or the process group's P2P; with a
+GPU per rank the copy engines receive into buffers of their own."""
+import importlib.util
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,9 +19,10 @@ import ringflex
 from ringflex import mods
 from ringflex.parallel import compute, ring
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(importlib.util.find_spec("cudnn") is None,
+                                                 reason="needs nvidia-cudnn-frontend")]
 
-_SEQ, _HEADS, _DIM = 3 * 2048, 16, 128  # a rank's K block: 16 x 2048 x 128 fp32, 16 MiB
+_SEQ, _HEADS, _DIM = 3 * 2048, 32, 128  # a rank's K block: 32 x 2048 x 128 bf16, 16 MiB
 
 
 def _with_slow_own_block(step_forward):
@@ -47,21 +50,21 @@ def _window_error(rank, world_size):
     device = on_a_gpu(rank)
     alone, _ = dist.new_subgroups(1)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, _HEADS, _SEQ, _DIM, generator=gen).to(device) for _ in range(3))
+    q, k, v = (torch.randn(1, _HEADS, _SEQ, _DIM, generator=gen).to(device, torch.bfloat16) for _ in range(3))
     mask = mods.sliding_window(256)
     with torch.no_grad():  # forward alone: each step's block whole, in the buffers of a pass
-        want = ringflex.shard(ringflex.ring_flex_attention(q, k, v, mask_mod=mask, group=alone, backend="reference"),
+        want = ringflex.shard(ringflex.ring_flex_attention(q, k, v, mask_mod=mask, group=alone, backend="cudnn"),
                               2, layout="zigzag")
         shards = [ringflex.shard(t, 2, layout="zigzag") for t in (q, k, v)]
         # a group's first call builds its transport, which waits for the GPU: the hazard is at later calls
-        ringflex.ring_flex_attention(*shards, mask_mod=mask, layout="zigzag", backend="reference")
+        ringflex.ring_flex_attention(*shards, mask_mod=mask, layout="zigzag", backend="cudnn")
         torch.cuda.synchronize()
         ring.step_forward = _with_slow_own_block(compute.step_forward)
-        out = ringflex.ring_flex_attention(*shards, mask_mod=mask, layout="zigzag", backend="reference")
+        out = ringflex.ring_flex_attention(*shards, mask_mod=mask, layout="zigzag", backend="cudnn")
     torch.cuda.synchronize()
-    return (out - want).abs().max().item()
+    return (out.float() - want.float()).abs().max().item()
 
 
 def test_the_first_transfer_receives_into_memory_the_own_compute_does_not_use():
     errors = run_world(3, _window_error, backend=gpu_backend(3), timeout=180)
-    assert max(errors) < 1e-4, errors
+    assert max(errors) < 0.05, errors  # bf16 roundings; a block overwritten: errors of thousands
