@@ -5,6 +5,7 @@
 #   bash tools/gpu_session.sh fuzzlocal                  # on 1 GPU or more: local masks over zigzag, 3 and 4 ranks
 #   bash tools/gpu_session.sh local2 sharding2 block2 reshard2 ownblock2 joined2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million shortcausal   # on 2 (or more) GPUs
 #   bash tools/gpu_session.sh links efficiency binding4 profile4 skew4 capturetests check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 block4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
+#   BASE=$PWD/.whl/base bash tools/gpu_session.sh streamorder1   # on 1 GPU: tests/gpu/test_stream_order.py fails on a tree before the race's fix (f3228ab), passes here
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base2   # on 2 GPUs; base4 basephases4 on 4: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -91,6 +92,12 @@ for stage in "$@"; do
                 run binding4 tr 4 -m benchmarks.bench --seq-lens 65536 --masks documents --layouts contiguous --single-max 0 \
                   --no-cp --no-flex-cp --iters 10 --warmup 3 --json "$OUT/binding4_${b}_16k_$round.json"; done; done
               unset TORCHRUN_ARGS ;;  # each rank's threads on the CPUs near its GPU (torchrun --numa-binding) or anywhere
+    streamorder1) test -n "${BASE:-}" || { echo "streamorder1 needs BASE=<a tree before the fix: git archive f3228ab ringflex>"; exit 2; }
+           mkdir -p "$BASE/tests/gpu" && cp -r tests/support tests/conftest.py "$BASE/tests/" && cp tests/gpu/test_stream_order.py "$BASE/tests/gpu/"
+           echo "+ test_stream_order on $BASE (must fail)" | tee -a "$OUT/streamorder.log"
+           (cd "$BASE" && PYTHONPATH=/tmp/site:$BASE timeout -s KILL 150 python3 -m pytest -q -p no:cacheprovider \
+              tests/gpu/test_stream_order.py) 2>&1 | tail -15 | tee -a "$OUT/streamorder.log"
+           run streamorder timeout -s KILL 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_stream_order.py ;;  # must pass here
     base2) test -n "${BASE:-}" || { echo "base2 needs BASE=<another tree: git archive REV ringflex benchmarks tools>"; exit 2; }
            for round in $(seq "${ROUNDS:-2}"); do for tree in "$BASE" "$PWD"; do name=$(basename "$tree")
              (cd "$tree" && run base2 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
