@@ -553,6 +553,33 @@ def test_forward_saves_only_the_rows_of_the_block_that_travelled():
         assert (memory, length) == (own, 2 if rank else 0), (rank, memory, own, length)
 
 
+def _kept_block(rank, world_size):
+    """Whether the block forward keeps for backward lies where its hop read it (not copied
+    out of a larger buffer), and its rows, over a window over the contiguous layout."""
+    from ringflex import mods
+    kernel, read = _WholeBlockKernel(), []
+    forward = kernel.forward
+
+    def recording(q, k, *args, **kwargs):
+        read.append(k.untyped_storage().data_ptr())
+        return forward(q, k, *args, **kwargs)
+
+    kernel.forward = recording
+    _with_kernel(kernel)
+    q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
+    out = ringflex.ring_flex_attention(q, k, v, mask_mod=mods.sliding_window(3), layout="contiguous")
+    kept_k = out.grad_fn.saved_tensors[8]  # after q, k, v, out, lse, res, sinks, borrowed queries
+    return kept_k.untyped_storage().data_ptr() == read[-1], kept_k.shape[2]
+
+
+def test_a_ring_of_one_transfer_receives_the_block_it_keeps_into_memory_of_its_rows():
+    """On two ranks forward keeps the block it receives: its receive buffer holds just the
+    rows that travel (2 of 8 for a window of 3), so backward reads the very memory forward's
+    hop read, not a copy out of a whole-block buffer."""
+    in_place, rows_kept = run_world(2, _kept_block)[1]  # rank 1 reads the rank before it
+    assert in_place and rows_kept == 2
+
+
 def _kept_blocks(rank, world_size):
     """Rows, and bytes of memory behind them, of each K block forward keeps for backward over
     a window over zigzag (the halves it received, joined)."""
