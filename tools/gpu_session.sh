@@ -96,7 +96,7 @@ for stage in "$@"; do
            mkdir -p "$BASE/tests/gpu" && cp -r tests/support tests/conftest.py "$BASE/tests/" && cp tests/gpu/test_stream_order.py "$BASE/tests/gpu/"
            echo "+ test_stream_order on $BASE (must fail)" | tee -a "$OUT/streamorder.log"
            (cd "$BASE" && PYTHONPATH=/tmp/site:$BASE timeout -s KILL 150 python3 -m pytest -q -p no:cacheprovider \
-              tests/gpu/test_stream_order.py) 2>&1 | tail -15 | tee -a "$OUT/streamorder.log"
+              tests/gpu/test_stream_order.py) 2>&1 | tail -25 | tee -a "$OUT/streamorder.log"
            run streamorder timeout -s KILL 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_stream_order.py ;;  # must pass here
     base2) test -n "${BASE:-}" || { echo "base2 needs BASE=<another tree: git archive REV ringflex benchmarks tools>"; exit 2; }
            for round in $(seq "${ROUNDS:-2}"); do for tree in "$BASE" "$PWD"; do name=$(basename "$tree")
