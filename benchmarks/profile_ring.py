@@ -57,12 +57,16 @@ def _family(name: str) -> str:
 
 def host_profile(fn, calls: int, top: int = 30) -> str:
     """cProfile of ``calls`` calls of ``fn``: the functions with the most host time of their own,
-    then those with the most host time under them."""
+    then those with the most host time under them. Each call is issued on a drained GPU after a
+    barrier, outside the profile: calls back to back fill the GPU's queues (all the more where
+    ranks share a GPU), and a launch waiting there would show as that launch's own time."""
     profiler = cProfile.Profile()
-    profiler.enable()
     for _ in range(calls):
+        torch.cuda.synchronize()
+        dist.barrier()
+        profiler.enable()
         fn()
-    profiler.disable()
+        profiler.disable()
     torch.cuda.synchronize()
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
