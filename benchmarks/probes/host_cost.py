@@ -14,12 +14,16 @@ block; a block of packed documents, one ragged batch), the fused copy of a block
 argument check's record exchange (on one gloo rank) and the kernel choice; and the cuDNN
 frontend's own execute and torch's SDPA on cuDNN beside the hop forward, to tell the kernel's
 own cost from ringflex's around it. Host time varies by up to 2x between runs on a shared
-host: compare versions in alternating runs.
+host: compare versions in alternating runs. ``--profile WORD ...`` prints a cProfile of the
+pieces whose names hold a WORD, say ``--profile documents``.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import time
 
 import torch
@@ -36,10 +40,15 @@ from ringflex.parallel import agreement
 from ringflex.plan.layout import Segment
 
 
+PROFILED = []  # --profile: the pieces whose names hold one of these get a cProfile too
+
+
 def timed(name: str, fn, calls: int = 300, rounds: int = 7) -> None:
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
+    if any(word in name for word in PROFILED):
+        profiled(name, fn, calls)
     spent = []
     for _ in range(rounds):
         start = time.perf_counter()
@@ -49,6 +58,21 @@ def timed(name: str, fn, calls: int = 300, rounds: int = 7) -> None:
         torch.cuda.synchronize()
     spent.sort()
     print(f"{name:48s} min {spent[0] * 1e6:7.1f} us   median {spent[rounds // 2] * 1e6:7.1f} us", flush=True)
+
+
+def profiled(name: str, fn, calls: int) -> None:
+    """The functions under which ``calls`` calls of ``fn`` spend the most host time, their own and in all."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(40)
+    print(f"cProfile of {calls} calls: {name}\n{out.getvalue()}", flush=True)
 
 
 def sdpa_on_cudnn(q, k, v):
@@ -69,7 +93,10 @@ def bare_triton_launch():
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=1024, help="rows of the block (B=1, H=32, D=128, bf16)")
+    p.add_argument("--profile", nargs="+", default=[], metavar="WORD",
+                   help="also a cProfile of the pieces whose names hold WORD (it inflates their host time)")
     args = p.parse_args()
+    PROFILED.extend(args.profile)
     device = torch.device("cuda")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
