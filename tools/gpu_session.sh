@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/README.md and benchmarks/results/, one stage per argument; logs go to
 # $OUT (or ./out). Run from the repository root.
-#   bash tools/gpu_session.sh copybeside1 kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 ownblock1 newdocs1 balance1 hostcost1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
+#   bash tools/gpu_session.sh copybeside1 kernel1 fuzz1 fuzz1tiles compile1 merge1 plans1 ragged1 ownblock1 newdocs1 balance1 hostcost1 alone1 flex1 capture1 transport1 exchange1 graph1   # on 1 GPU
 #   bash tools/gpu_session.sh fuzzlocal                  # on 1 GPU or more: local masks over zigzag, 3 and 4 ranks
 #   bash tools/gpu_session.sh local2 sharding2 block2 reshard2 ownblock2 joined2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million shortcausal   # on 2 (or more) GPUs
 #   bash tools/gpu_session.sh links efficiency binding4 profile4 skew4 capturetests check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 block4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
@@ -31,6 +31,8 @@ for stage in "$@"; do
     check2flex) run check tr 2 -m tools.check_ring --device cuda --backend flex --local-len 1024 ;;  # the ring on flex_attention
     check2lse) run check tr 2 -m tools.check_ring --device cuda --backend cudnn --local-len 1024 --lse-grad ;;  # a loss reading the LSE
     hostcost1) run hostcost python3 -m benchmarks.probes.host_cost ;;  # host time of a ring call's pieces, one process
+    alone1) for r in 1 2; do run alone1 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --calls 15 --one-at-a-time \
+              --alone $r --cases ${CASES:-documents:zigzag documents:contiguous window:zigzag window:contiguous}; done ;;  # 4 ranks sharing one GPU: one rank's host by phase while the others sleep
     flex1) run flex python3 -m pytest -q tests/gpu/test_flex_kernel.py ;;  # the flex kernel vs the reference kernel
     copybeside1) run copybeside python3 -m benchmarks.probes.copy_beside_kernel ;;  # which copies run beside an attention kernel (2 GPUs for the peer rows)
     capture1) run capture python3 -m benchmarks.probes.capture_probe  # what CUDA-graph capture gives, one rank

@@ -27,6 +27,11 @@ The mask ``new_documents`` is packed documents with new lengths at every call, a
 on packed batches: each call then plans anew. ``--one-at-a-time`` issues each call on a
 drained GPU after a barrier and prints the median and least host time of one call: where two
 ranks share a GPU, calls issued back to back fill its queues and the host waits in them.
+Where ranks share a GPU their launches also wait for each other in the driver (a cuDNN execute
+takes 0.2 ms there against 15 us alone): ``--alone RANK`` (with ``--one-at-a-time``) has every
+other rank sleep ``--alone-ms`` once it agreed on each timed call, so RANK's own host work after
+the agreement, forward and backward, runs while no other process launches, and prints RANK's
+lines alone.
 """
 from __future__ import annotations
 
@@ -228,6 +233,19 @@ def _launch_settings() -> dict:
     return {"direct": direct, "jit": jit}
 
 
+def _sleep_after_agreeing(ms: float):
+    """``RingCall.agree`` followed by a sleep of ``ms`` on this rank (``--alone``); returns the
+    method as it was, to restore."""
+    agree = ring.RingCall.agree
+
+    @functools.wraps(agree)
+    def then_sleep(self, *args, **kwargs):
+        agree(self, *args, **kwargs)
+        time.sleep(ms / 1e3)
+    ring.RingCall.agree = then_sleep
+    return agree
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=16384)
@@ -237,6 +255,9 @@ def main():
     p.add_argument("--warmup", type=int, default=5, help="untimed calls first (new_documents: each with new documents)")
     p.add_argument("--one-at-a-time", action="store_true", help="each call on a drained GPU, after a barrier")
     p.add_argument("--no-timers", action="store_true", help="the call's host time alone, without the phases' timers")
+    p.add_argument("--alone", type=int, metavar="RANK",
+                   help="with --one-at-a-time: the other ranks sleep once they agreed, so RANK's host runs alone")
+    p.add_argument("--alone-ms", type=float, default=50.0, help="how long the other ranks sleep (--alone)")
     p.add_argument("--mesh", help="calls over a heads x ring mesh 'axr' of every rank (a * r ranks)")
     p.add_argument("--forward-only", action="store_true", help="forward calls alone, no backward")
     p.add_argument("--ab-agreement", type=int, metavar="ROUNDS",
@@ -252,8 +273,11 @@ def main():
     group = None
     if args.mesh:
         group = init_device_mesh(device.type, tuple(map(int, args.mesh.split("x"))), mesh_dim_names=("heads", "ring"))
+    if args.alone is not None and not args.one_at_a_time:
+        p.error("--alone needs --one-at-a-time: the other ranks' sleeps would add up over calls back to back")
     for owner, name, label in [] if args.no_timers else PHASES:
         _timed(owner, name, label)
+    asleep = args.alone is not None and dist.get_rank() != args.alone
     for case in args.cases:
         mask, layout = case.split(":")
         fresh = mask == "new_documents"
@@ -291,6 +315,7 @@ def main():
             continue
         SPENT.clear()
         CALLS.clear()
+        agreeing = _sleep_after_agreeing(args.alone_ms) if asleep else None
         threads, started = _threads(), time.perf_counter()
         if args.one_at_a_time:
             alone = []
@@ -316,7 +341,12 @@ def main():
         lines += [f"  {label:40s} {SPENT[label] / args.calls / 1e3:7.0f} us  ({CALLS[label] / args.calls:.0f} calls)"
                   for label in (FORWARD, BACKWARD, *(label for _, _, label in PHASES)) if CALLS[label]]
         lines.append(f"  agreement's exchange alone: {_exchange_us(group)}")
+        if agreeing is not None:
+            ring.RingCall.agree = agreeing
         gathered = gather_objects(None, "\n".join(lines))
+        if args.alone is not None:
+            gathered = [f"(rank {args.alone} alone after the agreement: the other ranks slept {args.alone_ms:g} ms)",
+                        gathered[args.alone]]
         if dist.get_rank() == 0:
             print("\n".join(gathered), flush=True)
     dist.destroy_process_group()
