@@ -858,16 +858,17 @@ def test_a_groups_first_pass_builds_its_transport_at_its_first_transfer():
             self.built = True
             return True
 
-        def receive_buffer(self, key, like):
+        def receive_buffer(self, key, shape, dtype, device):
             self.into.append(key)
-            return torch.empty_like(like)
+            return torch.empty(shape, dtype=dtype, device=device)
 
     comm = Comm()
     blocks = _stream(comm, 3)
     assert not comm.built and not blocks.in_place
     for step in range(2):
         blocks.advance(step, blocks.start(step))
-    assert comm.built and blocks.in_place and comm.into == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert comm.built and blocks.in_place and comm.into == [("block", 0, 0), ("block", 0, 1), ("block", 1, 0),
+                                                            ("block", 1, 1)]
 
 
 def _summaries(b, h, q_idx, kv_idx):
@@ -884,49 +885,63 @@ def _receiving_in_place() -> dict:
     _with_kernel(_WholeBlockKernel())
     buffers = {}
     RingComm.receives_in_place = lambda self, device: True
-    RingComm.receive_buffer = lambda self, key, like: buffers.setdefault(key, torch.empty_like(like))
+    RingComm.receive_buffer = lambda self, key, shape, dtype, device: buffers.setdefault(
+        key, torch.empty(shape, dtype=dtype, device=device))
     return buffers
 
 
-def _in_place_calls(rank, world_size, mask_name):
-    """Two calls, both forwards before either backward, with blocks received in place: into
-    buffers that every call reuses (here CPU tensors kept per key, filled over gloo), as the
-    copy engines' are. Returns the largest error of both calls against the oracle, read once
-    both backwards ran (no gradient lies in a buffer the later call fills), and the number of
-    buffers."""
+def _elsewhere(b, h, q_idx, kv_idx):
+    """Each query sees every key but those of its own rank's block (8 rows a rank, contiguous):
+    the own block's dK/dV is the shares alone."""
+    return q_idx // 8 != kv_idx // 8
+
+
+def _in_place_calls(rank, world_size, mask_name, layout):
+    """Two calls, both forwards before either backward, with blocks and dK/dV shares received in
+    place: into buffers that every call reuses (here CPU tensors kept per key, filled over
+    gloo), as the copy engines' are. Returns the largest error of both calls against the
+    oracle, read once both backwards ran (no gradient lies in a buffer the later call fills),
+    and the number of buffers of blocks and of shares."""
     from ringflex import mods
     buffers = _receiving_in_place()
-    mask = {"window": mods.sliding_window(4), "causal": mods.causal, "summaries": _summaries}[mask_name]
+    mask = {"window": mods.sliding_window(4), "causal": mods.causal, "summaries": _summaries,
+            "elsewhere": _elsewhere}[mask_name]
     calls = []
     for seed in range(2):
         q, k, v, dout = (torch.randn(1, 2, 8 * world_size, 8, dtype=torch.float64,
                                      generator=torch.Generator().manual_seed(10 * seed + i)) for i in range(4))
-        parts = [ringflex.shard(t, 2, layout="zigzag").requires_grad_() for t in (q, k, v)]
-        out = ringflex.ring_flex_attention(*parts, mask_mod=mask, layout="zigzag")
+        parts = [ringflex.shard(t, 2, layout=layout).requires_grad_() for t in (q, k, v)]
+        out = ringflex.ring_flex_attention(*parts, mask_mod=mask, layout=layout)
         calls.append((q, k, v, dout, parts, out))
     for q, k, v, dout, parts, out in calls:
-        out.backward(ringflex.shard(dout, 2, layout="zigzag"))
+        out.backward(ringflex.shard(dout, 2, layout=layout))
     errors = []
     for q, k, v, dout, parts, out in calls:
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         want = attention(*full, mask_mod=mask)
         want.backward(dout)
-        errors += [(a - ringflex.shard(b, 2, layout="zigzag")).abs().max().item()
+        errors += [(a - ringflex.shard(b, 2, layout=layout)).abs().max().item()
                    for a, b in zip([out] + [t.grad for t in parts], [want] + [t.grad for t in full])]
-    return max(errors), len(buffers)
+    return max(errors), sum(key[0] == "block" for key in buffers), sum(key[0] == "share" for key in buffers)
 
 
-@pytest.mark.parametrize("mask_name, buffers", [("window", 4), ("causal", 4), ("summaries", 6)])
-def test_blocks_received_in_place_are_saved_out_of_the_buffers_the_next_call_fills(mask_name, buffers, monkeypatch):
-    """Blocks received in place land in buffers that the next call fills: forward saves what
-    backward reads out of them, every received block where it keeps them all (a window's two
-    halves over zigzag, each in a buffer of its own: K and V of two transfers; a row of each
-    other rank: three transfers) and the last one where it does not (causal: two buffers that
-    alternate)."""
+@pytest.mark.parametrize("world_size, layout, mask_name, blocks, shares", [
+    (4, "zigzag", "window", 4, 4), (4, "zigzag", "causal", 4, 6), (4, "zigzag", "summaries", 6, 6),
+    (2, "contiguous", "elsewhere", 2, 2), (4, "contiguous", "elsewhere", 4, 6)])
+def test_what_arrives_in_place_is_read_out_of_the_buffers_the_next_call_fills(world_size, layout, mask_name, blocks,
+                                                                               shares, monkeypatch):
+    """Blocks and dK/dV shares received in place land in buffers that the next call fills:
+    forward saves what backward reads out of them, every received block where it keeps them all
+    (a window's two halves over zigzag, each in a buffer of its own: K and V of two transfers; a
+    row of each other rank: three transfers) and the last one where it does not (causal: two
+    buffers that alternate); the shares (a dK and a dV buffer per distance) are summed into a
+    gradient of its own, also where they are all of it (``elsewhere``: the own block's hops
+    read no key of it; on two ranks one share is the whole gradient, on four the last one
+    completes it)."""
     monkeypatch.setenv("RINGFLEX_LENDING", "0")
     monkeypatch.setenv("RINGFLEX_MIN_TILE", "2")
-    for error, made in run_world(4, _in_place_calls, mask_name):
-        assert error < 1e-10 and made == buffers
+    for error, made_blocks, made_shares in run_world(world_size, _in_place_calls, mask_name, layout):
+        assert error < 1e-10 and (made_blocks, made_shares) == (blocks, shares)
 
 
 @pytest.mark.parametrize("reads, steps, keeps", [

@@ -281,8 +281,7 @@ def test_blocks_land_in_the_receive_buffers_in_place(world_size, monkeypatch):
 
 def test_only_receive_buffers_are_received_into_in_place():
     """``_in_place``: the addresses in the receiver's buffers only where every tensor received
-    lies in one (at its offset there), else None: the mailbox carries the transfer, as it
-    does where ranks share a GPU (no receive buffers)."""
+    lies in one (at its offset there), else None: the mailbox carries the transfer."""
     t = _ranks(2)[0]
     mine, theirs = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
     t.receive_buffers.mapped = {mine.data_ptr(): {1: theirs.data_ptr()}}
@@ -291,8 +290,6 @@ def test_only_receive_buffers_are_received_into_in_place():
     assert t._in_place(0, [send], [mine[:0]]) == [theirs.data_ptr()]  # nothing to receive here, still in place there
     assert t._in_place(0, [send, send], [mine[:10], torch.zeros(10, dtype=torch.uint8)]) is None
     assert t._in_place(0, [send], []) is None
-    t.receive_buffers = None
-    assert t._in_place(0, [send], [mine[:10]]) is None
 
 
 def _pool(monkeypatch):
@@ -304,12 +301,12 @@ def _pool(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: state.update(synchronized=state["synchronized"] + 1))
 
-    def symmetric(nbytes):
+    def made(nbytes):
         buffer = torch.zeros(nbytes, dtype=torch.uint8)
         pool.mapped[buffer.data_ptr()] = {p: 1 << 40 for p in pool.peers}
         pool.kept[buffer.data_ptr()] = buffer, None
         return buffer
-    monkeypatch.setattr(pool, "_symmetric", symmetric)
+    monkeypatch.setattr(pool, "_mapped", made)
     return t, pool, state
 
 
@@ -361,11 +358,13 @@ def test_receive_buffers_are_counted_apart_from_torchs_allocator(monkeypatch):
     assert peer.receive_bytes(torch.device("cuda", 0)) == 0
 
 
-def test_ipc_mailboxes_open_in_the_ranks_own_gpu():
-    """``peer._ipc_mailboxes`` hands torch's rebuild of a shared CUDA tensor this rank's GPU in
-    place of the one the tensor lies on: the argument it replaces is still the storage's device."""
+def test_ipc_mapped_memory_opens_in_the_ranks_own_gpu():
+    """Where ranks share a GPU, ``mapped`` hands torch's rebuild of a shared CUDA tensor this
+    rank's GPU in place of the one the tensor lies on: the argument it replaces is still the
+    storage's device."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
-    assert list(inspect.signature(rebuild_cuda_tensor).parameters)[peer._IPC_DEVICE] == "storage_device"
+    from ringflex.parallel import mapped
+    assert list(inspect.signature(rebuild_cuda_tensor).parameters)[mapped._IPC_DEVICE] == "storage_device"
 
 
 def _made_together(rank, world_size):

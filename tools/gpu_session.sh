@@ -6,6 +6,7 @@
 #   bash tools/gpu_session.sh local2 sharding2 block2 reshard2 ownblock2 joined2 documents16k2 efficiency2 checkbymask2 check2 fuzz2 lendtrace2 check2flex check2lse transport2 graph2 lend2 passes2 ab2 bench2 layouts2 long2 masked2 documents2 phases2 newdocs2 million shortcausal   # on 2 (or more) GPUs
 #   bash tools/gpu_session.sh links efficiency binding4 profile4 skew4 capturetests check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 block4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh streamorder1   # on 1 GPU: tests/gpu/test_stream_order.py fails on a tree before the race's fix (f3228ab), passes here
+#   BASE=$PWD/.whl/base bash tools/gpu_session.sh basealone1   # on 1 GPU: rank 1's host phases alone, BASE and this tree
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base2   # on 2 GPUs; base4 basephases4 on 4: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -112,6 +113,11 @@ for stage in "$@"; do
              (cd "$tree" && run basephases4 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
              run basephases4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --no-timers --calls 40 \
                --cases ${CASES:-documents:contiguous window:contiguous window:zigzag causal:zigzag}); done; done ;;  # host ms per call, this tree against BASE
+    basealone1) test -n "${BASE:-}" || { echo "basealone1 needs BASE=<another tree>"; exit 2; }
+           cp benchmarks/probes/host_phases.py "$BASE/benchmarks/probes/"  # one probe, two libraries
+           for tree in "$BASE" "$PWD"; do (cd "$tree" && run basealone1 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
+             run basealone1 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --calls 15 --one-at-a-time --alone 1 \
+               --cases ${CASES:-documents:zigzag documents:contiguous}); done ;;  # 4 ranks sharing one GPU: rank 1's host by phase alone, BASE and this tree
     basezigzag4) test -n "${BASE:-}" || { echo "basezigzag4 needs BASE=<another tree>"; exit 2; }
            for tree in "$BASE" "$PWD"; do (cd "$tree" && run basezigzag4 tr 4 -m benchmarks.probes.host_phases \
                --seq-len 32768 --calls 30 --cases window:zigzag); done ;;  # the window over zigzag by phase, BASE and this tree

@@ -84,6 +84,10 @@ def _sources(state) -> tuple:
     return state.sources if isinstance(state, _Kept) else (state,)
 
 
+class _Reused(tuple):
+    """A part's tensors in memory that a later call fills again (a receive buffer)."""
+
+
 class _RowParts:
     """Parts of a result over row ranges announced in advance, each added once, in any order.
 
@@ -203,8 +207,10 @@ class _RowParts:
                 s.state = new_state
 
     def _can_be_result(self, parts: Sequence[Tensor]) -> bool:
-        """Whether ``parts`` can be the result as they are: its dtype and shapes, contiguous."""
-        return all(p.dtype == self.dtype and p.shape == s and p.is_contiguous() for p, s in zip(parts, self.shapes))
+        """Whether ``parts`` can be the result as they are: its dtype and shapes, contiguous, in
+        memory of their own (not ``_Reused``)."""
+        return not isinstance(parts, _Reused) and all(
+            p.dtype == self.dtype and p.shape == s and p.is_contiguous() for p, s in zip(parts, self.shapes))
 
     def _kept(self, state, b: int, e: int) -> List[List[Tensor]]:
         """The parts held for result rows ``b:e`` in ``state`` (one, or several ``_Kept``),
@@ -305,9 +311,13 @@ class RowSum(_RowParts):
 
     Parts are handed over: the last part, where it covers every row and has the result's
     dtype and layout (a kernel's fresh gradients), becomes the result, and the parts before
-    it are added into it in place, so rows it alone covers are not copied (``_adopt``)."""
+    it are added into it in place, so rows it alone covers are not copied (``_adopt``).
+    A part in memory that a later call fills again (``reused``: a receive buffer) is read
+    before the result is, never handed out as it."""
 
-    def add(self, r: Rows, *parts: Tensor) -> None:
+    def add(self, r: Rows, *parts: Tensor, reused: bool = False) -> None:
+        if reused:
+            parts = _Reused(parts)
         if not self._adopt(r, parts):
             self._add(r, parts, self._sum)
 

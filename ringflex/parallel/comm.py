@@ -5,6 +5,7 @@ Between the GPUs of one host the copy engines carry it (``peer``); elsewhere the
 group's batched P2P ops (NCCL, gloo)."""
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -84,19 +85,18 @@ class RingComm:
         return t if self._copy_engines(t.device) is not None else contiguous_rows(t)
 
     def receives_in_place(self, device) -> bool:
-        """Whether ``receive_buffer`` serves ``device``: the copy engines, where no two ranks share a
-        GPU. On a group's first call this builds the transport, a collective, which a rank whose
+        """Whether ``receive_buffer`` serves ``device``: where the copy engines carry the ring.
+        On a group's first call this builds the transport, a collective, which a rank whose
         call the ranks rejected never joins: ask only once the ranks agreed."""
-        transport = self._copy_engines(device)
-        return transport is not None and transport.receive_buffers is not None
+        return self._copy_engines(device) is not None
 
-    def receive_buffer(self, key, like: Tensor) -> Tensor:
-        """A tensor shaped as ``like``, the same memory for ``key`` at every call, that the copy
-        engines fill in place (``inplace.ReceiveBuffers``; where ``receives_in_place``).
+    def receive_buffer(self, key, shape, dtype: torch.dtype, device) -> Tensor:
+        """A tensor of ``shape`` and ``dtype``, the same memory for ``key`` at every call, that
+        the copy engines fill in place (``inplace.ReceiveBuffers``; where ``receives_in_place``).
         Every rank asks for the same keys and shapes in the same order, after the ranks agreed
         on the call: the first ask makes it, with every rank."""
-        buffer = self._copy_engines(like.device).receive_buffers.get(key, like.numel() * like.element_size())
-        return buffer.view(like.dtype).view(like.shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        return self._copy_engines(device).receive_buffers.get(key, nbytes).view(dtype).view(shape)
 
     def _copy_engines(self, device) -> Optional[peer.PeerTransport]:
         """The copy-engine transport where it carries this ring's transfers on ``device``, else None."""

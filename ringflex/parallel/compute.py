@@ -4,6 +4,7 @@ kernel call where they share no row and no key and the kernel takes them. The ri
 and the loans (``loans``) run their hops through here; ``call`` is a ``ring.RingCall``."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -136,3 +137,10 @@ def rows_shape(like: Tensor, r: Rows, *tail: int) -> Tuple[int, ...]:
 def new_rows(like: Tensor, r: Rows, *tail: int, dtype=None) -> Tensor:
     """A new ``rows_shape`` tensor on ``like``'s device, of its dtype unless ``dtype``."""
     return torch.empty(rows_shape(like, r, *tail), dtype=dtype or like.dtype, device=like.device)
+
+
+def leading_rows(buffer: Tensor, n: int) -> Tensor:
+    """A [B, H, n, ...] tensor in the leading memory of ``buffer`` (a whole block's receive
+    buffer): contiguous, as received, and where every rank's rows of it start."""
+    shape = (*buffer.shape[:2], n, *buffer.shape[3:])
+    return buffer.view(-1)[:math.prod(shape)].view(shape)

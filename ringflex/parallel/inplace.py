@@ -2,10 +2,10 @@
 
 A copy within one GPU runs on its SMs and waits for the attention kernel that holds them;
 a copy into another GPU's memory runs on the copy engines beside it. So the ring's K/V blocks
-skip the mailbox: each goes straight into the receiver's buffer, in symmetric memory that
-the senders map. Every rank asks for the buffers of the same keys, in the same order and
-sizes (the shards are equal), so a sender finds the receiver's buffer of a key at the address
-its own buffer of that key maps there.
+and dK/dV shares skip the mailbox: each goes straight into the receiver's buffer, in memory
+that the senders map (``mapped``). Every rank asks for the buffers of the same keys, in the
+same order and sizes (the shards are equal), so a sender finds the receiver's buffer of a key
+at the address its own buffer of that key maps there.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .groups import made_together
+from .mapped import mapped
 
 
 class ReceiveBuffers:
@@ -22,10 +22,11 @@ class ReceiveBuffers:
     of ``group`` together at the first call that needs it (after the ranks agreed on the call),
     made anew, larger, by the first that needs more (calls of many lengths hold the largest's,
     not one for each). A buffer that a CUDA graph captured is kept as long as these are: its
-    replays write into it. ``peers``: the ranks that send into them."""
+    replays write into it. ``peers``: the ranks that send into them; ``shared_gpu``: some ranks
+    share a GPU (``mapped``)."""
 
-    def __init__(self, group, device: torch.device, peers):
-        self.group, self.device, self.peers = group, device, set(peers)
+    def __init__(self, group, device: torch.device, peers, shared_gpu: bool = False):
+        self.group, self.device, self.peers, self.shared_gpu = group, device, set(peers), shared_gpu
         self.current: Dict[object, Tensor] = {}  # key -> its buffer
         self.mapped: Dict[int, Dict[int, int]] = {}  # a buffer's address -> {peer: that peer's buffer of its key}
         self.kept: Dict[int, Tuple[Tensor, object]] = {}  # a buffer's address -> (it, its handle): those in use
@@ -43,22 +44,18 @@ class ReceiveBuffers:
             if found is not None and found.data_ptr() not in self.in_graphs:
                 torch.cuda.synchronize(self.device)  # no copy into or out of it is under way, here or at a peer
                 del self.mapped[found.data_ptr()], self.kept[found.data_ptr()]
-            found = self.current[key] = self._symmetric(nbytes)
+            found = self.current[key] = self._mapped(nbytes)
         if capturing:
             self.in_graphs.add(found.data_ptr())
         return found[:nbytes]
 
-    def _symmetric(self, nbytes: int) -> Tensor:
-        """A buffer in symmetric memory, made by every rank together, and the peers' buffers'
-        addresses; its handle keeps them mapped."""
-        import torch.distributed._symmetric_memory as symm_mem
+    def _mapped(self, nbytes: int) -> Tensor:
+        """A buffer made by every rank together, and the peers' buffers' addresses (``mapped``)."""
         with torch.cuda.device(self.device):  # made_together gathers over the group (NCCL: on the current device)
-            buffer = made_together(self.group, lambda: symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device),
-                                   "a receive buffer of the ring")
-        handle = symm_mem.rendezvous(buffer, self.group.group_name)
-        self.mapped[buffer.data_ptr()] = {r: handle.get_buffer(r, (nbytes,), torch.uint8).data_ptr()
-                                          for r in self.peers}
-        self.kept[buffer.data_ptr()] = buffer, handle
+            buffer, theirs, mapping = mapped(self.group, self.device, nbytes, self.peers, self.shared_gpu,
+                                             "a receive buffer of the ring")
+        self.mapped[buffer.data_ptr()] = {r: t.data_ptr() for r, t in theirs.items()}
+        self.kept[buffer.data_ptr()] = buffer, mapping
         return buffer
 
     def at_peer(self, t: Tensor, peer: int) -> Optional[int]:

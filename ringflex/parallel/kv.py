@@ -4,7 +4,6 @@ readers), or held from forward (``HeldBlocks``: backward where forward kept ever
 received). ``call`` is a ``ring.RingCall``: its agreed reads say which rows travel."""
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from typing import Dict, List, Optional, Tuple
 
@@ -12,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.merge import Rows, rows
+from .compute import leading_rows
 
 
 class KVStream:
@@ -63,7 +63,8 @@ class KVStream:
         ``allocated_beside`` the compute where ``beside`` (the first transfer's stream) is given."""
         if self.in_place:  # the same memory at every call, which the senders fill (``inplace``)
             index = len(self.buffers)
-            self.buffers.append(tuple(self.call.comm.receive_buffer((index, i), t) for i, t in enumerate(self.own)))
+            self.buffers.append(tuple(self.call.comm.receive_buffer(("block", index, i), t.shape, t.dtype, t.device)
+                                      for i, t in enumerate(self.own)))
             return
         self.buffers.append(allocated_beside(beside, lambda: tuple(
             torch.empty((*t.shape[:2], t.shape[2] if n is None else n, *t.shape[3:]), dtype=t.dtype, device=t.device)
@@ -116,7 +117,7 @@ class KVStream:
                 if own_rows not in self.own_sent:
                     self.own_sent[own_rows] = tuple(self.call.comm.sendable(rows(t, own_rows)) for t in self.own)
                 sent.append(self.own_sent[own_rows])
-                received.append(tuple(_leading_rows(b, hi - lo) for b in self.buffers[slot]))
+                received.append(tuple(leading_rows(b, hi - lo) for b in self.buffers[slot]))
                 transfers.append(self.call.comm.exchange(sent[-1], received[-1], shift=distance,
                                                          send_after=self.own_ready))
                 if transfers[-1].sent is not None:
@@ -187,12 +188,6 @@ def allocated_beside(stream: Optional[torch.cuda.Stream], make):
     for t in made:
         t.record_stream(reads_on)
     return made
-
-
-def _leading_rows(buffer: Tensor, n: int) -> Tensor:
-    """A [B, H, n, ...] tensor in the leading memory of ``buffer`` (contiguous, as received)."""
-    shape = (*buffer.shape[:2], n, *buffer.shape[3:])
-    return buffer.view(-1)[:math.prod(shape)].view(shape)
 
 
 class HeldBlocks:

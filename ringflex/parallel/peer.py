@@ -6,7 +6,7 @@ then sits on the critical path. A copy engine needs no SM, so its transfer runs 
 kernel and adds little to it.
 
 Each rank owns a mailbox in symmetric memory (``torch.distributed._symmetric_memory``; where
-ranks share a GPU, which it refuses, one mapped by CUDA IPC): for each channel, ``SLOTS``
+ranks share a GPU, which it refuses, one mapped by CUDA IPC: ``mapped``): for each channel, ``SLOTS``
 slots of ``SLOT_BYTES`` and their flags. A channel carries the transfers of one shift: to the
 next rank, to the previous one, and to each rank further away (a block goes straight from
 its owner to every rank that reads it, a dK/dV share straight back): ``max(2, world - 1)`` channels. A transfer moves in
@@ -30,9 +30,9 @@ waits have no timeout, so a rank that marks the ring failed (``fault.fail``) rel
 
 The receiver's copy out of its mailbox is a copy within one GPU, which the driver runs on
 the SMs: it waits for the attention kernel that holds them, and the next step's kernel
-waits for it. So the ring's K/V blocks are received in place, into buffers that the
-senders map (``inplace``; not where ranks share a GPU). The receiver raises CLEAR at the sender once the work queued before the receive (the kernels
-that read the buffer's previous block) is done; the sender waits for it, copies straight
+waits for it. So the ring's K/V blocks and dK/dV shares are received in place, into buffers
+that the senders map (``inplace``). The receiver raises CLEAR at the sender once the work
+queued before the receive (the kernels that read the buffer's previous block) is done; the sender waits for it, copies straight
 into the receiver's buffer and raises DONE there; the receiver waits for DONE. Both ends
 count these handshakes per channel, and their flags alternate marks as the slots' do.
 
@@ -64,8 +64,9 @@ from torch import Tensor
 from .. import config
 from ..config import warn_once
 from .driver import Driver
-from .groups import gather_objects, made_together
+from .groups import gather_objects
 from .inplace import ReceiveBuffers
+from .mapped import mapped
 
 SLOT_BYTES = 32 << 20
 SLOTS = 4  # per channel: 128 MiB of mailbox per rank and channel
@@ -74,7 +75,6 @@ _READY, _FREE = 0, 1
 _CLEAR, _DONE = 2, 3  # a transfer into the receiver's own buffer: its flags, one pair per channel
 MARKS = (1, 2)  # a slot's flag after its even / odd uses in a pass; it starts as after an odd one
 _RELEASED = MARKS[0] | MARKS[1]  # passes every wait (see ``release``)
-_IPC_DEVICE = 6  # where the GPU lies in what torch's ``reduce_tensor`` gives to rebuild a CUDA tensor
 _TRANSPORTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> PeerTransport or None
 
 
@@ -165,8 +165,8 @@ def channel_of(shift: int, world_size: int) -> int:
 
 class PeerTransport:
     """The ring's exchange over copy engines and a mailbox per rank that the other ranks map
-    (see module). ``shared_gpu``: some ranks share a GPU, where torch's symmetric memory
-    refuses to map the mailboxes; CUDA IPC maps them instead (``_ipc_mailboxes``)."""
+    (see module). ``shared_gpu``: some ranks share a GPU, where CUDA IPC maps the mailboxes and
+    receive buffers, which torch's symmetric memory refuses to (``mapped``)."""
 
     def __init__(self, group, device: torch.device, shared_gpu: bool = False):
         self.device, self.driver = device, Driver()
@@ -177,16 +177,8 @@ class PeerTransport:
         self.to = [(rank + shift) % size for shift in self.shifts]
         self.source = [(rank - shift) % size for shift in self.shifts]
         total = _FLAGS_BYTES + len(self.shifts) * SLOTS * SLOT_BYTES
-        if shared_gpu:
-            self.mailbox = made_together(group, lambda: torch.empty(total, dtype=torch.uint8, device=device),
-                                         "the copy engines' mailboxes")
-            self.peer_mailbox = _ipc_mailboxes(group, self.mailbox, set(self.to))
-        else:
-            import torch.distributed._symmetric_memory as symm_mem
-            self.mailbox = made_together(group, lambda: symm_mem.empty(total, dtype=torch.uint8, device=device),
-                                         "the copy engines' mailboxes")
-            self._handle = symm_mem.rendezvous(self.mailbox, group.group_name)  # keeps the peers' mailboxes mapped
-            self.peer_mailbox = {r: self._handle.get_buffer(r, (total,), torch.uint8) for r in set(self.to)}
+        self.mailbox, self.peer_mailbox, self._mapping = mapped(group, device, total, self.to, shared_gpu,
+                                                                 "the copy engines' mailboxes")
         self.mailbox[:_FLAGS_BYTES].view(torch.int32).fill_(MARKS[1])  # as after an odd use
         torch.cuda.synchronize(device)
         gather_objects(group, None)  # no rank raises a flag in a mailbox before its owner has set them
@@ -195,8 +187,7 @@ class PeerTransport:
         self.streams = [(torch.cuda.Stream(device), torch.cuda.Stream(device)) for _ in self.shifts]  # (send, recv)
         self.sent, self.received = [0] * len(self.shifts), [0] * len(self.shifts)  # chunks of the pass, per channel
         self.handed, self.taken = [0] * len(self.shifts), [0] * len(self.shifts)  # transfers in place, per channel
-        # buffers that senders fill in place (``inplace``); none where ranks share a GPU: symmetric memory refuses it
-        self.receive_buffers = None if shared_gpu else ReceiveBuffers(group, device, self.to)
+        self.receive_buffers = ReceiveBuffers(group, device, self.to, shared_gpu)  # filled in place (``inplace``)
         # storage address -> the event of the last send that reads it; eager sends, and those
         # of the pass being captured (its events mean nothing outside the graph)
         self.sending, self.sending_captured = {}, {}
@@ -250,7 +241,7 @@ class PeerTransport:
         holds any bytes, the address in the receiver's buffer of the same key, where the
         receiver's counterpart of it lies (every rank receives a step's block into the buffers
         of the same keys, so both ends decide alike). None where the mailbox carries the transfer."""
-        if self.receive_buffers is None or len(send) != len(recv):
+        if len(send) != len(recv):
             return None
         found = [self.receive_buffers.at_peer(t, self.to[channel]) for t in recv]
         return None if None in found else [a for t, a in zip(send, found) if t.numel()]
@@ -383,19 +374,6 @@ class PeerTransport:
                 mailbox[:_FLAGS_BYTES].view(torch.int32).fill_(_RELEASED)
 
 
-def _ipc_mailboxes(group, mailbox: Tensor, ranks) -> dict:
-    """The mailboxes of ``ranks`` mapped into this process by CUDA IPC (torch's own sharing of
-    CUDA tensors between processes), which serves ranks that share a GPU. Each is opened in
-    this rank's GPU's context, whichever GPU it lies on (so its tensor names this rank's GPU):
-    a stream memory operation reaches only memory mapped in its stream's context, and torch
-    would map it in its own GPU's."""
-    from torch.multiprocessing.reductions import reduce_tensor
-    rebuild, mine = reduce_tensor(mailbox)
-    shared = gather_objects(group, mine)
-    device = mailbox.device.index
-    return {r: rebuild(*shared[r][:_IPC_DEVICE], device, *shared[r][_IPC_DEVICE + 1:]) for r in ranks}
-
-
 def release(group) -> None:
     """After ``group`` failed: releases the GPU streams of this rank and its peers that
     wait for a transfer which will not come, so no GPU stays blocked (there is no timeout on
@@ -409,8 +387,7 @@ def release(group) -> None:
 def receive_bytes(device: torch.device) -> int:
     """The bytes of the receive buffers (``inplace``) of every transport on ``device``, which
     torch's allocator does not count."""
-    return sum(t.receive_buffers.nbytes() for t in _TRANSPORTS.values()
-               if t is not None and t.device == device and t.receive_buffers is not None)
+    return sum(t.receive_buffers.nbytes() for t in _TRANSPORTS.values() if t is not None and t.device == device)
 
 
 def _storage(t: Tensor) -> int:

@@ -1,6 +1,16 @@
 """dK/dV shares: in backward, each rank's share of the gradient of the block it holds goes
 straight to the block's owner, over the rows it read of it in forward, in the kernel's gradient
-dtype; the owner sums the shares once (``merge.RowSum``). ``call`` is a ``ring.RingCall``."""
+dtype; the owner sums the shares once (``merge.RowSum``). ``call`` is a ``ring.RingCall``.
+
+Over the copy engines a share arrives in place (``inplace``), as K/V blocks do: into the
+leading rows of a receive buffer per distance that holds a whole block's dK or dV (the rows
+differ by rank, the buffers every rank asks for do not), so no copy out of the mailbox waits
+for the attention kernel that holds the SMs. A distance's share comes once per backward, so
+its buffer is not filled again while the sum may still keep the share unsummed; and the sum
+never hands it out as the gradient, which the next call's share would overwrite. Where a
+block's dK and dV together are larger than ``IN_PLACE_BYTES`` the shares go through the
+mailbox: a buffer per distance kept for every call would hold more memory than they save
+time (a longer block's kernels hide its transfers)."""
 from __future__ import annotations
 
 from typing import List
@@ -8,22 +18,25 @@ from typing import List
 from torch import Tensor
 
 from ..kernels.merge import RowSum, Rows, rows
-from .compute import new_rows, rows_shape, some
+from .compute import leading_rows, new_rows, rows_shape, some
+
+IN_PLACE_BYTES = 128 << 20  # a block's dK and dV, at most, for its shares to arrive in place: 8k rows of 32 x 128 in bf16
 
 
 class Share:
     """The exchange of dK/dV shares under way: the own block's share on its way here, over
-    rows ``rows`` of the block (none where that rank read none of it)."""
+    rows ``rows`` of the block (none where that rank read none of it), into ``tensors``;
+    ``in_place``: they lie in receive buffers that the next backward fills."""
 
-    def __init__(self, rows_: Rows, tensors, transfer, sent):
-        self.rows, self.tensors, self.transfer = rows_, tensors, transfer
+    def __init__(self, rows_: Rows, tensors, transfer, sent, in_place: bool):
+        self.rows, self.tensors, self.transfer, self.in_place = rows_, tensors, transfer, in_place
         self.sent = sent  # referenced until the transfer is waited for (a CPU send reads it until then)
 
     def arrive(self, own_sum: RowSum) -> None:
         """Waits for the exchange (a CPU send completes only then) and adds the share that arrived."""
         self.transfer.wait()
         if some(self.rows):
-            own_sum.add(self.rows, *self.tensors)
+            own_sum.add(self.rows, *self.tensors, reused=self.in_place)
 
 
 def rows_arriving(call, steps: int) -> List[Rows]:
@@ -57,9 +70,22 @@ def exchange(call, distance: int, parts, k: Tensor, v: Tensor, acc) -> Share:
     rank, dtype = call.comm.rank, call.kernel.grad_dtype(k.dtype)
     mine, theirs = call.rows_read(rank, distance), call.rows_read(rank + distance, distance)
     send = _share(parts, mine, k, v, dtype, acc)
-    recv = [new_rows(t, theirs, t.shape[3], dtype=dtype) for t in (k, v)]
+    in_place = arrives_in_place(call, k, v, dtype)
+    if in_place:
+        recv = [leading_rows(call.comm.receive_buffer(("share", distance, i), t.shape, dtype, t.device),
+                             theirs[1] - theirs[0]) for i, t in enumerate((k, v))]
+    else:
+        recv = [new_rows(t, theirs, t.shape[3], dtype=dtype) for t in (k, v)]
     transfer = call.comm.exchange(send, recv, shift=-distance)
-    return Share(theirs, recv, transfer, send)
+    return Share(theirs, recv, transfer, send, in_place)
+
+
+def arrives_in_place(call, k: Tensor, v: Tensor, dtype) -> bool:
+    """Whether the shares of the own block (``k``, ``v``) arrive in place, in ``dtype``: over
+    the copy engines, where its dK and dV take at most ``IN_PLACE_BYTES`` (alike on every
+    rank: the shards are equal)."""
+    return (call.comm.receives_in_place(k.device)
+            and (k.numel() + v.numel()) * dtype.itemsize <= IN_PLACE_BYTES)
 
 
 def _share(parts, r: Rows, k: Tensor, v: Tensor, dtype, acc) -> List[Tensor]:
