@@ -65,5 +65,6 @@ class ReceiveBuffers:
         return None if mapped is None else mapped[peer] + t.storage_offset() * t.element_size()  # t may be empty
 
     def nbytes(self) -> int:
-        """The bytes of the buffers in use, which torch's allocator does not count."""
-        return sum(buffer.numel() for buffer, _ in self.kept.values())
+        """The bytes of the buffers in use that torch's allocator does not count: in symmetric
+        memory (where ranks share a GPU, torch allocates the buffers that CUDA IPC maps)."""
+        return 0 if self.shared_gpu else sum(buffer.numel() for buffer, _ in self.kept.values())
