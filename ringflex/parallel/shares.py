@@ -9,8 +9,8 @@ for the attention kernel that holds the SMs. A distance's share comes once per b
 its buffer is not filled again while the sum may still keep the share unsummed; and the sum
 never hands it out as the gradient, which the next call's share would overwrite. Where a
 block's dK and dV together are larger than ``IN_PLACE_BYTES`` the shares go through the
-mailbox: a buffer per distance kept for every call would hold more memory than they save
-time (a longer block's kernels hide its transfers)."""
+mailbox: a buffer per distance, kept for every call, grows with the block (a long sequence's
+would hold gigabytes that no activation could use)."""
 from __future__ import annotations
 
 from typing import List
