@@ -45,6 +45,31 @@ def test_random_calls_match_the_definition(world_size, rings):
     assert not failures, "\n".join(failures)
 
 
+def _in_place_failures(rank, world_size, count):
+    """``count`` random calls whose K/V blocks and dK/dV shares arrive in buffers that every
+    later call fills again (``support.in_place``), against the definition; and how many
+    buffers of shares they made."""
+    from support.in_place import receive_in_place
+    buffers, failures = receive_in_place(), []
+    for seed in range(20_000 * world_size, 20_000 * world_size + count):
+        call = random_call(seed, world_size)
+        errors = ring_errors(call, random_call(seed, world_size))
+        if max(errors.values()) > 1e-8:
+            failures.append(f"rank {rank} seed {seed} ({call.describe()}): {errors}")
+    return failures, sum(key[0] == "share" for key in buffers)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_random_calls_with_blocks_and_shares_received_in_place(world_size):
+    """As over the copy engines: each buffer is asked for by every rank alike (whole blocks,
+    whatever rows a rank receives), a share's is filled once per backward, and no result is
+    left in one."""
+    results = run_world(world_size, _in_place_failures, 30)
+    failures = [line for lines, _ in results for line in lines]
+    assert not failures, "\n".join(failures)
+    assert all(shares > 0 for _, shares in results)
+
+
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_random_calls_planned_from_small_tiles(world_size, monkeypatch):
     """The same with blocks planned from tiles of 2 rows: hops cut to the keys they see, so

@@ -878,16 +878,11 @@ def _summaries(b, h, q_idx, kv_idx):
 
 
 def _receiving_in_place() -> dict:
-    """Whole blocks computed (``_WholeBlockKernel``) and blocks received "in place" from now on:
-    into buffers kept per key, which every call reuses (CPU tensors filled over gloo), as the
-    copy engines' are. Returns the buffers."""
-    from ringflex.parallel.comm import RingComm
+    """Whole blocks computed (``_WholeBlockKernel``) and blocks and shares received "in place"
+    from now on (``support.in_place``). Returns the buffers."""
+    from support.in_place import receive_in_place
     _with_kernel(_WholeBlockKernel())
-    buffers = {}
-    RingComm.receives_in_place = lambda self, device: True
-    RingComm.receive_buffer = lambda self, key, shape, dtype, device: buffers.setdefault(
-        key, torch.empty(shape, dtype=dtype, device=device))
-    return buffers
+    return receive_in_place()
 
 
 def _elsewhere(b, h, q_idx, kv_idx):
