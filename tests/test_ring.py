@@ -939,6 +939,26 @@ def test_what_arrives_in_place_is_read_out_of_the_buffers_the_next_call_fills(wo
         assert error < 1e-10 and (made_blocks, made_shares) == (blocks, shares)
 
 
+def test_shares_arrive_in_place_up_to_a_block_of_128_mib_of_dk_and_dv():
+    """Over the copy engines a dK/dV share arrives in place while its owner's whole-block dK and
+    dV buffers take at most 128 MiB (8k rows of 32 heads of 128 in bf16): a buffer per distance
+    is kept for every call, so longer blocks' shares go through the mailbox; over the process
+    group's P2P, never."""
+    from ringflex.parallel import shares
+
+    def call(in_place):
+        return types.SimpleNamespace(comm=types.SimpleNamespace(receives_in_place=lambda device: in_place))
+
+    def block(rows, heads=32):
+        return torch.empty(1, heads, rows, 128, device="meta")
+
+    assert shares.arrives_in_place(call(True), block(8192), block(8192), torch.bfloat16)
+    assert not shares.arrives_in_place(call(True), block(8200), block(8200), torch.bfloat16)
+    assert not shares.arrives_in_place(call(True), block(8192), block(8192), torch.float32)
+    assert shares.arrives_in_place(call(True), block(32768, heads=8), block(32768, heads=8), torch.bfloat16)
+    assert not shares.arrives_in_place(call(False), block(16), block(16), torch.bfloat16)
+
+
 @pytest.mark.parametrize("reads, steps, keeps", [
     (None, 1, True), (None, 2, True), (None, 3, False),  # no agreement: whole blocks travel
     ([[(0, 8), (4, 8), (0, 0), (0, 4)]] * 4, 3, True),  # two halves: one block in all
