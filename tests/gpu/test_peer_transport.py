@@ -84,7 +84,8 @@ def _in_place_exchanges(rank, world_size):
     receiver's buffer): rows of blocks read in place, into the leading rows of buffers reused
     over passes (by smaller blocks, and made anew for a larger one), where the last rank sends
     nothing (its receiver's view is empty) and a mailbox transfer (a dK/dV share of a block over
-    ``shares.IN_PLACE_BYTES``) shares the channel; bit for bit as sent. Where ranks share a GPU, the buffers are mapped by CUDA IPC."""
+    ``shares.IN_PLACE_BYTES``) shares the channel; bit for bit as sent. Where ranks share a
+    GPU, the buffers are mapped by CUDA IPC."""
     os.environ["RINGFLEX_TRANSPORT"] = "copy-engine"
     comm = RingComm(dist.group.WORLD)
     device = on_a_gpu(rank)
