@@ -32,9 +32,10 @@ The receiver's copy out of its mailbox is a copy within one GPU, which the drive
 the SMs: it waits for the attention kernel that holds them, and the next step's kernel
 waits for it. So the ring's K/V blocks and dK/dV shares are received in place, into buffers
 that the senders map (``inplace``). The receiver raises CLEAR at the sender once the work
-queued before the receive (the kernels that read the buffer's previous block) is done; the sender waits for it, copies straight
-into the receiver's buffer and raises DONE there; the receiver waits for DONE. Both ends
-count these handshakes per channel, and their flags alternate marks as the slots' do.
+queued before the receive (the kernels that read the buffer's previous block) is done; the
+sender waits for it, copies straight into the receiver's buffer and raises DONE there; the
+receiver waits for DONE. Both ends count these handshakes per channel, and their flags
+alternate marks as the slots' do.
 
 An arrival orders the compute stream after the receive only. A send completes when the
 peer has copied the chunks out of its mailbox, which its device-local copies do only once

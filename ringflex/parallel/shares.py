@@ -20,7 +20,7 @@ from torch import Tensor
 from ..kernels.merge import RowSum, Rows, rows
 from .compute import leading_rows, new_rows, rows_shape, some
 
-IN_PLACE_BYTES = 128 << 20  # a block's dK and dV, at most, for its shares to arrive in place: 8k rows of 32 x 128 in bf16
+IN_PLACE_BYTES = 128 << 20  # a block's dK and dV, at most, for its shares to arrive in place: 8k rows, 32 x 128, bf16
 
 
 class Share:
