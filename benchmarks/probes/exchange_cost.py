@@ -6,8 +6,9 @@ ranks may share a GPU, benchmarks/common.py).
 An exchange here sends a K and a V of 64 MiB each (8192 tokens, 32 heads of 128, bf16: two
 mailbox chunks each) and receives the same, then ends its pass, as a forward step of the
 ring at 8k tokens per GPU does; and a dK/dV share of 2048 rows (16 MiB each of dK and dV:
-a chunk each), as a rank's share of its neighbour's block for a local mask, through the mailbox and received in
-place (into the leading rows of whole-block buffers, as the ring receives it). Each line is the
+a chunk each), as a rank's share of its neighbour's block for a local mask, through the
+mailbox and received in place (into the leading rows of whole-block buffers, as the ring
+receives it). Each line is the
 host time per call over calls issued back to back. ``--profile N``: rank 0's hottest
 functions (cProfile, by own time) over N share exchanges.
 """
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from tools.ranks import init
 from ringflex.parallel import peer
+from ringflex.parallel.comm import RingComm
 from ringflex.parallel.compute import leading_rows
 from ringflex.parallel.groups import gather_objects
 
@@ -64,8 +66,9 @@ def main():
         transport.exchange(share, got_share, shift=-1).wait()
         transport.end_pass()
 
-    in_place = [leading_rows(transport.receive_buffers.get(("share", 1, i), t.numel() * t.element_size())
-                             .view(t.dtype).view(t.shape), 2048) for i, t in enumerate((k, v))]
+    ring = RingComm(dist.group.WORLD)
+    in_place = [leading_rows(ring.receive_buffer(("share", 1, i), t.shape, t.dtype, device), 2048)
+                for i, t in enumerate((k, v))]
 
     def share_in_place():
         transport.exchange(share, in_place, shift=-1).wait()

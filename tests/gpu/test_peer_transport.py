@@ -103,7 +103,8 @@ def _in_place_exchanges(rank, world_size):
                           for _ in range(2)] for r in range(world_size)}
             start, n = rows
             sent_n, got_n = (0 if r == world_size - 1 else n for r in (rank, source))
-            buffers = [comm.receive_buffer((round_ % 2, i), t.shape, t.dtype, device) for i, t in enumerate(blocks[rank])]
+            buffers = [comm.receive_buffer((round_ % 2, i), t.shape, t.dtype, device)
+                       for i, t in enumerate(blocks[rank])]
             recv = [buf.view(-1)[:b * h * got_n * 128].view(b, h, got_n, 128) for buf in buffers]
             arrival = comm.exchange([t.narrow(2, start, sent_n) for t in blocks[rank]], recv, shift)
             share = torch.full((1000,), rank, dtype=torch.uint8, device="cuda")
