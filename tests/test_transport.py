@@ -358,6 +358,16 @@ def test_receive_buffers_are_counted_apart_from_torchs_allocator(monkeypatch):
     assert peer.receive_bytes(torch.device("cuda", 0)) == 0
 
 
+def test_receive_buffers_torch_allocates_are_not_counted_again(monkeypatch):
+    """Where ranks share a GPU the receive buffers come from torch's allocator (CUDA IPC maps
+    them), which counts them already: ``receive_bytes`` adds none of them."""
+    t, pool, _ = _pool(monkeypatch)
+    monkeypatch.setattr(peer, "_TRANSPORTS", {"group": t})
+    pool.shared_gpu = True
+    pool.get((0, 0), 100)
+    assert peer.receive_bytes(torch.device("cpu")) == 0
+
+
 def test_ipc_mapped_memory_opens_in_the_ranks_own_gpu():
     """Where ranks share a GPU, ``mapped`` hands torch's rebuild of a shared CUDA tensor this
     rank's GPU in place of the one the tensor lies on: the argument it replaces is still the
