@@ -11,7 +11,8 @@ Prints, for each piece, the min and median over 7 rounds of the host time per ca
 queued, not waited for): torch's CUDA calls that a ring call makes dozens of, one bare Triton
 launch, and ringflex's own pieces: the cuDNN hop kernel's forward and backward (an unmasked
 block; a block of packed documents, one ragged batch), the fused copy of a block's rows, the
-argument check's record exchange (on one gloo rank) and the kernel choice; and the cuDNN
+argument check's record exchange (on one gloo rank) and the kernel choice; the sum of the own
+block's dK/dV from two shares and its own hops' (``RowSum``, as a zigzag rank ends backward); and the cuDNN
 frontend's own execute and torch's SDPA on cuDNN beside the hop forward, to tell the kernel's
 own cost from ringflex's around it. Host time varies by up to 2x between runs on a shared
 host: compare versions in alternating runs. ``--profile WORD ...`` prints a cProfile of the
@@ -33,6 +34,7 @@ from ringflex import mods
 from ringflex.kernels import select_kernel
 from ringflex.kernels.base import Mods
 from ringflex.kernels import fused_merge
+from ringflex.kernels.merge import RowSum
 from ringflex.kernels import cudnn
 from ringflex.kernels.cudnn import CudnnKernel
 from ringflex.mod import captured
@@ -146,6 +148,17 @@ def main():
     timed("cuDNN hop backward, a cut document",
           lambda: kernel.backward(q_cut, k, v, out, lse, dout_cut, q_seg, seg, cut, 0.088, True))
     half = q.narrow(2, 0, n // 2)
+    share_rows = [(0, n // 4), (3 * n // 4, n)]
+    shares = [(r, q[:, :, : r[1] - r[0]].clone(), v[:, :, : r[1] - r[0]].clone()) for r in share_rows]
+    own = q.clone(), v.clone()
+
+    def own_block_gradient():  # backward's end on a zigzag rank whose both neighbours read its block's edges
+        total = RowSum([k.shape, v.shape], k.dtype, torch.float32, device, share_rows + [(0, n)])
+        for r, dk, dv in shares:
+            total.add(r, dk, dv, reused=True)
+        total.add((0, n), *own)
+        return total.result()
+    timed("the own block's dK/dV sum: two shares, own hops", own_block_gradient)
     timed("fused copy of a block's rows", lambda: fused_merge.add(torch.empty(half.shape, dtype=half.dtype,
                                                                                 device=device), [half]))
     timed("the agreement's exchange (one gloo rank)",

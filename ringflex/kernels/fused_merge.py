@@ -1,5 +1,6 @@
 """Partial results combined in one pass on a CUDA GPU (Triton): the log-sum-exp merge of two
-to four attention outputs, the sum of two to four gradient parts, and the copy of a block's rows.
+to four attention outputs, the sum of two to four gradient parts (two such sums in one launch:
+a block's dK and dV), and the copy of a block's rows.
 
 In torch the merge takes two passes over the rows (one part scaled into an fp32 temporary,
 then the other added into the result), and a sum of bf16 parts that must not be rounded
@@ -81,12 +82,30 @@ def merge(d: Tensor, parts: Sequence[Tuple[Tensor, Tensor, Optional[Tensor]]], l
             dict(PARTS=count, **has, RES=res is not None, **_blocks(d)))
 
 
-def add(d: Tensor, parts: Sequence[Tensor]) -> None:
+def add(d: Tensor, parts: Sequence[Tensor], beside: Optional[Tuple[Tensor, Sequence[Tensor]]] = None) -> None:
     """d = the sum of one to four [B, H, L, D] ``parts``, in fp32, rounded once into ``d``
-    (which may be one of them); one part: a copy."""
-    a, b, c, e = list(parts) + [parts[0]] * (MAX_PARTS - len(parts))  # unread beyond ``len(parts)``
-    for rows in _launches(a, b, c, e, d):
-        _kernels()[1].launch(*_add_arguments(rows, len(parts)))
+    (which may be one of them); one part: a copy. ``beside``: another such (d, parts) that
+    ``pair_applies`` to (a block's dV beside its dK), summed in the same launch."""
+    jobs = [(d, parts)] + ([beside] if beside is not None else [])
+    tensors = [t for job_d, job_parts in jobs for t in _padded(job_parts) + [job_d]]
+    for rows in _launches(*tensors):
+        if beside is None:
+            _kernels()[1].launch(*_add_arguments(rows, len(parts)))
+        else:
+            _kernels()[2].launch(*_pair_arguments(rows, len(parts)))
+
+
+def pair_applies(first: Tuple[Tensor, Sequence[Tensor]], second: Tuple[Tensor, Sequence[Tensor]]) -> bool:
+    """Whether ``add`` can sum ``second`` beside ``first`` in one launch: each as ``sum_applies``
+    asks, as many parts, the same batch, heads and rows (the head dims may differ)."""
+    (d, parts), (d2, parts2) = first, second
+    return (len(parts) == len(parts2) and d.shape[:3] == d2.shape[:3] and d.device == d2.device
+            and sum_applies(d, parts) and sum_applies(d2, parts2))
+
+
+def _padded(parts: Sequence[Tensor]) -> list:
+    """``parts`` filled up to ``MAX_PARTS`` with the first (unread beyond ``len(parts)``)."""
+    return list(parts) + [parts[0]] * (MAX_PARTS - len(parts))
 
 
 def _add_arguments(rows: Sequence[Tensor], count: int):
@@ -95,6 +114,18 @@ def _add_arguments(rows: Sequence[Tensor], count: int):
     arguments = (a, b, c, e, d, d.shape[1], d.shape[2], d.shape[3],
                  *_in_rows(a), *_in_rows(b), *_in_rows(c), *_in_rows(e), *_in_rows(d))
     return _grid(d), arguments, dict(PARTS=count, **_blocks(d))
+
+
+def _pair_arguments(rows: Sequence[Tensor], count: int):
+    """(grid, arguments, constants) of two sums of ``count`` parts each over ``rows`` (a, b,
+    c, e, d of the first, then of the second): twice the programs, the second half the second's."""
+    first, second = rows[:5], rows[5:]
+    d, d2 = first[-1], second[-1]
+    arguments = (*first, *second, d.shape[1], d.shape[2], d.shape[3], d2.shape[3],
+                 *(n for t in rows for n in _in_rows(t)))
+    batches_heads, row_blocks = _grid(d)
+    wider = d if d.shape[3] >= d2.shape[3] else d2
+    return (2 * batches_heads, row_blocks), arguments, dict(PARTS=count, **_blocks(wider))
 
 
 def _launches(*tensors: Tensor):
@@ -206,14 +237,10 @@ def _kernels():
             tl.store(ro + batch * ro_sb + head * ro_sh + row64 * ro_sl,
                      tl.where(seen, (top - merged) + log_sum, 0.0), mask=in_rows)
 
-    sum_free = ["heads", "length", "a_rb", "a_rh", "b_rb", "b_rh", "c_rb", "c_rh", "e_rb", "e_rh", "d_rb", "d_rh"]
-
-    @triton.jit(do_not_specialize=sum_free)
-    def sum_parts(a, b, c, e, d, heads, length, dim, a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, c_rb, c_rh, c_sl,
-                  e_rb, e_rh, e_sl, d_rb, d_rh, d_sl, PARTS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                  BLOCK_DIM: tl.constexpr):
-        bh = tl.program_id(0)
-        batch, head = (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
+    @triton.jit
+    def sum_rows(a, b, c, e, d, batch, head, length, dim, a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, c_rb, c_rh, c_sl,
+                 e_rb, e_rh, e_sl, d_rb, d_rh, d_sl, PARTS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                 BLOCK_DIM: tl.constexpr):
         row = (tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         col = tl.arange(0, BLOCK_DIM)
         both = (row < length)[:, None] & (col < dim)[None, :]
@@ -228,4 +255,35 @@ def _kernels():
         tl.store(d + (batch * d_rb + head * d_rh + row[:, None]) * d_sl + cols, total.to(d.dtype.element_ty),
                  mask=both)
 
-    return Launcher(lse_merge, merge_free, num_warps=4), Launcher(sum_parts, sum_free, num_warps=4)
+    sum_free = ["heads", "length", "a_rb", "a_rh", "b_rb", "b_rh", "c_rb", "c_rh", "e_rb", "e_rh", "d_rb", "d_rh"]
+
+    @triton.jit(do_not_specialize=sum_free)
+    def sum_parts(a, b, c, e, d, heads, length, dim, a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, c_rb, c_rh, c_sl,
+                  e_rb, e_rh, e_sl, d_rb, d_rh, d_sl, PARTS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                  BLOCK_DIM: tl.constexpr):
+        bh = tl.program_id(0)
+        sum_rows(a, b, c, e, d, (bh // heads).to(tl.int64), (bh % heads).to(tl.int64), length, dim,
+                 a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, c_rb, c_rh, c_sl, e_rb, e_rh, e_sl, d_rb, d_rh, d_sl,
+                 PARTS, BLOCK_ROWS, BLOCK_DIM)
+
+    pair_free = sum_free + [f"{n}2" for n in sum_free[2:]]
+
+    @triton.jit(do_not_specialize=pair_free)
+    def sum_pairs(a, b, c, e, d, a2, b2, c2, e2, d2, heads, length, dim, dim2,
+                  a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, c_rb, c_rh, c_sl, e_rb, e_rh, e_sl, d_rb, d_rh, d_sl,
+                  a_rb2, a_rh2, a_sl2, b_rb2, b_rh2, b_sl2, c_rb2, c_rh2, c_sl2, e_rb2, e_rh2, e_sl2,
+                  d_rb2, d_rh2, d_sl2, PARTS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+        half = tl.num_programs(0) // 2  # the first half of the programs sums the first, the rest the second
+        bh = tl.program_id(0)
+        if bh < half:
+            sum_rows(a, b, c, e, d, (bh // heads).to(tl.int64), (bh % heads).to(tl.int64), length, dim,
+                     a_rb, a_rh, a_sl, b_rb, b_rh, b_sl, c_rb, c_rh, c_sl, e_rb, e_rh, e_sl, d_rb, d_rh, d_sl,
+                     PARTS, BLOCK_ROWS, BLOCK_DIM)
+        else:
+            bh -= half
+            sum_rows(a2, b2, c2, e2, d2, (bh // heads).to(tl.int64), (bh % heads).to(tl.int64), length, dim2,
+                     a_rb2, a_rh2, a_sl2, b_rb2, b_rh2, b_sl2, c_rb2, c_rh2, c_sl2, e_rb2, e_rh2, e_sl2,
+                     d_rb2, d_rh2, d_sl2, PARTS, BLOCK_ROWS, BLOCK_DIM)
+
+    return (Launcher(lse_merge, merge_free, num_warps=4), Launcher(sum_parts, sum_free, num_warps=4),
+            Launcher(sum_pairs, pair_free, num_warps=4))

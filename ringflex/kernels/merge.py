@@ -336,17 +336,38 @@ class RowSum(_RowParts):
         return True
 
     def _sum(self, dest: List[Tensor], held: List[List[Tensor]], new: List[Tensor], r: Rows) -> None:
-        for i, d in enumerate(dest):
-            sum_parts(d, [part[i] for part in held] + [new[i]], self.acc_dtype)
+        sum_each([(d, [part[i] for part in held] + [new[i]]) for i, d in enumerate(dest)], self.acc_dtype)
+
+
+def sum_each(jobs: Sequence[Tuple[Tensor, Sequence[Tensor]]], acc_dtype: torch.dtype) -> None:
+    """``sum_parts`` of each ``(d, parts)`` of ``jobs``. On a CUDA GPU two that the fused kernel
+    takes (a block's dK and dV over the same rows) share one launch: the host's time per launch,
+    not the GPU's, bounds short calls."""
+    if (len(jobs) == 2 and not any(_one_add(d, parts) for d, parts in jobs) and fused_merge.pair_applies(*jobs)
+            and fused_merge.available()):
+        fused_merge.add(*jobs[0], beside=jobs[1])
+        return
+    for d, parts in jobs:
+        sum_parts(d, parts, acc_dtype)
+
+
+def _one_add(d: Tensor, parts: Sequence[Tensor]) -> bool:
+    """Whether ``sum_parts`` adds ``parts`` by one torch add: two contiguous tensors that hold
+    their sum's dtype into a contiguous ``d`` (as fast as the fused kernel, and fewer host us)."""
+    return _adds_in(parts, d) and all(t.is_contiguous() for t in (d, *parts))
+
+
+def _adds_in(parts: Sequence[Tensor], d: Tensor) -> bool:
+    """Whether two ``parts`` add in a dtype no narrower than ``d``'s (torch's add, rounded once)."""
+    common = functools.reduce(torch.promote_types, [p.dtype for p in parts])
+    return len(parts) == 2 and torch.promote_types(common, d.dtype) == common
 
 
 def sum_parts(d: Tensor, parts: Sequence[Tensor], acc_dtype: torch.dtype) -> None:
     """``d`` = the sum of two to four ``parts``, computed in ``acc_dtype`` (or wider) and
     rounded once into ``d``, which may be one of them. One fused pass on a CUDA GPU; torch's
     add where two whole tensors meet, which is as fast (over row views it takes twice as long)."""
-    common = functools.reduce(torch.promote_types, [p.dtype for p in parts])
-    one_add = len(parts) == 2 and torch.promote_types(common, d.dtype) == common  # computed in ``common``
-    if one_add and all(t.is_contiguous() for t in (d, *parts)):
+    if _one_add(d, parts):
         torch.add(*parts, out=d)
         return
     if fused_merge.sum_applies(d, parts):
@@ -354,9 +375,10 @@ def sum_parts(d: Tensor, parts: Sequence[Tensor], acc_dtype: torch.dtype) -> Non
             fused_merge.add(d, parts)
             return
         _warn_no_triton()
-    if one_add:
+    if _adds_in(parts, d):
         torch.add(*parts, out=d)  # fp32 for fp16/bf16 inputs, rounded once into d
         return
+    common = functools.reduce(torch.promote_types, [p.dtype for p in parts])
     *first, last = parts  # widened first, or the sum is rounded to the parts' dtype
     total = first[0].to(torch.promote_types(torch.promote_types(common, d.dtype), acc_dtype))
     for part in first[1:]:

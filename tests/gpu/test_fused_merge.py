@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ringflex.kernels import fused_merge
-from ringflex.kernels.merge import contiguous_rows, merge_in_torch, merge_parts, sum_parts
+from ringflex.kernels.merge import RowSum, contiguous_rows, merge_in_torch, merge_parts, sum_each, sum_parts
 
 
 
@@ -182,6 +182,72 @@ def test_fused_sum_of_more_rows_than_one_launch_takes(monkeypatch):
     d = torch.empty_like(parts[0])
     sum_parts(d, parts, torch.float32)
     torch.testing.assert_close(d, sum(p.float() for p in parts).to(torch.bfloat16), rtol=0, atol=0)
+
+
+def _launches_of(monkeypatch, kernel: int) -> list:
+    """Records each launch of the fused kernel ``kernel`` (0 merge, 1 sum, 2 two sums) from now on."""
+    launcher, seen = fused_merge._kernels()[kernel], []
+    real = launcher.launch
+    monkeypatch.setattr(launcher, "launch", lambda *args: seen.append(args) or real(*args))
+    return seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
+@pytest.mark.parametrize("dims,length", [((128, 128), 1000), ((192, 128), 33), ((64, 80), 7)])
+def test_two_sums_in_one_launch(monkeypatch, count, dims, length):
+    """A block's dK and dV (head dims apart, dK's parts in fp32 as with the LSE's share, dV's
+    in bf16; rows of larger tensors) summed by one launch: bit for bit each sum alone."""
+    g = torch.Generator(device="cuda").manual_seed(count + length)
+    parts = [[torch.randn(2, 3, length + 5, dim, device="cuda", generator=g).to(dtype).narrow(2, 2, length)
+              for _ in range(count)] for dim, dtype in zip(dims, (torch.float32, torch.bfloat16))]
+    alone = [torch.empty(p[0].shape, dtype=torch.bfloat16, device="cuda") for p in parts]
+    for d, p in zip(alone, parts):
+        fused_merge.add(d, p)
+    together = [torch.empty_like(d) for d in alone]
+    pairs, singles = _launches_of(monkeypatch, 2), _launches_of(monkeypatch, 1)
+    assert fused_merge.pair_applies((together[0], parts[0]), (together[1], parts[1]))
+    sum_each(list(zip(together, parts)), torch.float32)
+    assert (len(pairs), len(singles)) == (1, 0)
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+
+
+@pytest.mark.gpu
+def test_sums_that_one_launch_cannot_take_together_go_apart(monkeypatch):
+    """Different rows or part counts: a launch each; two whole tensors: torch's add each."""
+    a, b = (torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    rows = torch.randn(1, 2, 80, 128, device="cuda", dtype=torch.bfloat16).narrow(2, 8, 64)
+    pairs, singles = _launches_of(monkeypatch, 2), _launches_of(monkeypatch, 1)
+    sum_each([(torch.empty_like(a), [a, rows]), (torch.empty_like(a), [a, rows, b])], torch.float32)
+    sum_each([(torch.empty_like(a), [a, rows]), (torch.empty(1, 2, 32, 128, device="cuda"), [a[:, :, :32]] * 2)],
+             torch.float32)
+    sum_each([(torch.empty_like(a), [a, b]), (torch.empty_like(a), [b, a])], torch.float32)
+    assert (len(pairs), len(singles)) == (0, 4)
+    assert not fused_merge.pair_applies((a, [a, rows]), (a, [a, rows, b]))
+
+
+@pytest.mark.gpu
+def test_a_blocks_dk_and_dv_sum_in_one_launch_per_rows(monkeypatch):
+    """The own block's gradient in backward: shares over two row ranges, then the own hops'
+    gradient over every row. The sum of each range's dK and dV is one launch, so two in all."""
+    shape = (1, 4, 256, 64)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    make = lambda n: torch.randn(*shape[:2], n, shape[3], device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    ranges = [(0, 64), (192, 256)]
+    shares = [(r, make(r[1] - r[0]), make(r[1] - r[0])) for r in ranges]
+    own = (make(256), make(256))
+    want = [o.double().clone() for o in own]
+    for (lo, hi), dk, dv in shares:
+        for w, part in zip(want, (dk, dv)):
+            w[:, :, lo:hi] += part.double()
+    pairs, singles = _launches_of(monkeypatch, 2), _launches_of(monkeypatch, 1)
+    total = RowSum([shape, shape], torch.bfloat16, torch.float32, "cuda", ranges + [(0, 256)])
+    for r, dk, dv in shares:
+        total.add(r, dk, dv, reused=True)
+    total.add((0, 256), *own)
+    got = total.result()
+    assert (len(pairs), len(singles)) == (2, 0)
+    assert all(torch.equal(a, w.to(torch.bfloat16)) for a, w in zip(got, want))
 
 
 @pytest.mark.gpu
