@@ -343,3 +343,41 @@ def test_passes_over_row_views_go_to_the_fused_kernel(monkeypatch):
     copy = merge.contiguous_rows(views[0])
     assert calls == [2, 1] and copy.is_contiguous() and torch.equal(copy, views[0])
     assert merge.contiguous_rows(whole[0]) is whole[0]
+
+
+def test_a_blocks_dk_and_dv_go_to_the_fused_kernel_together(monkeypatch):
+    """Where the fused kernel runs (a GPU), each sum of a block's dK over some rows goes to it
+    with dV's sum over the same rows beside it, one launch for both: here the own block's
+    gradient from two shares and its own hops' (two row ranges, so two launches); torch's add
+    where two whole tensors meet, as before."""
+    from ringflex.kernels import fused_merge
+
+    launches = []
+
+    def add(d, parts, beside=None):
+        launches.append(beside is not None)
+        for dest, summed in [(d, parts)] + ([beside] if beside is not None else []):
+            dest.copy_(sum(p.double() for p in summed))
+    monkeypatch.setattr(fused_merge, "available", lambda: True)
+    monkeypatch.setattr(fused_merge, "sum_applies", lambda d, parts: True)  # as on a GPU
+    monkeypatch.setattr(fused_merge, "add", add)
+    shape, ranges = (1, 2, LENGTH, 4), [(0, 4), (12, 16)]
+    g = torch.Generator().manual_seed(0)
+    shares = [(r, *(torch.randn(1, 2, r[1] - r[0], 4, generator=g) for _ in range(2))) for r in ranges]
+    own = [torch.randn(shape, generator=g) for _ in range(2)]
+    want = [o.double() for o in own]
+    for (lo, hi), dk, dv in shares:
+        for w, part in zip(want, (dk, dv)):
+            w[:, :, lo:hi] += part.double()
+    total = RowSum([shape, shape], torch.float32, torch.float32, "cpu", ranges + [(0, LENGTH)])
+    for r, dk, dv in shares:
+        total.add(r, dk, dv, reused=True)
+    total.add((0, LENGTH), *own)
+    assert launches == [True, True]
+    assert all(torch.allclose(got, w.float()) for got, w in zip(total.result(), want))
+    launches.clear()
+    whole = RowSum([shape, shape], torch.float32, torch.float32, "cpu", [(0, LENGTH)] * 2)
+    for _ in range(2):
+        whole.add((0, LENGTH), *(torch.randn(shape, generator=g) for _ in range(2)))
+    whole.result()
+    assert launches == []

@@ -1,7 +1,7 @@
 """The CUDA driver calls the copy-engine transport (``peer``) makes, through ctypes: on its
-streams, write, await and fill 32-bit flags (stream memory operations, which torch does not
-expose) and copy between addresses, contiguous or as rows (a 2-D copy); and, where ranks share
-a GPU (``mapped``), memory that other processes map by CUDA IPC."""
+streams, write and await 32-bit flags (stream memory operations, which torch does not
+expose) and copy between addresses, contiguous or as rows (a 2-D copy); and, where ranks
+share a GPU (``mapped``), memory that other processes map by CUDA IPC."""
 from __future__ import annotations
 
 import contextlib
@@ -69,11 +69,6 @@ class Driver:
         params = _Memcpy2D(srcMemoryType=_UNIFIED, srcDevice=source, srcPitch=pitch, dstMemoryType=_UNIFIED,
                            dstDevice=destination, dstPitch=width, WidthInBytes=width, Height=rows)
         self._check(self._copy_rows(ctypes.byref(params), stream), "cuMemcpy2DAsync")
-
-    def fill(self, stream: int, address: int, value: int, count: int) -> None:
-        """On ``stream``: set the ``count`` 32-bit words from ``address`` on to ``value``."""
-        self._check(self._call("cuMemsetD32Async", ctypes.c_uint64(address), ctypes.c_uint(value),
-                               ctypes.c_size_t(count), ctypes.c_void_p(stream)), "cuMemsetD32Async")
 
     def allocate(self, device: int, nbytes: int) -> int:
         """``nbytes`` of memory on GPU ``device`` (in its primary context, torch's), outside

@@ -54,6 +54,7 @@ with a one-time warning), ``copy-engine`` (an error where it cannot run) or ``nc
 from __future__ import annotations
 
 import importlib
+import itertools
 import socket
 import weakref
 from typing import List, Optional, Sequence, Tuple
@@ -370,9 +371,10 @@ class PeerTransport:
 
     def release(self) -> None:
         """Raises every flag this rank's and its peers' streams may wait on (see ``release``)."""
-        stream = torch.cuda.Stream(self.device)  # the transport's streams may be blocked
-        for address in self.base.values():
-            self.driver.fill(stream.cuda_stream, address, _RELEASED, _FLAGS_BYTES // 4)
+        stream = torch.cuda.Stream(self.device).cuda_stream  # the transport's streams may be blocked
+        for owner, kind, channel, slot in itertools.product(self.base, (_READY, _FREE, _CLEAR, _DONE),
+                                                            range(len(self.shifts)), range(SLOTS)):
+            self.driver.write(stream, self._flag(owner, kind, channel, slot), _RELEASED)
 
 
 def release(group) -> None:
