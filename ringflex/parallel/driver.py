@@ -79,15 +79,19 @@ class Driver:
         return address.value
 
     def free(self, device: int, address: int) -> None:
-        """Frees what ``allocate`` returned (once the GPU is done with it: the driver waits)."""
+        """Frees what ``allocate`` returned, once the GPU has done all the work queued so far
+        (torch's stream semantics do not cover this memory)."""
         with self._context(device):
+            self._check(self._call("cuCtxSynchronize"), "cuCtxSynchronize")
             self._check(self._call("cuMemFree", ctypes.c_uint64(address)), "cuMemFree")
 
-    def ipc_handle(self, address: int) -> bytes:
-        """The CUDA IPC handle of memory that ``allocate`` returned, for another process to open."""
+    def ipc_handle(self, device: int, address: int) -> bytes:
+        """The CUDA IPC handle of memory that ``allocate`` returned on GPU ``device``, for
+        another process to open."""
         handle = _IpcHandle()
-        self._check(self._call("cuIpcGetMemHandle", ctypes.byref(handle), ctypes.c_uint64(address)),
-                    "cuIpcGetMemHandle")
+        with self._context(device):
+            self._check(self._call("cuIpcGetMemHandle", ctypes.byref(handle), ctypes.c_uint64(address)),
+                        "cuIpcGetMemHandle")
         return bytes(handle.reserved)
 
     def ipc_open(self, device: int, handle: bytes) -> int:

@@ -25,7 +25,7 @@ def mapped(group, device: torch.device, nbytes: int, peers: Iterable[int], share
     peers = sorted(set(peers))
     if shared_gpu:
         mine = made_together(group, lambda: _DriverMemory(device, nbytes).tensor(), what)
-        opened = _IpcOpened(device, gather_objects(group, Driver().ipc_handle(mine.data_ptr())), peers)
+        opened = _IpcOpened(device, gather_objects(group, Driver().ipc_handle(device.index, mine.data_ptr())), peers)
         return mine, dict(opened.addresses), opened
     import torch.distributed._symmetric_memory as symm_mem
     mine = made_together(group, lambda: symm_mem.empty(nbytes, dtype=torch.uint8, device=device), what)
