@@ -1,5 +1,6 @@
 """The copy-engine transport's bookkeeping, on CPU (tests/gpu/test_peer_transport.py moves bytes)."""
 import ctypes
+import inspect
 
 import pytest
 import torch
@@ -60,6 +61,7 @@ def _ranks(world_size: int):
         t.driver, t.rank, t.mailbox, t.size, t.shifts = flags, r, mailboxes[r], world_size, shifts
         t.to = [(r + s) % world_size for s in shifts]
         t.source = [(r - s) % world_size for s in shifts]
+        t.peer_mailbox = {p: mailboxes[p] for p in t.to}
         t.base = {p: mailboxes[p].data_ptr() for p in range(world_size)}
         t.sent, t.received = [0] * len(shifts), [0] * len(shifts)
         t.handed, t.taken = [0] * len(shifts), [0] * len(shifts)
@@ -299,17 +301,11 @@ def _pool(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: state.update(synchronized=state["synchronized"] + 1))
 
-    class Mapping:  # records when the peers' buffers are unmapped
-        def close(self):
-            state["events"].append("closed")
-
     def made(nbytes):
-        state["events"].append(f"made {nbytes}")
         buffer = torch.zeros(nbytes, dtype=torch.uint8)
         pool.mapped[buffer.data_ptr()] = {p: 1 << 40 for p in pool.peers}
-        pool.kept[buffer.data_ptr()] = buffer, Mapping()
+        pool.kept[buffer.data_ptr()] = buffer, None
         return buffer
-    state["events"] = []
     monkeypatch.setattr(pool, "_mapped", made)
     return t, pool, state
 
@@ -317,9 +313,7 @@ def _pool(monkeypatch):
 def test_a_key_keeps_one_receive_buffer_the_largest_asked(monkeypatch):
     """Calls of many lengths hold one buffer per key, the largest asked for: a smaller ask
     gets the leading bytes of the one there, a larger one a new buffer, after the device is
-    synchronised (no copy into the old one under way) and the peers' old buffers unmapped
-    (before the collective that makes the new one, after which they may free theirs), and the
-    old one is let go."""
+    synchronised (no copy into the old one under way), and the old one is let go."""
     t, pool, state = _pool(monkeypatch)
     first = pool.get((0, 0), 100)
     assert first.numel() == 100 and len(pool.kept) == 1
@@ -330,7 +324,6 @@ def test_a_key_keeps_one_receive_buffer_the_largest_asked(monkeypatch):
     larger = pool.get((0, 0), 300)
     assert larger.numel() == 300 and state["synchronized"] == 1
     assert first.data_ptr() not in pool.kept and first.data_ptr() not in pool.mapped and len(pool.kept) == 2
-    assert state["events"] == ["made 100", "made 40", "closed", "made 300"]
     assert t._in_place(0, [torch.ones(10, dtype=torch.uint8)], [pool.get((0, 0), 10)]) == [1 << 40]
 
 
@@ -365,14 +358,23 @@ def test_receive_buffers_are_counted_apart_from_torchs_allocator(monkeypatch):
     assert peer.receive_bytes(torch.device("cuda", 0)) == 0
 
 
-def test_receive_buffers_mapped_by_cuda_ipc_are_counted_too(monkeypatch):
-    """Where ranks share a GPU the receive buffers are the driver's memory (CUDA IPC maps
-    them), which torch's allocator does not count either: ``receive_bytes`` counts them."""
+def test_receive_buffers_torch_allocates_are_not_counted_again(monkeypatch):
+    """Where ranks share a GPU the receive buffers come from torch's allocator (CUDA IPC maps
+    them), which counts them already: ``receive_bytes`` adds none of them."""
     t, pool, _ = _pool(monkeypatch)
     monkeypatch.setattr(peer, "_TRANSPORTS", {"group": t})
     pool.shared_gpu = True
     pool.get((0, 0), 100)
-    assert peer.receive_bytes(torch.device("cpu")) == 100
+    assert peer.receive_bytes(torch.device("cpu")) == 0
+
+
+def test_ipc_mapped_memory_opens_in_the_ranks_own_gpu():
+    """Where ranks share a GPU, ``mapped`` hands torch's rebuild of a shared CUDA tensor this
+    rank's GPU in place of the one the tensor lies on: the argument it replaces is still the
+    storage's device."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    from ringflex.parallel import mapped
+    assert list(inspect.signature(rebuild_cuda_tensor).parameters)[mapped._IPC_DEVICE] == "storage_device"
 
 
 def _made_together(rank, world_size):

@@ -1,10 +1,8 @@
-"""The CUDA driver calls the copy-engine transport (``peer``) makes, through ctypes: on its
-streams, write and await 32-bit flags (stream memory operations, which torch does not
-expose) and copy between addresses, contiguous or as rows (a 2-D copy); and, where ranks
-share a GPU (``mapped``), memory that other processes map by CUDA IPC."""
+"""The CUDA driver calls the copy-engine transport (``peer``) makes on its streams, through
+ctypes: write and await a 32-bit flag (stream memory operations, which torch does not
+expose), and copy between addresses, contiguous or as rows (a 2-D copy)."""
 from __future__ import annotations
 
-import contextlib
 import ctypes
 
 _UNIFIED = 4  # CU_MEMORYTYPE_UNIFIED: an address of the unified address space, on any GPU of the host
@@ -18,11 +16,6 @@ class _Memcpy2D(ctypes.Structure):
                 ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64),
                 ("dstArray", ctypes.c_void_p), ("dstPitch", ctypes.c_size_t), ("WidthInBytes", ctypes.c_size_t),
                 ("Height", ctypes.c_size_t)]
-
-
-class _IpcHandle(ctypes.Structure):
-    """The driver's CUipcMemHandle."""
-    _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
 class Driver:
@@ -42,7 +35,6 @@ class Driver:
         self._copy_rows = getattr(lib, "cuMemcpy2DAsync_v2", None) or lib.cuMemcpy2DAsync
         self._copy_rows.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
         self._copy_rows.restype = ctypes.c_int
-        self._lib = lib
 
     @staticmethod
     def _function(lib, name: str):
@@ -69,61 +61,6 @@ class Driver:
         params = _Memcpy2D(srcMemoryType=_UNIFIED, srcDevice=source, srcPitch=pitch, dstMemoryType=_UNIFIED,
                            dstDevice=destination, dstPitch=width, WidthInBytes=width, Height=rows)
         self._check(self._copy_rows(ctypes.byref(params), stream), "cuMemcpy2DAsync")
-
-    def allocate(self, device: int, nbytes: int) -> int:
-        """``nbytes`` of memory on GPU ``device`` (in its primary context, torch's), outside
-        torch's allocator: memory a CUDA IPC handle can name whatever the allocator's settings."""
-        address = ctypes.c_uint64()
-        with self._context(device):
-            self._check(self._call("cuMemAlloc", ctypes.byref(address), ctypes.c_size_t(nbytes)), "cuMemAlloc")
-        return address.value
-
-    def free(self, device: int, address: int) -> None:
-        """Frees what ``allocate`` returned, once the GPU has done all the work queued so far
-        (torch's stream semantics do not cover this memory)."""
-        with self._context(device):
-            self._check(self._call("cuCtxSynchronize"), "cuCtxSynchronize")
-            self._check(self._call("cuMemFree", ctypes.c_uint64(address)), "cuMemFree")
-
-    def ipc_handle(self, device: int, address: int) -> bytes:
-        """The CUDA IPC handle of memory that ``allocate`` returned on GPU ``device``, for
-        another process to open."""
-        handle = _IpcHandle()
-        with self._context(device):
-            self._check(self._call("cuIpcGetMemHandle", ctypes.byref(handle), ctypes.c_uint64(address)),
-                        "cuIpcGetMemHandle")
-        return bytes(handle.reserved)
-
-    def ipc_open(self, device: int, handle: bytes) -> int:
-        """The address at which another process's memory named by ``handle`` is mapped into the
-        primary context of GPU ``device`` (whichever GPU it lies on)."""
-        address, lazy_peer_access = ctypes.c_uint64(), 1
-        with self._context(device):
-            self._check(self._call("cuIpcOpenMemHandle", ctypes.byref(address), _IpcHandle(handle),
-                                   ctypes.c_uint(lazy_peer_access)), "cuIpcOpenMemHandle")
-        return address.value
-
-    def ipc_close(self, device: int, address: int) -> None:
-        """Unmaps what ``ipc_open`` mapped."""
-        with self._context(device):
-            self._check(self._call("cuIpcCloseMemHandle", ctypes.c_uint64(address)), "cuIpcCloseMemHandle")
-
-    def _call(self, name: str, *args) -> int:
-        fn = getattr(self._lib, name + "_v2", None) or getattr(self._lib, name)
-        return fn(*args)
-
-    @contextlib.contextmanager
-    def _context(self, device: int):
-        """GPU ``device``'s primary context (torch's) current on this thread while inside."""
-        context = ctypes.c_void_p()
-        self._check(self._call("cuDevicePrimaryCtxRetain", ctypes.byref(context), ctypes.c_int(device)),
-                    "cuDevicePrimaryCtxRetain")
-        self._check(self._call("cuCtxPushCurrent", context), "cuCtxPushCurrent")
-        try:
-            yield
-        finally:
-            self._call("cuCtxPopCurrent", ctypes.byref(ctypes.c_void_p()))
-            self._call("cuDevicePrimaryCtxRelease", ctypes.c_int(device))
 
     @staticmethod
     def _check(status: int, name: str) -> None:

@@ -41,14 +41,10 @@ class ReceiveBuffers:
                 raise RuntimeError("ringflex: a ring call captured in a CUDA graph needs an eager call of the same "
                                    "shapes on the same process group first (it makes the receive buffers, which "
                                    "capture cannot)")
-            dropped = None
             if found is not None and found.data_ptr() not in self.in_graphs:
                 torch.cuda.synchronize(self.device)  # no copy into or out of it is under way, here or at a peer
-                del self.mapped[found.data_ptr()]
-                dropped = self.kept.pop(found.data_ptr())
-                dropped[1].close()  # the peers' buffers unmapped here before they free them
-            found = self.current[key] = self._mapped(nbytes)  # with every rank: all have unmapped this one's
-            del dropped  # freed once nothing else holds it
+                del self.mapped[found.data_ptr()], self.kept[found.data_ptr()]
+            found = self.current[key] = self._mapped(nbytes)
         if capturing:
             self.in_graphs.add(found.data_ptr())
         return found[:nbytes]
@@ -58,7 +54,7 @@ class ReceiveBuffers:
         with torch.cuda.device(self.device):  # made_together gathers over the group (NCCL: on the current device)
             buffer, theirs, mapping = mapped(self.group, self.device, nbytes, self.peers, self.shared_gpu,
                                              "a receive buffer of the ring")
-        self.mapped[buffer.data_ptr()] = theirs
+        self.mapped[buffer.data_ptr()] = {r: t.data_ptr() for r, t in theirs.items()}
         self.kept[buffer.data_ptr()] = buffer, mapping
         return buffer
 
@@ -69,6 +65,6 @@ class ReceiveBuffers:
         return None if mapped is None else mapped[peer] + t.storage_offset() * t.element_size()  # t may be empty
 
     def nbytes(self) -> int:
-        """The bytes of the buffers in use, which torch's allocator does not count (symmetric
-        memory, or the driver's where CUDA IPC maps them)."""
-        return sum(buffer.numel() for buffer, _ in self.kept.values())
+        """The bytes of the buffers in use that torch's allocator does not count: in symmetric
+        memory (where ranks share a GPU, torch allocates the buffers that CUDA IPC maps)."""
+        return 0 if self.shared_gpu else sum(buffer.numel() for buffer, _ in self.kept.values())

@@ -54,7 +54,6 @@ with a one-time warning), ``copy-engine`` (an error where it cannot run) or ``nc
 from __future__ import annotations
 
 import importlib
-import itertools
 import socket
 import weakref
 from typing import List, Optional, Sequence, Tuple
@@ -179,12 +178,12 @@ class PeerTransport:
         self.to = [(rank + shift) % size for shift in self.shifts]
         self.source = [(rank - shift) % size for shift in self.shifts]
         total = _FLAGS_BYTES + len(self.shifts) * SLOTS * SLOT_BYTES
-        self.mailbox, peer_mailboxes, self._mapping = mapped(group, device, total, self.to, shared_gpu,
-                                                              "the copy engines' mailboxes")
+        self.mailbox, self.peer_mailbox, self._mapping = mapped(group, device, total, self.to, shared_gpu,
+                                                                 "the copy engines' mailboxes")
         self.mailbox[:_FLAGS_BYTES].view(torch.int32).fill_(MARKS[1])  # as after an odd use
         torch.cuda.synchronize(device)
         gather_objects(group, None)  # no rank raises a flag in a mailbox before its owner has set them
-        self.base = {**peer_mailboxes, rank: self.mailbox.data_ptr()}  # every mailbox this rank reaches, by rank
+        self.base = {r: mailbox.data_ptr() for r, mailbox in (*self.peer_mailbox.items(), (rank, self.mailbox))}
         self.rank = rank
         self.streams = [(torch.cuda.Stream(device), torch.cuda.Stream(device)) for _ in self.shifts]  # (send, recv)
         self.sent, self.received = [0] * len(self.shifts), [0] * len(self.shifts)  # chunks of the pass, per channel
@@ -371,10 +370,9 @@ class PeerTransport:
 
     def release(self) -> None:
         """Raises every flag this rank's and its peers' streams may wait on (see ``release``)."""
-        stream = torch.cuda.Stream(self.device).cuda_stream  # the transport's streams may be blocked
-        for owner, kind, channel, slot in itertools.product(self.base, (_READY, _FREE, _CLEAR, _DONE),
-                                                            range(len(self.shifts)), range(SLOTS)):
-            self.driver.write(stream, self._flag(owner, kind, channel, slot), _RELEASED)
+        with torch.cuda.stream(torch.cuda.Stream(self.device)):  # the transport's streams may be blocked
+            for mailbox in (self.mailbox, *self.peer_mailbox.values()):
+                mailbox[:_FLAGS_BYTES].view(torch.int32).fill_(_RELEASED)
 
 
 def release(group) -> None:
