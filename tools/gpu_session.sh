@@ -7,6 +7,7 @@
 #   bash tools/gpu_session.sh links efficiency binding4 profile4 skew4 capturetests check4 check4mesh transport4 phases4 phases4docs gaps4 traces4 launch4 shardcost hostprofile4 phases4mesh sharding4 block4 documents4runs hostruns4 local4 mesh4 bench4   # on 4 GPUs
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh streamorder1   # on 1 GPU: tests/gpu/test_stream_order.py fails on a tree before the race's fix (f3228ab), passes here
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh basealone1   # on 1 GPU: rank 1's host phases alone, BASE and this tree
+#   BASE=$PWD/.whl/base bash tools/gpu_session.sh basehostcost1   # on 1 GPU: host_cost's pieces, BASE's library and this tree's in turn, twice
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base2   # on 2 GPUs; base4 basephases4 on 4: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -113,6 +114,9 @@ for stage in "$@"; do
              (cd "$tree" && run basephases4 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
              run basephases4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --no-timers --calls 40 \
                --cases ${CASES:-documents:contiguous window:contiguous window:zigzag causal:zigzag}); done; done ;;  # host ms per call, this tree against BASE
+    basehostcost1) test -n "${BASE:-}" || { echo "basehostcost1 needs BASE=<another tree>"; exit 2; }
+           for round in 1 2; do for tree in "$BASE" "$PWD"; do  # one probe (this tree's), the two libraries in turn
+             run basehostcost1 env PYTHONPATH=/tmp/site:$tree python3 benchmarks/probes/host_cost.py; done; done ;;
     basealone1) test -n "${BASE:-}" || { echo "basealone1 needs BASE=<another tree>"; exit 2; }
            cp benchmarks/probes/host_phases.py "$BASE/benchmarks/probes/"  # one probe, two libraries
            for tree in "$BASE" "$PWD"; do (cd "$tree" && run basealone1 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
