@@ -67,7 +67,7 @@ def merge(d: Tensor, parts: Sequence[Tuple[Tensor, Tensor, Optional[Tensor]]], l
     (``merge.lse_weights``; res None: 0), ``res`` (where given) taking the merged one's. Rows
     where every lse is -inf get 0, lse -inf and res 0."""
     count = len(parts)
-    padded = list(parts) + [parts[0]] * (MAX_PARTS - count)  # unread beyond ``count``
+    padded = _padded(parts)
     xs = [x for x, _, _ in padded]
     lses = [part_lse for _, part_lse, _ in padded]
     ress = [part_lse if part_res is None else part_res for _, part_lse, part_res in padded]
