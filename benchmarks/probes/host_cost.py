@@ -13,9 +13,9 @@ launch, and ringflex's own pieces: the cuDNN hop kernel's forward and backward (
 block; a block of packed documents, one ragged batch), the sum of the own block's dK/dV from
 two shares and its own hops' (``RowSum``, as a zigzag rank ends backward), the fused copy of a
 block's rows, the argument check's record exchange (on one gloo rank) and the kernel choice;
-and the cuDNN frontend's own execute and torch's SDPA on cuDNN beside the hop forward, to tell the kernel's
-own cost from ringflex's around it. Host time varies by up to 2x between runs on a shared
-host: compare versions in alternating runs. ``--profile WORD ...`` prints a cProfile of the
+and the cuDNN frontend's own execute and torch's SDPA on cuDNN beside the hop forward, to
+tell the kernel's own cost from ringflex's around it. Host time varies by up to 2x between
+runs on a shared host: compare versions in alternating runs. ``--profile WORD ...`` prints a cProfile of the
 pieces whose names hold a WORD, say ``--profile documents``.
 """
 from __future__ import annotations
