@@ -150,7 +150,7 @@ def host_behind_gaps(trace: dict, top: int = 3, functions: int = 12) -> list:
     return found
 
 
-_PASSES = (("dot_do_o", "D"), ("convert_dq", "C"), ("lse_merge", "M"), ("sum_parts", "S"))
+_PASSES = (("dot_do_o", "D"), ("convert_dq", "C"), ("lse_merge", "M"), ("sum_parts", "S"), ("sum_pairs", "S"))
 
 
 def _short(name: str) -> str:

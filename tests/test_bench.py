@@ -48,10 +48,11 @@ def test_rank_timelines_put_the_ranks_traces_on_one_clock():
                   ("gpu_memset", 990, 1, "Memset (Device)", 7))
     rank1 = trace(("kernel", 3000, 200, "void cudnn::fusion::compute_dot_do_o", 7),
                   ("kernel", 3200, 2000, "cudnn_generated_fort_native_sdpa_sm90", 7),
-                  ("kernel", 5200, 100, "sum_parts", 7))
+                  ("kernel", 5200, 100, "sum_parts", 7), ("kernel", 5300, 50, "sum_pairs", 7))
     assert rank_timelines([rank0, rank1]).splitlines() == [
         "rank 0: A:0.000(0.500) M:0.600(0.100)", "rank 0 ms: A 0.500, M 0.100",
-        "rank 1: D:2.000(0.200) A:2.200(2.000) S:4.200(0.100)", "rank 1 ms: A 2.000, D 0.200, S 0.100"]
+        "rank 1: D:2.000(0.200) A:2.200(2.000) S:4.200(0.100) S:4.300(0.050)",
+        "rank 1 ms: A 2.000, D 0.200, S 0.150"]
 
 
 def test_host_behind_gaps_from_a_trace():

@@ -73,11 +73,11 @@ class Passes(TorchDispatchMode):
             setattr(fused_merge, name, self._fused(name, getattr(fused_merge, name)))
 
     def _fused(self, name: str, fn):
-        def call(d, *args):
+        def call(d, *args, **kwargs):
             if not self.in_kernel:
-                tensors = [d, *(t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]))]
+                tensors = [d, *_tensors([*args, *kwargs.values()])]
                 self._record(f"fused {name}", tensors, tensors)
-            return fn(d, *args)
+            return fn(d, *args, **kwargs)
         return call
 
     def _inside(self, fn):
@@ -88,6 +88,17 @@ class Passes(TorchDispatchMode):
             finally:
                 self.in_kernel -= 1
         return call
+
+
+def _tensors(args) -> List[torch.Tensor]:
+    """The tensors in ``args``, nested in lists and tuples (a sum's parts; a pair's second sum)."""
+    found = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found += _tensors(a)
+    return found
 
 
 def main():
