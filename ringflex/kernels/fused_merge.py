@@ -45,9 +45,14 @@ def sum_applies(d: Tensor, parts: Sequence[Tensor]) -> bool:
 
 def _in_rows_of_one_gpu(d: Tensor, *others: Tensor) -> bool:
     """[B, H, L, D] tensors on d's GPU, as the kernels index them."""
-    return d.is_cuda and all(t.device == d.device for t in others) and all(
-        t.dim() == 4 and t.dtype in _DTYPES and t.stride(-1) == 1 and t.stride(0) % t.stride(2) == 0
-        and t.stride(1) % t.stride(2) == 0 for t in (d, *others))
+    return d.is_cuda and all(t.device == d.device for t in others) and _in_rows_of_elements(d, *others)
+
+
+def _in_rows_of_elements(*tensors: Tensor) -> bool:
+    """[B, H, L, D] tensors of a dtype the kernels take, rows of contiguous elements whose
+    batches and heads are whole rows apart."""
+    return all(t.dim() == 4 and t.dtype in _DTYPES and t.stride(-1) == 1 and t.stride(0) % t.stride(2) == 0
+               and t.stride(1) % t.stride(2) == 0 for t in tensors)
 
 
 @functools.lru_cache(maxsize=None)
