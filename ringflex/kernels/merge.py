@@ -354,10 +354,10 @@ def sum_each(jobs: Sequence[Tuple[Tensor, Sequence[Tensor]]], acc_dtype: torch.d
 def _one_add(d: Tensor, parts: Sequence[Tensor]) -> bool:
     """Whether ``sum_parts`` adds ``parts`` by one torch add: two contiguous tensors that hold
     their sum's dtype into a contiguous ``d`` (as fast as the fused kernel, and fewer host us)."""
-    return _adds_in(parts, d) and all(t.is_contiguous() for t in (d, *parts))
+    return _adds_in(d, parts) and all(t.is_contiguous() for t in (d, *parts))
 
 
-def _adds_in(parts: Sequence[Tensor], d: Tensor) -> bool:
+def _adds_in(d: Tensor, parts: Sequence[Tensor]) -> bool:
     """Whether two ``parts`` add in a dtype no narrower than ``d``'s (torch's add, rounded once)."""
     common = functools.reduce(torch.promote_types, [p.dtype for p in parts])
     return len(parts) == 2 and torch.promote_types(common, d.dtype) == common
@@ -375,7 +375,7 @@ def sum_parts(d: Tensor, parts: Sequence[Tensor], acc_dtype: torch.dtype) -> Non
             fused_merge.add(d, parts)
             return
         _warn_no_triton()
-    if _adds_in(parts, d):
+    if _adds_in(d, parts):
         torch.add(*parts, out=d)  # fp32 for fp16/bf16 inputs, rounded once into d
         return
     common = functools.reduce(torch.promote_types, [p.dtype for p in parts])
