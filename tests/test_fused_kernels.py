@@ -1,8 +1,9 @@
 """The fused merge's Triton kernels (``kernels/fused_kernels.py``) run on the CPU in Triton's
 interpreter, where Triton is installed (torch's CPU builds do not ship it: skipped there;
 tests/gpu/test_fused_merge.py compiles and runs them on a GPU). Two sums in one launch (a
-block's dK and dV) give bit for bit what each sum gives alone, and are exact in fp32; ring
-calls whose merges and sums all go through the kernels give the definition's numbers."""
+block's dK and dV) give bit for bit what each sum gives alone, and are exact in fp32; the
+merge gives torch's merge's numbers; ring calls whose merges and sums all go through the
+kernels give the definition's numbers."""
 import os
 import subprocess
 import sys
@@ -34,15 +35,41 @@ CHECK = textwrap.dedent("""
                     exact = dtype == torch.bfloat16 or torch.allclose(d, sum(t.float() for t in p), atol=1e-6)
                     if not (torch.equal(d, alone) and exact):
                         wrong.append((dtype, count, dims, length))
+    # merges of two to four parts, each with or without a res, rows that see no key among them
+    import math
+    from support.interpreted import _fused_on_the_cpu
+    from ringflex.kernels.merge import merge_in_torch, merge_parts
+    _fused_on_the_cpu()
+    for count in (2, 3, 4):
+        for with_res in (False, True):
+            shape = (2, 3, 37, 64)
+            parts = []
+            for i in range(count):
+                lse = torch.randn(shape[:3], generator=g) * 4
+                lse[:, :, i::5] = -math.inf
+                res = torch.randn(shape[:3], generator=g) * 1e-3 if with_res and i % 2 else None
+                parts.append((torch.randn(shape, generator=g), lse, res))
+            got, got_lse, got_res = torch.empty(shape), torch.empty(shape[:3]), torch.empty(shape[:3])
+            want, want_lse, want_res = torch.empty(shape), torch.empty(shape[:3]), torch.empty(shape[:3])
+            merge_parts(got, parts, got_lse, got_res)
+            merge_in_torch(want, parts, want_lse, want_res)
+            close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=False)
+                        for a, b in ((got, want), (got_lse.nan_to_num(-1e30), want_lse.nan_to_num(-1e30)),
+                                     (got_res, want_res)))
+            if not close or not torch.equal(got_lse.isneginf(), want_lse.isneginf()):
+                wrong.append(("merge", count, with_res))
     print("wrong", wrong)
 """)
 
 
-def test_two_sums_in_one_launch_as_each_alone_in_the_interpreter():
+def test_the_kernels_in_the_interpreter():
+    """Two sums in one launch as each alone; merges of two to four parts, with and without a
+    res, rows that see no key among them, as torch's merge."""
     pytest.importorskip("triton", reason="Triton is not installed (torch's CPU builds do not ship it)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=600, cwd=root,
-                          env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root))
+                          env=dict(os.environ, TRITON_INTERPRET="1",
+                                   PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")])))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "wrong []", done.stdout
 

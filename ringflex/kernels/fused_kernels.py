@@ -14,6 +14,16 @@ _strides += [f"{n}{i}_s{s}" for n in "lr" for i in range(4) for s in "bh"]
 MERGE_FREE = ["heads", "length", *_strides, "d_rb", "d_rh", "lo_sb", "lo_sh", "ro_sb", "ro_sh"]
 
 
+@triton.jit
+def weight(lse, top, r, batch, head, row64, r_sb, r_sh, r_sl, in_rows, RES: tl.constexpr):
+    """A part's weight in a merge, exp(lse - top + res): its res (where ``RES``) added after the
+    difference, which is exact where every lse is huge and equal (``merge.lse_weights``)."""
+    w = lse - top
+    if RES:
+        w += tl.load(r + batch * r_sb + head * r_sh + row64 * r_sl, mask=in_rows, other=0.0)
+    return tl.exp(w)
+
+
 @triton.jit(do_not_specialize=MERGE_FREE)
 def lse_merge(x0, x1, x2, x3, l0, l1, l2, l3, r0, r1, r2, r3, d, lo, ro, heads, length, dim,
               x0_rb, x0_rh, x0_sl, x1_rb, x1_rh, x1_sl, x2_rb, x2_rh, x2_sl, x3_rb, x3_rh, x3_sl,
@@ -39,25 +49,14 @@ def lse_merge(x0, x1, x2, x3, l0, l1, l2, l3, r0, r1, r2, r3, d, lo, ro, heads, 
         s3 = tl.load(l3 + batch * l3_sb + head * l3_sh + row64 * l3_sl, mask=in_rows, other=ninf)
         top = tl.maximum(top, s3)
     top = tl.where(top == ninf, 0.0, top)  # rows that see no key: weights 0, lse -inf
-    # res after the difference: exact where every lse is huge and equal (merge.lse_weights)
-    w0, w1 = s0 - top, s1 - top
-    if RES0:
-        w0 += tl.load(r0 + batch * r0_sb + head * r0_sh + row64 * r0_sl, mask=in_rows, other=0.0)
-    if RES1:
-        w1 += tl.load(r1 + batch * r1_sb + head * r1_sh + row64 * r1_sl, mask=in_rows, other=0.0)
-    w0, w1 = tl.exp(w0), tl.exp(w1)
+    w0 = weight(s0, top, r0, batch, head, row64, r0_sb, r0_sh, r0_sl, in_rows, RES0)
+    w1 = weight(s1, top, r1, batch, head, row64, r1_sb, r1_sh, r1_sl, in_rows, RES1)
     total = w0 + w1
     if PARTS > 2:
-        w2 = s2 - top
-        if RES2:
-            w2 += tl.load(r2 + batch * r2_sb + head * r2_sh + row64 * r2_sl, mask=in_rows, other=0.0)
-        w2 = tl.exp(w2)
+        w2 = weight(s2, top, r2, batch, head, row64, r2_sb, r2_sh, r2_sl, in_rows, RES2)
         total += w2
     if PARTS > 3:
-        w3 = s3 - top
-        if RES3:
-            w3 += tl.load(r3 + batch * r3_sb + head * r3_sh + row64 * r3_sl, mask=in_rows, other=0.0)
-        w3 = tl.exp(w3)
+        w3 = weight(s3, top, r3, batch, head, row64, r3_sb, r3_sh, r3_sl, in_rows, RES3)
         total += w3
     seen = total > 0
     inv = tl.where(seen, 1.0 / tl.where(seen, total, 1.0), 0.0)
