@@ -11,12 +11,12 @@ from support.random_calls import local_mask_call, random_call, ring_errors
 
 def _fused_on_the_cpu() -> list:
     """Makes this process's ring hand CPU tensors to the fused kernels, each launch through
-    Triton's JIT (which interprets it); returns the launches made, by kernel name."""
+    Triton's JIT (which interprets it; ``kernels.launch``'s direct launches need a compiled
+    kernel); returns the launches made, by kernel name."""
     from ringflex.kernels import fused_merge
     fused_merge._in_rows_of_one_gpu = lambda d, *others: fused_merge._in_rows_of_elements(d, *others)
     launches = []
     for launcher in fused_merge._kernels():
-        launcher.knobs = None  # no compiled kernel to launch directly: every launch through the JIT
         jit = launcher.kernel
 
         def launch(grid, arguments, constants, jit=jit):
@@ -37,8 +37,8 @@ def interpreted_failures(rank, world_size, count):
     for seed in range(100 * world_size, 100 * world_size + count):
         for make in (local_mask_call, functools.partial(random_call, gathers=False)):
             call = make(seed, world_size, dtype=torch.float32)
-            if make is not local_mask_call and (call.learnable is not None
-                                        or cudnn.lowering_error(Mods(call.score_mod, call.mask_mod))):
+            runs_on_flex = call.learnable is not None or cudnn.lowering_error(Mods(call.score_mod, call.mask_mod))
+            if make is not local_mask_call and runs_on_flex:
                 continue  # ringflex runs those on flex_attention
             errors = ring_errors(call, make(seed, world_size))
             if max(errors.values()) > 2e-4:
