@@ -12,13 +12,13 @@ import textwrap
 import pytest
 
 CHECK = textwrap.dedent("""
+    import math
     import torch
+    from support.interpreted import fused_on_the_cpu
     from ringflex.kernels import fused_merge
+    from ringflex.kernels.merge import merge_in_torch, merge_parts
 
-    def launch(kernel, grid_arguments):
-        grid, arguments, constants = grid_arguments
-        fused_merge._kernels()[kernel].kernel[grid](*arguments, **constants, num_warps=4)
-
+    launches = fused_on_the_cpu()
     g = torch.Generator().manual_seed(0)
     wrong = []
     for dtype in (torch.bfloat16, torch.float32):
@@ -27,19 +27,16 @@ CHECK = textwrap.dedent("""
                 parts = [[torch.randn(2, 3, length + 5, dim, generator=g).to(part_dtype).narrow(2, 2, length)
                           for _ in range(count)] for dim, part_dtype in zip(dims, (torch.float32, torch.bfloat16))]
                 together = [torch.zeros(p[0].shape, dtype=dtype) for p in parts]
-                tensors = [t for d, p in zip(together, parts) for t in fused_merge._padded(p) + [d]]
-                launch(2, fused_merge._pair_arguments(tensors, count))
+                fused_merge.add(together[0], parts[0], beside=(together[1], parts[1]))
                 for d, p in zip(together, parts):
                     alone = torch.ones_like(d)
-                    launch(1, fused_merge._add_arguments(fused_merge._padded(p) + [alone], count))
+                    fused_merge.add(alone, p)
                     exact = dtype == torch.bfloat16 or torch.allclose(d, sum(t.float() for t in p), atol=1e-6)
                     if not (torch.equal(d, alone) and exact):
                         wrong.append((dtype, count, dims, length))
+    if launches.count("sum_pairs") != 24 or launches.count("sum_parts") != 48:
+        wrong.append(("launches", launches.count("sum_pairs"), launches.count("sum_parts")))
     # merges of two to four parts, each with or without a res, rows that see no key among them
-    import math
-    from support.interpreted import _fused_on_the_cpu
-    from ringflex.kernels.merge import merge_in_torch, merge_parts
-    _fused_on_the_cpu()
     for count in (2, 3, 4):
         for with_res in (False, True):
             shape = (2, 3, 37, 64)

@@ -9,7 +9,7 @@ import torch
 from support.random_calls import local_mask_call, random_call, ring_errors
 
 
-def _fused_on_the_cpu() -> list:
+def fused_on_the_cpu() -> list:
     """Makes this process's ring hand CPU tensors to the fused kernels, each launch through
     Triton's JIT (which interprets it; ``kernels.launch``'s direct launches need a compiled
     kernel); returns the launches made, by kernel name."""
@@ -33,7 +33,7 @@ def interpreted_failures(rank, world_size, count):
     from test_random_calls import _on_emulated_cudnn
     from ringflex.kernels.base import Mods
     cudnn = _on_emulated_cudnn()
-    launches, failures = _fused_on_the_cpu(), []
+    launches, failures = fused_on_the_cpu(), []
     for seed in range(100 * world_size, 100 * world_size + count):
         for make in (local_mask_call, functools.partial(random_call, gathers=False)):
             call = make(seed, world_size, dtype=torch.float32)
