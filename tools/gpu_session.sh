@@ -8,6 +8,7 @@
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh streamorder1   # on 1 GPU: tests/gpu/test_stream_order.py fails on a tree before the race's fix (f3228ab), passes here
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh basealone1   # on 1 GPU: rank 1's host phases alone, BASE and this tree
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh basehostcost1   # on 1 GPU: host_cost's pieces, BASE's library and this tree's in turn, twice
+#   BASE=$PWD/.whl/base bash tools/gpu_session.sh baseexchange1   # on 1 GPU: exchange_cost, BASE's library and this tree's in turn, twice
 #   BASE=$PWD/.whl/base bash tools/gpu_session.sh base2   # on 2 GPUs; base4 basephases4 on 4: against another tree (git archive REV ringflex benchmarks tools | tar -x -C .whl/base)
 #   bash tools/gpu_session.sh bench8                     # on 8 GPUs (8k, 32k, 128k tokens per GPU)
 # One warm-up call is too few at 4 GPUs: the first timed calls still pay one-time costs.
@@ -117,6 +118,10 @@ for stage in "$@"; do
     basehostcost1) test -n "${BASE:-}" || { echo "basehostcost1 needs BASE=<another tree>"; exit 2; }
            for round in 1 2; do for tree in "$BASE" "$PWD"; do  # one probe (this tree's), the two libraries in turn
              run basehostcost1 env PYTHONPATH=/tmp/site:$tree python3 benchmarks/probes/host_cost.py; done; done ;;
+    baseexchange1) test -n "${BASE:-}" || { echo "baseexchange1 needs BASE=<another tree>"; exit 2; }
+           for round in 1 2; do for tree in "$BASE" "$PWD"; do  # one probe (this tree's), the two libraries in turn
+             run baseexchange1 env PYTHONPATH=/tmp/site:$tree torchrun --standalone --nproc_per_node=2 \
+               benchmarks/probes/exchange_cost.py; done; done ;;
     basealone1) test -n "${BASE:-}" || { echo "basealone1 needs BASE=<another tree>"; exit 2; }
            cp benchmarks/probes/host_phases.py "$BASE/benchmarks/probes/"  # one probe, two libraries
            for tree in "$BASE" "$PWD"; do (cd "$tree" && run basealone1 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
