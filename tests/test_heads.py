@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import ringflex
 from support.harness import run_world
+from support.models import TinyModel
 from support.oracle import attention
 from ringflex import mods, training
 from ringflex.parallel import mesh as meshes
@@ -268,31 +269,16 @@ def test_a_rank_raising_inside_the_ring_fails_every_rank_of_the_mesh():
             assert again is not None and again.startswith("RingFailure"), (key, rank, again)
 
 
-class _Tiny(nn.Module):
-    """Embedding, one causal SDPA attention of 4 heads, a head: what RingFlexAttention routes."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed, self.qkv, self.head = nn.Embedding(11, 16), nn.Linear(16, 48), nn.Linear(16, 11)
-        self.double()
-
-    def forward(self, tokens, positions):
-        x = self.embed(tokens) + positions.unsqueeze(-1).double() / S  # a position signal, as RoPE would be
-        q, k, v = self.qkv(x).unflatten(-1, (3, 4, 4)).permute(2, 0, 3, 1, 4)
-        return self.head(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
-
-
 def _training_step(rank, world_size, shape):
     """RingFlexAttention on the mesh, sharded batch, position ids, loss and summed gradients,
     against one process; and packed sequences over the mesh."""
     mesh = _mesh(shape)
     tokens = torch.randint(0, 11, (1, S), generator=torch.Generator().manual_seed(0))
     labels = training.next_token_labels(tokens)
-    single = _Tiny()
+    single = TinyModel(heads=4, length=S)
     loss = F.cross_entropy(single(tokens, torch.arange(S)).flatten(0, 1), labels.flatten())
     loss.backward()
-    model = _Tiny()
+    model = TinyModel(heads=4, length=S)
     wrapped = ringflex.RingFlexAttention(model, group=mesh, layout="zigzag", backend="reference")
     local = training.shard_batch({"tokens": tokens, "labels": labels}, group=mesh)
     positions = training.position_ids(S, group=mesh)

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import ringflex
 from support.cases import cases, make_inputs
 from support.harness import run_world
+from support.models import TinyModel
 from support.oracle import attention
 from ringflex import training
 
@@ -87,29 +87,15 @@ def test_a_mesh_of_two_dimensions_and_other_objects_are_refused_before_any_colle
                                      "of the group may call ringflex with it"] * 3
 
 
-class _Tiny(nn.Module):
-    """Embedding, one causal attention, a head: SDPA, which RingFlexAttention routes."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed, self.qkv, self.head = nn.Embedding(11, 16), nn.Linear(16, 48), nn.Linear(16, 11)
-        self.double()
-
-    def forward(self, tokens):
-        q, k, v = self.qkv(self.embed(tokens)).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
-        return self.head(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
-
-
 def _fsdp_over_data_ring_over_context(rank, world_size):
     """FSDP2 over ``dp``, the ring over ``cp``: every parameter's gradient against one process
     that averages the two replicas' losses; and FSDP over all ranks, refused."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     tokens = torch.randint(0, 11, (2, 1, 16), generator=torch.Generator().manual_seed(0))
     labels = torch.randint(0, 11, (2, 1, 16), generator=torch.Generator().manual_seed(1))
-    single = _Tiny()
+    single = TinyModel()
     sum(F.cross_entropy(single(t).flatten(0, 1), l.flatten()) for t, l in zip(tokens, labels)).div(2).backward()
-    model = _Tiny()
+    model = TinyModel()
     fully_shard(model, mesh=mesh["dp"])
     wrapped = ringflex.RingFlexAttention(model, group=mesh["cp"], backend="reference")
     replica = mesh.get_local_rank("dp")
@@ -117,7 +103,7 @@ def _fsdp_over_data_ring_over_context(rank, world_size):
     training.sharded_cross_entropy(wrapped(local["t"]), local["l"], group=mesh["cp"]).backward()
     training.reduce_gradients(model.parameters(), mesh["cp"])
     errors = [(p.grad.full_tensor() - w.grad).abs().max().item() for p, w in zip(model.parameters(), single.parameters())]
-    everywhere = _Tiny()
+    everywhere = TinyModel()
     fully_shard(everywhere, mesh=init_device_mesh("cpu", (4,)))
     everywhere(tokens[0]).sum().backward()
     with pytest.raises(ValueError, match="FSDP shards these parameters over ranks of the ring's group") as refused:
