@@ -10,7 +10,8 @@ a chunk each), as a rank's share of its neighbour's block for a local mask, thro
 mailbox and received in place (into the leading rows of whole-block buffers, as the ring
 receives it). Each line is the
 host time per call over calls issued back to back. ``--profile N``: rank 0's hottest
-functions (cProfile, by own time) over N share exchanges.
+functions (cProfile, by own time) over N share exchanges received in place (the ring's way),
+each waited for on the GPU, so that no call waits for room in a full stream queue.
 """
 from __future__ import annotations
 
@@ -99,11 +100,12 @@ def main():
         torch.cuda.synchronize()
         profile.enable()
         for _ in range(args.profile):
-            share_exchange()
+            share_in_place()
+            torch.cuda.synchronize()
         profile.disable()
         torch.cuda.synchronize()
         if dist.get_rank() == 0:
-            print(f"rank 0, {args.profile} share exchanges, by own time:", flush=True)
+            print(f"rank 0, {args.profile} share exchanges received in place, by own time:", flush=True)
             pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     rows = gather_objects(None, costs)
     if dist.get_rank() == 0:
