@@ -59,14 +59,21 @@ CHECK = textwrap.dedent("""
 """)
 
 
+def _interpreted(script: str, timeout: float, **env) -> subprocess.CompletedProcess:
+    """``script`` run by a fresh Python with Triton's interpreter on (it must be set before
+    Triton is imported), the repository and its tests importable; skips where Triton is not
+    installed."""
+    pytest.importorskip("triton", reason="Triton is not installed (torch's CPU builds do not ship it)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=root,
+                          env=dict(os.environ, TRITON_INTERPRET="1", **env,
+                                   PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")])))
+
+
 def test_the_kernels_in_the_interpreter():
     """Two sums in one launch as each alone; merges of two to four parts, with and without a
     res, rows that see no key among them, as torch's merge."""
-    pytest.importorskip("triton", reason="Triton is not installed (torch's CPU builds do not ship it)")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=600, cwd=root,
-                          env=dict(os.environ, TRITON_INTERPRET="1",
-                                   PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")])))
+    done = _interpreted(CHECK, 600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "wrong []", done.stdout
 
@@ -85,11 +92,7 @@ def test_ring_calls_with_their_merges_and_sums_in_the_interpreted_kernels():
     random calls on the emulated cuDNN kernel over 3 ranks, every merge, sum and copy of rows in
     the fused kernels as on a GPU: the definition's numbers, forward and backward, and every
     kernel launched on every rank."""
-    pytest.importorskip("triton", reason="Triton is not installed (torch's CPU builds do not ship it)")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", RING], capture_output=True, text=True, timeout=1200, cwd=root,
-                          env=dict(os.environ, TRITON_INTERPRET="1", RINGFLEX_LENDING="0",
-                                   PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")])))
+    done = _interpreted(RING, 1200, RINGFLEX_LENDING="0")
     assert done.returncode == 0, done.stderr[-5000:]
     lines = done.stdout.strip().splitlines()
     assert [line for line in lines if line.startswith("failures")] == ["failures []"] * 3, done.stdout

@@ -22,6 +22,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 LONG="--seq-len 131072 --batch 1 --dim 4096 --layers 8 --heads 32 --kv-heads 8 --vocab 32 --lr 3e-4"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 run() { local name=$1; shift; echo "+ $*" | tee -a "$OUT/$name.log"; "$@" 2>&1 | grep -v "^W[0-9]* .*OMP_NUM_THREADS\|^\*\*\*\*" | tee -a "$OUT/$name.log"; }
+# One probe (this tree's) with BASE's library and this tree's in turn, twice.
+libraries() { local name=$1; shift; test -n "${BASE:-}" || { echo "$name needs BASE=<another tree>"; exit 2; }
+              for round in 1 2; do for tree in "$BASE" "$PWD"; do run "$name" env PYTHONPATH=/tmp/site:$tree "$@"; done; done; }
 tr() { local n=$1; shift; torchrun --standalone --nproc_per_node="$n" ${TORCHRUN_ARGS:-} "$@"; }  # TORCHRUN_ARGS: e.g. --numa-binding node
 for stage in "$@"; do
   case $stage in
@@ -115,13 +118,8 @@ for stage in "$@"; do
              (cd "$tree" && run basephases4 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
              run basephases4 tr 4 -m benchmarks.probes.host_phases --seq-len 32768 --no-timers --calls 40 \
                --cases ${CASES:-documents:contiguous window:contiguous window:zigzag causal:zigzag}); done; done ;;  # host ms per call, this tree against BASE
-    basehostcost1) test -n "${BASE:-}" || { echo "basehostcost1 needs BASE=<another tree>"; exit 2; }
-           for round in 1 2; do for tree in "$BASE" "$PWD"; do  # one probe (this tree's), the two libraries in turn
-             run basehostcost1 env PYTHONPATH=/tmp/site:$tree python3 benchmarks/probes/host_cost.py; done; done ;;
-    baseexchange1) test -n "${BASE:-}" || { echo "baseexchange1 needs BASE=<another tree>"; exit 2; }
-           for round in 1 2; do for tree in "$BASE" "$PWD"; do  # one probe (this tree's), the two libraries in turn
-             run baseexchange1 env PYTHONPATH=/tmp/site:$tree torchrun --standalone --nproc_per_node=2 \
-               benchmarks/probes/exchange_cost.py; done; done ;;
+    basehostcost1) libraries basehostcost1 python3 benchmarks/probes/host_cost.py ;;
+    baseexchange1) libraries baseexchange1 torchrun --standalone --nproc_per_node=2 benchmarks/probes/exchange_cost.py ;;
     basealone1) test -n "${BASE:-}" || { echo "basealone1 needs BASE=<another tree>"; exit 2; }
            cp benchmarks/probes/host_phases.py "$BASE/benchmarks/probes/"  # one probe, two libraries
            for tree in "$BASE" "$PWD"; do (cd "$tree" && run basealone1 python3 -c 'import ringflex; print("ringflex from", ringflex.__file__)'
