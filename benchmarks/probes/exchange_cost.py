@@ -29,6 +29,7 @@ from ringflex.parallel import peer
 from ringflex.parallel.comm import RingComm
 from ringflex.parallel.compute import leading_rows
 from ringflex.parallel.groups import gather_objects
+from ringflex.parallel.streams import current_stream, on_stream
 
 
 def per_call(fn, calls: int) -> float:
@@ -81,6 +82,10 @@ def main():
         with torch.cuda.stream(side):
             pass
 
+    def ringflex_stream_context():
+        with on_stream(side):
+            pass
+
     costs = {
         "exchange of K and V, with the end of its pass": per_call(exchange, 50),
         "exchange of a dK/dV share, with the end of its pass": per_call(share_exchange, 100),
@@ -90,7 +95,10 @@ def main():
             lambda: transport.driver.copy(stream, got_k.data_ptr(), k.data_ptr(), peer.SLOT_BYTES), 200),
         "  for comparison: torch copy_ of a chunk's slice": per_call(
             lambda: destination[:peer.SLOT_BYTES].copy_(source[:peer.SLOT_BYTES]), 200),
-        "  for comparison: a stream context entered": per_call(stream_context, 500),
+        "  a stream context entered: torch.cuda.stream": per_call(stream_context, 500),
+        "  the same, ringflex's on_stream": per_call(ringflex_stream_context, 500),
+        "  the current stream: torch.cuda.current_stream": per_call(lambda: torch.cuda.current_stream(device), 500),
+        "  the same, ringflex's current_stream": per_call(lambda: current_stream(device), 500),
         "  an event recorded": per_call(lambda: torch.cuda.current_stream().record_event(), 500),
         "  a stream waiting for an event": per_call(lambda: side.wait_event(event), 500),
     }

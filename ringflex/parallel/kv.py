@@ -4,7 +4,6 @@ readers), or held from forward (``HeldBlocks``: backward where forward kept ever
 received). ``call`` is a ``ring.RingCall``: its agreed reads say which rows travel."""
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -12,6 +11,7 @@ from torch import Tensor
 
 from ..kernels.merge import Rows, rows
 from .compute import leading_rows
+from .streams import current_stream, on_stream
 
 
 class KVStream:
@@ -55,7 +55,7 @@ class KVStream:
             k = first[0]
             if k.is_cuda:
                 self.first_stream = first_stream(k.device)
-                self.first_stream.wait_stream(torch.cuda.current_stream(k.device))
+                self.first_stream.wait_stream(current_stream(k.device))
                 self.own_ready = self.first_stream.record_event()
 
     def _add_buffer(self, n: Optional[int] = None, beside: Optional[torch.cuda.Stream] = None):
@@ -103,7 +103,7 @@ class KVStream:
         length = self.shapes[0][2]
         pieces = self.call.pieces(self._forward_step(step + 1), length)
         if step > 0 and self.first_stream is not None and not self.joined:  # the own rows sent were made there
-            torch.cuda.current_stream(self.first_stream.device).wait_stream(self.first_stream)
+            current_stream(self.first_stream.device).wait_stream(self.first_stream)
             self.joined = True
         slots = range(self._slot(step), self._slot(step) + len(pieces))
         first = self.first_stream if step == 0 else None
@@ -111,7 +111,7 @@ class KVStream:
             if len(self.buffers) <= slot:
                 self._add_buffer(hi - lo if self.keeps else None, beside=first)
         transfers, sent, received = [], [], []
-        with torch.cuda.stream(first) if first is not None else nullcontext():
+        with on_stream(first):
             for slot, (distance, (lo, hi), _) in zip(slots, pieces):
                 own_rows = self.call.rows_sent(distance, length)
                 if own_rows not in self.own_sent:
@@ -137,7 +137,7 @@ class KVStream:
         """Ends the stream's pass: the current stream joins the first transfer's stream (a CUDA
         graph being captured must join every stream it forked) and the transport ends its pass."""
         if self.first_stream is not None:
-            torch.cuda.current_stream(self.first_stream.device).wait_stream(self.first_stream)
+            current_stream(self.first_stream.device).wait_stream(self.first_stream)
         if self.call.comm is not None:
             self.call.comm.end_pass(self.current[0].device)
 
@@ -182,8 +182,8 @@ def allocated_beside(stream: Optional[torch.cuda.Stream], make):
     stream, which reads them, is done with them too. ``stream`` None: ``make()`` as it is."""
     if stream is None:
         return make()
-    reads_on = torch.cuda.current_stream(stream.device)
-    with torch.cuda.stream(stream):
+    reads_on = current_stream(stream.device)
+    with on_stream(stream):
         made = make()
     for t in made:
         t.record_stream(reads_on)

@@ -7,8 +7,6 @@ output and LSE (``lend_forward``), and in backward their dQ (``lend_backward``,
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 from torch import Tensor
 
@@ -17,6 +15,7 @@ from ..kernels.reference import compute_dtype
 from ..plan.blocks import widened
 from .compute import hop_backward, hop_forward, lse_as_attention, new_rows, rows_shape
 from .kv import allocated_beside
+from .streams import on_stream
 
 
 def lend_forward(call, q: Tensor, k: Tensor, v: Tensor, first_stream):
@@ -29,7 +28,7 @@ def lend_forward(call, q: Tensor, k: Tensor, v: Tensor, first_stream):
     loan, acc = call.loan, compute_dtype(q.dtype)
     sent, held = _travelling(loan.lent, q), _travelling(loan.borrowed, q)
     borrowed_q, = allocated_beside(first_stream, lambda: (new_rows(q, held, q.shape[3]),))
-    with torch.cuda.stream(first_stream) if first_stream is not None else nullcontext():
+    with on_stream(first_stream):
         queries = call.comm.exchange([rows(q, sent)], [borrowed_q], shift=-1)
     queries.wait()
     # over the borrowed rows alone: a single hop's result is then what goes back, uncopied

@@ -68,6 +68,7 @@ from .driver import Driver
 from .groups import gather_objects
 from .inplace import ReceiveBuffers
 from .mapped import mapped
+from .streams import current_stream
 
 SLOT_BYTES = 32 << 20
 SLOTS = 4  # per channel: 128 MiB of mailbox per rank and channel
@@ -214,7 +215,7 @@ class PeerTransport:
         if any(not t.is_contiguous() for t in recv):
             raise ValueError("ringflex: a receive buffer of the copy-engine transport must be contiguous")
         sending = self._sending()
-        queued = torch.cuda.current_stream(self.device).record_event()
+        queued = current_stream(self.device).record_event()
         send_stream, recv_stream = self.streams[channel]
         recv_stream.wait_event(queued)
         for event in self._still_sending(sending, recv):
@@ -269,7 +270,7 @@ class PeerTransport:
 
     def join_sends(self) -> None:
         """Orders the current stream after every send issued so far."""
-        stream = torch.cuda.current_stream(self.device)
+        stream = current_stream(self.device)
         sending = self._sending()
         self._forget_finished(sending)
         for event in set(sending.values()):
@@ -298,7 +299,7 @@ class PeerTransport:
                     half(stream.cuda_stream, channel)  # an odd handshake, without data
                 count[channel] = handshakes[channel] = 0
                 if capturing or (self.captured and stream is recv_stream):
-                    torch.cuda.current_stream(self.device).wait_stream(stream)
+                    current_stream(self.device).wait_stream(stream)
         if capturing:
             self.sending_captured.clear()
 
@@ -401,7 +402,7 @@ class _Arrival:
 
     def wait(self) -> None:
         """Orders the current stream after the receive (not the send: see the module)."""
-        torch.cuda.current_stream(self.device).wait_event(self.received)
+        current_stream(self.device).wait_event(self.received)
 
 
 def transport(group, device: torch.device) -> Optional[PeerTransport]:
