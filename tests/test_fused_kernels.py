@@ -4,6 +4,7 @@ tests/gpu/test_fused_merge.py compiles and runs them on a GPU). Two sums in one 
 block's dK and dV) give bit for bit what each sum gives alone, and are exact in fp32; the
 merge gives torch's merge's numbers; ring calls whose merges and sums all go through the
 kernels give the definition's numbers."""
+import ast
 import os
 import subprocess
 import sys
@@ -55,6 +56,34 @@ CHECK = textwrap.dedent("""
                                      (got_res, want_res)))
             if not close or not torch.equal(got_lse.isneginf(), want_lse.isneginf()):
                 wrong.append(("merge", count, with_res))
+    # two ranges of rows of the same tensors in one launch (a joined call's results), as each alone
+    ranges = ((3, 20), (50, 33))  # (first row, rows)
+    for count in (2, 3):
+        xs = [torch.randn(2, 3, 90, 64, generator=g) for _ in range(count)]
+        lses = [torch.randn(2, 3, 90, generator=g) for _ in range(count)]
+        got, want = torch.zeros(2, 3, 90, 64), torch.zeros(2, 3, 90, 64)  # rows in no range stay 0 in both
+        got_lse, want_lse = torch.zeros(2, 3, 90), torch.zeros(2, 3, 90)
+        jobs = [[(d.narrow(2, a, n), [(x.narrow(2, a, n), s.narrow(2, a, n), None) for x, s in zip(xs, lses)],
+                  lse.narrow(2, a, n), None) for a, n in ranges] for d, lse in ((got, got_lse), (want, want_lse))]
+        apart = fused_merge.merge_rows_apart(*jobs[0])
+        fused_merge.merge(*jobs[0][0], then=(apart, jobs[0][1]))
+        for job in jobs[1]:
+            fused_merge.merge(*job)
+        if apart != 47 or not (torch.equal(got, want) and torch.equal(got_lse, want_lse)):
+            wrong.append(("merge over two ranges", count, apart))
+    for count in (1, 2, 4):
+        parts = [[torch.randn(2, 3, 90, dim, generator=g) for _ in range(count)] for dim in (128, 96)]
+        got, want = ([torch.zeros(2, 3, 90, dim) for dim in (128, 96)] for _ in range(2))
+        for pair in (False, True):
+            tensors = range(2 if pair else 1)
+            jobs = [[[(d[i].narrow(2, a, n), [p.narrow(2, a, n) for p in parts[i]]) for i in tensors] for a, n in ranges]
+                    for d in (got, want)]
+            apart = fused_merge.sum_rows_apart(*jobs[0])
+            fused_merge.add(*jobs[0][0][0], beside=jobs[0][0][1] if pair else None, then=(apart, jobs[0][1]))
+            for job in jobs[1]:
+                fused_merge.add(*job[0], beside=job[1] if pair else None)
+            if apart != 47 or not all(torch.equal(got[i], want[i]) for i in tensors):
+                wrong.append(("sum over two ranges", count, pair, apart))
     print("wrong", wrong)
 """)
 
@@ -72,7 +101,8 @@ def _interpreted(script: str, timeout: float, **env) -> subprocess.CompletedProc
 
 def test_the_kernels_in_the_interpreter():
     """Two sums in one launch as each alone; merges of two to four parts, with and without a
-    res, rows that see no key among them, as torch's merge."""
+    res, rows that see no key among them, as torch's merge; merges, sums and pairs of sums over
+    two ranges of rows in one launch as over each range alone."""
     done = _interpreted(CHECK, 600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "wrong []", done.stdout
@@ -88,13 +118,15 @@ RING = textwrap.dedent("""
 
 
 def test_ring_calls_with_their_merges_and_sums_in_the_interpreted_kernels():
-    """Local masks over zigzag (a rank's two neighbours: pairs of sums over two row ranges) and
-    random calls on the emulated cuDNN kernel over 3 ranks, every merge, sum and copy of rows in
-    the fused kernels as on a GPU: the definition's numbers, forward and backward, and every
-    kernel launched on every rank."""
+    """Local masks over zigzag (a rank's two neighbours: pairs of sums over two row ranges, and
+    a joined step's results over two row ranges, merged in one launch) and random calls on the
+    emulated cuDNN kernel over 3 ranks, every merge, sum and copy of rows in the fused kernels
+    as on a GPU: the definition's numbers, forward and backward, and every kernel launched on
+    every rank, over one range of rows and over two."""
     done = _interpreted(RING, 1200, RINGFLEX_LENDING="0")
     assert done.returncode == 0, done.stderr[-5000:]
     lines = done.stdout.strip().splitlines()
     assert [line for line in lines if line.startswith("failures")] == ["failures []"] * 3, done.stdout
-    assert [line for line in lines if line.startswith("launches")] == [
-        "launches ['lse_merge', 'sum_pairs', 'sum_parts']"] * 3, done.stdout
+    launched = [set(ast.literal_eval(line[len("launches "):])) for line in lines if line.startswith("launches")]
+    assert len(launched) == 3 and all({"lse_merge", "sum_pairs", "sum_parts"} <= names for names in launched), done.stdout
+    assert {"lse_merge over two ranges", "sum_pairs over two ranges"} <= set.union(*launched), done.stdout

@@ -381,3 +381,72 @@ def test_a_blocks_dk_and_dv_go_to_the_fused_kernel_together(monkeypatch):
         whole.add((0, LENGTH), *(torch.randn(shape, generator=g) for _ in range(2)))
     whole.result()
     assert launches == []
+
+
+def test_rows_apart_of_two_row_ranges_of_the_same_tensors():
+    """Two ranges of rows that one launch takes: every tensor of the second lies the same number
+    of rows after its counterpart in the first, in memory of the same strides, past its rows."""
+    from ringflex.kernels.fused_merge import rows_apart
+
+    a, b = torch.randn(2, 3, 40, 8), torch.randn(2, 3, 40, 8)
+    first, second = [a[:, :, 2:7], b[:, :, 0:5]], [a[:, :, 20:26], b[:, :, 18:24]]
+    assert rows_apart(first, second) == 18
+    assert rows_apart(first, [a[:, :, 20:26], b[:, :, 19:25]]) is None  # not one number of rows
+    assert rows_apart(first, [a[:, :, 4:9], b[:, :, 2:7]]) is None  # the ranges overlap
+    assert rows_apart(first, [a[:, :, 20:26], b.transpose(1, 2).contiguous().transpose(1, 2)[:, :, 18:24]]) is None
+    assert rows_apart([a[:, :, 20:26]], [a[:, :, 2:7]]) is None  # the second before the first
+    assert rows_apart([a[:, :, 2:2]], [a[:, :, 20:26]]) is None  # an empty range
+
+
+def test_a_joined_calls_two_row_ranges_merge_and_sum_in_one_launch(monkeypatch):
+    """A step's joined kernel call gives its two hops' results as rows of one tensor: where the
+    fused kernel runs (a GPU), the output merge of both (``add_each``) and the dq sum that the
+    own block's gradient, adopted as the result, makes of them are one launch each, to the
+    numbers of a pass each; parts added one at a time are a launch each."""
+    from ringflex.kernels import fused_merge, merge
+
+    launches = []
+
+    def fused_merge_(d, parts, lse, res=None, then=None):
+        launches.append(("merge", then is not None))
+        for job in [(d, parts, lse, res)] + ([then[1]] if then is not None else []):
+            merge.merge_in_torch(*job)
+
+    def fused_add(d, parts, beside=None, then=None):
+        launches.append(("sum", then is not None))
+        for dest, summed in [(d, parts)] + (then[1] if then is not None else []):
+            dest.copy_(sum(p.double() for p in summed))
+    monkeypatch.setattr(fused_merge, "available", lambda: True)
+    monkeypatch.setattr(fused_merge, "_in_rows_of_one_gpu", fused_merge._in_rows_of_elements)  # as on a GPU
+    monkeypatch.setattr(fused_merge, "merge", fused_merge_)
+    monkeypatch.setattr(fused_merge, "add", fused_add)
+    g = torch.Generator().manual_seed(0)
+    ranges = [(0, 4), (10, 14)]
+    joined = torch.randn(2, 3, LENGTH, 5, generator=g)  # the joined call's rows 0:4 and 10:14 (hops'), and unread ones
+    joined_lse = torch.randn(2, 3, LENGTH, generator=g)
+    own, own_lse = torch.randn(2, 3, LENGTH, 5, generator=g), torch.randn(2, 3, LENGTH, generator=g)
+    for together in (True, False):
+        launches.clear()
+        merged = RowMerge((2, 3, LENGTH, 5), torch.float32, torch.float32, "cpu", [(0, LENGTH)] + ranges)
+        merged.add((0, LENGTH), own.clone(), own_lse.clone())
+        parts = [(r, joined[:, :, r[0]:r[1]], joined_lse[:, :, r[0]:r[1]]) for r in ranges]
+        merged.add_each(parts) if together else [merged.add(*p) for p in parts]
+        out, lse, _ = merged.result()
+        assert launches == ([("merge", True)] if together else [("merge", False)] * 2)
+        want_lse = own_lse.clone()
+        for a, b in ranges:
+            want_lse[:, :, a:b] = torch.logaddexp(own_lse[:, :, a:b], joined_lse[:, :, a:b])
+        want = own * torch.exp(own_lse - want_lse).unsqueeze(-1)
+        for a, b in ranges:
+            want[:, :, a:b] += joined[:, :, a:b] * torch.exp(joined_lse[:, :, a:b] - want_lse[:, :, a:b]).unsqueeze(-1)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(lse, want_lse)
+    launches.clear()
+    dq = RowSum([(2, 3, LENGTH, 5)], torch.float32, torch.float32, "cpu", ranges + [(0, LENGTH)])
+    dq.add_each((r, joined[:, :, r[0]:r[1]]) for r in ranges)  # kept as they came
+    dq.add((0, LENGTH), own.clone())  # adopted: the parts kept are summed into it, in one launch
+    want = own.clone()
+    for a, b in ranges:
+        want[:, :, a:b] += joined[:, :, a:b]
+    assert launches == [("sum", True)], launches
+    torch.testing.assert_close(dq.result()[0], want)

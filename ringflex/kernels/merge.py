@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -119,6 +119,23 @@ class _RowParts:
         self.out: Optional[List[Tensor]] = None
         self.acc: Optional[List[Tensor]] = None
         self.handed_out = {}  # rows -> the views ``destination`` returned for them
+        self.pending: List[tuple] = []  # the passes of the parts being added: (dest, held parts, new part, rows)
+
+    def add_each(self, parts: Iterable[tuple]) -> None:
+        """``add`` of each of ``parts`` (``add``'s arguments), their passes made together: where
+        two of them are over two row ranges of the same tensors (a joined call's results), one
+        launch makes both."""
+        for args in parts:
+            self._add_one(*args)
+        self._combined()
+
+    def _combined(self) -> None:
+        """Makes the passes of the parts just added (``pending``), in order (``_combine``): the
+        parts of one ``add_each`` over two row ranges of the same tensors (a joined call's)
+        take one launch."""
+        if self.pending:
+            pending, self.pending = self.pending, []
+            self._combine(pending)
 
     def destination(self, r: Rows) -> Optional[List[Tensor]]:
         """Views of the result's rows ``r`` for a kernel to write its part into, where no part
@@ -188,7 +205,7 @@ class _RowParts:
         for both or neither."""
         return min(s.remaining, 1)
 
-    def _add(self, r: Rows, parts: Sequence[Tensor], combine) -> None:
+    def _add(self, r: Rows, parts: Sequence[Tensor]) -> None:
         handed = self.handed_out.pop(r, None)
         arrived = _IN_PLACE if handed is not None and all(p is t for p, t in zip(parts, handed)) else (parts, r[0])
         for group in self._groups(r):
@@ -201,7 +218,7 @@ class _RowParts:
             else:
                 new = [optional_rows(p, (b - r[0], e - r[0])) for p in parts]
                 dest = [rows(t, (b, e)) for t in self._buffers(final)]
-                combine(dest, self._kept(state, b, e), new, (b, e))
+                self.pending.append((dest, self._kept(state, b, e), new, (b, e)))
                 new_state = _DONE if final else _ACC
             for s in group:
                 s.state = new_state
@@ -268,6 +285,16 @@ def merge_parts(d: Tensor, parts: Sequence[Tuple[Tensor, Tensor, Optional[Tensor
     merge_in_torch(d, parts, lse, res)
 
 
+def merge_each(jobs: Sequence[tuple]) -> None:
+    """``merge_parts`` of each (d, parts, lse, res) of ``jobs``, in order; on a CUDA GPU two
+    after each other over two row ranges of the same tensors in one launch."""
+    for job, then in _together(jobs, fused_merge.merge_rows_apart):
+        if then is None:
+            merge_parts(*job)
+        else:
+            fused_merge.merge(*job, then=then)
+
+
 def _warn_no_triton() -> None:
     _warn_once("ringflex: triton is not installed, so hop results merge and gradient parts sum in torch passes "
                "instead of one fused kernel each (slower); torch's CUDA builds ship it: pip install triton")
@@ -316,10 +343,14 @@ class RowSum(_RowParts):
     before the result is, never handed out as it."""
 
     def add(self, r: Rows, *parts: Tensor, reused: bool = False) -> None:
+        self._add_one(r, *parts, reused=reused)
+        self._combined()
+
+    def _add_one(self, r: Rows, *parts: Tensor, reused: bool = False) -> None:
         if reused:
             parts = _Reused(parts)
         if not self._adopt(r, parts):
-            self._add(r, parts, self._sum)
+            self._add(r, parts)
 
     def _adopt(self, r: Rows, parts: Sequence[Tensor]) -> bool:
         whole = (0, self.shapes[0][2])
@@ -330,13 +361,41 @@ class RowSum(_RowParts):
         self.out = list(parts)
         for s, parts_before in held:  # parts kept as they came, or the fp32 sum of several
             dest = [rows(t, (s.begin, s.end)) for t in self.out]
-            self._sum(dest, parts_before, dest, (s.begin, s.end))
+            self.pending.append((dest, parts_before, dest, (s.begin, s.end)))
         for s in self.spans:
             s.remaining, s.state = 0, _DONE
         return True
 
-    def _sum(self, dest: List[Tensor], held: List[List[Tensor]], new: List[Tensor], r: Rows) -> None:
-        sum_each([(d, [part[i] for part in held] + [new[i]]) for i, d in enumerate(dest)], self.acc_dtype)
+    def _combine(self, pending: List[tuple]) -> None:
+        sum_ranges([[(d, [part[i] for part in held] + [new[i]]) for i, d in enumerate(dest)]
+                    for dest, held, new, _ in pending], self.acc_dtype)
+
+
+def _together(jobs: Sequence, rows_apart: Callable) -> Iterator[tuple]:
+    """Each of ``jobs`` in order, with ``(rows apart, the next job)`` where one launch of the
+    fused kernels takes both (``rows_apart`` gives that number, or None), else with None."""
+    i = 0
+    while i < len(jobs):
+        apart = rows_apart(jobs[i], jobs[i + 1]) if i + 1 < len(jobs) and fused_merge.available() else None
+        yield jobs[i], None if apart is None else (apart, jobs[i + 1])
+        i += 1 if apart is None else 2
+
+
+def sum_ranges(ranges: Sequence[Sequence[Tuple[Tensor, Sequence[Tensor]]]], acc_dtype: torch.dtype) -> None:
+    """``sum_each`` of each range's jobs (their (d, parts) over the same rows), in order; on a
+    CUDA GPU two ranges after each other over rows of the same tensors in one launch."""
+    for jobs, then in _together(ranges, _sums_rows_apart):
+        if then is None:
+            sum_each(jobs, acc_dtype)
+        else:
+            fused_merge.add(*jobs[0], beside=jobs[1] if len(jobs) == 2 else None, then=then)
+
+
+def _sums_rows_apart(first, second) -> Optional[int]:
+    """``fused_merge.sum_rows_apart``, where ``sum_each`` would take the fused kernel for each."""
+    if any(_one_add(d, parts) for d, parts in (*first, *second)):
+        return None
+    return fused_merge.sum_rows_apart(first, second)
 
 
 def sum_each(jobs: Sequence[Tuple[Tensor, Sequence[Tensor]]], acc_dtype: torch.dtype) -> None:
@@ -411,11 +470,15 @@ class RowMerge(_RowParts):
         return super()._fresh() + [self.empty(self.lse.shape, dtype=self.lse.dtype, device=self.device)]
 
     def add(self, r: Rows, part_out: Tensor, part_lse: Tensor, part_res: Optional[Tensor] = None) -> None:
+        self._add_one(r, part_out, part_lse, part_res)
+        self._combined()
+
+    def _add_one(self, r: Rows, part_out: Tensor, part_lse: Tensor, part_res: Optional[Tensor] = None) -> None:
         if self._adopt_first(r, part_out, part_lse, part_res):
             return
         if part_res is not None and self.res is None:
             self.res = self.empty(self.lse.shape, dtype=self.lse.dtype, device=self.device).zero_()
-        self._add(r, (part_out, part_lse, part_res), self._merge)
+        self._add(r, (part_out, part_lse, part_res))
 
     def _adopt_first(self, r: Rows, out: Tensor, lse: Tensor, res: Optional[Tensor]) -> bool:
         """A first part over every row, in the result's dtype and layout (the own block's hop as
@@ -445,8 +508,9 @@ class RowMerge(_RowParts):
     def _held_rows(self, tensors: List[Tensor], r: Rows) -> List[Optional[Tensor]]:
         return [rows(tensors[0], r), rows(self.lse, r), optional_rows(self.res, r)]
 
-    def _merge(self, dest: List[Tensor], kept: List[List[Tensor]], new: List[Tensor], r: Rows) -> None:
-        merge_parts(dest[0], [tuple(part) for part in kept + [new]], rows(self.lse, r), optional_rows(self.res, r))
+    def _combine(self, pending: List[tuple]) -> None:
+        merge_each([(dest[0], [tuple(part) for part in kept + [new]], rows(self.lse, r), optional_rows(self.res, r))
+                    for dest, kept, new, r in pending])
 
     def _fill_empty(self, out: List[Tensor], r: Rows) -> None:
         super()._fill_empty(out, r)

@@ -173,13 +173,11 @@ def ring_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor):
     lent = [call.loan.lent] if call.loan is not None and some(call.loan.lent) else []
     merged = RowMerge((*q.shape[:3], v.shape[-1]), q.dtype, compute_dtype(q.dtype), q.device,
                       [hop.q_rows for hops in call.schedule for hop in hops] + lent)
-    for part in own:
-        merged.add(*part)
+    merged.add_each(own)
     blocks.advance(0, pending)
     for step in range(1, len(call.schedule)):
         pending = blocks.start(step)  # bring the next block from its owner
-        for part in step_forward(call, call.schedule[step], q, blocks.keys):  # compute this step's hops, merge them
-            merged.add(*part)
+        merged.add_each(step_forward(call, call.schedule[step], q, blocks.keys))  # compute this step's hops, merge them
         blocks.advance(step, pending)  # wait for the next block
     if returned is not None:  # the lent rows' results, computed by the previous rank
         transfer, lent_results = returned
@@ -230,13 +228,12 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None,
     for step, hops in enumerate(schedule):
         kv_pending = blocks.start(step)
         pieces = call.pieces(steps - 1 - step, k.shape[2])  # whose rows the block held are: (distance, rows, first row)
-        parts = []  # this step's (key rows, dk, dv)
-        for q_rows, kv_rows, hq, hk, hv, ht in step_backward(call, hops, q, blocks.keys, out, lse, res, dout,
-                                                             lse_grad):
+        results = step_backward(call, hops, q, blocks.keys, out, lse, res, dout, lse_grad)
+        for *_, ht in results:
             for total, g in zip(d_tensors, ht):
                 total += g
-            dq.add(q_rows, hq)
-            parts.append((kv_rows, hk, hv))
+        dq.add_each((q_rows, hq) for q_rows, _, hq, *_ in results)
+        parts = [(kv_rows, hk, hv) for _, kv_rows, _, hk, hv, _ in results]  # this step's (key rows, dk, dv)
         for share in arriving:  # waited for after this step's kernels, which ran while it came
             share.arrive(own_sum)
         arriving = [shares.exchange(call, distance, shares.of_piece(parts, rows_, first), k, v, acc)
@@ -252,8 +249,7 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, res, kept, dlse=None,
                 own_sum.add(*keys)
         blocks.advance(step, kv_pending)
     blocks.close()
-    for part in parts:  # the own block's hops, added last: one that covers every key row becomes the sum
-        own_sum.add(*part)
+    own_sum.add_each(parts)  # the own block's hops, added last: one that covers every key row becomes the sum
     if returned is not None:
         transfer, dq_lent = returned
         transfer.wait()

@@ -12,15 +12,17 @@ from support.random_calls import local_mask_call, random_call, ring_errors
 def fused_on_the_cpu() -> list:
     """Makes this process's ring hand CPU tensors to the fused kernels, each launch through
     Triton's JIT (which interprets it; ``kernels.launch``'s direct launches need a compiled
-    kernel); returns the launches made, by kernel name."""
+    kernel); returns the launches made, by kernel name (and "over two ranges" where the launch
+    took a second range of rows)."""
     from ringflex.kernels import fused_merge
     fused_merge._in_rows_of_one_gpu = fused_merge._in_rows_of_elements
     launches = []
     for launcher in fused_merge._kernels():
         jit = launcher.kernel
+        second = launcher.names.index("length2")
 
-        def launch(grid, arguments, constants, jit=jit):
-            launches.append(jit.fn.__name__)
+        def launch(grid, arguments, constants, jit=jit, second=second):
+            launches.append(jit.fn.__name__ + (" over two ranges" if arguments[second] else ""))
             jit[grid](*arguments, **constants)
         launcher.launch = launch
     return launches
