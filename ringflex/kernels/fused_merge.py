@@ -96,7 +96,12 @@ def merge_rows_apart(first: tuple, second: tuple) -> Optional[int]:
             and all((a[2] is None) == (b[2] is None) for a, b in zip(parts, parts2))
             and applies(d, parts, lse, res) and applies(d2, parts2, lse2, res2)):
         return None
-    return rows_apart(_merge_tensors(*first), _merge_tensors(*second))
+    return rows_apart(_read_and_written(*first), _read_and_written(*second))
+
+
+def _read_and_written(d: Tensor, parts, lse: Tensor, res: Optional[Tensor]) -> List[Tensor]:
+    """The tensors a merge reads and writes, each once: the result first."""
+    return [d, lse, *(t for part in parts for t in part if t is not None), *([res] if res is not None else [])]
 
 
 def _merge_tensors(d: Tensor, parts, lse: Tensor, res: Optional[Tensor]) -> List[Tensor]:
@@ -138,7 +143,7 @@ def sum_rows_apart(first: Sequence[Tuple[Tensor, Sequence[Tensor]]],
     if not (len(first) == len(second) and all(len(a[1]) == len(b[1]) for a, b in zip(first, second))
             and (pair_applies(*first) if len(first) == 2 else sum_applies(*first[0]))):
         return None
-    return rows_apart(_sum_tensors(first), _sum_tensors(second))
+    return rows_apart([t for d, parts in first for t in (d, *parts)], [t for d, parts in second for t in (d, *parts)])
 
 
 def _sum_tensors(jobs: Sequence[Tuple[Tensor, Sequence[Tensor]]]) -> List[Tensor]:
@@ -147,23 +152,26 @@ def _sum_tensors(jobs: Sequence[Tuple[Tensor, Sequence[Tensor]]]) -> List[Tensor
 
 
 def rows_apart(first: Sequence[Tensor], second: Sequence[Tensor]) -> Optional[int]:
-    """The number of rows after each tensor of ``first`` at which its counterpart in ``second``
-    begins in memory, where it is one for all of them and no range of rows reaches into the
-    other (a joined call's results over two row ranges, and what they merge into); else None.
-    A kernel then reaches the second's rows from the first's addresses and strides."""
-    jumps = set()
-    for a, b in zip(first, second):
-        if a.dtype != b.dtype or a.stride() != b.stride() or a.shape[:2] != b.shape[:2] or a.shape[3:] != b.shape[3:]:
-            return None
-        offset, step = b.data_ptr() - a.data_ptr(), a.stride(2) * a.element_size()
-        if offset % step:
-            return None
-        jumps.add(offset // step)
-    jump = jumps.pop() if len(jumps) == 1 else None
-    if jump is None or jump < first[0].shape[2] or not (first[0].numel() and second[0].numel()):
+    """The number of rows after each tensor of ``first`` ([B, H, L, ...], the first a result)
+    at which its counterpart in ``second`` begins in memory, where it is one for all of them,
+    their strides and dtypes are the same and no range of rows reaches into the other (a
+    joined call's results over two row ranges, and what they merge into); else None. A kernel
+    then reaches the second's rows from the first's addresses and strides. Checked per call
+    (a few us of host time), on the tensors a kernel reads and writes, each once."""
+    n, n2 = first[0].shape[2], second[0].shape[2]
+    if not (n and n2) or first[0].shape[:2] != second[0].shape[:2] or first[0].shape[3:] != second[0].shape[3:]:
         return None
-    blocks = -(-first[0].shape[2] // _BLOCK_ROWS) - (-second[0].shape[2] // _BLOCK_ROWS)
-    return jump if blocks <= _MAX_ROWS // _BLOCK_ROWS and jump + second[0].shape[2] <= 2 ** 31 - 1 else None
+    jump = None
+    for a, b in zip(first, second):
+        stride = a.stride()
+        if stride != b.stride() or a.dtype != b.dtype:
+            return None
+        rows, rest = divmod(b.data_ptr() - a.data_ptr(), stride[2] * a.element_size())
+        if rest or rows != (rows if jump is None else jump):
+            return None
+        jump = rows
+    blocks = -(-n // _BLOCK_ROWS) - (-n2 // _BLOCK_ROWS)
+    return jump if jump >= n and blocks <= _MAX_ROWS // _BLOCK_ROWS and jump + n2 < 2 ** 31 else None
 
 
 def _padded(parts: Sequence[Tensor]) -> list:

@@ -127,15 +127,15 @@ class _RowParts:
         launch makes both."""
         for args in parts:
             self._add_one(*args)
-        self._combined()
+        if self.pending:
+            self._combined()
 
     def _combined(self) -> None:
         """Makes the passes of the parts just added (``pending``), in order (``_combine``): the
         parts of one ``add_each`` over two row ranges of the same tensors (a joined call's)
         take one launch."""
-        if self.pending:
-            pending, self.pending = self.pending, []
-            self._combine(pending)
+        pending, self.pending = self.pending, []
+        self._combine(pending)
 
     def destination(self, r: Rows) -> Optional[List[Tensor]]:
         """Views of the result's rows ``r`` for a kernel to write its part into, where no part
@@ -288,6 +288,9 @@ def merge_parts(d: Tensor, parts: Sequence[Tuple[Tensor, Tensor, Optional[Tensor
 def merge_each(jobs: Sequence[tuple]) -> None:
     """``merge_parts`` of each (d, parts, lse, res) of ``jobs``, in order; on a CUDA GPU two
     after each other over two row ranges of the same tensors in one launch."""
+    if len(jobs) == 1:
+        merge_parts(*jobs[0])
+        return
     for job, then in _together(jobs, fused_merge.merge_rows_apart):
         if then is None:
             merge_parts(*job)
@@ -344,7 +347,8 @@ class RowSum(_RowParts):
 
     def add(self, r: Rows, *parts: Tensor, reused: bool = False) -> None:
         self._add_one(r, *parts, reused=reused)
-        self._combined()
+        if self.pending:
+            self._combined()
 
     def _add_one(self, r: Rows, *parts: Tensor, reused: bool = False) -> None:
         if reused:
@@ -384,6 +388,9 @@ def _together(jobs: Sequence, rows_apart: Callable) -> Iterator[tuple]:
 def sum_ranges(ranges: Sequence[Sequence[Tuple[Tensor, Sequence[Tensor]]]], acc_dtype: torch.dtype) -> None:
     """``sum_each`` of each range's jobs (their (d, parts) over the same rows), in order; on a
     CUDA GPU two ranges after each other over rows of the same tensors in one launch."""
+    if len(ranges) == 1:
+        sum_each(ranges[0], acc_dtype)
+        return
     for jobs, then in _together(ranges, _sums_rows_apart):
         if then is None:
             sum_each(jobs, acc_dtype)
@@ -471,7 +478,8 @@ class RowMerge(_RowParts):
 
     def add(self, r: Rows, part_out: Tensor, part_lse: Tensor, part_res: Optional[Tensor] = None) -> None:
         self._add_one(r, part_out, part_lse, part_res)
-        self._combined()
+        if self.pending:
+            self._combined()
 
     def _add_one(self, r: Rows, part_out: Tensor, part_lse: Tensor, part_res: Optional[Tensor] = None) -> None:
         if self._adopt_first(r, part_out, part_lse, part_res):
