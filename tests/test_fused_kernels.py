@@ -130,3 +130,25 @@ def test_ring_calls_with_their_merges_and_sums_in_the_interpreted_kernels():
     launched = [set(ast.literal_eval(line[len("launches "):])) for line in lines if line.startswith("launches")]
     assert len(launched) == 3 and all({"lse_merge", "sum_pairs", "sum_parts"} <= names for names in launched), done.stdout
     assert {"lse_merge over two ranges", "sum_pairs over two ranges"} <= set.union(*launched), done.stdout
+
+
+HOST_WORK = textwrap.dedent("""
+    import sys
+    from benchmarks.probes import host_work
+    sys.argv = ["host_work", "--world-size", "3", "--cases", "window:zigzag", "window:contiguous",
+                "--tokens-per-rank", "256"]
+    host_work.main()
+""")
+
+
+def test_host_work_counts_a_calls_launches_and_transfers():
+    """``benchmarks/probes/host_work.py`` over 3 CPU ranks: each rank's transfers, cuDNN calls
+    and launches per call; a window over zigzag merges a rank's joined step (both neighbours'
+    rows) in one launch over two row ranges, over contiguous there is nothing to pair."""
+    done = _interpreted(HOST_WORK, 900)
+    assert done.returncode == 0, done.stderr[-5000:]
+    zigzag, contiguous = done.stdout.split("window:contiguous")
+    rows = {line.split("  ")[1].strip(): line.split()[-3:] for line in zigzag.splitlines()[1:] if line.startswith("  ")}
+    assert rows["transfers"] == ["4", "4", "4"] and rows["cuDNN calls"] == ["4", "4", "4"], done.stdout
+    assert "1" in rows["lse_merge over two ranges"], done.stdout
+    assert "over two ranges" not in contiguous and "transfers" in contiguous, done.stdout
