@@ -16,6 +16,7 @@ CHECK = textwrap.dedent("""
     import math
     import torch
     from support.interpreted import fused_on_the_cpu
+    from support.two_ranges import mismatches
     from ringflex.kernels import fused_merge
     from ringflex.kernels.merge import merge_in_torch, merge_parts
 
@@ -57,33 +58,7 @@ CHECK = textwrap.dedent("""
             if not close or not torch.equal(got_lse.isneginf(), want_lse.isneginf()):
                 wrong.append(("merge", count, with_res))
     # two ranges of rows of the same tensors in one launch (a joined call's results), as each alone
-    ranges = ((3, 20), (50, 33))  # (first row, rows)
-    for count in (2, 3):
-        xs = [torch.randn(2, 3, 90, 64, generator=g) for _ in range(count)]
-        lses = [torch.randn(2, 3, 90, generator=g) for _ in range(count)]
-        got, want = torch.zeros(2, 3, 90, 64), torch.zeros(2, 3, 90, 64)  # rows in no range stay 0 in both
-        got_lse, want_lse = torch.zeros(2, 3, 90), torch.zeros(2, 3, 90)
-        jobs = [[(d.narrow(2, a, n), [(x.narrow(2, a, n), s.narrow(2, a, n), None) for x, s in zip(xs, lses)],
-                  lse.narrow(2, a, n), None) for a, n in ranges] for d, lse in ((got, got_lse), (want, want_lse))]
-        apart = fused_merge.merge_rows_apart(*jobs[0])
-        fused_merge.merge(*jobs[0][0], then=(apart, jobs[0][1]))
-        for job in jobs[1]:
-            fused_merge.merge(*job)
-        if apart != 47 or not (torch.equal(got, want) and torch.equal(got_lse, want_lse)):
-            wrong.append(("merge over two ranges", count, apart))
-    for count in (1, 2, 4):
-        parts = [[torch.randn(2, 3, 90, dim, generator=g) for _ in range(count)] for dim in (128, 96)]
-        got, want = ([torch.zeros(2, 3, 90, dim) for dim in (128, 96)] for _ in range(2))
-        for pair in (False, True):
-            tensors = range(2 if pair else 1)
-            jobs = [[[(d[i].narrow(2, a, n), [p.narrow(2, a, n) for p in parts[i]]) for i in tensors] for a, n in ranges]
-                    for d in (got, want)]
-            apart = fused_merge.sum_rows_apart(*jobs[0])
-            fused_merge.add(*jobs[0][0][0], beside=jobs[0][0][1] if pair else None, then=(apart, jobs[0][1]))
-            for job in jobs[1]:
-                fused_merge.add(*job[0], beside=job[1] if pair else None)
-            if apart != 47 or not all(torch.equal(got[i], want[i]) for i in tensors):
-                wrong.append(("sum over two ranges", count, pair, apart))
+    wrong += mismatches(((3, 20), (50, 33)), (1, 2, 4), "cpu", g)
     print("wrong", wrong)
 """)
 

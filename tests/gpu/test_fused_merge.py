@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from support.two_ranges import mismatches
 from ringflex.kernels import fused_merge
 from ringflex.kernels.merge import RowSum, contiguous_rows, merge_in_torch, merge_parts, sum_each, sum_parts
 
@@ -291,30 +292,4 @@ def test_two_row_ranges_in_one_launch(ranges):
     """A joined call's results over two row ranges of the same tensors: the merge, the sum and
     the pair of sums over both in one launch, bit for bit as over each range alone."""
     g = torch.Generator(device="cuda").manual_seed(sum(n for r in ranges for n in r))
-    rows = max(a + n for a, n in ranges) + 3
-
-    def randn(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
-    xs, lses = [randn(2, 3, rows, 64) for _ in range(3)], [randn(2, 3, rows, dtype=torch.float32) * 4 for _ in range(3)]
-    got, want = ([torch.zeros(2, 3, rows, 64, device="cuda", dtype=torch.bfloat16),
-                  torch.zeros(2, 3, rows, device="cuda")] for _ in range(2))
-    jobs = [[(d.narrow(2, a, n), [(x.narrow(2, a, n), s.narrow(2, a, n), None) for x, s in zip(xs, lses)],
-              lse.narrow(2, a, n), None) for a, n in ranges] for d, lse in (got, want)]
-    apart = fused_merge.merge_rows_apart(*jobs[0])
-    assert apart == ranges[1][0] - ranges[0][0]
-    fused_merge.merge(*jobs[0][0], then=(apart, jobs[0][1]))
-    for job in jobs[1]:
-        fused_merge.merge(*job)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    parts = [[randn(2, 3, rows, dim) for _ in range(2)] for dim in (128, 96)]
-    for pair in (False, True):
-        tensors = range(2 if pair else 1)
-        got, want = ([torch.zeros(2, 3, rows, dim, device="cuda", dtype=torch.bfloat16) for dim in (128, 96)]
-                     for _ in range(2))
-        jobs = [[[(d[i].narrow(2, a, n), [p.narrow(2, a, n) for p in parts[i]]) for i in tensors] for a, n in ranges]
-                for d in (got, want)]
-        apart = fused_merge.sum_rows_apart(*jobs[0])
-        fused_merge.add(*jobs[0][0][0], beside=jobs[0][0][1] if pair else None, then=(apart, jobs[0][1]))
-        for job in jobs[1]:
-            fused_merge.add(*job[0], beside=job[1] if pair else None)
-        assert all(torch.equal(got[i], want[i]) for i in tensors)
+    assert mismatches(ranges, (1, 2, 4), "cuda", g) == []
