@@ -29,7 +29,11 @@ from ringflex.parallel import peer
 from ringflex.parallel.comm import RingComm
 from ringflex.parallel.compute import leading_rows
 from ringflex.parallel.groups import gather_objects
-from ringflex.parallel.streams import current_stream, on_stream
+
+try:
+    from ringflex.parallel.streams import current_stream, on_stream
+except ImportError:  # a library from before them (``gpu_session.sh baseexchange1`` runs two in turn)
+    current_stream = on_stream = None
 
 
 def per_call(fn, calls: int) -> float:
@@ -96,12 +100,13 @@ def main():
         "  for comparison: torch copy_ of a chunk's slice": per_call(
             lambda: destination[:peer.SLOT_BYTES].copy_(source[:peer.SLOT_BYTES]), 200),
         "  a stream context entered: torch.cuda.stream": per_call(stream_context, 500),
-        "  the same, ringflex's on_stream": per_call(ringflex_stream_context, 500),
         "  the current stream: torch.cuda.current_stream": per_call(lambda: torch.cuda.current_stream(device), 500),
-        "  the same, ringflex's current_stream": per_call(lambda: current_stream(device), 500),
         "  an event recorded": per_call(lambda: torch.cuda.current_stream().record_event(), 500),
         "  a stream waiting for an event": per_call(lambda: side.wait_event(event), 500),
     }
+    if on_stream is not None:
+        costs["  a stream context entered: ringflex's on_stream"] = per_call(ringflex_stream_context, 500)
+        costs["  the current stream: ringflex's current_stream"] = per_call(lambda: current_stream(device), 500)
     if args.profile:
         profile = cProfile.Profile()
         torch.cuda.synchronize()

@@ -148,6 +148,5 @@ def sum_pairs(a, b, c, e, d, a2, b2, c2, e2, d2, heads, length, jump, length2, d
     else:
         bh -= half
         sum_rows(a2, b2, c2, e2, d2, (bh // heads).to(tl.int64), (bh % heads).to(tl.int64), length, jump, length2,
-                 dim2,
-                 a_rb2, a_rh2, a_sl2, b_rb2, b_rh2, b_sl2, c_rb2, c_rh2, c_sl2, e_rb2, e_rh2, e_sl2,
+                 dim2, a_rb2, a_rh2, a_sl2, b_rb2, b_rh2, b_sl2, c_rb2, c_rh2, c_sl2, e_rb2, e_rh2, e_sl2,
                  d_rb2, d_rh2, d_sl2, PARTS, BLOCK_ROWS, BLOCK_DIM)
