@@ -395,6 +395,7 @@ def test_rows_apart_of_two_row_ranges_of_the_same_tensors():
     assert rows_apart(first, [a[:, :, 4:9], b[:, :, 2:7]]) is None  # the ranges overlap
     assert rows_apart(first, [a[:, :, 20:26], b.transpose(1, 2).contiguous().transpose(1, 2)[:, :, 18:24]]) is None
     assert rows_apart([a[:, :, 20:26]], [a[:, :, 2:7]]) is None  # the second before the first
+    assert rows_apart([a[:, :, 2:7], b[:, :, 0:5]], [a[:, :, 20:26], b[:, :, 18:24, :4]]) is None  # narrower rows
     assert rows_apart([a[:, :, 2:2]], [a[:, :, 20:26]]) is None  # an empty range
 
 

@@ -159,12 +159,12 @@ def rows_apart(first: Sequence[Tensor], second: Sequence[Tensor]) -> Optional[in
     then reaches the second's rows from the first's addresses and strides. Checked per call
     (a few us of host time), on the tensors a kernel reads and writes, each once."""
     n, n2 = first[0].shape[2], second[0].shape[2]
-    if not (n and n2) or first[0].shape[:2] != second[0].shape[:2] or first[0].shape[3:] != second[0].shape[3:]:
+    if not (n and n2) or first[0].shape[:2] != second[0].shape[:2]:
         return None
     jump = None
     for a, b in zip(first, second):
         stride = a.stride()
-        if stride != b.stride() or a.dtype != b.dtype:
+        if stride != b.stride() or a.dtype != b.dtype or a.shape[3:] != b.shape[3:]:
             return None
         rows, rest = divmod(b.data_ptr() - a.data_ptr(), stride[2] * a.element_size())
         if rest or rows != (rows if jump is None else jump):
