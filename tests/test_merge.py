@@ -393,7 +393,7 @@ def test_rows_apart_of_two_row_ranges_of_the_same_tensors():
     assert rows_apart(first, second) == 18
     assert rows_apart(first, [a[:, :, 20:26], b[:, :, 19:25]]) is None  # not one number of rows
     assert rows_apart(first, [a[:, :, 4:9], b[:, :, 2:7]]) is None  # the ranges overlap
-    assert rows_apart(first, [a[:, :, 20:26], b.transpose(1, 2).contiguous().transpose(1, 2)[:, :, 18:24]]) is None
+    assert rows_apart(first, [a[:, :, 20:26], b.transpose(1, 2).contiguous().transpose(1, 2)[:, :, 18:24]]) is None  # strides
     assert rows_apart([a[:, :, 20:26]], [a[:, :, 2:7]]) is None  # the second before the first
     assert rows_apart([a[:, :, 2:7], b[:, :, 0:5]], [a[:, :, 20:26], b[:, :, 18:24, :4]]) is None  # narrower rows
     assert rows_apart([a[:, :, 2:2]], [a[:, :, 20:26]]) is None  # an empty range
@@ -408,19 +408,19 @@ def test_a_joined_calls_two_row_ranges_merge_and_sum_in_one_launch(monkeypatch):
 
     launches = []
 
-    def fused_merge_(d, parts, lse, res=None, then=None):
+    def merged_in_torch(d, parts, lse, res=None, then=None):
         launches.append(("merge", then is not None))
         for job in [(d, parts, lse, res)] + ([then[1]] if then is not None else []):
             merge.merge_in_torch(*job)
 
-    def fused_add(d, parts, beside=None, then=None):
+    def summed_in_torch(d, parts, beside=None, then=None):
         launches.append(("sum", then is not None))
         for dest, summed in [(d, parts)] + (then[1] if then is not None else []):
             dest.copy_(sum(p.double() for p in summed))
     monkeypatch.setattr(fused_merge, "available", lambda: True)
     monkeypatch.setattr(fused_merge, "_in_rows_of_one_gpu", fused_merge._in_rows_of_elements)  # as on a GPU
-    monkeypatch.setattr(fused_merge, "merge", fused_merge_)
-    monkeypatch.setattr(fused_merge, "add", fused_add)
+    monkeypatch.setattr(fused_merge, "merge", merged_in_torch)
+    monkeypatch.setattr(fused_merge, "add", summed_in_torch)
     g = torch.Generator().manual_seed(0)
     ranges = [(0, 4), (10, 14)]
     joined = torch.randn(2, 3, LENGTH, 5, generator=g)  # the joined call's rows 0:4 and 10:14 (hops'), and unread ones
@@ -431,7 +431,11 @@ def test_a_joined_calls_two_row_ranges_merge_and_sum_in_one_launch(monkeypatch):
         merged = RowMerge((2, 3, LENGTH, 5), torch.float32, torch.float32, "cpu", [(0, LENGTH)] + ranges)
         merged.add((0, LENGTH), own.clone(), own_lse.clone())
         parts = [(r, joined[:, :, r[0]:r[1]], joined_lse[:, :, r[0]:r[1]]) for r in ranges]
-        merged.add_each(parts) if together else [merged.add(*p) for p in parts]
+        if together:
+            merged.add_each(parts)
+        else:
+            for part in parts:
+                merged.add(*part)
         out, lse, _ = merged.result()
         assert launches == ([("merge", True)] if together else [("merge", False)] * 2)
         want_lse = own_lse.clone()
