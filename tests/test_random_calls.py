@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from support.calls import agreed_calls
+from support.emulated_cudnn import on_every_ring_call
 from support.harness import run_world
 from support.random_calls import local_mask_call, random_call, ring_errors
 
@@ -80,20 +81,9 @@ def test_random_calls_planned_from_small_tiles(world_size, monkeypatch):
     assert not failures, "\n".join(failures)
 
 
-def _on_emulated_cudnn():
-    """Makes every ring call of this process run the cuDNN kernel, its frontend emulated; returns
-    the kernel's package."""
-    from support.emulated_cudnn import FakeCudnn
-    from test_ring import _with_kernel
-    from ringflex.kernels import cudnn
-    cudnn.frontend.cudnn, cudnn.frontend.handle = (lambda: FakeCudnn), (lambda device: None)
-    _with_kernel(cudnn.CudnnKernel())
-    return cudnn
-
-
 def _emulated_cudnn_failures(rank, world_size):
     from ringflex.kernels.base import Mods
-    cudnn = _on_emulated_cudnn()
+    cudnn = on_every_ring_call()
     failures = []
     for seed in range(1000 * world_size, 1000 * world_size + CALLS):
         made = dict(gathers=False, max_chunks=24)  # longer blocks: tiles, splits and batches of documents
@@ -115,7 +105,7 @@ def test_random_calls_on_the_emulated_cudnn_kernel(world_size):
 def _joined_step_failures(rank, world_size, count):
     """``count`` local-mask calls on the emulated cuDNN kernel against the definition, and how
     many of them took a step that brings several ranks' rows (``RingCall.pieces``)."""
-    _on_emulated_cudnn()
+    on_every_ring_call()
     calls, failures = agreed_calls(), []
     for seed in range(7000 * world_size, 7000 * world_size + count):
         call = local_mask_call(seed, world_size, dtype=torch.float32)

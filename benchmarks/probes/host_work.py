@@ -31,18 +31,13 @@ GPU_CODE = os.path.join("kernels", "fused_kernels.py")
 def counted(rank: int, world_size: int, cases, tokens: int, heads: int, head_dim: int) -> dict:
     """{case: {what: count}} of this rank's second call of each case (the first builds what calls keep)."""
     from benchmarks.common import make_mods
-    from tests.support.emulated_cudnn import FakeCudnn
+    from tests.support.emulated_cudnn import on_every_ring_call
     from tests.support.interpreted import fused_on_the_cpu
     import ringflex
-    from ringflex import api
-    from ringflex.kernels import cudnn
+    from ringflex.parallel import board, fault
     from ringflex.parallel.comm import RingComm
 
-    cudnn.frontend.cudnn, cudnn.frontend.handle = (lambda: FakeCudnn), (lambda device: None)
-    kernel = cudnn.CudnnKernel()
-    api.select_kernel = lambda *args, **kwargs: kernel  # CPU tensors on the cuDNN kernel's paths
-    from ringflex.parallel import board, fault
-
+    cudnn = on_every_ring_call()  # CPU tensors on the cuDNN kernel's paths
     # What a rank calls while it waits for the others (polling) follows the waiting, not the work.
     waits = {fault.wait.__code__, fault.wait_collective.__code__, board.Gathering.wait.__code__}
     launches, seen = fused_on_the_cpu(), collections.Counter()
@@ -59,14 +54,15 @@ def counted(rank: int, world_size: int, cases, tokens: int, heads: int, head_dim
         g = torch.Generator().manual_seed(0)
         q, k, v = (ringflex.shard(torch.randn(1, heads, seq_len, head_dim, generator=g, dtype=torch.bfloat16), 2,
                                   layout=layout).requires_grad_() for _ in range(3))
-        for attempt in range(2):
+        for _ in range(2):
             launches.clear()
             seen.clear()
             python_calls, waiting = collections.Counter(), [0]
 
             def profile(frame, event, arg):
                 name = frame.f_code.co_filename
-                if event == "call" and not waiting[0] and f"{os.sep}ringflex{os.sep}" in name and not name.endswith(GPU_CODE):
+                ours = f"{os.sep}ringflex{os.sep}" in name and not name.endswith(GPU_CODE)
+                if event == "call" and ours and not waiting[0]:
                     python_calls["ringflex's Python calls"] += 1
                 if frame.f_code in waits and event in ("call", "return"):
                     waiting[0] += 1 if event == "call" else -1

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from support.cases import Case, cases, make_inputs
-from support.emulated_cudnn import FakeCudnn, emulate
+from support.emulated_cudnn import emulate, on_every_ring_call
 from support.oracle import visible_extent
 from test_numerics import score_ignoring_mods
 from test_trace import EXTRA_SCORE_MODS
@@ -971,13 +971,10 @@ def _ring_with_new_documents(rank, world_size, batches):
     """Graphs the emulated cuDNN kernel builds in each ring call (fwd+bwd) over packed
     ``batches`` of document lengths, and the largest error of out, dq, dk, dv against one process."""
     import ringflex
-    from ringflex import api
-    from ringflex.kernels import cudnn as module
     from support.harness import weigh_cudnn_calls_as_free
     from support.oracle import attention
 
-    module.frontend.cudnn, module.frontend.handle = (lambda: FakeCudnn), (lambda device: None)
-    api.select_kernel = lambda *args, **kwargs: module.CudnnKernel()
+    module = on_every_ring_call()
     weigh_cudnn_calls_as_free()  # these small calls lend as large ones would
     built, build = [], module.graphs._build
     module.graphs._build = lambda *args: built.append(args[0]) or build(*args)

@@ -32,9 +32,9 @@ def interpreted_failures(rank, world_size, count):
     """``count`` local-mask calls and ``count`` random calls on the emulated cuDNN kernel (fp32)
     against the definition, their merges and sums in the interpreted kernels; and how many
     launches of each kernel they made on this rank."""
-    from test_random_calls import _on_emulated_cudnn
+    from support.emulated_cudnn import on_every_ring_call
     from ringflex.kernels.base import Mods
-    cudnn = _on_emulated_cudnn()
+    cudnn = on_every_ring_call()
     launches, failures = fused_on_the_cpu(), []
     for seed in range(100 * world_size, 100 * world_size + count):
         for make in (local_mask_call, functools.partial(random_call, gathers=False)):
